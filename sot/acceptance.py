@@ -1,0 +1,131 @@
+"""Acceptance: which drafted tokens of a tree become output, as pure functions.
+
+Terms used throughout:
+
+* **accepted** tokens are drafted tokens the target agrees with; they form a path from the
+  root down the tree;
+* the **bonus** token is the target's own token after the last accepted one. It is always
+  produced, so every verify step commits ``accepted + 1`` tokens;
+* in sampling, a rejected candidate's probability mass is removed from the **residual**
+  distribution that the next candidate, or finally the bonus token, is drawn from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sot.sampling import SamplingParams, gumbel_noise, processed_logits, target_probs
+from sot.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Result of verifying one tree.
+
+    Attributes:
+        path: tree indices of the root and each accepted node, in depth order.
+        tokens: the committed tokens: accepted drafted tokens then the bonus token.
+    """
+
+    path: list[int]
+    tokens: list[int]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+def _walk(tree: DraftTree, choose: "callable") -> Acceptance:
+    """Follow the tree from the root while ``choose(node, children)`` returns a child index."""
+    kids = tree.children()
+    node, path, tokens = 0, [0], []
+    while True:
+        child, bonus = choose(node, kids[node])
+        if child is None:
+            tokens.append(bonus)
+            return Acceptance(path, tokens)
+        path.append(child)
+        tokens.append(tree.tokens[child])
+        node = child
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+    """Longest path whose tokens equal the target argmax, plus the argmax after it.
+
+    Args:
+        logits: ``[N, V]`` target logits at each tree node.
+    """
+    assert logits.dim() == 2 and logits.shape[0] >= tree.size
+    argmax = logits[: tree.size].argmax(dim=-1).tolist()
+
+    def choose(node: int, children: list[int]) -> tuple[int | None, int]:
+        want = argmax[node]
+        for c in children:
+            if tree.tokens[c] == want:
+                return c, want
+        return None, want
+
+    return _walk(tree, choose)
+
+
+def accept_rejection(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> Acceptance:
+    """Recursive rejection sampling over the tree, with deterministic (one-hot) drafts.
+
+    At each node the children are tried in order: candidate ``x`` is accepted with
+    probability ``residual[x]``; on rejection ``x`` is removed from the residual, which is
+    renormalised. When no child is accepted, the bonus token is drawn from the residual.
+    The committed tokens are therefore distributed exactly as the target's samples.
+
+    Args:
+        logits: ``[N, V]`` target logits at each tree node.
+    """
+    probs = target_probs(logits[: tree.size], params)  # [N, V] float64
+
+    def choose(node: int, children: list[int]) -> tuple[int | None, int]:
+        residual = probs[node].clone()
+        for c in children:
+            tok = tree.tokens[c]
+            mass = residual[tok].item()
+            if mass > 0 and torch.rand((), generator=generator, dtype=torch.float64).item() < mass:
+                return c, tok
+            residual[tok] = 0.0
+            total = residual.sum()
+            if total <= 0:
+                break
+            residual /= total
+        bonus = int(torch.multinomial(residual, 1, generator=generator).item())
+        return None, bonus
+
+    return _walk(tree, choose)
+
+
+def accept_coupled(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, sequence: int, root_position: int
+) -> Acceptance:
+    """Gumbel-max sampling with noise keyed to ``(seed, sequence, position)``.
+
+    The target's token at a node is ``argmax(log p + g(position))``; since plain decoding
+    uses the same noise at the same position, a seeded run equals plain decoding token for
+    token.
+
+    Args:
+        logits: ``[N, V]`` target logits at each tree node.
+        root_position: position of the root token.
+    """
+    scores = torch.log_softmax(processed_logits(logits[: tree.size], params).double(), dim=-1)
+    noise: dict[int, torch.Tensor] = {}
+
+    def choose(node: int, children: list[int]) -> tuple[int | None, int]:
+        depth = tree.depths[node]
+        if depth not in noise:
+            noise[depth] = gumbel_noise(params.seed, sequence, root_position + depth + 1, scores.shape[-1])
+        want = int((scores[node] + noise[depth]).argmax().item())
+        for c in children:
+            if tree.tokens[c] == want:
+                return c, want
+        return None, want
+
+    return _walk(tree, choose)

@@ -1,0 +1,70 @@
+"""The drafter interface shared by every way of proposing draft trees."""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from sot.tree import DraftTree
+
+
+class DrafterKind(str, enum.Enum):
+    """Which drafter proposes trees."""
+
+    NONE = "none"  # plain decoding through the engine
+    PLD = "pld"  # prompt lookup: n-gram matches in the context
+    STATE = "state"  # the learned state predictor
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """Limits on one proposed tree: ``max_nodes`` counts the root; ``max_depth`` the levels."""
+
+    max_nodes: int = 16
+    max_depth: int = 8
+
+
+@dataclass
+class DraftInput:
+    """What a drafter sees of one sequence at one step.
+
+    Attributes:
+        sequence: index of the sequence in its batch.
+        context: every token so far (prompt, then generated); the last one is the root.
+        states: ``[n, S, D]`` target hidden states of the rows committed at the last step
+            (``S`` layers as listed by :attr:`Drafter.state_layers`), or ``None``.
+    """
+
+    sequence: int
+    context: list[int]
+    states: torch.Tensor | None = None
+
+
+class Drafter(ABC):
+    """Proposes one draft tree per sequence per step.
+
+    A drafter keeps per-sequence memory only through :meth:`reset`; it never touches the
+    target model or the KV cache.
+    """
+
+    kind: DrafterKind
+    #: indices into the target's ``hidden_states`` (0 = embeddings) this drafter needs.
+    state_layers: tuple[int, ...] = ()
+
+    def reset(self, batch_size: int) -> None:
+        """Forget all sequences; a new batch of ``batch_size`` starts."""
+
+    @abstractmethod
+    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        """One tree per input, rooted at ``input.context[-1]``."""
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: every step verifies the root alone, which is plain decoding."""
+
+    kind = DrafterKind.NONE
+
+    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        return [DraftTree([x.context[-1]], [-1], [0]) for x in inputs]

@@ -1,0 +1,312 @@
+"""The decoding loop: draft -> verify -> accept -> commit, for a batch of sequences.
+
+Every sequence keeps its own cache length, tree, acceptance and stopping state. Finished
+sequences stay in the batch with a root-only tree whose result is ignored, so the rows of
+the others are unaffected (every row is computed independently of its neighbours).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
+from sot.attention import MAX_TREE_DEPTH, build_tree_layout
+from sot.drafters.base import DraftInput, Drafter, TreeBudget
+from sot.errors import ConfigError, PromptTooLongError
+from sot.models.adapter import ROW_UNIT, TargetModel
+from sot.sampling import SamplingMode, SamplingParams, sequence_generator
+from sot.tree import DraftTree, ancestor_table
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Per-call generation settings.
+
+    Attributes:
+        max_new_tokens: upper bound on generated tokens per sequence.
+        sampling: temperature / top-k / top-p / seed / mode (temperature 0 is greedy).
+        stop: strings that end a sequence when they appear in its text.
+        eos_token_ids: tokens that end a sequence (included in ``token_ids``).
+    """
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SequenceResult:
+    """The output of one sequence, with its statistics.
+
+    ``accept_lengths[i]`` is the number of tokens committed at verify step ``i``
+    (accepted drafted tokens plus the bonus token); its mean is tau.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str = "length"
+    accept_lengths: list[int] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    first_token_seconds: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def mean_accept_len(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time spent in each phase of the loop, in seconds."""
+
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    bookkeeping: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens committed to one sequence at one step (for streaming)."""
+
+    sequence: int
+    token_ids: list[int]
+    finished: bool
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    result: SequenceResult
+    generator: torch.Generator | None
+    states: torch.Tensor | None = None
+    done: bool = False
+
+
+class Engine:
+    """Tree-speculative decoding over a :class:`TargetModel`.
+
+    Args:
+        target: the wrapped target model.
+        drafter: proposes trees; :class:`sot.drafters.NoDrafter` gives plain decoding.
+        budget: node and depth limits of each tree.
+        decode: ``token_ids -> text`` used for stop strings and results.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Drafter,
+        budget: TreeBudget = TreeBudget(),
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        if budget.max_nodes < 1 or budget.max_depth < 0:
+            raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
+        if budget.max_depth > MAX_TREE_DEPTH:
+            raise ConfigError(f"max depth {budget.max_depth} exceeds the supported {MAX_TREE_DEPTH}")
+        missing = set(drafter.state_layers) - set(target.state_layers)
+        if missing:
+            raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
+        self.target = target
+        self.drafter = drafter
+        self.budget = budget
+        self.decode = decode or (lambda ids: "")
+        self.times = PhaseTimes()
+
+    # ----------------------------------------------------------------- public API
+    def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[SequenceResult]:
+        """Generate for every prompt (token ids); returns one result per prompt, in order."""
+        results: list[SequenceResult] = []
+        for event in self._run(prompts, params, results):
+            del event
+        return results
+
+    def stream(self, prompts: list[list[int]], params: GenerationParams) -> Iterator[TokenEvent]:
+        """Like :meth:`generate`, yielding tokens as they are committed."""
+        yield from self._run(prompts, params, [])
+
+    # ----------------------------------------------------------------- the loop
+    def _check(self, prompts: list[list[int]], params: GenerationParams) -> None:
+        if not prompts:
+            raise ConfigError("no prompts given")
+        if params.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens must be at least 1")
+        limit = self.target.max_positions
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ConfigError(f"prompt {i} is empty")
+            if limit and len(p) + params.max_new_tokens > limit:
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
+                    f"the model's context of {limit} tokens"
+                )
+
+    def _run(
+        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult]
+    ) -> Iterator[TokenEvent]:
+        self._check(prompts, params)
+        sp = params.sampling
+        start = time.perf_counter()
+        seqs = [
+            _Seq(
+                prompt=list(p),
+                result=SequenceResult(index=i, token_ids=[]),
+                generator=sequence_generator(sp.seed, i) if not sp.greedy else None,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        results.extend(s.result for s in seqs)
+        self.drafter.reset(len(seqs))
+        capacity = max(len(p) for p in prompts) + params.max_new_tokens + MAX_TREE_DEPTH + 2 * ROW_UNIT
+        cache = self.target.new_cache(len(seqs), capacity)
+
+        t0 = time.perf_counter()
+        for b, seq in enumerate(seqs):
+            out = self.target.prefill(cache, b, torch.tensor(seq.prompt))
+            cache.set_length(b, len(seq.prompt))
+            root = DraftTree([seq.prompt[-1]], [-1], [0])
+            acc = self._accept(root, out.logits[0, -1:], sp, b, len(seq.prompt) - 1, seq.generator)
+            if out.states is not None:
+                seq.states = out.states[0]
+            now = time.perf_counter()
+            seq.result.first_token_seconds = now - start
+            yield from self._commit(seq, acc.tokens, params, now - start)
+        self.times.prefill += time.perf_counter() - t0
+
+        while not all(s.done for s in seqs):
+            yield from self._step(seqs, cache, params, start)
+        for seq in seqs:
+            seq.result.text = self.decode(seq.result.token_ids)
+
+    def _step(
+        self, seqs: list[_Seq], cache, params: GenerationParams, start: float
+    ) -> Iterator[TokenEvent]:
+        sp = params.sampling
+        t0 = time.perf_counter()
+        active = [b for b, s in enumerate(seqs) if not s.done]
+        inputs = [
+            DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in active
+        ]
+        proposed = dict(zip(active, self.drafter.propose(inputs, self.budget)))
+        t1 = time.perf_counter()
+
+        trees: list[DraftTree] = []
+        for b, seq in enumerate(seqs):
+            root = (seq.result.token_ids or seq.prompt)[-1]
+            tree = proposed.get(b) or DraftTree([root], [-1], [0])
+            if tree.tokens[0] != root or tree.size > self.budget.max_nodes or tree.max_depth > self.budget.max_depth:
+                raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
+            trees.append(tree)
+        rows = -(-max(t.size for t in trees) // ROW_UNIT) * ROW_UNIT
+        width = max(t.max_depth for t in trees) + 1
+        ids = torch.zeros(len(seqs), rows, dtype=torch.long)
+        pos = torch.zeros(len(seqs), rows, dtype=torch.long)
+        ancestors = []
+        for b, tree in enumerate(trees):
+            length = cache.lengths[b]
+            ids[b] = tree.tokens[0]
+            ids[b, : tree.size] = torch.tensor(tree.tokens)
+            pos[b] = length
+            pos[b, : tree.size] = torch.tensor(tree.depths) + length
+            ancestors.append(ancestor_table(tree, width))
+        layout = build_tree_layout(cache.lengths, ancestors, rows, self.target.device)
+        t2 = time.perf_counter()
+        out = self.target.verify(cache, ids, pos, layout)
+        t3 = time.perf_counter()
+
+        keep: list[list[int]] = []
+        commits: list[tuple[int, Acceptance]] = []
+        for b, (seq, tree) in enumerate(zip(seqs, trees)):
+            if seq.done:
+                keep.append([])
+                continue
+            length = cache.lengths[b]
+            acc = self._accept(tree, out.logits[b], sp, b, length, seq.generator)
+            keep.append([length + i for i in acc.path])
+            commits.append((b, acc))
+            if out.states is not None:
+                seq.states = out.states[b, acc.path]
+            self._record_depths(seq.result, tree, acc)
+        cache.keep_rows(keep)
+        now = time.perf_counter()
+        for b, acc in commits:
+            seq = seqs[b]
+            seq.result.accept_lengths.append(len(acc.tokens))
+            yield from self._commit(seq, acc.tokens, params, now - start)
+        t4 = time.perf_counter()
+        self.times.draft += t1 - t0
+        self.times.verify += t3 - t2
+        self.times.bookkeeping += (t2 - t1) + (t4 - t3)
+
+    # ----------------------------------------------------------------- helpers
+    @staticmethod
+    def _record_depths(result: SequenceResult, tree: DraftTree, acc: Acceptance) -> None:
+        """Per draft depth d (1-based): was a node at depth d offered, and accepted?"""
+        depth = tree.max_depth
+        while len(result.depth_attempts) < depth:
+            result.depth_attempts.append(0)
+            result.depth_accepts.append(0)
+        for d in range(1, depth + 1):
+            # Depth d is attempted only if the path reached depth d - 1.
+            if acc.num_accepted >= d - 1:
+                result.depth_attempts[d - 1] += 1
+                if acc.num_accepted >= d:
+                    result.depth_accepts[d - 1] += 1
+
+    @staticmethod
+    def _accept(
+        tree: DraftTree,
+        logits: torch.Tensor,
+        sp: SamplingParams,
+        sequence: int,
+        root_position: int,
+        generator: torch.Generator | None,
+    ) -> Acceptance:
+        if sp.greedy:
+            return accept_greedy(tree, logits)
+        if sp.mode is SamplingMode.COUPLED:
+            return accept_coupled(tree, logits, sp, sequence, root_position)
+        assert generator is not None
+        return accept_rejection(tree, logits, sp, generator)
+
+    def _commit(
+        self, seq: _Seq, tokens: list[int], params: GenerationParams, elapsed: float
+    ) -> Iterator[TokenEvent]:
+        res = seq.result
+        taken: list[int] = []
+        for tok in tokens:
+            taken.append(tok)
+            res.token_ids.append(tok)
+            if tok in params.eos_token_ids:
+                res.finish_reason = "eos"
+                seq.done = True
+                break
+            if len(res.token_ids) >= params.max_new_tokens:
+                res.finish_reason = "length"
+                seq.done = True
+                break
+        if params.stop and not seq.done:
+            text = self.decode(res.token_ids)
+            if any(s in text for s in params.stop):
+                res.finish_reason = "stop"
+                seq.done = True
+        res.seconds = elapsed
+        yield TokenEvent(sequence=res.index, token_ids=taken, finished=seq.done)

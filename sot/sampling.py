@@ -1,0 +1,73 @@
+"""Turning target logits into the distribution that decoding samples from.
+
+Plain decoding and tree verification call the same functions on bit-identical logits, so
+temperature, top-k and top-p act identically in both.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingMode(str, enum.Enum):
+    """How tokens are drawn when ``temperature > 0``."""
+
+    REJECTION = "rejection"  # lossless in distribution (recursive rejection sampling)
+    COUPLED = "coupled"  # Gumbel-max with noise keyed to (seed, sequence, position): reproducible
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings; ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    mode: SamplingMode = SamplingMode.REJECTION
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to ``logits [N, V]``; removed entries are -inf."""
+    scores = logits.float() / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        cum = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (keep at least one).
+        drop_sorted = (cum - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling distribution ``[N, V]`` (float64 for exact residual arithmetic)."""
+    return torch.softmax(processed_logits(logits, params).double(), dim=-1)
+
+
+def _key(seed: int, sequence: int, position: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{sequence}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def gumbel_noise(seed: int, sequence: int, position: int, vocab: int) -> torch.Tensor:
+    """Gumbel noise ``[V]`` determined only by ``(seed, sequence, position)``."""
+    gen = torch.Generator().manual_seed(_key(seed, sequence, position))
+    uniform = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+    return -torch.log(-torch.log(uniform))
+
+
+def sequence_generator(seed: int, sequence: int) -> torch.Generator:
+    """The random stream of one sequence in rejection mode."""
+    return torch.Generator().manual_seed(_key(seed, sequence, -1))
