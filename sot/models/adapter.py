@@ -149,6 +149,9 @@ class ForwardOutput:
     states: torch.Tensor | None
 
 
+from sot.models.fast_llama import FAST_FAMILIES, FastLlama  # noqa: E402  (needs ROW_UNIT above)
+
+
 class TargetModel:
     """A causal LM wrapped for tree verification (the generic path).
 
@@ -158,7 +161,7 @@ class TargetModel:
             forward; empty when the drafter needs none.
     """
 
-    def __init__(self, model: torch.nn.Module, state_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: torch.nn.Module, state_layers: tuple[int, ...] = (), fast: bool = True) -> None:
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise UnsupportedModelError("SoT needs a decoder-only causal LM")
@@ -183,12 +186,18 @@ class TargetModel:
         self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.fast = None
+        if fast and getattr(config, "model_type", "") in FAST_FAMILIES:
+            self.fast = FastLlama(model)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
         return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> ForwardOutput:
+        if self.fast is not None:
+            logits, states = self.fast.forward(input_ids, positions, context.cache, context.layout, self.state_layers)
+            return ForwardOutput(logits=logits, states=states)
         want_states = bool(self.state_layers)
         out = self.model(
             input_ids=input_ids,
