@@ -1,19 +1,21 @@
 """Row-invariant attention over the KV cache.
 
 Bit-exact speculative decoding needs every row of a verify pass to compute exactly what plain
-decoding computes for the same token, whatever else is in the pass. Two things break that in
-ordinary attention: reductions whose grouping depends on where keys sit in memory (a tree
-node's ancestors sit in scratch slots, not at their positions), and matmul kernels chosen by
-shape. This module splits each query row's keys by the row's *position* ``p`` alone:
+decoding computes for the same token, whatever else is in the pass. Ordinary attention breaks
+that in two ways: a tree node's ancestors sit in scratch slots rather than at their positions,
+so reductions group its terms differently; and matmul kernels are chosen by shape.
 
-* the **far part**: keys at positions ``[0, far_end(p))``, all committed and stored at their
-  own positions, reduced in float32 over the same slot layout in every pass;
-* the **near part**: the remaining keys (recent committed tokens and the row's tree
-  ancestors, at most ``NEAR_WINDOW`` keys), reduced in float64 so that the order of terms
-  cannot change the float32 result in practice.
+Here each query row's keys are split by the row's *position* ``p`` alone:
 
-The two partial softmaxes are merged in float64. Plain decoding is a tree with one node, so it
-runs through the same function and gets the same numbers.
+* the **far part**, positions ``[0, far_end(p))``: committed tokens, stored at their own
+  positions, so the same slots in every pass. One matmul per sequence covers all rows;
+* the **tail**, positions ``[far_end(p), p]`` (at most ``TAIL`` keys): gathered per row in
+  position order (recent committed slots, then the row's ancestors' scratch slots) and
+  attended with one small matmul per row, whose shape never changes.
+
+The two partial softmaxes are merged with a fixed formula. Plain decoding is a tree with one
+node and runs through the same code, so each row gets the same numbers either way. Only the
+real rows of a tree are computed (rounded up to ``ROW_ALIGN``); padding rows get zeros.
 """
 from __future__ import annotations
 
@@ -25,32 +27,40 @@ from sot.cache import KVCache
 
 # Rows of a tree may be up to MAX_TREE_DEPTH below the committed length.
 MAX_TREE_DEPTH = 64
-NEAR_ALIGN = 64
+FAR_ALIGN = 32
+TAIL = MAX_TREE_DEPTH + FAR_ALIGN
+# Attention rows are computed in multiples of this (keeps matmul shapes out of the
+# one- and two-row kernels, whose rounding differs from the rest).
+ROW_ALIGN = 4
 
 
 def far_end(position: int) -> int:
-    """End of the far part for a query at ``position``: a multiple of ``NEAR_ALIGN`` at least
+    """End of the far part for a query at ``position``: a multiple of ``FAR_ALIGN`` at least
     ``MAX_TREE_DEPTH`` below it, so every far key is committed for any tree row."""
-    return max(0, (position - MAX_TREE_DEPTH) // NEAR_ALIGN * NEAR_ALIGN)
+    return max(0, (position - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN)
 
 
 @dataclass(frozen=True)
 class TreeLayout:
-    """Where the rows of one tree-verify forward live. ``B`` sequences by ``T`` rows.
+    """Where the rows of one tree-verify forward live. ``B`` sequences by ``T`` rows, of
+    which the first ``n`` (``rows``) are attended.
 
     Attributes:
         write_slots: ``[B, T]`` cache slot each row's K/V is written to (scratch).
+        rows: ``n``, attended rows per sequence.
         far_len: width of the far part computed for the batch (max over rows, aligned).
-        far_mask: ``[B, 1, 1, T, far_len]`` true where a slot belongs to the row's far part.
-        near_slots: ``[B, W]`` cache slots of the near window (gathered per sequence).
-        near_mask: ``[B, 1, 1, T, W]`` true where a window slot is a near key of the row.
+        far_bias: ``[B, 1, 1, n, far_len]`` 0 where a slot is in the row's far part, else -inf.
+        tail_index: ``[B * Hkv * n * TAIL]`` row of each tail key in the layer's K/V storage
+            viewed as ``[B * Hkv * S, D]``, in position order per (sequence, head, row).
+        tail_bias: ``[B, 1, n, 1, TAIL]`` 0 for a real tail key, -inf for padding.
     """
 
     write_slots: torch.Tensor
+    rows: int
     far_len: int
-    far_mask: torch.Tensor
-    near_slots: torch.Tensor
-    near_mask: torch.Tensor
+    far_bias: torch.Tensor
+    tail_index: torch.Tensor
+    tail_bias: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -61,52 +71,63 @@ class PrefillLayout:
     start: int
 
 
+def _tail_slots(length: int, depths: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tail key slots ``[n, TAIL]`` and validity for one sequence.
+
+    Worked example: length 100 (root at position 100), a node at depth 2 (position 102,
+    ancestors ``[0, 3, 5]``): ``far_end(102) == 32``, so its tail is positions 32..102:
+    slots 32..99 (committed), then 100 + 0, 100 + 3, 100 + 5 (root, ancestor, itself).
+    """
+    positions = length + depths  # [n]
+    starts = torch.clamp((positions - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN, min=0)
+    virtual = starts[:, None] + torch.arange(TAIL)  # [n, TAIL]
+    valid = virtual <= positions[:, None]
+    depth_index = (virtual - length).clamp(0, ancestors.shape[1] - 1)
+    from_tree = length + ancestors.gather(1, depth_index)
+    slots = torch.where(virtual < length, virtual, from_tree)
+    return torch.where(valid, slots, torch.zeros_like(slots)), valid
+
+
 def build_tree_layout(
-    lengths: list[int], ancestors: list[list[list[int]]], num_rows: int, device: torch.device | str = "cpu"
+    lengths: list[int], ancestors: list[list[list[int]]], num_rows: int, cache: KVCache
 ) -> TreeLayout:
     """Build the attention layout of one verify pass.
 
     Args:
         lengths: committed length of each sequence (its tree root sits at that position).
         ancestors: per sequence, per tree node, the tree index of its ancestor at each depth
-            (``sot.tree.ancestor_table``); rows past a sequence's tree size are padding.
-        num_rows: ``T``, rows per sequence in the pass (a multiple of the GEMM row unit).
-
-    Worked example: length 130, a node at depth 2 sits at position 132; its far part is
-    slots ``[0, 64)`` (``far_end(132) == 64``) and its near keys are slots ``[64, 130)`` plus
-    its ancestors' scratch slots ``130 + ancestor`` for depths 0, 1 and itself.
+            (``sot.tree.ancestor_table``, all of one width).
+        num_rows: ``T``, rows per sequence in the pass.
+        cache: the cache the pass runs against (for its shape and device).
     """
     batch = len(lengths)
-    far_ends = [[far_end(length + len([a for a in row if a >= 0]) - 1) for row in anc] for length, anc in zip(lengths, ancestors)]
-    far_len = max((max(f) for f in far_ends if f), default=0)
-    far_len = -(-max(far_len, 1) // NEAR_ALIGN) * NEAR_ALIGN
-    window_start = [far_end(length) for length in lengths]
-    width = max(length - start for length, start in zip(lengths, window_start)) + num_rows
-    far_mask = torch.zeros(batch, num_rows, far_len, dtype=torch.bool)
-    near_mask = torch.zeros(batch, num_rows, width, dtype=torch.bool)
-    near_slots = torch.zeros(batch, width, dtype=torch.long)
-    write_slots = torch.zeros(batch, num_rows, dtype=torch.long)
+    n = min(num_rows, -(-max(len(a) for a in ancestors) // ROW_ALIGN) * ROW_ALIGN)
+    far_ends = torch.zeros(batch, n, dtype=torch.long)
+    tail_slots = torch.zeros(batch, n, TAIL, dtype=torch.long)
+    tail_valid = torch.zeros(batch, n, TAIL, dtype=torch.bool)
     for b, (length, anc) in enumerate(zip(lengths, ancestors)):
-        start = window_start[b]
-        committed = length - start
-        near_slots[b, : committed + num_rows] = torch.arange(start, length + num_rows)
-        write_slots[b] = torch.arange(length, length + num_rows)
-        for r, row in enumerate(anc):
-            fe = far_ends[b][r]
-            far_mask[b, r, :fe] = True
-            near_mask[b, r, fe - start : committed] = True
-            for a in row:
-                if a >= 0:
-                    near_mask[b, r, committed + a] = True
-        # Padding rows attend to the root only, so their softmax is well defined.
-        for r in range(len(anc), num_rows):
-            near_mask[b, r, committed] = True
+        # Rows past the tree are padding: they repeat the root, attend like it, and are ignored.
+        table = torch.tensor(anc + [anc[0]] * (n - len(anc)), dtype=torch.long)[:n]
+        depths = (table >= 0).sum(dim=1) - 1
+        far_ends[b] = torch.clamp((length + depths - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN, min=0)
+        tail_slots[b], tail_valid[b] = _tail_slots(length, depths, table.clamp(min=0))
+    far_len = max(FAR_ALIGN, int(far_ends.max()))
+    neg = float("-inf")
+    far_bias = torch.zeros(batch, n, far_len).masked_fill_(torch.arange(far_len) >= far_ends[..., None], neg)
+    tail_bias = torch.zeros(batch, n, TAIL).masked_fill_(~tail_valid, neg)
+    write_slots = torch.tensor(lengths)[:, None] + torch.arange(num_rows)
+    kv_heads, capacity = cache.keys.shape[2], cache.capacity
+    # Flat row of (b, h, slot) in a [B * Hkv * S, D] view: (b * Hkv + h) * S + slot.
+    base = (torch.arange(batch)[:, None] * kv_heads + torch.arange(kv_heads)) * capacity  # [B, Hkv]
+    tail_index = base[:, :, None] + tail_slots.view(batch, 1, n * TAIL)
+    device = cache.keys.device
     return TreeLayout(
         write_slots=write_slots.to(device),
+        rows=n,
         far_len=far_len,
-        far_mask=far_mask[:, None, None].to(device),
-        near_slots=near_slots.to(device),
-        near_mask=near_mask[:, None, None].to(device),
+        far_bias=far_bias[:, None, None].to(device),
+        tail_index=tail_index.reshape(-1).to(device),
+        tail_bias=tail_bias[:, None, :, None].to(device),
     )
 
 
@@ -118,47 +139,45 @@ def tree_attention(
     Args:
         query: ``[B, H, T, D]`` after rotary embedding.
     Returns:
-        ``[B, T, H, D]`` float32.
+        ``[B, T, H, D]`` float32; rows past ``layout.rows`` are zero.
     """
     batch, heads, rows, dim = query.shape
+    n = layout.rows
     keys, values = cache.layer(layer)  # [B, Hkv, S, D]
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    q = query.float().reshape(batch, kv_heads, group * rows, dim)  # [B, Hkv, g*T, D]
+    q = query[:, :, :n].float().view(batch, kv_heads, group, n, dim)
 
-    # Far part: float32 over slots [0, far_len), the same layout in every pass.
-    far_k = keys[:, :, : layout.far_len]
-    far_v = values[:, :, : layout.far_len]
-    far_scores = torch.matmul(q, far_k.transpose(-1, -2)).mul_(scaling)
-    far_scores = far_scores.view(batch, kv_heads, group, rows, -1).masked_fill(~layout.far_mask, float("-inf"))
-    far_max = far_scores.amax(dim=-1, keepdim=True)
-    far_max = torch.where(torch.isfinite(far_max), far_max, torch.zeros_like(far_max))
-    far_weights = torch.exp(far_scores - far_max)  # masked -> exactly 0
+    # Far part: one matmul per (sequence, KV head) over the same slots in every pass.
+    far_scores = torch.matmul(q.reshape(batch, kv_heads, group * n, dim), keys[:, :, : layout.far_len].transpose(-1, -2))
+    far_scores = far_scores.view(batch, kv_heads, group, n, -1).mul_(scaling).add_(layout.far_bias)
+    far_max = far_scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)  # empty far part: weights 0
+    far_weights = far_scores.sub_(far_max).exp_()
     far_sum = far_weights.sum(dim=-1, keepdim=True)
-    far_out = torch.matmul(far_weights.view(batch, kv_heads, group * rows, -1), far_v)
-    far_out = far_out.view(batch, kv_heads, group, rows, dim)
+    far_out = torch.matmul(far_weights.view(batch, kv_heads, group * n, -1), values[:, :, : layout.far_len])
+    # -> [B, Hkv, n, g, *] to line up with the tail.
+    far_out = far_out.view(batch, kv_heads, group, n, dim).transpose(2, 3)
+    far_max, far_sum = far_max.transpose(2, 3), far_sum.transpose(2, 3)
 
-    # Near part: float64 over the window gathered per sequence (order-insensitive sums).
-    index = layout.near_slots[:, None, :, None].expand(-1, kv_heads, -1, dim)
-    near_k = keys.gather(2, index).double()
-    near_v = values.gather(2, index).double()
-    near_scores = torch.matmul(q.double(), near_k.transpose(-1, -2)).mul_(scaling)
-    near_scores = near_scores.view(batch, kv_heads, group, rows, -1).masked_fill(~layout.near_mask, float("-inf"))
-    near_max = near_scores.amax(dim=-1, keepdim=True)
-    near_weights = torch.exp(near_scores - near_max)
-    near_sum = near_weights.sum(dim=-1, keepdim=True)
-    near_out = torch.matmul(near_weights.view(batch, kv_heads, group * rows, -1), near_v)
-    near_out = near_out.view(batch, kv_heads, group, rows, dim)
+    # Tail: per row, its own keys in position order; one fixed-shape matmul per row.
+    tail_k = keys.reshape(-1, dim).index_select(0, layout.tail_index).view(batch, kv_heads, n, TAIL, dim)
+    tail_v = values.reshape(-1, dim).index_select(0, layout.tail_index).view(batch, kv_heads, n, TAIL, dim)
+    q_rows = q.transpose(2, 3)  # [B, Hkv, n, g, D]
+    tail_scores = torch.matmul(q_rows, tail_k.transpose(-1, -2)).mul_(scaling).add_(layout.tail_bias)
+    tail_max = tail_scores.amax(dim=-1, keepdim=True)
+    tail_weights = tail_scores.sub_(tail_max).exp_()
+    tail_sum = tail_weights.sum(dim=-1, keepdim=True)
+    tail_out = torch.matmul(tail_weights, tail_v)  # [B, Hkv, n, g, D]
 
-    # Merge the two partial softmaxes.
-    far_sum = far_sum.double()
-    far_max = torch.where(far_sum > 0, far_max.double(), torch.full_like(near_max, float("-inf")))
-    top = torch.maximum(far_max, near_max)
-    far_scale = torch.exp(far_max - top)  # 0 when the far part is empty
-    near_scale = torch.exp(near_max - top)
-    out = (far_out.double() * far_scale + near_out * near_scale) / (far_sum * far_scale + near_sum * near_scale)
-    # [B, Hkv, g, T, D] -> [B, T, Hkv * g, D]; head h = kv_head * g + j as in repeat_kv.
-    return out.float().permute(0, 3, 1, 2, 4).reshape(batch, rows, heads, dim)
+    top = torch.maximum(far_max, tail_max)
+    far_scale = torch.exp(far_max - top)
+    tail_scale = torch.exp(tail_max - top)
+    out = (far_out * far_scale + tail_out * tail_scale) / (far_sum * far_scale + tail_sum * tail_scale)
+    # [B, Hkv, n, g, D] -> [B, n, Hkv * g, D]; head h = kv_head * g + j as in repeat_kv.
+    out = out.permute(0, 2, 1, 3, 4).reshape(batch, n, heads, dim)
+    if n < rows:
+        out = torch.cat([out, out.new_zeros(batch, rows - n, heads, dim)], dim=1)
+    return out
 
 
 def prefill_attention(
@@ -181,7 +200,5 @@ def prefill_attention(
     v = v.repeat_interleave(group, dim=0)[None]
     positions = torch.arange(layout.start, end, device=query.device)
     mask = torch.arange(end, device=query.device)[None, :] <= positions[:, None]  # [T, end]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.float(), k, v, attn_mask=mask, scale=scaling
-    )
+    out = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2)

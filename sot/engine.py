@@ -227,7 +227,7 @@ class Engine:
             pos[b] = length
             pos[b, : tree.size] = torch.tensor(tree.depths) + length
             ancestors.append(ancestor_table(tree, width))
-        layout = build_tree_layout(cache.lengths, ancestors, rows, self.target.device)
+        layout = build_tree_layout(cache.lengths, ancestors, rows, cache)
         t2 = time.perf_counter()
         out = self.target.verify(cache, ids, pos, layout)
         t3 = time.perf_counter()

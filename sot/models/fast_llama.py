@@ -18,23 +18,56 @@ from sot.models.adapter import ROW_UNIT
 FAST_FAMILIES = ("llama", "qwen2", "mistral")
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stable: bool) -> torch.Tensor:
-    """``x [M, K] -> [M, N]``; with ``stable`` the product runs in ``ROW_UNIT``-row blocks
-    (``M`` is then already a multiple of ``ROW_UNIT``)."""
-    if not stable or x.shape[0] == ROW_UNIT:
-        return F.linear(x, weight, bias)
-    return torch.cat([F.linear(x[i : i + ROW_UNIT], weight, bias) for i in range(0, x.shape[0], ROW_UNIT)])
+class PackedLinear:
+    """A weight ``[N, K]`` pre-packed once for the CPU BLAS (bf16: oneDNN, fp32: MKL).
+
+    Packing removes the per-call weight reorder; the products are bit-identical to
+    ``F.linear`` (checked by the test suite). Elsewhere it is plain ``F.linear``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach()
+        self.packed = None
+        self.kind = ""
+        if self.weight.device.type != "cpu":
+            return
+        try:
+            if self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROW_UNIT)
+                self.kind = "mkldnn"
+            elif self.weight.dtype == torch.float32 and torch.backends.mkl.is_available():
+                self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, ROW_UNIT)
+                self.kind = "mkl"
+        except (RuntimeError, AttributeError):
+            self.packed = None
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mkldnn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.kind == "mkl":
+            out = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, ROW_UNIT)
+            return out
+        return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor, stable: bool) -> torch.Tensor:
+        """``x [M, K] -> [M, N]``; with ``stable`` the product runs in ``ROW_UNIT``-row
+        blocks (``M`` is then a multiple of ``ROW_UNIT``)."""
+        if not stable:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == ROW_UNIT:
+            return self._block(x)
+        return torch.cat([self._block(x[i : i + ROW_UNIT]) for i in range(0, x.shape[0], ROW_UNIT)])
 
 
 @dataclass
 class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
 
 
 class FastLlama:
@@ -50,7 +83,7 @@ class FastLlama:
         self.inter = cfg.intermediate_size
         self.embed = core.embed_tokens.weight
         self.norm = core.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = PackedLinear(model.lm_head.weight)
         self.rotary = core.rotary_emb
         self.layers = []
         for layer in core.layers:
@@ -62,11 +95,10 @@ class FastLlama:
                 _Layer(
                     ln1=layer.input_layernorm.weight,
                     ln2=layer.post_attention_layernorm.weight,
-                    qkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).contiguous(),
-                    qkv_bias=bias,
-                    o=att.o_proj.weight,
-                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-                    down=mlp.down_proj.weight,
+                    qkv=PackedLinear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), bias),
+                    o=PackedLinear(att.o_proj.weight),
+                    gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    down=PackedLinear(mlp.down_proj.weight),
                 )
             )
         self.scaling = self.head_dim**-0.5
@@ -101,7 +133,7 @@ class FastLlama:
         states = [h] if 0 in state_layers else []
         for idx, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln1).reshape(batch * rows, -1)
-            qkv = _linear(x, layer.qkv, layer.qkv_bias, stable).view(batch, rows, nq + 2 * nkv, hd)
+            qkv = layer.qkv(x, stable).view(batch, rows, nq + 2 * nkv, hd)
             q = qkv[:, :, :nq].transpose(1, 2)
             k = qkv[:, :, nq : nq + nkv].transpose(1, 2)
             v = qkv[:, :, nq + nkv :].transpose(1, 2)
@@ -113,14 +145,14 @@ class FastLlama:
                 cache.write_sequence(idx, layout.batch_index, layout.start, k[0], v[0])
                 att = prefill_attention(q, cache, idx, layout, self.scaling)
             att = att.to(h.dtype).reshape(batch * rows, nq * hd)
-            h = h + _linear(att, layer.o, None, stable).view(batch, rows, -1)
+            h = h + layer.o(att, stable).view(batch, rows, -1)
             x = self._rms(h, layer.ln2).reshape(batch * rows, -1)
-            gu = _linear(x, layer.gate_up, None, stable)
+            gu = layer.gate_up(x, stable)
             gate, up = gu[:, : self.inter], gu[:, self.inter :]
-            h = h + _linear(F.silu(gate) * up, layer.down, None, stable).view(batch, rows, -1)
+            h = h + layer.down(F.silu(gate) * up, stable).view(batch, rows, -1)
             if idx + 1 in state_layers:
                 states.append(h)
         h = self._rms(h, self.norm)
-        logits = _linear(h.reshape(batch * rows, -1), self.lm_head, None, stable).view(batch, rows, -1)
+        logits = self.lm_head(h.reshape(batch * rows, -1), stable).view(batch, rows, -1)
         stacked = torch.stack(states, dim=2) if state_layers else None
         return logits.float(), stacked
