@@ -1,0 +1,233 @@
+"""The Python API: load once, then generate or stream for a list of prompts.
+
+Example::
+
+    from sot import SoT
+    sot = SoT.load("default", drafter="pld")
+    for out in sot.generate(["Write a haiku about the sea."], max_new_tokens=64):
+        print(out.text, out.tokens_per_s, out.mean_accept_len)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from sot.drafters import DrafterKind, TreeBudget, make_drafter
+from sot.engine import Engine, GenerationParams, PhaseTimes
+from sot.errors import ConfigError
+from sot.models.adapter import TargetModel
+from sot.models.loading import load_model
+from sot.prompts import PromptItem, encode, has_chat_template
+from sot.sampling import SamplingMode, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Completion:
+    """One prompt's output and its speed figures."""
+
+    text: str
+    token_ids: list[int]
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    mean_accept_len: float
+    steps: int
+    finish_reason: str
+    prompt_tokens: int
+    first_token_seconds: float
+    accept_lengths: list[int] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """New text of one prompt (``index``) as tokens are committed."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finished: bool
+
+
+def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ConfigError(f"top_k must be >= 0, got {top_k}")
+
+
+class SoT:
+    """A loaded target model with a drafter, ready to generate.
+
+    Use :meth:`load`; the constructor takes already-built parts.
+    """
+
+    def __init__(self, target: TargetModel, tokenizer: Any, engine: Engine, name: str) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.name = name
+
+    @classmethod
+    def load(
+        cls,
+        model: str = "default",
+        drafter: str | DrafterKind = DrafterKind.PLD,
+        dtype: str = "bfloat16",
+        max_nodes: int = 16,
+        max_depth: int = 8,
+    ) -> "SoT":
+        """Load a target and build the engine.
+
+        Args:
+            model: ``"default"`` (SmolLM2-135M-Instruct), a model folder or a ``.gguf`` file.
+            drafter: ``none``, ``pld`` or ``state``.
+            dtype: ``bfloat16`` (default, fastest on CPU) or ``float32``.
+            max_nodes: tree size limit per step, root included.
+            max_depth: how many tokens ahead a tree may reach.
+        """
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        try:
+            kind = DrafterKind(drafter)
+        except ValueError:
+            raise ConfigError(f"unknown drafter {drafter!r}; choose from {', '.join(k.value for k in DrafterKind)}") from None
+        loaded = load_model(model, dtype=DTYPES[dtype])
+        draft = make_drafter(kind)
+        target = TargetModel(loaded.model, state_layers=draft.state_layers)
+        tok = loaded.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=True)
+
+        engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode)
+        return cls(target, tok, engine, loaded.name)
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def is_chat_model(self) -> bool:
+        return has_chat_template(self.tokenizer)
+
+    def encode(self, item: PromptItem, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt; ``chat=None`` applies the chat template when there is one."""
+        use_chat = self.is_chat_model if chat is None else chat
+        if use_chat and not self.is_chat_model:
+            raise ConfigError("this model has no chat template; run without --chat")
+        return encode(self.tokenizer, item, use_chat)
+
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen = getattr(self.target.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+        return tuple(sorted(ids))
+
+    def params(
+        self,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        sampling: str | SamplingMode = SamplingMode.REJECTION,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> GenerationParams:
+        """Validated :class:`GenerationParams`."""
+        _check_sampling(temperature, top_p, top_k)
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        try:
+            mode = SamplingMode(sampling)
+        except ValueError:
+            raise ConfigError(f"sampling must be 'rejection' or 'coupled', got {sampling!r}") from None
+        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, mode=mode)
+        return GenerationParams(
+            max_new_tokens=max_new_tokens,
+            sampling=sp,
+            stop=tuple(stop),
+            eos_token_ids=() if ignore_eos else self.eos_ids(),
+        )
+
+    @property
+    def phase_times(self) -> PhaseTimes:
+        return self.engine.times
+
+    # ----------------------------------------------------------------- generation
+    def generate_ids(
+        self, prompts: list[list[int]], params: GenerationParams, batch_size: int = 1
+    ) -> list[Completion]:
+        """Generate from token-id prompts, ``batch_size`` sequences per batch."""
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        out: list[Completion] = []
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            for prompt, res in zip(chunk, self.engine.generate(chunk, params)):
+                text = res.text
+                for s in params.stop:
+                    if s in text:
+                        text = text[: text.index(s)]
+                out.append(
+                    Completion(
+                        text=text,
+                        token_ids=res.token_ids,
+                        new_tokens=res.new_tokens,
+                        seconds=res.seconds,
+                        tokens_per_s=res.tokens_per_s,
+                        mean_accept_len=res.mean_accept_len,
+                        steps=res.steps,
+                        finish_reason=res.finish_reason,
+                        prompt_tokens=len(prompt),
+                        first_token_seconds=res.first_token_seconds,
+                        accept_lengths=res.accept_lengths,
+                        depth_attempts=res.depth_attempts,
+                        depth_accepts=res.depth_accepts,
+                    )
+                )
+        return out
+
+    def generate(
+        self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int = 1, **kwargs: Any
+    ) -> list[Completion]:
+        """Generate for each prompt (a string or a JSONL-style record).
+
+        Keyword arguments are those of :meth:`params` (``max_new_tokens``, ``temperature``,
+        ``top_p``, ``top_k``, ``seed``, ``sampling``, ``stop``).
+        """
+        params = self.params(**kwargs)
+        ids = [self.encode(p, chat) for p in prompts]
+        return self.generate_ids(ids, params, batch_size)
+
+    def stream(
+        self, prompts: Sequence[PromptItem], chat: bool | None = None, **kwargs: Any
+    ) -> Iterator[StreamEvent]:
+        """Yield text as it is committed, for a batch of prompts generated together."""
+        params = self.params(**kwargs)
+        ids = [self.encode(p, chat) for p in prompts]
+        tokens: list[list[int]] = [[] for _ in ids]
+        shown = [0] * len(ids)
+        for event in self.engine.stream(ids, params):
+            tokens[event.sequence].extend(event.token_ids)
+            text = self.tokenizer.decode(tokens[event.sequence], skip_special_tokens=True)
+            # Hold back an incomplete multi-byte character until its last token arrives.
+            stable = len(text) if event.finished or not text.endswith("\ufffd") else len(text) - 1
+            delta = text[shown[event.sequence] : stable]
+            shown[event.sequence] = max(shown[event.sequence], stable)
+            yield StreamEvent(event.sequence, delta, event.token_ids, event.finished)
+

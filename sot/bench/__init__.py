@@ -1,0 +1,1 @@
+"""Benchmarks: side-by-side runs of decoding methods over the same prompts."""

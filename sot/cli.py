@@ -1,0 +1,226 @@
+"""The ``sot`` command line: ``generate``, ``chat``, ``bench``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from sot.errors import SoTError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="engine dtype (default: bfloat16)")
+    p.add_argument("--max-nodes", type=_positive_int, default=16, help="draft tree size per step, root included")
+    p.add_argument("--max-depth", type=_non_negative_int, default=8, help="how far a draft tree may look ahead")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_probability, default=1.0)
+    p.add_argument("--top-k", type=_non_negative_int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampling", choices=["rejection", "coupled"], default="rejection",
+                   help="rejection: exact in distribution; coupled: seeded output equals plain decoding's")
+
+
+def add_chat_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", dest="chat", action="store_true", default=None,
+                   help="apply the chat template (default: on for chat models)")
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="feed prompts as raw text")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sot", description="SoT: lossless speculative decoding with state prediction")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
+    gen.add_argument("prompt", nargs="?", help="the prompt text")
+    gen.add_argument("--prompts", help="JSONL file: {'prompt'}, {'messages'} or {'turns'} per line")
+    gen.add_argument("--drafter", choices=["none", "pld", "state"], default="pld")
+    gen.add_argument("--batch-size", type=_positive_int, default=1)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_model_args(gen)
+    add_sampling_args(gen)
+    add_chat_flag(gen)
+
+    chat = sub.add_parser("chat", help="interactive streaming chat")
+    chat.add_argument("--drafter", choices=["none", "pld", "state"], default="pld")
+    chat.add_argument("--system", default=None, help="system message")
+    add_model_args(chat)
+    add_sampling_args(chat)
+
+    from sot.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from sot.api import SoT
+
+    print(f"loading {args.model} ({args.dtype}, drafter {args.drafter}) ...", file=sys.stderr)
+    return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes, max_depth=args.max_depth)
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        sampling=args.sampling,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sot.prompts import read_jsonl
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise SoTError("give either a PROMPT or --prompts FILE.jsonl")
+    items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
+    sot = _load(args)
+    ids = [sot.encode(item, args.chat) for item in items]
+    params = sot.params(stop=args.stop, **_sampling_kwargs(args))
+    stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty()
+    if stream_one:
+        results = None
+        for event in sot.stream(items, chat=args.chat, stop=args.stop, **_sampling_kwargs(args)):
+            print(event.text, end="", flush=True)
+        print()
+        print(_speed_line_engine(sot), file=sys.stderr)
+        return 0
+    results = sot.generate_ids(ids, params, batch_size=args.batch_size)
+    for i, r in enumerate(results):
+        if args.json:
+            record = r.to_dict()
+            record.pop("depth_attempts")
+            record.pop("depth_accepts")
+            record["index"] = i
+            print(json.dumps(record), flush=True)
+        else:
+            if len(results) > 1:
+                print(f"--- [{i}]")
+            print(r.text)
+            print(
+                f"[{r.new_tokens} tokens in {r.seconds:.2f}s, {r.tokens_per_s:.1f} tok/s, "
+                f"mean accepted length {r.mean_accept_len:.2f}, {r.steps} steps]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _speed_line_engine(sot) -> str:
+    t = sot.phase_times
+    return f"[draft {t.draft:.2f}s, verify {t.verify:.2f}s, prefill {t.prefill:.2f}s]"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    sot = _load(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Chat with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not user.strip():
+            return 0
+        messages.append({"role": "user", "content": user})
+        reply = []
+        import time
+
+        t0 = time.perf_counter()
+        tokens = 0
+        print("bot> ", end="", flush=True)
+        for event in sot.stream([{"messages": list(messages)}], chat=sot.is_chat_model, **_sampling_kwargs(args)):
+            print(event.text, end="", flush=True)
+            reply.append(event.text)
+            tokens += len(event.token_ids)
+        dt = time.perf_counter() - t0
+        print()
+        print(f"[{tokens} tokens, {tokens / dt:.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``sot`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"generate": cmd_generate, "chat": cmd_chat}
+    try:
+        if args.command == "bench":
+            from sot.bench.cli import cmd_bench
+
+            return cmd_bench(args)
+        return handlers[args.command](args)
+    except SoTError as exc:
+        print(f"sot: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nsot: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - last line of defence: one line, not a traceback
+        if os.environ.get("SOT_DEBUG"):
+            raise
+        print(f"sot: error: {type(exc).__name__}: {exc} (set SOT_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Prompt inputs: plain strings or JSONL records, rendered to token ids."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Union
+
+from sot.errors import ConfigError
+
+PromptItem = Union[str, dict]
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Read prompt records, one JSON object per line: ``{"prompt": str}``,
+    ``{"messages": [...]}`` or ``{"turns": [str, ...]}`` (the first turn is used)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"prompts file not found: {path}")
+    records = []
+    for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+        check_record(record, f"{path}:{number}")
+        records.append(record)
+    if not records:
+        raise ConfigError(f"{path} holds no prompts")
+    return records
+
+
+def check_record(record: Any, where: str = "prompt") -> None:
+    """Raise :class:`ConfigError` unless ``record`` is a string or a known prompt object."""
+    if isinstance(record, str):
+        return
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    if isinstance(record.get("prompt"), str):
+        return
+    messages = record.get("messages")
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) and "content" in m for m in messages):
+        return
+    turns = record.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+        return
+    raise ConfigError(f"{where}: needs 'prompt' (string), 'messages' (list of {{role, content}}) or 'turns' (list of strings)")
+
+
+def to_messages(item: PromptItem) -> list[dict] | None:
+    """The chat messages of an item, or ``None`` for a raw completion prompt."""
+    if isinstance(item, str):
+        return [{"role": "user", "content": item}]
+    if "messages" in item:
+        return list(item["messages"])
+    if "turns" in item:
+        return [{"role": "user", "content": item["turns"][0]}]
+    return [{"role": "user", "content": item["prompt"]}]
+
+
+def to_text(item: PromptItem) -> str:
+    """The raw text of an item, for models or runs without a chat template."""
+    if isinstance(item, str):
+        return item
+    if "prompt" in item:
+        return item["prompt"]
+    if "turns" in item:
+        return item["turns"][0]
+    return "\n".join(str(m["content"]) for m in item["messages"])
+
+
+def encode(tokenizer: Any, item: PromptItem, chat: bool) -> list[int]:
+    """Token ids of one prompt; with ``chat`` the tokenizer's chat template is applied."""
+    check_record(item)
+    if chat:
+        out = tokenizer.apply_chat_template(to_messages(item), add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+    return list(tokenizer(to_text(item))["input_ids"])
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
