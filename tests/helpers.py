@@ -1,0 +1,138 @@
+"""Test helpers: tiny random models of several architectures, a char tokenizer, and a
+drafter that proposes random trees (so acceptance and rejection both happen often)."""
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import torch
+import transformers
+
+from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
+from sot.tree import DraftTree, tree_from_parents
+
+VOCAB = 96
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=4, pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict()),
+}
+
+
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A 2-layer random causal LM of the given family, in eval mode."""
+    cfg_name, model_name, extra = ARCHS[arch]
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(extra)
+    torch.manual_seed(seed)
+    config = getattr(transformers, cfg_name)(**kwargs)
+    model = getattr(transformers, model_name)(config).eval()
+    # Larger weights give peakier, more realistic distributions than the init default.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(dtype)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Hugging Face ``generate(do_sample=False)`` continuation of ``prompt``."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def clone(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    return copy.deepcopy(model).to(dtype)
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # A few repeats make prompt lookup find matches.
+    out = []
+    for n in lengths:
+        base = torch.randint(3, VOCAB, (max(1, n // 2),), generator=gen).tolist()
+        out.append((base * 3)[:n])
+    return out
+
+
+class RandomTreeDrafter(Drafter):
+    """Proposes random trees for tests. Given the reference continuation of each sequence,
+    it puts the right token at a random sibling position with probability ``hit``, so
+    acceptances happen at every depth and on branches other than the first."""
+
+    kind = DrafterKind.NONE
+
+    def __init__(self, references: list[list[int]], prompt_lengths: list[int], hit: float = 0.7, seed: int = 0):
+        self.references = references
+        self.prompt_lengths = prompt_lengths
+        self.hit = hit
+        self.rng = random.Random(seed)
+
+    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        trees = []
+        for x in inputs:
+            done = len(x.context) - self.prompt_lengths[x.sequence]
+            ref = self.references[x.sequence][done:]
+            tokens, parents = [x.context[-1]], [-1]
+            frontier = [(0, 0)]  # (node, depth)
+            while frontier and len(tokens) < budget.max_nodes:
+                node, depth = frontier.pop(0)
+                if depth >= budget.max_depth:
+                    continue
+                width = self.rng.randint(1, 3)
+                right = ref[depth] if depth < len(ref) and self.rng.random() < self.hit else None
+                slot = self.rng.randrange(width)
+                for w in range(width):
+                    if len(tokens) >= budget.max_nodes:
+                        break
+                    tok = right if (w == slot and right is not None) else self.rng.randrange(VOCAB)
+                    tokens.append(tok)
+                    parents.append(node)
+                    frontier.append((len(tokens) - 1, depth + 1))
+            trees.append(tree_from_parents(tokens, parents))
+        return trees
+
+
+def char_tokenizer_dir(path: Path) -> None:
+    """Save a character-level fast tokenizer with a chat template into ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 32 + VOCAB - 3)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    fast.save_pretrained(path)
+
+
+def tiny_model_dir(path: Path, arch: str = "llama", max_positions: int = 512) -> Path:
+    """A tiny model folder (config, safetensors, tokenizer) usable as ``--model``."""
+    model = tiny_model(arch)
+    if hasattr(model.config, "max_position_embeddings"):
+        model.config.max_position_embeddings = max_positions
+    model.save_pretrained(path)
+    char_tokenizer_dir(path)
+    return path

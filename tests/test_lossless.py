@@ -1,0 +1,92 @@
+"""The test that must never be missing: speculative output equals plain output, token for
+token, across architectures, drafters, batch sizes and dtypes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import ARCHS, RandomTreeDrafter, clone, hf_greedy, random_prompts, tiny_model
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.engine import Engine, GenerationParams
+from sot.models.adapter import TargetModel
+
+NEW = 40
+LENGTHS = (7, 30, 75)  # different prompt lengths in one batch
+PARAMS = GenerationParams(max_new_tokens=NEW)
+
+
+def run(target: TargetModel, drafter, prompts, budget=TreeBudget(16, 6)) -> list[list[int]]:
+    return [r.token_ids for r in Engine(target, drafter, budget).generate(prompts, PARAMS)]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_speculative_equals_plain(arch: str, dtype: torch.dtype) -> None:
+    model = tiny_model(arch)
+    prompts = random_prompts(LENGTHS, seed=1)
+    target = TargetModel(clone(model, dtype))
+
+    plain_batch = run(target, NoDrafter(), prompts)
+    plain_alone = [run(target, NoDrafter(), [p])[0] for p in prompts]
+    assert plain_batch == plain_alone, "a sequence's output changed with its batch"
+
+    pld_batch = run(target, PromptLookupDrafter(), prompts)
+    assert pld_batch == plain_batch
+    rnd = RandomTreeDrafter(plain_batch, [len(p) for p in prompts], hit=0.7, seed=3)
+    rnd_batch = run(target, rnd, prompts)
+    assert rnd_batch == plain_batch
+    rnd_alone = [
+        run(target, RandomTreeDrafter([plain_batch[i]], [len(p)], hit=0.7, seed=i), [p])[0]
+        for i, p in enumerate(prompts)
+    ]
+    assert rnd_alone == plain_batch
+
+    if dtype == torch.float32:
+        reference = [hf_greedy(model, p, NEW) for p in prompts]
+        assert plain_batch == reference, "plain decoding differs from transformers generate()"
+
+
+def test_random_drafter_really_rejects_and_accepts_side_branches() -> None:
+    """Guard the guard: the random drafter must exercise rejections and non-first branches."""
+    model = tiny_model("llama")
+    prompts = random_prompts((20,), seed=2)
+    target = TargetModel(clone(model, torch.float32))
+    plain = run(target, NoDrafter(), prompts)
+    drafter = RandomTreeDrafter(plain, [20], hit=0.7, seed=5)
+    engine = Engine(target, drafter, TreeBudget(16, 6))
+    res = engine.generate(prompts, PARAMS)[0]
+    assert res.token_ids == plain[0]
+    assert 1.0 < res.mean_accept_len < 7.0
+    assert min(res.accept_lengths) == 1  # some steps rejected everything
+
+
+def test_deep_and_wide_trees_stay_lossless() -> None:
+    """Trees larger than one 16-row block and deeper than the tail alignment."""
+    model = tiny_model("qwen2")
+    prompts = random_prompts((12, 50), seed=4)
+    target = TargetModel(clone(model, torch.bfloat16))
+    plain = run(target, NoDrafter(), prompts)
+    drafter = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.9, seed=7)
+    assert run(target, drafter, prompts, TreeBudget(40, 36)) == plain
+
+
+def test_fast_path_matches_generic_path_bit_for_bit() -> None:
+    from sot.attention import build_tree_layout
+
+    for arch in ("llama", "qwen2", "mistral"):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = tiny_model(arch)
+            logits = []
+            for fast in (False, True):
+                target = TargetModel(clone(model, dtype), fast=fast)
+                assert (target.fast is not None) == fast
+                cache = target.new_cache(1, 256)
+                prompt = torch.tensor(random_prompts((37,))[0])
+                pre = target.prefill(cache, 0, prompt)
+                cache.set_length(0, 37)
+                layout = build_tree_layout([37], [[[0, -1], [0, 1], [0, 2]]], 16, cache)
+                ids = torch.tensor([[5, 6, 7] + [5] * 13])
+                pos = torch.tensor([[37, 38, 38] + [37] * 13])
+                logits.append((pre.logits, target.verify(cache, ids, pos, layout).logits[:, :3]))
+            assert torch.equal(logits[0][0], logits[1][0]), (arch, dtype)
+            assert torch.equal(logits[0][1], logits[1][1]), (arch, dtype)
