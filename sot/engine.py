@@ -55,6 +55,8 @@ class SequenceResult:
     depth_accepts: list[int] = field(default_factory=list)
     seconds: float = 0.0
     first_token_seconds: float = 0.0
+    #: with ``Engine(trace=True)``: the logits row ``[V]`` that decided each committed token.
+    logit_trace: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -109,6 +111,7 @@ class Engine:
         drafter: proposes trees; :class:`sot.drafters.NoDrafter` gives plain decoding.
         budget: node and depth limits of each tree.
         decode: ``token_ids -> text`` used for stop strings and results.
+        trace: keep the logits row behind every committed token (for exactness checks).
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class Engine:
         drafter: Drafter,
         budget: TreeBudget = TreeBudget(),
         decode: Callable[[list[int]], str] | None = None,
+        trace: bool = False,
     ) -> None:
         if budget.max_nodes < 1 or budget.max_depth < 0:
             raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
@@ -130,6 +134,7 @@ class Engine:
         self.budget = budget
         self.decode = decode or (lambda ids: "")
         self.times = PhaseTimes()
+        self.trace = trace
 
     # ----------------------------------------------------------------- public API
     def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[SequenceResult]:
@@ -186,6 +191,8 @@ class Engine:
             acc = self._accept(root, out.logits[0, -1:], sp, b, len(seq.prompt) - 1, seq.generator)
             if out.states is not None:
                 seq.states = out.states[0]
+            if self.trace:
+                seq.result.logit_trace.append(out.logits[0, -1].clone())
             now = time.perf_counter()
             seq.result.first_token_seconds = now - start
             yield from self._commit(seq, acc.tokens, params, now - start)
@@ -244,6 +251,8 @@ class Engine:
             commits.append((b, acc))
             if out.states is not None:
                 seq.states = out.states[b, acc.path]
+            if self.trace:
+                seq.result.logit_trace.extend(out.logits[b, i].clone() for i in acc.path)
             self._record_depths(seq.result, tree, acc)
         cache.keep_rows(keep)
         now = time.perf_counter()

@@ -19,6 +19,12 @@ def run(target: TargetModel, drafter, prompts, budget=TreeBudget(16, 6)) -> list
     return [r.token_ids for r in Engine(target, drafter, budget).generate(prompts, PARAMS)]
 
 
+def traced(target: TargetModel, drafter, prompts, budget=TreeBudget(16, 6)) -> list[torch.Tensor]:
+    """Per sequence, the ``[N, V]`` logits rows that decided each committed token."""
+    results = Engine(target, drafter, budget, trace=True).generate(prompts, PARAMS)
+    return [torch.stack(r.logit_trace)[: r.new_tokens] for r in results]
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_speculative_equals_plain(arch: str, dtype: torch.dtype) -> None:
@@ -44,6 +50,23 @@ def test_speculative_equals_plain(arch: str, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         reference = [hf_greedy(model, p, NEW) for p in prompts]
         assert plain_batch == reference, "plain decoding differs from transformers generate()"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logits_are_bit_identical(arch: str, dtype: torch.dtype) -> None:
+    """Stronger than token equality: every logits row behind a committed token is the same
+    bits in a speculative batch as in plain decoding alone."""
+    model = tiny_model(arch, seed=11)
+    prompts = random_prompts(LENGTHS, seed=5)
+    target = TargetModel(clone(model, dtype))
+    plain = [traced(target, NoDrafter(), [p])[0] for p in prompts]
+    tokens = [t.argmax(-1).tolist() for t in plain]
+    drafter = RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.8, seed=9)
+    spec = traced(target, drafter, prompts)
+    for a, b in zip(plain, spec):
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
 
 
 def test_random_drafter_really_rejects_and_accepts_side_branches() -> None:
