@@ -1,0 +1,158 @@
+"""Acceptance rules as pure functions, and sampling through the engine."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from helpers import RandomTreeDrafter, clone, random_prompts, tiny_model
+from sot.acceptance import accept_coupled, accept_greedy, accept_rejection
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.engine import Engine, GenerationParams
+from sot.models.adapter import TargetModel
+from sot.sampling import SamplingMode, SamplingParams, processed_logits, target_probs
+from sot.tree import tree_from_parents
+
+
+def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
+
+
+def test_greedy_keeps_exactly_the_argmax_prefix() -> None:
+    logits = torch.full((4, 6), -5.0)
+    logits[0, 3] = logits[2, 1] = logits[3, 4] = logits[1, 0] = 5.0
+    # root -> {3 (node 1), 3? no: 2 (node 2)}; node 1 -> 1 (node 3)
+    tree = tree_from_parents([9, 2, 3, 1], [-1, 0, 0, 2])
+    acc = accept_greedy(tree, logits)
+    assert acc.path == [0, 2, 3] and acc.tokens == [3, 1, 4]
+
+
+def test_greedy_rejects_everything_when_no_child_matches() -> None:
+    logits = _logits(3, 8)
+    best = int(logits[0].argmax())
+    tree = tree_from_parents([0, (best + 1) % 8, (best + 2) % 8], [-1, 0, 0])
+    acc = accept_greedy(tree, logits)
+    assert acc.path == [0] and acc.tokens == [best]
+
+
+def _tree_and_logits(vocab: int = 6):
+    tree = tree_from_parents([0, 1, 2, 3, 4], [-1, 0, 0, 1, 1])
+    return tree, _logits(5, vocab, seed=3)
+
+
+def test_rejection_sampling_matches_the_target_distribution() -> None:
+    """Chi-square on the first two committed tokens against the exact target joint."""
+    vocab = 6
+    tree, logits = _tree_and_logits(vocab)
+    params = SamplingParams(temperature=1.0)
+    probs = target_probs(logits, params)
+    n = 6000
+    node_of = {1: 1, 2: 2}  # first token -> tree node that holds it
+    # First-token marginal.
+    first_counts = np.zeros(vocab)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        first_counts[accept_rejection(tree, logits, params, gen).tokens[0]] += 1
+    expected = probs[0].numpy() * n
+    assert chisquare(first_counts, expected).pvalue > 1e-3
+    # Second token given first token 1 (tree node 1, whose children are 3 and 4).
+    second_counts = np.zeros(vocab)
+    gen = torch.Generator().manual_seed(2)
+    while second_counts.sum() < 3000:
+        acc = accept_rejection(tree, logits, params, gen)
+        if acc.tokens[0] == 1 and len(acc.tokens) > 1:
+            second_counts[acc.tokens[1]] += 1
+    expected2 = probs[node_of[1]].numpy() * second_counts.sum()
+    assert chisquare(second_counts, expected2).pvalue > 1e-3
+
+
+def test_rejection_sampling_same_seed_repeats() -> None:
+    tree, logits = _tree_and_logits()
+    params = SamplingParams(temperature=0.8, top_k=4)
+    a = [accept_rejection(tree, logits, params, torch.Generator().manual_seed(7)).tokens for _ in range(3)]
+    assert a[0] == a[1] == a[2]
+
+
+def test_identical_draft_and_target_accepts_everything() -> None:
+    """A draft that always holds the target's only possible token is always accepted."""
+    vocab = 5
+    logits = torch.full((4, vocab), -1e9)
+    chain = [2, 4, 1]
+    for i, tok in enumerate(chain):
+        logits[i, tok] = 0.0
+    logits[3, 3] = 0.0
+    tree = tree_from_parents([0, *chain], [-1, 0, 1, 2])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        acc = accept_rejection(tree, logits, SamplingParams(temperature=1.0), gen)
+        assert acc.tokens == [2, 4, 1, 3]
+
+
+def test_top_k_top_p_filtering() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    kept = torch.isfinite(processed_logits(logits, SamplingParams(temperature=1.0, top_k=2)))
+    assert kept.tolist() == [[True, True, False, False, False]]
+    probs = torch.softmax(logits, -1)[0]
+    p = float(probs[0] + probs[1]) - 1e-4
+    kept = torch.isfinite(processed_logits(logits, SamplingParams(temperature=1.0, top_p=p)))
+    assert kept.tolist() == [[True, True, False, False, False]]
+
+
+def test_coupled_acceptance_is_a_function_of_position_only() -> None:
+    tree, logits = _tree_and_logits()
+    params = SamplingParams(temperature=1.0, seed=3, mode=SamplingMode.COUPLED)
+    a = accept_coupled(tree, logits, params, sequence=0, root_position=10)
+    b = accept_coupled(tree, logits, params, sequence=0, root_position=10)
+    assert a == b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_coupled_sampling_equals_seeded_plain_decoding(dtype: torch.dtype) -> None:
+    model = tiny_model("llama", seed=4)
+    target = TargetModel(clone(model, dtype))
+    prompts = random_prompts((9, 33), seed=8)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=123, mode=SamplingMode.COUPLED)
+    params = GenerationParams(max_new_tokens=30, sampling=sp)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    for drafter in (PromptLookupDrafter(), RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8)):
+        spec = Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params)
+        assert [r.token_ids for r in spec] == plain
+    other = GenerationParams(max_new_tokens=30, sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=124, mode=SamplingMode.COUPLED))
+    assert [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, other)] != plain
+
+
+def test_engine_rejection_sampling_distribution() -> None:
+    """Through the whole engine: the second generated token under tree speculation follows
+    the target's exact marginal ``sum_t1 p(t1) p(t2 | t1)`` (chi-square, small vocabulary)."""
+    from helpers import VOCAB
+
+    model = tiny_model("llama", seed=6)
+    with torch.no_grad():  # peakier, so drafts are accepted often
+        model.lm_head.weight.mul_(4.0)
+    target = TargetModel(clone(model, torch.float32))
+    prompt = random_prompts((10,), seed=1)[0]
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        both = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        p2 = torch.softmax(model(both).logits[:, -1].double(), -1)  # [V(t1), V(t2)]
+    marginal = (p1[:, None] * p2).sum(0).numpy()
+    top3 = p2.topk(3, dim=-1).indices.tolist()  # an oracle drafter: 3 likely children
+
+    class Oracle(NoDrafter):
+        def propose(self, inputs, budget):
+            return [tree_from_parents([x.context[-1], *top3[x.context[-1]]], [-1, 0, 0, 0]) for x in inputs]
+    counts = np.zeros(VOCAB)
+    accepted = 0
+    trials = 1200
+    for seed in range(trials):
+        sp = SamplingParams(temperature=1.0, seed=seed)
+        res = Engine(target, Oracle(), TreeBudget(8, 3)).generate([prompt], GenerationParams(max_new_tokens=2, sampling=sp))[0]
+        counts[res.token_ids[1]] += 1
+        accepted += res.accept_lengths[0] > 1 if res.accept_lengths else 0
+    assert accepted > trials // 20, "the drafter should be accepted now and then"
+    expected = marginal * trials
+    keep = expected >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3

@@ -1,0 +1,64 @@
+"""Pure tree functions and the KV cache operations."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sot.cache import KVCache
+from sot.tree import ancestor_table, chain_tree, leaf_paths, tree_from_parents, tree_from_paths, tree_mask
+
+
+def test_tree_from_paths_merges_shared_prefixes() -> None:
+    tree = tree_from_paths(9, [[1, 2, 3], [1, 4], [5]], max_nodes=10)
+    assert tree.tokens == [9, 1, 2, 3, 4, 5]
+    assert tree.parents == [-1, 0, 1, 2, 1, 0]
+    assert tree.depths == [0, 1, 2, 3, 2, 1]
+    assert tree.children()[1] == [2, 4]
+
+
+def test_tree_budget_keeps_earlier_paths() -> None:
+    tree = tree_from_paths(0, [[1, 2, 3], [4, 5]], max_nodes=5)
+    assert tree.tokens == [0, 1, 2, 3, 4]
+
+
+def test_mask_paths_and_ancestors() -> None:
+    tree = tree_from_parents([7, 1, 2, 3], [-1, 0, 0, 1])
+    mask = tree_mask(tree)
+    assert mask[3].tolist() == [True, True, False, True]
+    assert mask.diagonal().all()
+    assert leaf_paths(tree).tolist() == [[0, 2, -1], [0, 1, 3]]
+    assert ancestor_table(tree, 4)[3] == [0, 1, 3, -1]
+
+
+def test_invalid_trees_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        tree_from_parents([1, 2], [-1, 1])
+    with pytest.raises(ValueError):
+        tree_from_parents([1, 2], [0, -1])
+    with pytest.raises(ValueError):
+        tree_from_parents([], [])
+
+
+def test_chain_tree() -> None:
+    tree = chain_tree(5, [6, 7])
+    assert tree.parents == [-1, 0, 1] and tree.max_depth == 2
+
+
+def test_cache_keep_rows_moves_accepted_rows_per_sequence() -> None:
+    cache = KVCache(num_layers=2, batch_size=2, num_kv_heads=1, head_dim=2, capacity=32)
+    cache.set_length(0, 5)
+    cache.set_length(1, 3)
+    slots = torch.tensor([[5, 6, 7, 8], [3, 4, 5, 6]])
+    rows = torch.arange(8, dtype=torch.float32).view(2, 1, 4, 1).expand(2, 1, 4, 2)
+    for layer in range(2):
+        cache.write(layer, slots, rows + layer, rows)
+    cache.keep_rows([[5, 7, 8], []])
+    assert cache.lengths == [8, 3]
+    k, _ = cache.layer(1)
+    assert k[0, 0, 5:8, 0].tolist() == [1.0, 3.0, 4.0]  # rows 0, 2, 3 (+1 for layer 1)
+    assert k[1, 0, 3:7, 0].tolist() == [5.0, 6.0, 7.0, 8.0]  # untouched
+    cache.truncate(0, 6)
+    assert cache.lengths[0] == 6
+    with pytest.raises(ValueError):
+        cache.truncate(0, 7)
+    assert cache.capacity % 64 == 0
