@@ -65,6 +65,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampling", choices=["rejection", "coupled"], default="rejection",
                    help="rejection: exact in distribution; coupled: seeded output equals plain decoding's")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
 def add_chat_flag(p: argparse.ArgumentParser) -> None:
@@ -122,6 +123,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
         top_k=args.top_k,
         seed=args.seed,
         sampling=args.sampling,
+        ignore_eos=args.ignore_eos,
     )
 
 

@@ -1,0 +1,139 @@
+"""The CLI and the Python API on a tiny model folder, and the errors a user can hit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import tiny_model_dir
+from sot import SoT
+from sot.cli import main
+from sot.errors import ConfigError, ModelLoadError, PromptTooLongError, UnsupportedModelError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", max_positions=160)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sot.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_fields(model_dir: Path, capsys) -> None:
+    rc = main(["generate", "hello there", "--model", str(model_dir), "--max-new-tokens", "12", "--json", "--ignore-eos"])
+    assert rc == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("text", "token_ids", "new_tokens", "seconds", "tokens_per_s", "mean_accept_len", "steps"):
+        assert key in record
+    assert record["new_tokens"] == len(record["token_ids"]) == 12
+    assert record["mean_accept_len"] >= 1.0
+
+
+def test_generate_jsonl_formats_and_batches(model_dir: Path, tmp_path: Path, capsys) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in ({"prompt": "abc abc abc"}, {"messages": [{"role": "user", "content": "hi"}]}, {"turns": ["one", "two"]})
+        )
+    )
+    common = ["--prompts", str(prompts), "--model", str(model_dir), "--max-new-tokens", "10", "--json"]
+    assert main(["generate", *common, "--batch-size", "3"]) == 0
+    batched = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert main(["generate", *common, "--drafter", "none"]) == 0
+    alone = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in alone]
+    assert len(batched) == 3
+
+
+def test_python_api_generate_and_stream(model_dir: Path) -> None:
+    sot = SoT.load(str(model_dir), drafter="pld", dtype="float32")
+    out = sot.generate(["abcabcabc"], max_new_tokens=16, chat=False, ignore_eos=True)
+    assert out[0].new_tokens == 16
+    streamed = list(sot.stream(["abcabcabc"], max_new_tokens=16, chat=False, ignore_eos=True))
+    assert sum(len(e.token_ids) for e in streamed) == 16
+    assert "".join(e.text for e in streamed) == out[0].text
+    assert streamed[-1].finished
+
+
+def test_stop_strings_end_generation(model_dir: Path) -> None:
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    free = sot.generate(["abcabc"], max_new_tokens=30, chat=False, ignore_eos=True)[0]
+    stop = free.text[3:5]
+    stopped = sot.generate(["abcabc"], max_new_tokens=30, chat=False, stop=[stop], ignore_eos=True)[0]
+    assert stopped.finish_reason == "stop"
+    assert stop not in stopped.text and free.text.startswith(stopped.text)
+
+
+def test_missing_model_is_a_clean_error() -> None:
+    res = run_cli("generate", "hi", "--model", "/no/such/model")
+    assert res.returncode == 2
+    assert "model path does not exist" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_bad_flag_value_is_a_clean_error() -> None:
+    res = run_cli("generate", "hi", "--temperature", "-1")
+    assert res.returncode == 2 and "temperature" not in res.stdout
+    assert "must be >= 0" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli("generate", "hi", "--drafter", "magic")
+    assert res.returncode == 2 and "invalid choice" in res.stderr
+
+
+def test_prompt_longer_than_context(model_dir: Path, capsys) -> None:
+    rc = main(["generate", "x" * 150, "--model", str(model_dir), "--max-new-tokens", "20", "--no-chat"])
+    assert rc == 2
+    assert "exceeds the model's context" in capsys.readouterr().err
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    with pytest.raises(PromptTooLongError):
+        sot.generate(["x" * 150], max_new_tokens=20, chat=False)
+
+
+def test_bad_prompt_file(tmp_path: Path, model_dir: Path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"nope": 1}\n')
+    assert main(["generate", "--prompts", str(bad), "--model", str(model_dir)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert main(["generate", "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_incompatible_models(tmp_path: Path) -> None:
+    not_model = tmp_path / "empty"
+    not_model.mkdir()
+    with pytest.raises(ModelLoadError):
+        SoT.load(str(not_model))
+    (tmp_path / "file.bin").write_text("x")
+    with pytest.raises(ModelLoadError):
+        SoT.load(str(tmp_path / "file.bin"))
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = tmp_path / "t5"
+    T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)).save_pretrained(t5)
+    with pytest.raises(UnsupportedModelError):
+        SoT.load(str(t5))
+
+
+def test_api_argument_errors(model_dir: Path) -> None:
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"max_new_tokens": 0}, {"sampling": "magic"}):
+        with pytest.raises(ConfigError):
+            sot.generate(["a"], chat=False, **kwargs)
+    with pytest.raises(ConfigError):
+        SoT.load(str(model_dir), dtype="float16")
+    with pytest.raises(ConfigError):
+        SoT.load(str(model_dir), drafter="magic")
+
+
+def test_chat_session(model_dir: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir), "--max-new-tokens", "8"],
+        input="hello\nagain\n\n", capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("bot> ") == 2
+    assert res.stderr.count("tok/s") == 2
