@@ -16,6 +16,11 @@ Here each query row's keys are split by the row's *position* ``p`` alone:
 The two partial softmaxes are merged with a fixed formula. Plain decoding is a tree with one
 node and runs through the same code, so each row gets the same numbers either way. Only the
 real rows of a tree are computed (rounded up to ``ROW_ALIGN``); padding rows get zeros.
+
+On the CPU a compiled kernel (:mod:`sot.kernels`) replaces all of this: it walks each row's
+keys in position order with one fixed instruction sequence, which is exact by construction
+and much cheaper than the many small tensor operations above. The PyTorch path remains for
+other devices and for machines without a compiler.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from sot.cache import KVCache
+from sot.kernels import tree_attention_kernel
 
 # Rows of a tree may be up to MAX_TREE_DEPTH below the committed length.
 MAX_TREE_DEPTH = 64
@@ -34,10 +40,25 @@ TAIL = MAX_TREE_DEPTH + FAR_ALIGN
 ROW_ALIGN = 4
 
 
+def use_kernel(cache: KVCache) -> bool:
+    """Whether tree attention runs through the compiled CPU kernel for this cache."""
+    return cache.keys.device.type == "cpu" and tree_attention_kernel() is not None
+
+
 def far_end(position: int) -> int:
     """End of the far part for a query at ``position``: a multiple of ``FAR_ALIGN`` at least
     ``MAX_TREE_DEPTH`` below it, so every far key is committed for any tree row."""
     return max(0, (position - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN)
+
+
+@dataclass(frozen=True)
+class KernelInputs:
+    """Inputs of the compiled kernel: ``lengths [B]``, ``ancestors [B, T, W]`` (cache slots
+    of each row's ancestors, root first, itself last, -1 after), ``rows [B]`` (real rows)."""
+
+    lengths: torch.Tensor
+    ancestors: torch.Tensor
+    rows: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -56,11 +77,12 @@ class TreeLayout:
     """
 
     write_slots: torch.Tensor
-    rows: int
-    far_len: int
-    far_bias: torch.Tensor
-    tail_index: torch.Tensor
-    tail_bias: torch.Tensor
+    rows: int = 0
+    far_len: int = 0
+    far_bias: torch.Tensor | None = None
+    tail_index: torch.Tensor | None = None
+    tail_bias: torch.Tensor | None = None
+    kernel: KernelInputs | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,15 @@ def build_tree_layout(
         cache: the cache the pass runs against (for its shape and device).
     """
     batch = len(lengths)
+    write_slots = torch.tensor(lengths)[:, None] + torch.arange(num_rows)
+    if use_kernel(cache):
+        width = len(ancestors[0][0])
+        table = torch.full((batch, num_rows, width), -1, dtype=torch.long)
+        for b, (length, anc) in enumerate(zip(lengths, ancestors)):
+            rows = torch.tensor(anc, dtype=torch.long)
+            table[b, : len(anc)] = torch.where(rows >= 0, rows + length, rows)
+        kernel = KernelInputs(torch.tensor(lengths), table, torch.tensor([len(a) for a in ancestors]))
+        return TreeLayout(write_slots=write_slots, kernel=kernel)
     n = min(num_rows, -(-max(len(a) for a in ancestors) // ROW_ALIGN) * ROW_ALIGN)
     far_ends = torch.zeros(batch, n, dtype=torch.long)
     tail_slots = torch.zeros(batch, n, TAIL, dtype=torch.long)
@@ -115,7 +146,6 @@ def build_tree_layout(
     neg = float("-inf")
     far_bias = torch.zeros(batch, n, far_len).masked_fill_(torch.arange(far_len) >= far_ends[..., None], neg)
     tail_bias = torch.zeros(batch, n, TAIL).masked_fill_(~tail_valid, neg)
-    write_slots = torch.tensor(lengths)[:, None] + torch.arange(num_rows)
     kv_heads, capacity = cache.keys.shape[2], cache.capacity
     # Flat row of (b, h, slot) in a [B * Hkv * S, D] view: (b * Hkv + h) * S + slot.
     base = (torch.arange(batch)[:, None] * kv_heads + torch.arange(kv_heads)) * capacity  # [B, Hkv]
@@ -139,8 +169,15 @@ def tree_attention(
     Args:
         query: ``[B, H, T, D]`` after rotary embedding.
     Returns:
-        ``[B, T, H, D]`` float32; rows past ``layout.rows`` are zero.
+        ``[B, T, H, D]``, float32 from the PyTorch path, the cache dtype from the kernel;
+        rows past the tree are zero.
     """
+    if layout.kernel is not None:
+        k = layout.kernel
+        keys, values = cache.layer(layer)
+        return tree_attention_kernel().tree_attention_exact(
+            query.to(keys.dtype), keys, values, k.lengths, k.ancestors, k.rows, scaling
+        )
     batch, heads, rows, dim = query.shape
     n = layout.rows
     keys, values = cache.layer(layer)  # [B, Hkv, S, D]
@@ -149,19 +186,21 @@ def tree_attention(
     q = query[:, :, :n].float().view(batch, kv_heads, group, n, dim)
 
     # Far part: one matmul per (sequence, KV head) over the same slots in every pass.
-    far_scores = torch.matmul(q.reshape(batch, kv_heads, group * n, dim), keys[:, :, : layout.far_len].transpose(-1, -2))
+    far_k = keys[:, :, : layout.far_len].float()
+    far_v = values[:, :, : layout.far_len].float()
+    far_scores = torch.matmul(q.reshape(batch, kv_heads, group * n, dim), far_k.transpose(-1, -2))
     far_scores = far_scores.view(batch, kv_heads, group, n, -1).mul_(scaling).add_(layout.far_bias)
     far_max = far_scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)  # empty far part: weights 0
     far_weights = far_scores.sub_(far_max).exp_()
     far_sum = far_weights.sum(dim=-1, keepdim=True)
-    far_out = torch.matmul(far_weights.view(batch, kv_heads, group * n, -1), values[:, :, : layout.far_len])
+    far_out = torch.matmul(far_weights.view(batch, kv_heads, group * n, -1), far_v)
     # -> [B, Hkv, n, g, *] to line up with the tail.
     far_out = far_out.view(batch, kv_heads, group, n, dim).transpose(2, 3)
     far_max, far_sum = far_max.transpose(2, 3), far_sum.transpose(2, 3)
 
     # Tail: per row, its own keys in position order; one fixed-shape matmul per row.
-    tail_k = keys.reshape(-1, dim).index_select(0, layout.tail_index).view(batch, kv_heads, n, TAIL, dim)
-    tail_v = values.reshape(-1, dim).index_select(0, layout.tail_index).view(batch, kv_heads, n, TAIL, dim)
+    tail_k = keys.reshape(-1, dim).index_select(0, layout.tail_index).view(batch, kv_heads, n, TAIL, dim).float()
+    tail_v = values.reshape(-1, dim).index_select(0, layout.tail_index).view(batch, kv_heads, n, TAIL, dim).float()
     q_rows = q.transpose(2, 3)  # [B, Hkv, n, g, D]
     tail_scores = torch.matmul(q_rows, tail_k.transpose(-1, -2)).mul_(scaling).add_(layout.tail_bias)
     tail_max = tail_scores.amax(dim=-1, keepdim=True)
@@ -193,8 +232,8 @@ def prefill_attention(
     _, heads, rows, dim = query.shape
     keys, values = cache.layer(layer)
     end = layout.start + rows
-    k = keys[layout.batch_index, :, :end]  # [Hkv, end, D]
-    v = values[layout.batch_index, :, :end]
+    k = keys[layout.batch_index, :, :end].float()  # [Hkv, end, D]
+    v = values[layout.batch_index, :, :end].float()
     group = heads // k.shape[0]
     k = k.repeat_interleave(group, dim=0)[None]
     v = v.repeat_interleave(group, dim=0)[None]

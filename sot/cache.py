@@ -1,7 +1,7 @@
 """The KV cache: the only code that reads or writes KV storage.
 
 Storage is one tensor per K and V of shape ``[L, B, Hkv, S, D]`` (layers, batch, KV heads,
-slots, head dim), kept in float32 whatever the model dtype, so attention runs in float32.
+slots, head dim) in the model dtype; attention accumulates in float32.
 Sequence ``b`` holds its committed tokens in slots ``[0, lengths[b])``, the token at position
 ``p`` always in slot ``p``. A forward writes its rows into *scratch* slots starting at
 ``lengths[b]``; :meth:`KVCache.keep_rows` then moves the accepted rows into place.
@@ -52,6 +52,12 @@ class KVCache:
             slots: ``[B, T]`` slot of each row (``lengths[b] + row`` for a tree step).
             keys, values: ``[B, Hkv, T, D]`` the new rows.
         """
+        if slots.shape[0] == 1:  # one sequence: its slots are a contiguous run
+            start = int(slots[0, 0])
+            end = start + slots.shape[1]
+            self.keys[layer, :, :, start:end] = keys
+            self.values[layer, :, :, start:end] = values
+            return
         index = slots[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
         self.keys[layer].scatter_(2, index, keys.to(self.keys.dtype))
         self.values[layer].scatter_(2, index, values.to(self.values.dtype))

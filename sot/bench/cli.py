@@ -2,12 +2,52 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmark methods side by side")
-    bench.add_argument("--prompts", default="humaneval")
+    from sot.cli import _non_negative_float, _non_negative_int, _positive_int, add_chat_flag
+
+    bench = sub.add_parser("bench", help="benchmark decoding methods side by side")
+    bench.add_argument("--prompts", default="humaneval",
+                       help="a JSONL file or a built-in set: sharegpt-heldout, humaneval, long, adversarial")
+    bench.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
+    bench.add_argument("--methods", default="hf,plain,pld", help="comma list of hf, hf-pld, plain, pld, state, llamacpp")
+    bench.add_argument("--model", default="default")
+    bench.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="engine dtype")
+    bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--max-nodes", type=_positive_int, default=16)
+    bench.add_argument("--max-depth", type=_non_negative_int, default=8)
+    bench.add_argument("--ignore-eos", action="store_true")
+    bench.add_argument("--sweep", default=None, help="NAME=v1,v2,... with NAME max-depth or max-nodes")
+    bench.add_argument("--out", default="bench-out", help="output folder")
+    add_chat_flag(bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    raise NotImplementedError("bench")
+    from sot.bench.runner import BenchConfig, parse_sweep, run_bench, summary
+
+    cfg = BenchConfig(
+        prompts=args.prompts,
+        limit=args.limit,
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        model=args.model,
+        dtype=args.dtype,
+        hf_dtype=args.hf_dtype,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        max_nodes=args.max_nodes,
+        max_depth=args.max_depth,
+        chat=args.chat,
+        ignore_eos=args.ignore_eos,
+        sweep=parse_sweep(args.sweep) if args.sweep else None,
+        out=args.out,
+    )
+    result = run_bench(cfg)
+    print(summary(result))
+    print(f"results in {cfg.out}/ (results.json, report.md, per-method JSONL, plots)", file=sys.stderr)
+    return 0

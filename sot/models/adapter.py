@@ -141,7 +141,7 @@ class ForwardOutput:
     """Logits and chosen hidden states of one forward.
 
     Attributes:
-        logits: ``[B, T, V]`` float32.
+        logits: ``[B, T, V]`` in the model dtype.
         states: ``[B, T, S, D]`` hidden states of the ``S`` requested layers, or ``None``.
     """
 
@@ -192,7 +192,8 @@ class TargetModel:
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
-        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device)
+        # The cache holds K/V in the model dtype; attention accumulates in float32.
+        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> ForwardOutput:
         if self.fast is not None:
@@ -209,7 +210,7 @@ class TargetModel:
         states = None
         if want_states:
             states = torch.stack([out.hidden_states[i] for i in self.state_layers], dim=2)
-        return ForwardOutput(logits=out.logits.float(), states=states)
+        return ForwardOutput(logits=out.logits, states=states)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, batch_index: int, input_ids: torch.Tensor, start: int = 0) -> ForwardOutput:

@@ -104,10 +104,8 @@ class FastLlama:
         self.scaling = self.head_dim**-0.5
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(dtype)
+        # The fused kernel gives the same bits as transformers' LlamaRMSNorm (tested).
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,10 +132,9 @@ class FastLlama:
         for idx, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln1).reshape(batch * rows, -1)
             qkv = layer.qkv(x, stable).view(batch, rows, nq + 2 * nkv, hd)
-            q = qkv[:, :, :nq].transpose(1, 2)
-            k = qkv[:, :, nq : nq + nkv].transpose(1, 2)
+            qk = self._rope(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)  # q and k heads at once
+            q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, :, nq + nkv :].transpose(1, 2)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             if stable:
                 cache.write(idx, layout.write_slots, k, v)
                 att = tree_attention(q, cache, idx, layout, self.scaling)
@@ -155,4 +152,4 @@ class FastLlama:
         h = self._rms(h, self.norm)
         logits = self.lm_head(h.reshape(batch * rows, -1), stable).view(batch, rows, -1)
         stacked = torch.stack(states, dim=2) if state_layers else None
-        return logits.float(), stacked
+        return logits, stacked

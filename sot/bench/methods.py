@@ -1,0 +1,162 @@
+"""The decoding methods ``sot bench`` compares, behind one interface."""
+from __future__ import annotations
+
+import copy
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sot.drafters import Drafter, TreeBudget
+from sot.engine import Engine, GenerationParams
+from sot.models.adapter import TargetModel
+
+METHODS = ("hf", "hf-pld", "plain", "pld", "state", "llamacpp")
+
+
+@dataclass
+class RunRecord:
+    """One method on one prompt."""
+
+    method: str
+    prompt_index: int
+    prompt_id: str
+    prompt_tokens: int
+    new_tokens: int
+    wall_time: float
+    ttft: float
+    token_ids: list[int]
+    accept_lengths: list[int] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+
+class BenchMethod(ABC):
+    """Generates a continuation of a token-id prompt and reports what it measured."""
+
+    name: str
+    uses_engine = False
+
+    @abstractmethod
+    def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
+        """Generate for one prompt; ``prompt_index``/``prompt_id`` are filled by the caller."""
+
+
+class EngineMethod(BenchMethod):
+    """The SoT engine with a given drafter (``plain`` is drafter ``none``)."""
+
+    uses_engine = True
+
+    def __init__(self, name: str, target: TargetModel, drafter: Drafter, budget: TreeBudget) -> None:
+        self.name = name
+        self.engine = Engine(target, drafter, budget)
+
+    def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
+        before = copy.copy(self.engine.times)
+        t0 = time.perf_counter()
+        res = self.engine.generate([prompt], params)[0]
+        wall = time.perf_counter() - t0
+        after = self.engine.times
+        phases = {
+            "draft": after.draft - before.draft,
+            "verify": after.verify - before.verify + after.prefill - before.prefill,
+        }
+        phases["bookkeeping"] = max(0.0, wall - phases["draft"] - phases["verify"])
+        return RunRecord(
+            method=self.name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt), new_tokens=res.new_tokens,
+            wall_time=wall, ttft=res.first_token_seconds, token_ids=res.token_ids, accept_lengths=res.accept_lengths,
+            depth_attempts=res.depth_attempts, depth_accepts=res.depth_accepts, phase_seconds=phases,
+        )
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.calls = 0
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # the first call carries the prompt
+            self.first = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
+class HFMethod(BenchMethod):
+    """transformers ``generate``; with ``lookup`` > 0, its prompt lookup decoding."""
+
+    def __init__(self, name: str, model: torch.nn.Module, lookup: int = 0) -> None:
+        self.name = name
+        self.model = model
+        self.lookup = lookup
+
+    def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
+        sp = params.sampling
+        kwargs: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, do_sample=not sp.greedy)
+        if not sp.greedy:
+            kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+            torch.manual_seed(sp.seed)
+        if self.lookup:
+            kwargs["prompt_lookup_num_tokens"] = self.lookup
+        eos = list(params.eos_token_ids) or None
+        ids = torch.tensor([prompt])
+        clock = _FirstTokenClock()
+        t0 = time.perf_counter()
+        clock.start = t0
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), eos_token_id=eos, pad_token_id=(eos or [0])[0],
+                streamer=clock, **kwargs,
+            )
+        wall = time.perf_counter() - t0
+        new = out[0, len(prompt) :].tolist()
+        if eos:  # generate pads nothing for batch 1, but be safe about trailing pads
+            for i, tok in enumerate(new):
+                if tok in eos:
+                    new = new[: i + 1]
+                    break
+        return RunRecord(
+            method=self.name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt), new_tokens=len(new),
+            wall_time=wall, ttft=clock.first or wall, token_ids=new,
+        )
+
+
+class LlamaCppMethod(BenchMethod):
+    """llama.cpp through ``llama-cpp-python`` on the same GGUF file (optional)."""
+
+    def __init__(self, gguf_path: str, threads: int = 2) -> None:
+        from llama_cpp import Llama  # type: ignore[import-not-found]
+
+        self.name = "llamacpp"
+        self.llm = Llama(model_path=gguf_path, n_threads=threads, n_ctx=4096, verbose=False)
+
+    def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
+        sp = params.sampling
+        self.llm.reset()
+        t0 = time.perf_counter()
+        first = None
+        new: list[int] = []
+        gen = self.llm.generate(prompt, temp=sp.temperature, top_k=1 if sp.greedy else sp.top_k, top_p=sp.top_p, seed=sp.seed)
+        for tok in gen:
+            if first is None:
+                first = time.perf_counter() - t0
+            new.append(int(tok))
+            if tok in params.eos_token_ids or len(new) >= params.max_new_tokens:
+                break
+        wall = time.perf_counter() - t0
+        return RunRecord(
+            method=self.name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt), new_tokens=len(new),
+            wall_time=wall, ttft=first or wall, token_ids=new,
+        )

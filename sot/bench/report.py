@@ -1,0 +1,183 @@
+"""Aggregates, the Markdown table and the plots of a bench run."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from sot.bench.methods import RunRecord
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _ratios(records: dict[int, RunRecord], base: dict[int, RunRecord]) -> list[float]:
+    """Per-prompt tokens/s ratio against ``base``, in prompt order."""
+    out = []
+    for i, rec in sorted(records.items()):
+        ref = base.get(i)
+        if ref is not None and ref.tokens_per_s > 0 and rec.tokens_per_s > 0:
+            out.append(rec.tokens_per_s / ref.tokens_per_s)
+    return out
+
+
+def _summary(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, greedy: bool) -> dict[str, dict]:
+    """Per-method figures. Speedups are per-prompt tokens/s ratios (median and range)."""
+    by_method: dict[str, dict[int, RunRecord]] = {m: {} for m in methods}
+    for r in records:
+        by_method[r.method][r.prompt_index] = r
+    out: dict[str, dict] = {}
+    for m in methods:
+        recs = by_method[m]
+        if not recs:
+            continue
+        tokens = sum(r.new_tokens for r in recs.values())
+        seconds = sum(r.wall_time for r in recs.values())
+        accepts = [a for r in recs.values() for a in r.accept_lengths]
+        steps = len(accepts)
+        hist: dict[int, int] = {}
+        for a in accepts:
+            hist[a] = hist.get(a, 0) + 1
+        depth_n = max((len(r.depth_attempts) for r in recs.values()), default=0)
+        attempts = [sum(r.depth_attempts[d] for r in recs.values() if d < len(r.depth_attempts)) for d in range(depth_n)]
+        accepted = [sum(r.depth_accepts[d] for r in recs.values() if d < len(r.depth_accepts)) for d in range(depth_n)]
+        phases: dict[str, float] = {}
+        for r in recs.values():
+            for k, v in r.phase_seconds.items():
+                phases[k] = phases.get(k, 0.0) + v
+        peak = max(r.peak_rss for r in recs.values())
+        entry = {
+            "prompts": len(recs),
+            "new_tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "speedup_vs_hf": _summary(_ratios(recs, by_method.get("hf", {}))) if m != "hf" else None,
+            "speedup_vs_plain": _summary(_ratios(recs, by_method.get("plain", {}))) if m != "plain" else None,
+            "mean_accept_len": (sum(accepts) / steps) if steps else 1.0,
+            "accept_hist": {str(k): v for k, v in sorted(hist.items())},
+            "accept_rate_per_depth": [a / t if t else 0.0 for a, t in zip(accepted, attempts)],
+            "ttft_s": statistics.median(r.ttft for r in recs.values()),
+            "peak_rss_mb": peak / 2**20,
+            "peak_rss_over_model_mb": max(0, peak - model_rss) / 2**20,
+            "phase_share": {k: v / seconds for k, v in phases.items()} if seconds > 0 and phases else {},
+            "identical_to_plain": None,
+            "divergences": [],
+        }
+        plain = by_method.get("plain", {})
+        if greedy and plain and m != "plain":
+            same = 0
+            for i, rec in sorted(recs.items()):
+                if i not in plain:
+                    continue
+                where = _first_divergence(rec.token_ids, plain[i].token_ids)
+                if where is None:
+                    same += 1
+                else:
+                    entry["divergences"].append({"prompt_index": i, "first_divergent_token": where})
+            entry["identical_to_plain"] = f"{same}/{len([i for i in recs if i in plain])}"
+        out[m] = entry
+    return out
+
+
+def _fmt_speedup(s: dict | None) -> str:
+    if not s:
+        return "-"
+    return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def markdown_table(aggregates: dict[str, dict]) -> str:
+    """The Markdown table of a run (one row per method)."""
+    head = (
+        "| method | tok/s | speedup vs hf | speedup vs plain | tau | identical to plain | TTFT s | peak RSS MB "
+        "| RSS over model MB | draft / verify / other |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for m, a in aggregates.items():
+        share = a["phase_share"]
+        split = " / ".join(f"{100 * share.get(k, 0):.0f}%" for k in ("draft", "verify", "bookkeeping")) if share else "-"
+        rows.append(
+            f"| {m} | {a['tokens_per_s']:.1f} | {_fmt_speedup(a['speedup_vs_hf'])} | {_fmt_speedup(a['speedup_vs_plain'])} "
+            f"| {a['mean_accept_len']:.2f} | {a['identical_to_plain'] or '-'} | {a['ttft_s']:.3f} | {a['peak_rss_mb']:.0f} "
+            f"| {a['peak_rss_over_model_mb']:.0f} | {split} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def plots(aggregates: dict[str, dict], out: Path) -> list[str]:
+    """Speedup bars (with min-max error bars), accepted-length histogram, acceptance per depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    names = [m for m, a in aggregates.items() if a["speedup_vs_hf"]]
+    if names:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        med = [aggregates[m]["speedup_vs_hf"]["median"] for m in names]
+        low = [med[i] - aggregates[m]["speedup_vs_hf"]["min"] for i, m in enumerate(names)]
+        high = [aggregates[m]["speedup_vs_hf"]["max"] - med[i] for i, m in enumerate(names)]
+        ax.bar(names, med, yerr=[low, high], capsize=4, color="#4a7fb5")
+        ax.axhline(1.0, color="grey", lw=1, ls="--")
+        ax.set_ylabel("speedup vs HF generate (median, min-max)")
+        fig.tight_layout()
+        fig.savefig(out / "speedup.png", dpi=120)
+        plt.close(fig)
+        written.append("speedup.png")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for m, a in aggregates.items():
+        hist = {int(k): v for k, v in a["accept_hist"].items()}
+        if hist and max(hist) > 1:
+            total = sum(hist.values())
+            xs = sorted(hist)
+            ax.plot(xs, [hist[x] / total for x in xs], marker="o", label=m)
+    ax.set_xlabel("tokens committed per step")
+    ax.set_ylabel("share of steps")
+    ax.legend() if ax.lines else None
+    fig.tight_layout()
+    fig.savefig(out / "accept_hist.png", dpi=120)
+    plt.close(fig)
+    written.append("accept_hist.png")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for m, a in aggregates.items():
+        rates = a["accept_rate_per_depth"]
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=m)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("acceptance rate (given the depth was reached)")
+    ax.set_ylim(0, 1)
+    ax.legend() if ax.lines else None
+    fig.tight_layout()
+    fig.savefig(out / "accept_depth.png", dpi=120)
+    plt.close(fig)
+    written.append("accept_depth.png")
+    return written
+
+
+def sweep_plot(name: str, rows: list[dict], out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax1 = plt.subplots(figsize=(6, 3.5))
+    xs = [r["value"] for r in rows]
+    ax1.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", color="#4a7fb5")
+    ax1.set_xlabel(name)
+    ax1.set_ylabel("tokens/s", color="#4a7fb5")
+    ax2 = ax1.twinx()
+    ax2.plot(xs, [r["mean_accept_len"] for r in rows], marker="s", color="#c0504d")
+    ax2.set_ylabel("mean accepted length (tau)", color="#c0504d")
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=120)
+    plt.close(fig)
+    return "sweep.png"

@@ -1,0 +1,238 @@
+"""``sot bench``: run methods side by side over the same prompts and write the results.
+
+For each prompt the methods run in turn (A B C, A B C, ...) after a warm-up, so drift of a
+shared machine affects them alike. ``results.json`` schema (``"schema": "sot-bench/1"``):
+
+* ``config``: the run's settings;
+* ``methods``: per method, ``tokens_per_s`` (total new tokens / total time),
+  ``speedup_vs_hf`` / ``speedup_vs_plain`` (per-prompt tokens/s ratios: median, min, max),
+  ``mean_accept_len`` (tau), ``accept_hist``, ``accept_rate_per_depth``, ``ttft_s`` (median),
+  ``peak_rss_mb``, ``peak_rss_over_model_mb``, ``phase_share`` (draft / verify /
+  bookkeeping), ``identical_to_plain`` ("k/n", greedy only) and ``divergences``;
+* ``records``: one entry per (prompt, method) with its tokens and timings;
+* ``sweep`` (with ``--sweep``): per setting, tokens/s, tau and speedup vs plain.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sot.bench.memory import PeakRSS, current_rss
+from sot.bench.methods import METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord
+from sot.bench.prompts import load_prompt_set
+from sot.bench.report import aggregate, markdown_table, plots, sweep_plot
+from sot.drafters import DrafterKind, TreeBudget, make_drafter
+from sot.engine import GenerationParams
+from sot.errors import ConfigError
+from sot.models.adapter import TargetModel
+from sot.models.loading import DEFAULT_MODEL, default_gguf_path, load_model
+from sot.prompts import encode, has_chat_template
+from sot.sampling import SamplingParams
+
+SCHEMA = "sot-bench/1"
+SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Settings of one bench run (the CLI fills it)."""
+
+    prompts: str = "humaneval"
+    limit: int | None = None
+    methods: tuple[str, ...] = ("hf", "plain", "pld")
+    model: str = DEFAULT_MODEL
+    dtype: str = "bfloat16"
+    hf_dtype: str = "float32"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    max_nodes: int = 16
+    max_depth: int = 8
+    chat: bool | None = None
+    ignore_eos: bool = False
+    warmup_tokens: int = 16
+    sweep: tuple[str, tuple[int, ...]] | None = None
+    out: str = "bench-out"
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_sweep(text: str) -> tuple[str, tuple[int, ...]]:
+    """``"max-depth=1,2,4"`` -> ``("max-depth", (1, 2, 4))``."""
+    name, _, values = text.partition("=")
+    if name not in SWEEPABLE or not values:
+        raise ConfigError(f"--sweep takes NAME=v1,v2,... with NAME one of {', '.join(SWEEPABLE)}")
+    try:
+        parsed = tuple(int(v) for v in values.split(","))
+    except ValueError:
+        raise ConfigError(f"--sweep values must be integers: {values}") from None
+    return name, parsed
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
+    return TreeBudget(max_nodes=override.get("max_nodes", cfg.max_nodes), max_depth=override.get("max_depth", cfg.max_depth))
+
+
+def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
+    """Load what the requested methods need; returns the methods, tokenizer and engine target."""
+    unknown = [m for m in cfg.methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if cfg.dtype not in _DTYPES or cfg.hf_dtype not in _DTYPES:
+        raise ConfigError("dtypes must be float32 or bfloat16")
+    methods: list[BenchMethod] = []
+    tokenizer = None
+    target = None
+    engine_methods = [m for m in cfg.methods if m in ("plain", "pld", "state")]
+    if engine_methods:
+        loaded = load_model(cfg.model, dtype=_DTYPES[cfg.dtype])
+        tokenizer = loaded.tokenizer
+        drafters = {m: make_drafter(DrafterKind.NONE if m == "plain" else DrafterKind(m)) for m in engine_methods}
+        layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))
+        target = TargetModel(loaded.model, state_layers=layers)
+    for name in cfg.methods:
+        if name in ("hf", "hf-pld"):
+            hf = load_model(cfg.model, dtype=_DTYPES[cfg.hf_dtype])
+            tokenizer = tokenizer or hf.tokenizer
+            methods.append(HFMethod(name, hf.model, lookup=10 if name == "hf-pld" else 0))
+        elif name == "llamacpp":
+            try:
+                gguf = str(default_gguf_path()) if cfg.model == DEFAULT_MODEL else cfg.model
+                if not gguf.endswith(".gguf"):
+                    raise ConfigError("llamacpp needs a .gguf model")
+                methods.append(LlamaCppMethod(gguf))
+            except ImportError:
+                cfg.notes.append("llamacpp skipped: llama-cpp-python is not installed (pip install 'sot[llamacpp]')")
+        else:
+            methods.append(EngineMethod(name, target, drafters[name], _budget(cfg)))
+    return methods, tokenizer, target
+
+
+def _run_one(method: BenchMethod, ids: list[int], params: GenerationParams, index: int, pid: str) -> RunRecord:
+    with PeakRSS() as mem:
+        rec = method.run(ids, params)
+    rec.prompt_index, rec.prompt_id, rec.peak_rss = index, pid, mem.peak
+    return rec
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark and write its outputs into ``cfg.out``; returns the results dict."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    methods, tokenizer, target = build_methods(cfg)
+    if not methods:
+        raise ConfigError("no method could run")
+    chat = has_chat_template(tokenizer) if cfg.chat is None else cfg.chat
+    records = load_prompt_set(cfg.prompts, cfg.limit, chat=chat)
+    prompts = [encode(tokenizer, r, chat) for r in records]
+    eos = () if cfg.ignore_eos else tuple({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else ())
+    params = GenerationParams(
+        max_new_tokens=cfg.max_new_tokens,
+        sampling=SamplingParams(temperature=cfg.temperature, seed=cfg.seed),
+        eos_token_ids=eos,
+    )
+    warm = dataclasses.replace(params, max_new_tokens=cfg.warmup_tokens)
+    for m in methods:
+        m.run(prompts[0], warm)
+    model_rss = current_rss()
+    runs: list[RunRecord] = []
+    with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run") as bar:
+        for i, ids in enumerate(prompts):
+            for m in methods:
+                runs.append(_run_one(m, ids, params, i, str(records[i].get("id", i)) if isinstance(records[i], dict) else str(i)))
+                bar.set_postfix_str(f"{m.name} {runs[-1].tokens_per_s:.1f} tok/s")
+                bar.update()
+    names = [m.name for m in methods]
+    aggregates = aggregate(runs, names, model_rss, greedy=cfg.temperature == 0)
+    result = {
+        "schema": SCHEMA,
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "notes"},
+        "notes": list(cfg.notes),
+        "model_rss_mb": model_rss / 2**20,
+        "methods": aggregates,
+        "records": [dataclasses.asdict(r) for r in runs],
+    }
+    if cfg.sweep:
+        result["sweep"] = run_sweep(cfg, target, prompts, params, out)
+    _write(result, runs, names, records, out)
+    return result
+
+
+def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[int]], params: GenerationParams, out: Path) -> dict:
+    """One speculative method under each setting, alternating with plain on every prompt."""
+    name, values = cfg.sweep
+    spec = next((m for m in cfg.methods if m in ("pld", "state")), None)
+    if target is None or spec is None:
+        raise ConfigError("--sweep needs an engine method to sweep (pld or state) in --methods")
+    plain = EngineMethod("plain", target, make_drafter(DrafterKind.NONE), _budget(cfg))
+    variants = []
+    for v in values:
+        budget = _budget(cfg, **{SWEEPABLE[name]: v})
+        if name == "max-depth":
+            budget = TreeBudget(max_nodes=max(budget.max_nodes, v + 1), max_depth=v)
+        variants.append((v, EngineMethod(f"{spec}@{v}", target, make_drafter(DrafterKind(spec)), budget)))
+    runs: dict[str, list[RunRecord]] = {"plain": []}
+    with tqdm(total=len(prompts) * (len(values) + 1), desc=f"sweep {name}", unit="run") as bar:
+        for i, ids in enumerate(prompts):
+            runs["plain"].append(_run_one(plain, ids, params, i, str(i)))
+            bar.update()
+            for v, m in variants:
+                runs.setdefault(m.name, []).append(_run_one(m, ids, params, i, str(i)))
+                bar.update()
+    rows = []
+    for v, m in variants:
+        agg = aggregate(runs[m.name] + runs["plain"], [m.name, "plain"], 0, greedy=True)[m.name]
+        rows.append({"value": v, "tokens_per_s": agg["tokens_per_s"], "mean_accept_len": agg["mean_accept_len"],
+                     "speedup_vs_plain": agg["speedup_vs_plain"], "identical_to_plain": agg["identical_to_plain"]})
+    sweep_plot(name, rows, out)
+    return {"name": name, "method": spec, "rows": rows}
+
+
+def _write(result: dict, runs: list[RunRecord], names: list[str], records: list, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    for name in names:
+        with open(out / f"{name}.jsonl", "w") as fh:
+            for r in runs:
+                if r.method != name:
+                    continue
+                fh.write(json.dumps({
+                    "question_id": r.prompt_id,
+                    "model_id": name,
+                    "choices": [{"index": 0, "turns": [r.token_ids], "decoding_steps": [len(r.accept_lengths) or r.new_tokens],
+                                 "new_tokens": [r.new_tokens], "wall_time": [r.wall_time],
+                                 "accept_lengths": [r.accept_lengths or [1] * r.new_tokens]}],
+                }) + "\n")
+    cfg = result["config"]
+    lines = [
+        f"# sot bench: {cfg['prompts']}",
+        "",
+        f"model `{cfg['model']}`, engine {cfg['dtype']}, HF {cfg['hf_dtype']}, {len(records)} prompts, "
+        f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}",
+        "",
+        markdown_table(result["methods"]),
+    ]
+    for note in result["notes"]:
+        lines.append(f"- {note}")
+    if "sweep" in result:
+        sw = result["sweep"]
+        lines += ["", f"## sweep of {sw['name']} ({sw['method']})", "", "| value | tok/s | tau | speedup vs plain | identical |", "|---|---|---|---|---|"]
+        for row in sw["rows"]:
+            s = row["speedup_vs_plain"]
+            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row['mean_accept_len']:.2f} | "
+                         f"{(s or {}).get('median', 0):.2f}x | {row['identical_to_plain']} |")
+    written = plots(result["methods"], out)
+    lines += ["", *[f"![{w}]({w})" for w in written]]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def summary(result: dict) -> str:
+    """One screen of text for the terminal."""
+    return markdown_table(result["methods"]) + "".join(f"note: {n}\n" for n in result["notes"])

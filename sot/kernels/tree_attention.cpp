@@ -1,0 +1,117 @@
+// Exact tree attention on the CPU.
+//
+// Every (sequence, head, row) is computed by the same instruction sequence over its keys in
+// position order: the committed slots 0 .. length-1, then the row's ancestors (root first,
+// itself last). Nothing depends on how many rows, trees or sequences share the call, so a
+// tree row produces the same bits as plain decoding of the same token.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+// Dot product with kLanes fixed partial sums, reduced in a fixed order.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+  for (int j = 0; i < n; ++i, ++j) acc[j] += a[i] * b[i];
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return acc[0];
+}
+
+}  // namespace
+
+template <typename T>
+void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+         const torch::Tensor& lengths, const torch::Tensor& ancestors, const torch::Tensor& rows,
+         float scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
+  const int64_t Hkv = keys.size(1), S = keys.size(2), W = ancestors.size(2);
+  const int64_t group = H / Hkv;
+  // q may be a strided view [B, H, R, D]; its last dim is contiguous.
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* ap = ancestors.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+
+  at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qrow(D), krow(D), acc(D);
+    std::vector<int64_t> slots;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (H * R), h = (task / R) % H, r = task % R;
+      T* o = op + ((b * R + r) * H + h) * D;
+      if (r >= rp[b]) {
+        for (int64_t d = 0; d < D; ++d) o[d] = T(0.f);
+        continue;
+      }
+      const int64_t kvh = h / group;
+      const T* qsrc = qp + b * qs0 + h * qs1 + r * qs2;
+      for (int64_t d = 0; d < D; ++d) qrow[d] = static_cast<float>(qsrc[d]);
+      const T* kbase = kp + (b * Hkv + kvh) * S * D;
+      const T* vbase = vp + (b * Hkv + kvh) * S * D;
+      const int64_t committed = lp[b];
+      const int64_t* anc = ap + (b * R + r) * W;
+      slots.clear();
+      for (int64_t j = 0; j < W && anc[j] >= 0; ++j) slots.push_back(anc[j]);
+      const int64_t total = committed + static_cast<int64_t>(slots.size());
+      scores.resize(total);
+      float top = -INFINITY;
+      for (int64_t k = 0; k < total; ++k) {
+        const int64_t slot = k < committed ? k : slots[k - committed];
+        const T* ksrc = kbase + slot * D;
+        for (int64_t d = 0; d < D; ++d) krow[d] = static_cast<float>(ksrc[d]);
+        const float s = dot(qrow.data(), krow.data(), D) * scale;
+        scores[k] = s;
+        top = s > top ? s : top;
+      }
+      float sum = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < total; ++k) {
+        const int64_t slot = k < committed ? k : slots[k - committed];
+        const float w = std::exp(scores[k] - top);
+        sum += w;
+        const T* v = vbase + slot * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(v[d]);
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] / sum);
+    }
+  });
+}
+
+// q: [B, H, R, D] (last dim contiguous); keys, values: [B, Hkv, S, D] contiguous, same dtype
+// (float32 or bfloat16); lengths: [B] int64; ancestors: [B, R, W] int64 cache slots (-1 past
+// the row's depth); rows: [B] int64 real rows per sequence.
+// Returns [B, R, H, D] in q's dtype, accumulated in float32 (zeros past rows[b]).
+torch::Tensor tree_attention_exact(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                   torch::Tensor lengths, torch::Tensor ancestors,
+                                   torch::Tensor rows, double scaling) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rank mismatch");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "q and cache must share a dtype");
+  TORCH_CHECK(q.stride(3) == 1, "q's last dim must be contiguous");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
+  auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
+  const float scale = static_cast<float>(scaling);
+  if (q.scalar_type() == torch::kFloat32) {
+    run<float>(q, keys, values, lengths, ancestors, rows, scale, out);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    run<at::BFloat16>(q, keys, values, lengths, ancestors, rows, scale, out);
+  } else {
+    TORCH_CHECK(false, "float32 or bfloat16 only");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tree_attention_exact", &tree_attention_exact, "exact CPU tree attention");
+}
