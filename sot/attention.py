@@ -123,14 +123,17 @@ def build_tree_layout(
         cache: the cache the pass runs against (for its shape and device).
     """
     batch = len(lengths)
-    write_slots = torch.tensor(lengths)[:, None] + torch.arange(num_rows)
+    write_slots = torch.tensor([list(range(n, n + num_rows)) for n in lengths])
     if use_kernel(cache):
         width = len(ancestors[0][0])
-        table = torch.full((batch, num_rows, width), -1, dtype=torch.long)
-        for b, (length, anc) in enumerate(zip(lengths, ancestors)):
-            rows = torch.tensor(anc, dtype=torch.long)
-            table[b, : len(anc)] = torch.where(rows >= 0, rows + length, rows)
-        kernel = KernelInputs(torch.tensor(lengths), table, torch.tensor([len(a) for a in ancestors]))
+        pad_row = [-1] * width
+        table = [
+            [[a + length if a >= 0 else -1 for a in row] for row in anc] + [pad_row] * (num_rows - len(anc))
+            for length, anc in zip(lengths, ancestors)
+        ]
+        kernel = KernelInputs(
+            torch.tensor(lengths), torch.tensor(table), torch.tensor([len(a) for a in ancestors])
+        )
         return TreeLayout(write_slots=write_slots, kernel=kernel)
     n = min(num_rows, -(-max(len(a) for a in ancestors) // ROW_ALIGN) * ROW_ALIGN)
     far_ends = torch.zeros(batch, n, dtype=torch.long)

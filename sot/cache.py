@@ -80,9 +80,13 @@ class KVCache:
         Example: ``lengths = [5]``, ``src_slots = [[5, 7, 8]]`` (tree rows 0, 2, 3 accepted)
         moves slots 7 -> 6 and 8 -> 7 (slot 5 stays) and sets ``lengths = [8]``.
         """
-        width = max((len(s) for s in src_slots), default=0)
-        if width == 0:
+        # Rows already in place (plain decoding, or an accepted main branch) need no move.
+        moves = [[(s, self.lengths[b] + i) for i, s in enumerate(slots) if s != self.lengths[b] + i] for b, slots in enumerate(src_slots)]
+        if not any(moves):
+            for b, slots in enumerate(src_slots):
+                self.lengths[b] += len(slots)
             return
+        width = max((len(s) for s in src_slots), default=0)
         src, dst = [], []
         for b, slots in enumerate(src_slots):
             start = self.lengths[b]

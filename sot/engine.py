@@ -222,7 +222,8 @@ class Engine:
             if tree.tokens[0] != root or tree.size > self.budget.max_nodes or tree.max_depth > self.budget.max_depth:
                 raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
             trees.append(tree)
-        rows = -(-max(t.size for t in trees) // ROW_UNIT) * ROW_UNIT
+        unit = self.target.row_multiple
+        rows = -(-max(t.size for t in trees) // unit) * unit
         width = max(t.max_depth for t in trees) + 1
         ids = torch.zeros(len(seqs), rows, dtype=torch.long)
         pos = torch.zeros(len(seqs), rows, dtype=torch.long)

@@ -112,6 +112,53 @@ torch::Tensor tree_attention_exact(torch::Tensor q, torch::Tensor keys, torch::T
   return out;
 }
 
+// RMSNorm of bfloat16 rows, Llama style: w * bf16(x * rsqrt(mean(x^2) + eps)), computed in
+// float32 with a fixed reduction order. With ``residual`` given, x = bf16(x + residual) first
+// and that sum is returned as well.
+std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps,
+                                         c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16, "bfloat16 only");
+  x = x.contiguous();
+  const int64_t D = x.size(-1), N = x.numel() / D;
+  torch::Tensor sum_out;
+  const at::BFloat16* rp = nullptr;
+  if (residual.has_value()) {
+    auto res = residual->contiguous();
+    TORCH_CHECK(res.sizes() == x.sizes(), "residual shape mismatch");
+    sum_out = torch::empty_like(x);
+    rp = res.data_ptr<at::BFloat16>();
+  }
+  auto out = torch::empty_like(x);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::BFloat16* sp = sum_out.defined() ? sum_out.data_ptr<at::BFloat16>() : nullptr;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t d = 0; d < D; ++d) {
+        float v = static_cast<float>(xp[n * D + d]);
+        if (rp) {
+          const at::BFloat16 s = static_cast<at::BFloat16>(v + static_cast<float>(rp[n * D + d]));
+          sp[n * D + d] = s;
+          v = static_cast<float>(s);
+        }
+        row[d] = v;
+      }
+      const float ss = dot(row.data(), row.data(), D);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + feps);
+      for (int64_t d = 0; d < D; ++d) {
+        const float normed = static_cast<float>(static_cast<at::BFloat16>(row[d] * inv));
+        op[n * D + d] = static_cast<at::BFloat16>(static_cast<float>(wp[d]) * normed);
+      }
+    }
+  });
+  if (sp) return {out, sum_out};
+  return {out};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_attention_exact", &tree_attention_exact, "exact CPU tree attention");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "fused bfloat16 RMSNorm (optionally after a residual add)");
 }

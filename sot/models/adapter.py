@@ -90,6 +90,22 @@ def make_row_stable(model: torch.nn.Module) -> None:
             module.forward = _stable_conv1d_forward.__get__(module)
 
 
+_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def use_fused_norms(model: torch.nn.Module) -> None:
+    """In bfloat16 on the CPU, run Llama-style RMSNorm modules through the compiled kernel
+    that the fast path uses, so both paths compute the same bits."""
+    from sot.models.fast_llama import fused_rms_norm
+
+    for module in model.modules():
+        if type(module).__name__ in _NORM_CLASSES:
+            fused = fused_rms_norm(module.weight.dtype, module.weight.device)
+            if fused is not None:
+                eps = module.variance_epsilon
+                module.forward = lambda x, _w=module.weight, _f=fused, _e=eps: _f(x, _w, _e, None)[0]
+
+
 @dataclass(frozen=True)
 class ForwardContext:
     """What the attention function needs for one forward: the cache and the row layout."""
@@ -173,6 +189,7 @@ class TargetModel:
                 f"{type(model).__name__} does not support custom attention functions: {exc}"
             ) from exc
         make_row_stable(model)
+        use_fused_norms(model)
         self.model = model
         self.config = config
         self.state_layers = tuple(state_layers)
@@ -189,6 +206,8 @@ class TargetModel:
         self.fast = None
         if fast and getattr(config, "model_type", "") in FAST_FAMILIES:
             self.fast = FastLlama(model)
+        #: a verify pass's rows per sequence must be a multiple of this
+        self.row_multiple = self.fast.row_multiple if self.fast is not None else ROW_UNIT
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
@@ -223,6 +242,6 @@ class TargetModel:
     def verify(
         self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, layout: TreeLayout
     ) -> ForwardOutput:
-        """Run tree rows ``input_ids [B, T]`` at ``positions [B, T]`` (T a multiple of ``ROW_UNIT``)."""
+        """Run tree rows ``input_ids [B, T]`` at ``positions [B, T]`` (T a multiple of ``row_multiple``)."""
         with row_stable():
             return self._run(input_ids.to(self.device), positions.to(self.device), ForwardContext(cache, layout))

@@ -13,9 +13,20 @@ import torch
 import torch.nn.functional as F
 
 from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention
+from sot.kernels import tree_attention_kernel
 from sot.models.adapter import ROW_UNIT
 
 FAST_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def fused_rms_norm(dtype: torch.dtype, device: torch.device):
+    """The compiled bfloat16 RMSNorm (``(x, weight, eps, residual) -> [normed, sum]``), or
+    ``None`` where it does not apply (float32 keeps transformers' own reductions, so that
+    float32 output stays identical to ``generate()``)."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return None
+    kernel = tree_attention_kernel()
+    return None if kernel is None else kernel.rms_norm_bf16
 
 
 class PackedLinear:
@@ -41,6 +52,16 @@ class PackedLinear:
                 self.kind = "mkl"
         except (RuntimeError, AttributeError):
             self.packed = None
+        self.partial_ok = self.packed is not None and self._probe_partial_blocks()
+
+    def _probe_partial_blocks(self) -> bool:
+        """Whether a block of fewer than ``ROW_UNIT`` rows gives each row the same bits as a
+        full block. BLAS kernels are chosen by shape, not data, so one random probe per
+        shape tells. When it holds, short passes (plain decoding) need no padding rows."""
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(ROW_UNIT, self.weight.shape[1], generator=gen).to(self.weight.dtype)
+        full = self._block(x)
+        return all(torch.equal(self._block(x[:m]), full[:m]) for m in (1, 2, 3, 5, 8, 13))
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "mkldnn":
@@ -55,9 +76,14 @@ class PackedLinear:
         blocks (``M`` is then a multiple of ``ROW_UNIT``)."""
         if not stable:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] == ROW_UNIT:
+        rows = x.shape[0]
+        if rows == ROW_UNIT or (rows < ROW_UNIT and self.partial_ok):
             return self._block(x)
-        return torch.cat([self._block(x[i : i + ROW_UNIT]) for i in range(0, x.shape[0], ROW_UNIT)])
+        pad = 0 if self.partial_ok else -rows % ROW_UNIT
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        out = torch.cat([self._block(x[i : i + ROW_UNIT]) for i in range(0, x.shape[0], ROW_UNIT)])
+        return out[:rows] if pad else out
 
 
 @dataclass
@@ -102,10 +128,26 @@ class FastLlama:
                 )
             )
         self.scaling = self.head_dim**-0.5
+        self.fused_norm = fused_rms_norm(self.embed.dtype, self.embed.device)
+        linears = [self.lm_head] + [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        #: passes may have any row count when every product is exact for partial blocks
+        self.row_multiple = 1 if all(lin.partial_ok for lin in linears) else ROW_UNIT
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # The fused kernel gives the same bits as transformers' LlamaRMSNorm (tested).
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    def _add_rms(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = h + delta`` (when given), then RMSNorm of ``h``; returns ``(normed, h)``.
+
+        In bfloat16 on the CPU one compiled call does both (the same function replaces the
+        norm modules of the generic path, see :func:`sot.models.adapter.use_fused_norms`);
+        otherwise this is transformers' own formula.
+        """
+        if self.fused_norm is not None:
+            out = self.fused_norm(h, weight, self.eps, delta)
+            return (out[0], out[1]) if delta is not None else (out[0], h)
+        if delta is not None:
+            h = h + delta
+        return weight * F.rms_norm(h.float(), (h.shape[-1],), eps=self.eps).to(h.dtype), h
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,8 +171,12 @@ class FastLlama:
         cos, sin = cos[:, None], sin[:, None]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         states = [h] if 0 in state_layers else []
+        delta = None  # the last residual branch, added to h lazily (fused with the next norm)
         for idx, layer in enumerate(self.layers):
-            x = self._rms(h, layer.ln1).reshape(batch * rows, -1)
+            x, h = self._add_rms(h, delta, layer.ln1)
+            if idx in state_layers and idx > 0:
+                states.append(h)
+            x = x.reshape(batch * rows, -1)
             qkv = layer.qkv(x, stable).view(batch, rows, nq + 2 * nkv, hd)
             qk = self._rope(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)  # q and k heads at once
             q, k = qk[:, :nq], qk[:, nq:]
@@ -142,14 +188,13 @@ class FastLlama:
                 cache.write_sequence(idx, layout.batch_index, layout.start, k[0], v[0])
                 att = prefill_attention(q, cache, idx, layout, self.scaling)
             att = att.to(h.dtype).reshape(batch * rows, nq * hd)
-            h = h + layer.o(att, stable).view(batch, rows, -1)
-            x = self._rms(h, layer.ln2).reshape(batch * rows, -1)
-            gu = layer.gate_up(x, stable)
+            x, h = self._add_rms(h, layer.o(att, stable).view(batch, rows, -1), layer.ln2)
+            gu = layer.gate_up(x.reshape(batch * rows, -1), stable)
             gate, up = gu[:, : self.inter], gu[:, self.inter :]
-            h = h + layer.down(F.silu(gate) * up, stable).view(batch, rows, -1)
-            if idx + 1 in state_layers:
-                states.append(h)
-        h = self._rms(h, self.norm)
+            delta = layer.down(F.silu(gate) * up, stable).view(batch, rows, -1)
+        h, last = self._add_rms(h, delta, self.norm)
+        if len(self.layers) in state_layers:
+            states.append(last)
         logits = self.lm_head(h.reshape(batch * rows, -1), stable).view(batch, rows, -1)
         stacked = torch.stack(states, dim=2) if state_layers else None
         return logits, stacked
