@@ -158,7 +158,75 @@ std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, 
   return {out};
 }
 
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+// Rotary embedding of q and k plus the KV-cache write, in one pass.
+// qkv: [B, T, Hq + 2 Hkv, D] (q heads, k heads, v heads); cos, sin: [B, T, D];
+// keys, values: [B, Hkv, S, D] (one layer of the cache); slots: [B, T] cache slot per row.
+// Returns q: [B, Hq, T, D]. Every operation rounds to the model dtype exactly as the
+// transformers formula q * cos + rotate_half(q) * sin does, so the bits are the same.
+template <typename T>
+void rope_write_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                     torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& slots,
+                     int64_t hq, torch::Tensor& q_out) {
+  const int64_t B = qkv.size(0), Tn = qkv.size(1), Hall = qkv.size(2), D = qkv.size(3);
+  const int64_t hkv = (Hall - hq) / 2, S = keys.size(2), half = D / 2;
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T* kp = keys.data_ptr<T>();
+  T* vp = values.data_ptr<T>();
+  T* qp = q_out.data_ptr<T>();
+  at::parallel_for(0, B * Tn, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / Tn, t = bt % Tn;
+      const T* c = cp + bt * D;
+      const T* s = sp + bt * D;
+      const int64_t where = slot[bt];
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        const T* x = src + (bt * Hall + h) * D;
+        T* dst = h < hq ? qp + ((b * hq + h) * Tn + t) * D : kp + ((b * hkv + (h - hq)) * S + where) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float rot = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+          const T rot_t = round_to<T>(rot);
+          const T a = round_to<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
+          const T bb = round_to<T>(static_cast<float>(rot_t) * static_cast<float>(s[d]));
+          dst[d] = round_to<T>(static_cast<float>(a) + static_cast<float>(bb));
+        }
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        const T* x = src + (bt * Hall + hq + hkv + h) * D;
+        T* dst = vp + ((b * hkv + h) * S + where) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
+      }
+    }
+  });
+}
+
+torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
+                         torch::Tensor values, torch::Tensor slots, int64_t hq) {
+  TORCH_CHECK(qkv.dim() == 4 && cos.dim() == 3 && keys.dim() == 4, "rank mismatch");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slots = slots.contiguous();
+  TORCH_CHECK(qkv.scalar_type() == keys.scalar_type() && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  auto q = torch::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
+  if (qkv.scalar_type() == torch::kFloat32) {
+    rope_write_impl<float>(qkv, cos, sin, keys, values, slots, hq, q);
+  } else if (qkv.scalar_type() == torch::kBFloat16) {
+    rope_write_impl<at::BFloat16>(qkv, cos, sin, keys, values, slots, hq, q);
+  } else {
+    TORCH_CHECK(false, "float32 or bfloat16 only");
+  }
+  return q;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_write", &rope_write, "rotary embedding of q/k and KV-cache write");
   m.def("tree_attention_exact", &tree_attention_exact, "exact CPU tree attention");
   m.def("rms_norm_bf16", &rms_norm_bf16, "fused bfloat16 RMSNorm (optionally after a residual add)");
 }

@@ -129,6 +129,7 @@ class FastLlama:
             )
         self.scaling = self.head_dim**-0.5
         self.fused_norm = fused_rms_norm(self.embed.dtype, self.embed.device)
+        self.kernel = tree_attention_kernel() if self.embed.device.type == "cpu" else None
         linears = [self.lm_head] + [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         #: passes may have any row count when every product is exact for partial blocks
         self.row_multiple = 1 if all(lin.partial_ok for lin in linears) else ROW_UNIT
@@ -167,8 +168,8 @@ class FastLlama:
         batch, rows = input_ids.shape
         stable = isinstance(layout, TreeLayout)
         h = F.embedding(input_ids, self.embed)  # [B, T, D]
-        cos, sin = self.rotary(h, positions)  # [B, T, hd]
-        cos, sin = cos[:, None], sin[:, None]
+        cos3, sin3 = self.rotary(h, positions)  # [B, T, hd]
+        cos, sin = cos3[:, None], sin3[:, None]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         states = [h] if 0 in state_layers else []
         delta = None  # the last residual branch, added to h lazily (fused with the next norm)
@@ -178,15 +179,21 @@ class FastLlama:
                 states.append(h)
             x = x.reshape(batch * rows, -1)
             qkv = layer.qkv(x, stable).view(batch, rows, nq + 2 * nkv, hd)
-            qk = self._rope(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)  # q and k heads at once
-            q, k = qk[:, :nq], qk[:, nq:]
-            v = qkv[:, :, nq + nkv :].transpose(1, 2)
-            if stable:
-                cache.write(idx, layout.write_slots, k, v)
+            if stable and self.kernel is not None:
+                # One compiled call: rope on q and k, K/V into their cache slots.
+                keys, values = cache.layer(idx)
+                q = self.kernel.rope_write(qkv, cos3, sin3, keys, values, layout.write_slots, nq)
                 att = tree_attention(q, cache, idx, layout, self.scaling)
             else:
-                cache.write_sequence(idx, layout.batch_index, layout.start, k[0], v[0])
-                att = prefill_attention(q, cache, idx, layout, self.scaling)
+                qk = self._rope(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)  # q and k heads at once
+                q, k = qk[:, :nq], qk[:, nq:]
+                v = qkv[:, :, nq + nkv :].transpose(1, 2)
+                if stable:
+                    cache.write(idx, layout.write_slots, k, v)
+                    att = tree_attention(q, cache, idx, layout, self.scaling)
+                else:
+                    cache.write_sequence(idx, layout.batch_index, layout.start, k[0], v[0])
+                    att = prefill_attention(q, cache, idx, layout, self.scaling)
             att = att.to(h.dtype).reshape(batch * rows, nq * hd)
             x, h = self._add_rms(h, layer.o(att, stable).view(batch, rows, -1), layer.ln2)
             gu = layer.gate_up(x.reshape(batch * rows, -1), stable)
