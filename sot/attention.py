@@ -42,7 +42,7 @@ ROW_ALIGN = 4
 
 def use_kernel(cache: KVCache) -> bool:
     """Whether tree attention runs through the compiled CPU kernel for this cache."""
-    return cache.keys.device.type == "cpu" and tree_attention_kernel() is not None
+    return cache.transposed_keys and tree_attention_kernel() is not None
 
 
 def far_end(position: int) -> int:
@@ -149,7 +149,7 @@ def build_tree_layout(
     neg = float("-inf")
     far_bias = torch.zeros(batch, n, far_len).masked_fill_(torch.arange(far_len) >= far_ends[..., None], neg)
     tail_bias = torch.zeros(batch, n, TAIL).masked_fill_(~tail_valid, neg)
-    kv_heads, capacity = cache.keys.shape[2], cache.capacity
+    kv_heads, capacity = cache.values.shape[2], cache.capacity
     # Flat row of (b, h, slot) in a [B * Hkv * S, D] view: (b * Hkv + h) * S + slot.
     base = (torch.arange(batch)[:, None] * kv_heads + torch.arange(kv_heads)) * capacity  # [B, Hkv]
     tail_index = base[:, :, None] + tail_slots.view(batch, 1, n * TAIL)
@@ -185,6 +185,8 @@ def tree_attention(
     n = layout.rows
     keys, values = cache.layer(layer)  # [B, Hkv, S, D]
     kv_heads = keys.shape[1]
+    if cache.transposed_keys:
+        raise RuntimeError("the PyTorch attention path needs a cache without transposed keys")
     group = heads // kv_heads
     q = query[:, :, :n].float().view(batch, kv_heads, group, n, dim)
 
@@ -233,7 +235,7 @@ def prefill_attention(
         ``[1, T, H, D]`` float32.
     """
     _, heads, rows, dim = query.shape
-    keys, values = cache.layer(layer)
+    keys, values = cache.layer_sd(layer)
     end = layout.start + rows
     k = keys[layout.batch_index, :, :end].float()  # [Hkv, end, D]
     v = values[layout.batch_index, :, :end].float()

@@ -1,10 +1,11 @@
 """The KV cache: the only code that reads or writes KV storage.
 
-Storage is one tensor per K and V of shape ``[L, B, Hkv, S, D]`` (layers, batch, KV heads,
-slots, head dim) in the model dtype; attention accumulates in float32.
-Sequence ``b`` holds its committed tokens in slots ``[0, lengths[b])``, the token at position
-``p`` always in slot ``p``. A forward writes its rows into *scratch* slots starting at
-``lengths[b]``; :meth:`KVCache.keep_rows` then moves the accepted rows into place.
+Values are stored as ``[L, B, Hkv, S, D]`` (layers, batch, KV heads, slots, head dim). Keys
+use the same layout, or ``[L, B, Hkv, D, S]`` when ``transposed_keys`` is set (the layout of
+the compiled CPU kernel, which scores 16 keys per vector instruction). Sequence ``b`` holds
+its committed tokens in slots ``[0, lengths[b])``, the token at position ``p`` always in slot
+``p``. A forward writes its rows into *scratch* slots starting at ``lengths[b]``;
+:meth:`KVCache.keep_rows` then moves the accepted rows into place.
 """
 from __future__ import annotations
 
@@ -25,42 +26,54 @@ class KVCache:
         capacity: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        transposed_keys: bool = False,
     ) -> None:
         capacity = -(-capacity // SLOT_ALIGN) * SLOT_ALIGN
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        key_shape = (num_layers, batch_size, num_kv_heads, head_dim, capacity) if transposed_keys else shape
         # Zeros, not empty: masked slots still enter matmuls (with weight 0) and must be finite.
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.keys = torch.zeros(key_shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.transposed_keys = transposed_keys
         self.lengths: list[int] = [0] * batch_size
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3]
+        return self.values.shape[3]
 
     @property
     def batch_size(self) -> int:
-        return self.keys.shape[1]
+        return self.values.shape[1]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V storage of one layer, each ``[B, Hkv, S, D]``."""
+        """Raw K and V storage of one layer: ``[B, Hkv, S, D]`` each, or K ``[B, Hkv, D, S]``
+        with ``transposed_keys``."""
         return self.keys[layer], self.values[layer]
+
+    def layer_sd(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as ``[B, Hkv, S, D]`` (a view when keys are transposed)."""
+        keys = self.keys[layer]
+        return (keys.transpose(-1, -2) if self.transposed_keys else keys), self.values[layer]
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append rows to scratch slots.
 
         Args:
-            slots: ``[B, T]`` slot of each row (``lengths[b] + row`` for a tree step).
+            slots: ``[B, T]`` slot of each row; a tree step writes ``lengths[b] + row``.
             keys, values: ``[B, Hkv, T, D]`` the new rows.
         """
+        k_store, v_store = self.layer_sd(layer)
         if slots.shape[0] == 1:  # one sequence: its slots are a contiguous run
             start = int(slots[0, 0])
             end = start + slots.shape[1]
-            self.keys[layer, :, :, start:end] = keys
-            self.values[layer, :, :, start:end] = values
+            k_store[:, :, start:end] = keys
+            v_store[:, :, start:end] = values
             return
-        index = slots[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-        self.keys[layer].scatter_(2, index, keys.to(self.keys.dtype))
-        self.values[layer].scatter_(2, index, values.to(self.values.dtype))
+        for b in range(slots.shape[0]):
+            start = int(slots[b, 0])
+            end = start + slots.shape[1]
+            k_store[b, :, start:end] = keys[b]
+            v_store[b, :, start:end] = values[b]
 
     def write_sequence(self, layer: int, b: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``T`` contiguous rows of sequence ``b`` at ``start`` (prefill).
@@ -68,9 +81,10 @@ class KVCache:
         Args:
             keys, values: ``[Hkv, T, D]``.
         """
+        k_store, v_store = self.layer_sd(layer)
         end = start + keys.shape[1]
-        self.keys[layer, b, :, start:end] = keys
-        self.values[layer, b, :, start:end] = values
+        k_store[b, :, start:end] = keys
+        v_store[b, :, start:end] = values
 
     def keep_rows(self, src_slots: list[list[int]]) -> None:
         """Commit accepted rows for every sequence and every layer at once.
@@ -80,33 +94,18 @@ class KVCache:
         Example: ``lengths = [5]``, ``src_slots = [[5, 7, 8]]`` (tree rows 0, 2, 3 accepted)
         moves slots 7 -> 6 and 8 -> 7 (slot 5 stays) and sets ``lengths = [8]``.
         """
-        # Rows already in place (plain decoding, or an accepted main branch) need no move.
-        moves = [[(s, self.lengths[b] + i) for i, s in enumerate(slots) if s != self.lengths[b] + i] for b, slots in enumerate(src_slots)]
-        if not any(moves):
-            for b, slots in enumerate(src_slots):
-                self.lengths[b] += len(slots)
-            return
-        width = max((len(s) for s in src_slots), default=0)
-        src, dst = [], []
         for b, slots in enumerate(src_slots):
             start = self.lengths[b]
-            pad = width - len(slots)
-            # Padding re-copies the last kept slot onto itself (or slot 0 onto itself): a no-op.
-            filler = slots[-1] if slots else 0
-            src.append(list(slots) + [filler] * pad)
-            dst.append(list(range(start, start + len(slots))) + [filler if slots else 0] * pad)
-            if slots and any(d > s for d, s in zip(dst[-1], slots)):
+            if any(s < start + i for i, s in enumerate(slots)):
                 raise ValueError("accepted rows must come from slots at or after their destination")
-        dev = self.keys.device
-        src_t = torch.tensor(src, device=dev)
-        dst_t = torch.tensor(dst, device=dev)
-        for store in (self.keys, self.values):
-            # store: [L, B, Hkv, S, D]; gather along slots, per batch row.
-            idx_src = src_t[None, :, None, :, None].expand(store.shape[0], -1, store.shape[2], -1, store.shape[4])
-            idx_dst = dst_t[None, :, None, :, None].expand_as(idx_src)
-            rows = store.gather(3, idx_src)
-            store.scatter_(3, idx_dst, rows)
-        for b, slots in enumerate(src_slots):
+            moved = [(s, start + i) for i, s in enumerate(slots) if s != start + i]
+            if moved:  # rows already in place (plain decoding, a main branch) need no move
+                src = torch.tensor([m[0] for m in moved], device=self.values.device)
+                dst = torch.tensor([m[1] for m in moved], device=self.values.device)
+                k_dim = 4 if self.transposed_keys else 3
+                # [L, Hkv, *, *] views of sequence b; gather first, then scatter.
+                self.keys[:, b].index_copy_(k_dim - 1, dst, self.keys[:, b].index_select(k_dim - 1, src))
+                self.values[:, b].index_copy_(2, dst, self.values[:, b].index_select(2, src))
             self.lengths[b] += len(slots)
 
     def truncate(self, b: int, length: int) -> None:
@@ -122,4 +121,4 @@ class KVCache:
         self.lengths[b] = length
 
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()

@@ -6,7 +6,9 @@
 // tree row produces the same bits as plain decoding of the same token.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -27,25 +29,44 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
+// exp for the softmax: range reduction plus a degree-6 polynomial, written as plain float
+// arithmetic so that the compiler vectorises it; every element takes the same path.
+inline float softmax_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// The cache layout this kernel reads: keys [B, Hkv, D, S] (transposed, so that 16 keys fit
+// one vector), values [B, Hkv, S, D], both float32.
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
          const torch::Tensor& lengths, const torch::Tensor& ancestors, const torch::Tensor& rows,
          float scale, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
-  const int64_t Hkv = keys.size(1), S = keys.size(2), W = ancestors.size(2);
+  const int64_t Hkv = keys.size(1), S = keys.size(3), W = ancestors.size(2);
   const int64_t group = H / Hkv;
-  // q may be a strided view [B, H, R, D]; its last dim is contiguous.
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const T* qp = q.data_ptr<T>();
-  const T* kp = keys.data_ptr<T>();
-  const T* vp = values.data_ptr<T>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   const int64_t* ap = ancestors.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
 
   at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qrow(D), krow(D), acc(D);
+    std::vector<float> scores, weights, qrow(D), acc(D);
     std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * R), h = (task / R) % H, r = task % R;
@@ -55,49 +76,68 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
         continue;
       }
       const int64_t kvh = h / group;
+      const float* kt = kp + (b * Hkv + kvh) * D * S;  // [D][S]
+      const float* vbase = vp + (b * Hkv + kvh) * S * D;  // [S][D]
       const T* qsrc = qp + b * qs0 + h * qs1 + r * qs2;
       for (int64_t d = 0; d < D; ++d) qrow[d] = static_cast<float>(qsrc[d]);
-      const T* kbase = kp + (b * Hkv + kvh) * S * D;
-      const T* vbase = vp + (b * Hkv + kvh) * S * D;
       const int64_t committed = lp[b];
       const int64_t* anc = ap + (b * R + r) * W;
       slots.clear();
-      for (int64_t j = 0; j < W && anc[j] >= 0; ++j) slots.push_back(anc[j]);
+      for (int64_t w = 0; w < W && anc[w] >= 0; ++w) slots.push_back(anc[w]);
       const int64_t total = committed + static_cast<int64_t>(slots.size());
+      const int64_t blocks = committed / kLanes * kLanes;
       scores.resize(total);
-      float top = -INFINITY;
-      for (int64_t k = 0; k < total; ++k) {
-        const int64_t slot = k < committed ? k : slots[k - committed];
-        const T* ksrc = kbase + slot * D;
-        for (int64_t d = 0; d < D; ++d) krow[d] = static_cast<float>(ksrc[d]);
-        const float s = dot(qrow.data(), krow.data(), D) * scale;
-        scores[k] = s;
-        top = s > top ? s : top;
+      weights.resize(total);
+      // Scores of committed keys, 16 keys per vector; each lane sums q[d] * k[d] over d in
+      // order, exactly the operations of the scalar loops below.
+      for (int64_t k0 = 0; k0 < blocks; k0 += kLanes) {
+        float lane[kLanes] = {0};
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qrow[d];
+          const float* col = kt + d * S + k0;
+          for (int l = 0; l < kLanes; ++l) lane[l] += qd * col[l];
+        }
+        for (int l = 0; l < kLanes; ++l) scores[k0 + l] = lane[l] * scale;
       }
-      float sum = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t k = 0; k < total; ++k) {
+      for (int64_t k = blocks; k < total; ++k) {
         const int64_t slot = k < committed ? k : slots[k - committed];
-        const float w = std::exp(scores[k] - top);
-        sum += w;
-        const T* v = vbase + slot * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(v[d]);
+        float sc = 0.f;
+        for (int64_t d = 0; d < D; ++d) sc += qrow[d] * kt[d * S + slot];
+        scores[k] = sc * scale;
+      }
+      float top = -INFINITY;
+      for (int64_t k = 0; k < total; ++k) top = scores[k] > top ? scores[k] : top;
+      for (int64_t k = 0; k < total; ++k) weights[k] = softmax_exp(scores[k] - top);
+      float lanes[kLanes] = {0};
+      int64_t k = 0;
+      for (; k + kLanes <= total; k += kLanes)
+        for (int l = 0; l < kLanes; ++l) lanes[l] += weights[k + l];
+      for (int l = 0; k < total; ++k, ++l) lanes[l] += weights[k];
+      for (int w = kLanes / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+      const float sum = lanes[0];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t kk = 0; kk < total; ++kk) {
+        const int64_t slot = kk < committed ? kk : slots[kk - committed];
+        const float w = weights[kk];
+        const float* v = vbase + slot * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
       }
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] / sum);
     }
   });
 }
 
-// q: [B, H, R, D] (last dim contiguous); keys, values: [B, Hkv, S, D] contiguous, same dtype
-// (float32 or bfloat16); lengths: [B] int64; ancestors: [B, R, W] int64 cache slots (-1 past
-// the row's depth); rows: [B] int64 real rows per sequence.
+// q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, D, S] and
+// values: [B, Hkv, S, D], float32, contiguous; lengths: [B] int64; ancestors: [B, R, W] int64
+// cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence.
 // Returns [B, R, H, D] in q's dtype, accumulated in float32 (zeros past rows[b]).
 torch::Tensor tree_attention_exact(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                    torch::Tensor lengths, torch::Tensor ancestors,
                                    torch::Tensor rows, double scaling) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rank mismatch");
-  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
-              "q and cache must share a dtype");
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32,
+              "the cache must be float32");
   TORCH_CHECK(q.stride(3) == 1, "q's last dim must be contiguous");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
@@ -163,7 +203,8 @@ inline T round_to(float v) { return static_cast<T>(v); }
 
 // Rotary embedding of q and k plus the KV-cache write, in one pass.
 // qkv: [B, T, Hq + 2 Hkv, D] (q heads, k heads, v heads); cos, sin: [B, T, D];
-// keys, values: [B, Hkv, S, D] (one layer of the cache); slots: [B, T] cache slot per row.
+// keys: [B, Hkv, D, S], values: [B, Hkv, S, D] (one layer of the float32 cache);
+// slots: [B, T] cache slot per row.
 // Returns q: [B, Hq, T, D]. Every operation rounds to the model dtype exactly as the
 // transformers formula q * cos + rotate_half(q) * sin does, so the bits are the same.
 template <typename T>
@@ -171,13 +212,13 @@ void rope_write_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const t
                      torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& slots,
                      int64_t hq, torch::Tensor& q_out) {
   const int64_t B = qkv.size(0), Tn = qkv.size(1), Hall = qkv.size(2), D = qkv.size(3);
-  const int64_t hkv = (Hall - hq) / 2, S = keys.size(2), half = D / 2;
+  const int64_t hkv = (Hall - hq) / 2, S = keys.size(3), half = D / 2;
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  T* kp = keys.data_ptr<T>();
-  T* vp = values.data_ptr<T>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
   T* qp = q_out.data_ptr<T>();
   at::parallel_for(0, B * Tn, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
@@ -187,19 +228,23 @@ void rope_write_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const t
       const int64_t where = slot[bt];
       for (int64_t h = 0; h < hq + hkv; ++h) {
         const T* x = src + (bt * Hall + h) * D;
-        T* dst = h < hq ? qp + ((b * hq + h) * Tn + t) * D : kp + ((b * hkv + (h - hq)) * S + where) * D;
         for (int64_t d = 0; d < D; ++d) {
           const float rot = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
           const T rot_t = round_to<T>(rot);
           const T a = round_to<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
           const T bb = round_to<T>(static_cast<float>(rot_t) * static_cast<float>(s[d]));
-          dst[d] = round_to<T>(static_cast<float>(a) + static_cast<float>(bb));
+          const T value = round_to<T>(static_cast<float>(a) + static_cast<float>(bb));
+          if (h < hq) {
+            qp[((b * hq + h) * Tn + t) * D + d] = value;
+          } else {
+            kp[((b * hkv + (h - hq)) * D + d) * S + where] = static_cast<float>(value);
+          }
         }
       }
       for (int64_t h = 0; h < hkv; ++h) {
         const T* x = src + (bt * Hall + hq + hkv + h) * D;
-        T* dst = vp + ((b * hkv + h) * S + where) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
+        float* dst = vp + ((b * hkv + h) * S + where) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(x[d]);
       }
     }
   });
@@ -213,7 +258,7 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   cos = cos.contiguous();
   sin = sin.contiguous();
   slots = slots.contiguous();
-  TORCH_CHECK(qkv.scalar_type() == keys.scalar_type() && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
   auto q = torch::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
   if (qkv.scalar_type() == torch::kFloat32) {
     rope_write_impl<float>(qkv, cos, sin, keys, values, slots, hq, q);

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention
 from sot.cache import KVCache
 from sot.errors import UnsupportedModelError
+from sot.kernels import tree_attention_kernel
 
 ROW_UNIT = 16
 ATTN_NAME = "sot"
@@ -211,8 +212,13 @@ class TargetModel:
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
-        # The cache holds K/V in the model dtype; attention accumulates in float32.
-        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
+        # With the compiled CPU kernel the cache is float32 with transposed keys (its layout);
+        # otherwise it holds the model dtype. Attention accumulates in float32 either way.
+        kernel = self.device.type == "cpu" and tree_attention_kernel() is not None
+        return KVCache(
+            self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device,
+            torch.float32 if kernel else self.dtype, transposed_keys=kernel,
+        )
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> ForwardOutput:
         if self.fast is not None:
