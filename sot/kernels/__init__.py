@@ -23,14 +23,16 @@ def tree_attention_kernel() -> ModuleType | None:
         import torch
 
         source = Path(__file__).with_name("tree_attention.cpp")
-        flags = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
+        flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
         # Vector width of the build machine (the kernel is built where it runs).
         capability = torch.backends.cpu.get_cpu_capability()
         if capability in ("AVX512", "AVX512_BF16", "AMX"):
             flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
         elif capability == "AVX2":
             flags += ["-mavx2", "-mfma"]
-        return load(name="sot_tree_attention", sources=[str(source)], extra_cflags=flags, verbose=False)
+        return load(
+            name="sot_tree_attention", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False
+        )
     except Exception as exc:  # noqa: BLE001 - any build problem means: use the fallback
         warnings.warn(f"SoT's CPU kernel could not be built ({exc}); using the PyTorch path", stacklevel=2)
         return None

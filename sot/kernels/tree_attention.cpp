@@ -14,6 +14,10 @@
 namespace {
 
 constexpr int kLanes = 16;
+constexpr int64_t kMaxD = 256;
+// 16 floats as one value; lane-wise arithmetic, so each lane's result depends on its own
+// inputs only (GCC/Clang vector extension, lowered to the widest vectors available).
+typedef float vec16 __attribute__((vector_size(64)));
 
 // Dot product with kLanes fixed partial sums, reduced in a fixed order.
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -29,26 +33,36 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
-// exp for the softmax: range reduction plus a degree-6 polynomial, written as plain float
-// arithmetic so that the compiler vectorises it; every element takes the same path.
-inline float softmax_exp(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
+typedef int32_t vec16i __attribute__((vector_size(64)));
+
+// exp for the softmax, 16 values at once: range reduction plus a degree-6 polynomial, in
+// plain lane-wise arithmetic. Every value takes the same path wherever it sits.
+inline vec16 softmax_exp(vec16 x) {
+  const vec16 lo = vec16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vec16 t = x * 1.44269504088896341f;
+  const vec16 half = t < 0.f ? vec16{} - 0.5f : vec16{} + 0.5f;
+  const vec16i ni = __builtin_convertvector(t + half, vec16i);
+  const vec16 n = __builtin_convertvector(ni, vec16);
+  const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vec16 p = vec16{} + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
+  const vec16i bits = (ni + 127) << 23;
+  vec16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
 
+constexpr int64_t kMaxGroup = 16;
+
 // The cache layout this kernel reads: keys [B, Hkv, D, S] (transposed, so that 16 keys fit
-// one vector), values [B, Hkv, S, D], both float32.
+// one vector), values [B, Hkv, S, D], both float32. One task is one (sequence, KV head, row):
+// the query heads sharing that KV head are processed together so each key is loaded once,
+// but every head keeps its own accumulators and its own fixed order of operations.
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
          const torch::Tensor& lengths, const torch::Tensor& ancestors, const torch::Tensor& rows,
@@ -56,6 +70,9 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
   const int64_t Hkv = keys.size(1), S = keys.size(3), W = ancestors.size(2);
   const int64_t group = H / Hkv;
+  TORCH_CHECK(group <= kMaxGroup, "too many query heads per KV head");
+  TORCH_CHECK(D % kLanes == 0 && D <= kMaxD, "head dim must be a multiple of 16, at most 256");
+  const int64_t nv = D / kLanes;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const T* qp = q.data_ptr<T>();
   const float* kp = keys.data_ptr<float>();
@@ -65,65 +82,103 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
   const int64_t* rp = rows.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
 
-  at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, weights, qrow(D), acc(D);
+  at::parallel_for(0, B * Hkv * R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qrows(group * D);
     std::vector<int64_t> slots;
+    std::vector<vec16> accv(group * nv);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (H * R), h = (task / R) % H, r = task % R;
-      T* o = op + ((b * R + r) * H + h) * D;
+      const int64_t b = task / (Hkv * R), kvh = (task / R) % Hkv, r = task % R;
       if (r >= rp[b]) {
-        for (int64_t d = 0; d < D; ++d) o[d] = T(0.f);
+        for (int64_t j = 0; j < group; ++j) {
+          T* o = op + ((b * R + r) * H + kvh * group + j) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = T(0.f);
+        }
         continue;
       }
-      const int64_t kvh = h / group;
-      const float* kt = kp + (b * Hkv + kvh) * D * S;  // [D][S]
+      const float* kt = kp + (b * Hkv + kvh) * D * S;    // [D][S]
       const float* vbase = vp + (b * Hkv + kvh) * S * D;  // [S][D]
-      const T* qsrc = qp + b * qs0 + h * qs1 + r * qs2;
-      for (int64_t d = 0; d < D; ++d) qrow[d] = static_cast<float>(qsrc[d]);
+      for (int64_t j = 0; j < group; ++j) {
+        const T* qsrc = qp + b * qs0 + (kvh * group + j) * qs1 + r * qs2;
+        for (int64_t d = 0; d < D; ++d) qrows[j * D + d] = static_cast<float>(qsrc[d]);
+      }
       const int64_t committed = lp[b];
       const int64_t* anc = ap + (b * R + r) * W;
       slots.clear();
       for (int64_t w = 0; w < W && anc[w] >= 0; ++w) slots.push_back(anc[w]);
       const int64_t total = committed + static_cast<int64_t>(slots.size());
-      const int64_t blocks = committed / kLanes * kLanes;
-      scores.resize(total);
-      weights.resize(total);
-      // Scores of committed keys, 16 keys per vector; each lane sums q[d] * k[d] over d in
-      // order, exactly the operations of the scalar loops below.
+      // Whole 16-key blocks over the committed keys; the last block may run into scratch
+      // slots (finite values), whose scores are then overwritten by the scalar loop.
+      int64_t blocks = (committed + kLanes - 1) / kLanes * kLanes;
+      if (blocks > S) blocks = committed / kLanes * kLanes;
+      const int64_t stride = (std::max(total, blocks) + kLanes - 1) / kLanes * kLanes;
+      scores.resize(group * stride);
+      // Scores: each lane sums q[d] * k[d] over d in order, the same operations as the
+      // scalar loop used for the rest.
       for (int64_t k0 = 0; k0 < blocks; k0 += kLanes) {
-        float lane[kLanes] = {0};
+        vec16 lane[kMaxGroup];
+        for (int64_t j = 0; j < group; ++j) lane[j] = vec16{};
         for (int64_t d = 0; d < D; ++d) {
-          const float qd = qrow[d];
-          const float* col = kt + d * S + k0;
-          for (int l = 0; l < kLanes; ++l) lane[l] += qd * col[l];
+          vec16 col;
+          std::memcpy(&col, kt + d * S + k0, sizeof(col));
+          for (int64_t j = 0; j < group; ++j) lane[j] += qrows[j * D + d] * col;
         }
-        for (int l = 0; l < kLanes; ++l) scores[k0 + l] = lane[l] * scale;
+        for (int64_t j = 0; j < group; ++j) {
+          lane[j] *= scale;
+          std::memcpy(scores.data() + j * stride + k0, &lane[j], sizeof(vec16));
+        }
       }
-      for (int64_t k = blocks; k < total; ++k) {
+      for (int64_t k = committed; k < total; ++k) {
+        const int64_t slot = slots[k - committed];
+        for (int64_t j = 0; j < group; ++j) {
+          float sc = 0.f;
+          for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + slot];
+          scores[j * stride + k] = sc * scale;
+        }
+      }
+      for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
+        for (int64_t j = 0; j < group; ++j) {
+          float sc = 0.f;
+          for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + k];
+          scores[j * stride + k] = sc * scale;
+        }
+      }
+      float sums[kMaxGroup];
+      for (int64_t j = 0; j < group; ++j) {
+        float* sc = scores.data() + j * stride;
+        float top = -INFINITY;
+        for (int64_t k = 0; k < total; ++k) top = sc[k] > top ? sc[k] : top;
+        for (int64_t k = total; k < stride; ++k) sc[k] = top;  // padding, zeroed below
+        for (int64_t k = 0; k < stride; k += kLanes) {
+          vec16 v;
+          std::memcpy(&v, sc + k, sizeof(v));
+          v = softmax_exp(v - top);  // now weights
+          std::memcpy(sc + k, &v, sizeof(v));
+        }
+        for (int64_t k = total; k < stride; ++k) sc[k] = 0.f;
+        float lanes[kLanes] = {0};
+        int64_t k = 0;
+        for (; k + kLanes <= total; k += kLanes)
+          for (int l = 0; l < kLanes; ++l) lanes[l] += sc[k + l];
+        for (int l = 0; k < total; ++k, ++l) lanes[l] += sc[k];
+        for (int w = kLanes / 2; w > 0; w /= 2)
+          for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+        sums[j] = lanes[0];
+      }
+      std::fill(accv.begin(), accv.end(), vec16{});
+      for (int64_t k = 0; k < total; ++k) {
         const int64_t slot = k < committed ? k : slots[k - committed];
-        float sc = 0.f;
-        for (int64_t d = 0; d < D; ++d) sc += qrow[d] * kt[d * S + slot];
-        scores[k] = sc * scale;
-      }
-      float top = -INFINITY;
-      for (int64_t k = 0; k < total; ++k) top = scores[k] > top ? scores[k] : top;
-      for (int64_t k = 0; k < total; ++k) weights[k] = softmax_exp(scores[k] - top);
-      float lanes[kLanes] = {0};
-      int64_t k = 0;
-      for (; k + kLanes <= total; k += kLanes)
-        for (int l = 0; l < kLanes; ++l) lanes[l] += weights[k + l];
-      for (int l = 0; k < total; ++k, ++l) lanes[l] += weights[k];
-      for (int w = kLanes / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-      const float sum = lanes[0];
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t kk = 0; kk < total; ++kk) {
-        const int64_t slot = kk < committed ? kk : slots[kk - committed];
-        const float w = weights[kk];
         const float* v = vbase + slot * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
+        for (int64_t i = 0; i < nv; ++i) {
+          vec16 vv;
+          std::memcpy(&vv, v + i * kLanes, sizeof(vv));
+          for (int64_t j = 0; j < group; ++j) accv[j * nv + i] += scores[j * stride + k] * vv;
+        }
       }
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] / sum);
+      for (int64_t j = 0; j < group; ++j) {
+        T* o = op + ((b * R + r) * H + kvh * group + j) * D;
+        for (int64_t i = 0; i < nv; ++i)
+          for (int l = 0; l < kLanes; ++l) o[i * kLanes + l] = static_cast<T>(accv[j * nv + i][l] / sums[j]);
+      }
     }
   });
 }
