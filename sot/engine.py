@@ -16,7 +16,8 @@ from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rej
 from sot.attention import MAX_TREE_DEPTH, build_tree_layout
 from sot.drafters.base import DraftInput, Drafter, TreeBudget
 from sot.errors import ConfigError, PromptTooLongError
-from sot.models.adapter import ROW_UNIT, TargetModel
+from sot.models.adapter import TargetModel
+from sot.models.rows import ROW_UNIT
 from sot.sampling import SamplingMode, SamplingParams, sequence_generator
 from sot.tree import DraftTree, ancestor_table
 

@@ -20,8 +20,9 @@ from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_att
 from sot.cache import KVCache
 from sot.errors import UnsupportedModelError
 from sot.kernels import tree_attention_kernel
+from sot.models.fast_llama import FAST_FAMILIES, FastLlama, fused_rms_norm
+from sot.models.rows import ROW_UNIT, stable_matmul
 
-ROW_UNIT = 16
 ATTN_NAME = "sot"
 
 _row_stable = contextvars.ContextVar("sot_row_stable", default=False)
@@ -35,29 +36,6 @@ def row_stable() -> Iterator[None]:
         yield
     finally:
         _row_stable.reset(token)
-
-
-def stable_matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight_t + bias`` computed in blocks of ``ROW_UNIT`` rows.
-
-    Args:
-        x: ``[..., K]``; the leading dims are flattened to ``M`` rows, padded to a multiple
-            of ``ROW_UNIT``.
-        weight_t: ``[K, N]``.
-    Returns:
-        ``[..., N]``.
-    """
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    pad = -rows % ROW_UNIT
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    blocks = [flat[i : i + ROW_UNIT] @ weight_t for i in range(0, flat.shape[0], ROW_UNIT)]
-    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-    if bias is not None:
-        out = out + bias
-    return out[:rows].reshape(*lead, -1)
 
 
 class RowStableLinear(torch.nn.Linear):
@@ -97,8 +75,6 @@ _NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 def use_fused_norms(model: torch.nn.Module) -> None:
     """In bfloat16 on the CPU, run Llama-style RMSNorm modules through the compiled kernel
     that the fast path uses, so both paths compute the same bits."""
-    from sot.models.fast_llama import fused_rms_norm
-
     for module in model.modules():
         if type(module).__name__ in _NORM_CLASSES:
             fused = fused_rms_norm(module.weight.dtype, module.weight.device)
@@ -164,9 +140,6 @@ class ForwardOutput:
 
     logits: torch.Tensor
     states: torch.Tensor | None
-
-
-from sot.models.fast_llama import FAST_FAMILIES, FastLlama  # noqa: E402  (needs ROW_UNIT above)
 
 
 class TargetModel:

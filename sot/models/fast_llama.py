@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention
 from sot.kernels import tree_attention_kernel
-from sot.models.adapter import ROW_UNIT
+from sot.models.rows import ROW_UNIT
 
 FAST_FAMILIES = ("llama", "qwen2", "mistral")
 
