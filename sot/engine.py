@@ -181,7 +181,9 @@ class Engine:
         ]
         results.extend(s.result for s in seqs)
         self.drafter.reset(len(seqs))
-        capacity = max(len(p) for p in prompts) + params.max_new_tokens + MAX_TREE_DEPTH + 2 * ROW_UNIT
+        # Committed tokens plus the scratch rows of one verify pass.
+        scratch = -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT
+        capacity = max(len(p) for p in prompts) + params.max_new_tokens + scratch
         cache = self.target.new_cache(len(seqs), capacity)
 
         t0 = time.perf_counter()

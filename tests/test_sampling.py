@@ -147,7 +147,7 @@ def test_engine_rejection_sampling_distribution() -> None:
     trials = 1200
     for seed in range(trials):
         sp = SamplingParams(temperature=1.0, seed=seed)
-        res = Engine(target, Oracle(), TreeBudget(8, 3)).generate([prompt], GenerationParams(max_new_tokens=2, sampling=sp))[0]
+        res = Engine(target, Oracle(), TreeBudget(8, 3)).generate([prompt], GenerationParams(max_new_tokens=3, sampling=sp))[0]
         counts[res.token_ids[1]] += 1
         accepted += res.accept_lengths[0] > 1 if res.accept_lengths else 0
     assert accepted > trials // 20, "the drafter should be accepted now and then"

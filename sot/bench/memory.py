@@ -23,6 +23,7 @@ class PeakRSS:
     def __init__(self, period: float = 0.005) -> None:
         self.period = period
         self.peak = 0
+        self.start = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -31,8 +32,13 @@ class PeakRSS:
             self.peak = max(self.peak, current_rss())
             time.sleep(self.period)
 
+    @property
+    def growth(self) -> int:
+        """Peak minus the RSS when the context opened: what this run added on top."""
+        return max(0, self.peak - self.start)
+
     def __enter__(self) -> "PeakRSS":
-        self.peak = current_rss()
+        self.start = self.peak = current_rss()
         self._stop.clear()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()

@@ -33,6 +33,7 @@ class RunRecord:
     depth_accepts: list[int] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     peak_rss: int = 0
+    rss_growth: int = 0
 
     @property
     def tokens_per_s(self) -> float:

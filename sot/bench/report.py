@@ -62,12 +62,14 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, gree
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "speedup_vs_hf": _summary(_ratios(recs, by_method.get("hf", {}))) if m != "hf" else None,
             "speedup_vs_plain": _summary(_ratios(recs, by_method.get("plain", {}))) if m != "plain" else None,
-            "mean_accept_len": (sum(accepts) / steps) if steps else 1.0,
+            # None for methods that do not report steps (transformers, llama.cpp).
+            "mean_accept_len": (sum(accepts) / steps) if steps else None,
             "accept_hist": {str(k): v for k, v in sorted(hist.items())},
             "accept_rate_per_depth": [a / t if t else 0.0 for a, t in zip(accepted, attempts)],
             "ttft_s": statistics.median(r.ttft for r in recs.values()),
             "peak_rss_mb": peak / 2**20,
             "peak_rss_over_model_mb": max(0, peak - model_rss) / 2**20,
+            "run_rss_growth_mb": max(r.rss_growth for r in recs.values()) / 2**20,
             "phase_share": {k: v / seconds for k, v in phases.items()} if seconds > 0 and phases else {},
             "identical_to_plain": None,
             "divergences": [],
@@ -94,11 +96,15 @@ def _fmt_speedup(s: dict | None) -> str:
     return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
 
 
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def markdown_table(aggregates: dict[str, dict]) -> str:
     """The Markdown table of a run (one row per method)."""
     head = (
         "| method | tok/s | speedup vs hf | speedup vs plain | tau | identical to plain | TTFT s | peak RSS MB "
-        "| RSS over model MB | draft / verify / other |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| RSS over model MB | run RSS growth MB | draft / verify / other |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for m, a in aggregates.items():
@@ -106,8 +112,8 @@ def markdown_table(aggregates: dict[str, dict]) -> str:
         split = " / ".join(f"{100 * share.get(k, 0):.0f}%" for k in ("draft", "verify", "bookkeeping")) if share else "-"
         rows.append(
             f"| {m} | {a['tokens_per_s']:.1f} | {_fmt_speedup(a['speedup_vs_hf'])} | {_fmt_speedup(a['speedup_vs_plain'])} "
-            f"| {a['mean_accept_len']:.2f} | {a['identical_to_plain'] or '-'} | {a['ttft_s']:.3f} | {a['peak_rss_mb']:.0f} "
-            f"| {a['peak_rss_over_model_mb']:.0f} | {split} |"
+            f"| {_fmt(a['mean_accept_len'])} | {a['identical_to_plain'] or '-'} | {a['ttft_s']:.3f} | {a['peak_rss_mb']:.0f} "
+            f"| {a['peak_rss_over_model_mb']:.0f} | {a['run_rss_growth_mb']:.0f} | {split} |"
         )
     return head + "\n".join(rows) + "\n"
 

@@ -7,7 +7,9 @@ shared machine affects them alike. ``results.json`` schema (``"schema": "sot-ben
 * ``methods``: per method, ``tokens_per_s`` (total new tokens / total time),
   ``speedup_vs_hf`` / ``speedup_vs_plain`` (per-prompt tokens/s ratios: median, min, max),
   ``mean_accept_len`` (tau), ``accept_hist``, ``accept_rate_per_depth``, ``ttft_s`` (median),
-  ``peak_rss_mb``, ``peak_rss_over_model_mb``, ``phase_share`` (draft / verify /
+  ``peak_rss_mb`` (process peak during the method's runs), ``peak_rss_over_model_mb`` (that
+  peak minus the RSS after loading and warm-up), ``run_rss_growth_mb`` (the most one run
+  raised RSS above its own start: the method's working memory), ``phase_share`` (draft / verify /
   bookkeeping), ``identical_to_plain`` ("k/n", greedy only) and ``divergences``;
 * ``records``: one entry per (prompt, method) with its tokens and timings;
 * ``sweep`` (with ``--sweep``): per setting, tokens/s, tau and speedup vs plain.
@@ -119,7 +121,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
 def _run_one(method: BenchMethod, ids: list[int], params: GenerationParams, index: int, pid: str) -> RunRecord:
     with PeakRSS() as mem:
         rec = method.run(ids, params)
-    rec.prompt_index, rec.prompt_id, rec.peak_rss = index, pid, mem.peak
+    rec.prompt_index, rec.prompt_id, rec.peak_rss, rec.rss_growth = index, pid, mem.peak, mem.growth
     return rec
 
 

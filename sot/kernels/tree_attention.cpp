@@ -314,6 +314,7 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   sin = sin.contiguous();
   slots = slots.contiguous();
   TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < keys.size(3), "cache slot out of range");
   auto q = torch::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
   if (qkv.scalar_type() == torch::kFloat32) {
     rope_write_impl<float>(qkv, cos, sin, keys, values, slots, hq, q);
