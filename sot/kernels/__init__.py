@@ -5,6 +5,7 @@ are exact, each consistent with itself. ``SOT_NO_KERNELS=1`` forces the fallback
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from functools import lru_cache
@@ -30,8 +31,18 @@ def tree_attention_kernel() -> ModuleType | None:
             flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
         elif capability == "AVX2":
             flags += ["-mavx2", "-mfma"]
+        # One build folder per (source, flags, torch): clones of the same code share a build,
+        # and an edited kernel never collides with an old one.
+        key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+        build = Path(os.environ.get("SOT_CACHE", Path.home() / ".cache" / "sot")) / "kernels" / key
+        build.mkdir(parents=True, exist_ok=True)
         return load(
-            name="sot_tree_attention", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False
+            name="sot_tree_attention",
+            sources=[str(source)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build problem means: use the fallback
         warnings.warn(f"SoT's CPU kernel could not be built ({exc}); using the PyTorch path", stacklevel=2)
