@@ -113,3 +113,24 @@ def test_fast_path_matches_generic_path_bit_for_bit() -> None:
                 logits.append((pre.logits, target.verify(cache, ids, pos, layout).logits[:, :3]))
             assert torch.equal(logits[0][0], logits[1][0]), (arch, dtype)
             assert torch.equal(logits[0][1], logits[1][1]), (arch, dtype)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_pytorch_attention_path_is_lossless(arch: str, monkeypatch) -> None:
+    """Without the compiled kernel (no compiler, or another device) the PyTorch attention
+    path must be exact on its own terms too."""
+    import sot.attention
+    import sot.models.adapter
+    import sot.models.fast_llama
+
+    for module in (sot.attention, sot.models.adapter, sot.models.fast_llama):
+        monkeypatch.setattr(module, "tree_attention_kernel", lambda: None)
+    model = tiny_model(arch, seed=21)
+    prompts = random_prompts(LENGTHS, seed=6)
+    target = TargetModel(clone(model, torch.bfloat16))
+    assert not target.new_cache(1, 64).transposed_keys
+    plain = [traced(target, NoDrafter(), [p])[0] for p in prompts]
+    tokens = [t.argmax(-1).tolist() for t in plain]
+    spec = traced(target, RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.8, seed=2), prompts)
+    for a, b in zip(plain, spec):
+        assert torch.equal(a, b)
