@@ -149,7 +149,11 @@ class LlamaCppMethod(BenchMethod):
         t0 = time.perf_counter()
         first = None
         new: list[int] = []
-        gen = self.llm.generate(prompt, temp=sp.temperature, top_k=1 if sp.greedy else sp.top_k, top_p=sp.top_p, seed=sp.seed)
+        if hasattr(self.llm, "set_seed"):
+            self.llm.set_seed(sp.seed)
+        gen = self.llm.generate(
+            prompt, temp=sp.temperature, top_k=1 if sp.greedy else sp.top_k, top_p=sp.top_p, min_p=0.0, repeat_penalty=1.0
+        )
         for tok in gen:
             if first is None:
                 first = time.perf_counter() - t0
