@@ -77,6 +77,8 @@ class SoT:
         self.tokenizer = tokenizer
         self.engine = engine
         self.name = name
+        #: engine results of the last :meth:`stream` call (statistics of each sequence)
+        self.last_stream: list = []
 
     @classmethod
     def load(
@@ -222,7 +224,8 @@ class SoT:
         ids = [self.encode(p, chat) for p in prompts]
         tokens: list[list[int]] = [[] for _ in ids]
         shown = [0] * len(ids)
-        for event in self.engine.stream(ids, params):
+        self.last_stream = []
+        for event in self.engine.stream(ids, params, self.last_stream):
             tokens[event.sequence].extend(event.token_ids)
             text = self.tokenizer.decode(tokens[event.sequence], skip_special_tokens=True)
             # Hold back an incomplete multi-byte character until its last token arrives.

@@ -119,11 +119,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sot.params(stop=args.stop, **_sampling_kwargs(args))
     stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty()
     if stream_one:
-        results = None
         for event in sot.stream(items, chat=args.chat, stop=args.stop, **_sampling_kwargs(args)):
             print(event.text, end="", flush=True)
         print()
-        print(_speed_line_engine(sot), file=sys.stderr)
+        r = sot.last_stream[0]
+        print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
         return 0
     results = sot.generate_ids(ids, params, batch_size=args.batch_size)
     for i, r in enumerate(results):
@@ -137,17 +137,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if len(results) > 1:
                 print(f"--- [{i}]")
             print(r.text)
-            print(
-                f"[{r.new_tokens} tokens in {r.seconds:.2f}s, {r.tokens_per_s:.1f} tok/s, "
-                f"mean accepted length {r.mean_accept_len:.2f}, {r.steps} steps]",
-                file=sys.stderr,
-            )
+            print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
     return 0
 
 
-def _speed_line_engine(sot) -> str:
-    t = sot.phase_times
-    return f"[draft {t.draft:.2f}s, verify {t.verify:.2f}s, prefill {t.prefill:.2f}s]"
+def _speed_line(tokens: int, seconds: float, tau: float, steps: int) -> str:
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return f"[{tokens} tokens in {seconds:.2f}s, {rate:.1f} tok/s, mean accepted length {tau:.2f}, {steps} steps]"
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -145,9 +145,12 @@ class Engine:
             del event
         return results
 
-    def stream(self, prompts: list[list[int]], params: GenerationParams) -> Iterator[TokenEvent]:
-        """Like :meth:`generate`, yielding tokens as they are committed."""
-        yield from self._run(prompts, params, [])
+    def stream(
+        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult] | None = None
+    ) -> Iterator[TokenEvent]:
+        """Like :meth:`generate`, yielding tokens as they are committed; ``results``, when
+        given, receives the per-sequence results (complete once the stream is exhausted)."""
+        yield from self._run(prompts, params, [] if results is None else results)
 
     # ----------------------------------------------------------------- the loop
     def _check(self, prompts: list[list[int]], params: GenerationParams) -> None:

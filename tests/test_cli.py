@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import tiny_model_dir
 from sot import SoT
@@ -137,3 +136,11 @@ def test_chat_session(model_dir: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("bot> ") == 2
     assert res.stderr.count("tok/s") == 2
+
+
+def test_stream_reports_statistics(model_dir: Path) -> None:
+    sot = SoT.load(str(model_dir), drafter="pld", dtype="bfloat16")
+    events = list(sot.stream(["abcabcabc"], max_new_tokens=12, chat=False, ignore_eos=True))
+    assert sum(len(e.token_ids) for e in events) == 12
+    stats = sot.last_stream[0]
+    assert stats.new_tokens == 12 and stats.steps >= 1 and stats.mean_accept_len >= 1.0

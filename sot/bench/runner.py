@@ -16,7 +16,6 @@ shared machine affects them alike. ``results.json`` schema (``"schema": "sot-ben
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
