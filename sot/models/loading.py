@@ -9,6 +9,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,9 +70,15 @@ def resolve_model_path(spec: str) -> Path:
 
 
 def _file_digest(path: Path) -> str:
-    stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    """A content key (size plus the first and last MiB), so every install of the same file
+    shares one converted folder."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        digest.update(fh.read(1 << 20))
+        fh.seek(max(0, size - (1 << 20)))
+        digest.update(fh.read(1 << 20))
+    return digest.hexdigest()[:12]
 
 
 def convert_gguf(gguf_path: Path) -> Path:
@@ -94,12 +102,21 @@ def convert_gguf(gguf_path: Path) -> Path:
     model.load_state_dict(source.state_dict(), strict=False)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "sot_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
-    tmp.replace(out) if not out.exists() else None
+    # Write into a private folder, then rename: a concurrent or interrupted conversion never
+    # leaves a half-written folder under the final name.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "sot_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        if out.exists() and not (out / "model.safetensors").is_file():
+            shutil.rmtree(out)  # leftover of an older, incomplete layout
+        if not out.exists():
+            tmp.replace(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
