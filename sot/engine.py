@@ -184,9 +184,10 @@ class Engine:
         ]
         results.extend(s.result for s in seqs)
         self.drafter.reset(len(seqs))
-        # Committed tokens plus the scratch rows of one verify pass.
+        # Committed tokens, the accepted rows of a last step that overshoots max_new_tokens
+        # (kept in the cache of a finished sequence), and the scratch rows of one pass.
         scratch = -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT
-        capacity = max(len(p) for p in prompts) + params.max_new_tokens + scratch
+        capacity = max(len(p) for p in prompts) + params.max_new_tokens + self.budget.max_depth + scratch
         cache = self.target.new_cache(len(seqs), capacity)
 
         t0 = time.perf_counter()
