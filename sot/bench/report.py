@@ -139,34 +139,35 @@ def plots(aggregates: dict[str, dict], out: Path) -> list[str]:
         fig.savefig(out / "speedup.png", dpi=120)
         plt.close(fig)
         written.append("speedup.png")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    hist_lines, depth_lines = {}, {}
     for m, a in aggregates.items():
         hist = {int(k): v for k, v in a["accept_hist"].items()}
         if hist and max(hist) > 1:
-            total = sum(hist.values())
             xs = sorted(hist)
-            ax.plot(xs, [hist[x] / total for x in xs], marker="o", label=m)
-    ax.set_xlabel("tokens committed per step")
-    ax.set_ylabel("share of steps")
-    ax.legend() if ax.lines else None
-    fig.tight_layout()
-    fig.savefig(out / "accept_hist.png", dpi=120)
-    plt.close(fig)
-    written.append("accept_hist.png")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for m, a in aggregates.items():
-        rates = a["accept_rate_per_depth"]
-        if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=m)
-    ax.set_xlabel("draft depth")
-    ax.set_ylabel("acceptance rate (given the depth was reached)")
-    ax.set_ylim(0, 1)
-    ax.legend() if ax.lines else None
-    fig.tight_layout()
-    fig.savefig(out / "accept_depth.png", dpi=120)
-    plt.close(fig)
-    written.append("accept_depth.png")
+            hist_lines[m] = (xs, [hist[x] / sum(hist.values()) for x in xs])
+        if a["accept_rate_per_depth"]:
+            rates = a["accept_rate_per_depth"]
+            depth_lines[m] = (list(range(1, len(rates) + 1)), rates)
+    _line_plot(plt, hist_lines, "tokens committed per step", "share of steps", out / "accept_hist.png")
+    _line_plot(plt, depth_lines, "draft depth", "acceptance rate (given the depth was reached)", out / "accept_depth.png", (0, 1))
+    written += ["accept_hist.png", "accept_depth.png"]
     return written
+
+
+def _line_plot(plt, lines: dict, xlabel: str, ylabel: str, path: Path, ylim: tuple | None = None) -> None:
+    """One line per method: ``lines[name] = (xs, ys)``."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, (xs, ys) in lines.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if ylim:
+        ax.set_ylim(*ylim)
+    if lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def sweep_plot(name: str, rows: list[dict], out: Path) -> str:
