@@ -134,3 +134,18 @@ def test_pytorch_attention_path_is_lossless(arch: str, monkeypatch) -> None:
     spec = traced(target, RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.8, seed=2), prompts)
     for a, b in zip(plain, spec):
         assert torch.equal(a, b)
+
+
+def test_head_dim_outside_the_kernel_uses_the_pytorch_path() -> None:
+    """A head size the compiled kernel does not take (8) must still decode exactly."""
+    import transformers
+
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).eval()
+    target = TargetModel(clone(model, torch.bfloat16))
+    assert not target.new_cache(1, 64).transposed_keys
+    prompts = random_prompts((9, 40), seed=3)
+    plain = run(target, NoDrafter(), prompts)
+    assert run(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8), prompts) == plain

@@ -187,7 +187,13 @@ class TargetModel:
         """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
         # With the compiled CPU kernel the cache is float32 with transposed keys (its layout);
         # otherwise it holds the model dtype. Attention accumulates in float32 either way.
-        kernel = self.device.type == "cpu" and tree_attention_kernel() is not None
+        kernel = (
+            self.device.type == "cpu"
+            and self.head_dim % 16 == 0  # the kernel's vector width and limits
+            and self.head_dim <= 256
+            and self.num_heads // self.num_kv_heads <= 16
+            and tree_attention_kernel() is not None
+        )
         return KVCache(
             self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device,
             torch.float32 if kernel else self.dtype, transposed_keys=kernel,

@@ -179,7 +179,7 @@ class FastLlama:
                 states.append(h)
             x = x.reshape(batch * rows, -1)
             qkv = layer.qkv(x, stable).view(batch, rows, nq + 2 * nkv, hd)
-            if stable and self.kernel is not None:
+            if stable and cache.transposed_keys:  # the kernel's cache layout
                 # One compiled call: rope on q and k, K/V into their cache slots.
                 keys, values = cache.layer(idx)
                 q = self.kernel.rope_write(qkv, cos3, sin3, keys, values, layout.write_slots, nq)
