@@ -1,4 +1,4 @@
-"""The ``sot`` command line: ``generate``, ``chat``, ``bench``."""
+"""The ``sot`` command line: ``generate``, ``chat``, ``bench``, ``train``."""
 from __future__ import annotations
 
 import argparse
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sot.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from sot.train.cli import add_train_parser
+
+    add_train_parser(sub, _positive_int, _checked(float, "a number", lambda v: v > 0, "> 0"))
     return parser
 
 
@@ -187,6 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sot.bench.cli import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "train":
+            from sot.train.cli import cmd_train
+
+            return cmd_train(args)
         return handlers[args.command](args)
     except SoTError as exc:
         print(f"sot: error: {exc}", file=sys.stderr)

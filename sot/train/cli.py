@@ -1,0 +1,110 @@
+"""``sot train``: ``gen-data`` (self-distillation), ``prepare`` (target-state cache), ``fit``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def default_state_layers(num_layers: int) -> tuple[int, int, int]:
+    """The EAGLE-3 choice of a low, a middle and a high layer: 2, L/2 and L-3 (indices into
+    ``hidden_states``, where 0 is the embeddings), clamped for very shallow models."""
+    low = min(2, num_layers)
+    return (low, max(low, num_layers // 2), max(low, num_layers - 3))
+
+
+def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
+    from sot.errors import ConfigError
+
+    if not text:
+        return default_state_layers(num_layers)
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--layers takes comma-separated integers, got {text!r}") from None
+    if any(not 0 <= x <= num_layers for x in layers):
+        raise ConfigError(f"--layers must lie in 0..{num_layers} for this model, got {text!r}")
+    return layers
+
+
+def add_train_parser(sub, positive_int, positive_float) -> None:
+    train = sub.add_parser("train", help="train a state predictor: gen-data, prepare, fit")
+    tsub = train.add_subparsers(dest="train_command", required=True, parser_class=type(train))
+
+    gen = tsub.add_parser("gen-data", help="regenerate ShareGPT answers with the target (self-distillation)")
+    gen.add_argument("--model", default="default")
+    gen.add_argument("--out", required=True, help="JSONL file to write (appends; resumes by id)")
+    gen.add_argument("--limit", type=positive_int, default=1000, help="conversations to regenerate")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=256)
+    gen.add_argument("--batch-size", type=positive_int, default=8)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+
+    prep = tsub.add_parser("prepare", help="run the target over training data and cache its states (bf16)")
+    prep.add_argument("--model", default="default")
+    prep.add_argument("--out", required=True, help="folder for the state cache")
+    prep.add_argument("--data", default=None, help="JSONL from gen-data (default: packaged ShareGPT)")
+    prep.add_argument("--tokens", type=positive_int, default=1_000_000, help="training tokens to cache")
+    prep.add_argument("--eval-conversations", type=positive_int, default=48, help="held-out conversations for evaluation")
+    prep.add_argument("--seq-len", type=positive_int, default=1024)
+    prep.add_argument("--layers", default=None, help="hidden-state layers, e.g. 2,15,27 (default: 2, L/2, L-3)")
+
+    fit = tsub.add_parser("fit", help="train a state predictor on a prepared state cache")
+    fit.add_argument("--model", default="default")
+    fit.add_argument("--data", required=True, help="state cache folder from 'sot train prepare'")
+    fit.add_argument("--out", required=True, help="run folder: checkpoints, predictor, loss.png, accept.png")
+    fit.add_argument("--steps", type=positive_int, default=2000)
+    fit.add_argument("--tokens-per-step", type=positive_int, default=8192)
+    fit.add_argument("--lr", type=positive_float, default=1e-3)
+    fit.add_argument("--unroll", type=positive_int, default=5, help="training-time-test steps")
+    fit.add_argument("--draft-vocab", type=int, default=16384, help="reduced draft vocabulary (0 = full)")
+    fit.add_argument("--eval-every", type=positive_int, default=200)
+    fit.add_argument("--save-every", type=positive_int, default=100)
+    fit.add_argument("--seed", type=int, default=0)
+    fit.add_argument("--max-seconds", type=float, default=0.0, help="stop (with a checkpoint) after this long")
+
+
+def cmd_gen_data(args: argparse.Namespace) -> int:
+    from sot.train.selfdistill import generate_answers
+
+    n = generate_answers(args.model, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                         batch_size=args.batch_size, temperature=args.temperature, seed=args.seed)
+    print(f"wrote {n} regenerated conversations to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    import torch
+
+    from sot.models.loading import load_model
+    from sot.train.data import build_state_cache, heldout_conversations, training_conversations
+
+    loaded = load_model(args.model, dtype=torch.bfloat16)
+    layers = parse_layers(args.layers, loaded.model.config.num_hidden_layers)
+    out = Path(args.out)
+    convs = training_conversations(args.data)
+    meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, args.seq_len)
+    ev = build_state_cache(loaded.model, loaded.tokenizer, heldout_conversations(args.eval_conversations),
+                           out / "eval", layers, None, args.seq_len)
+    info = {"model": args.model, "data": args.data or "sharegpt", "train": meta, "eval": ev}
+    (out / "prepare.json").write_text(json.dumps(info, indent=2))
+    print(f"cached {meta['tokens']:,} training tokens ({meta['bytes'] / 2**30:.2f} GiB) and "
+          f"{ev['tokens']:,} held-out tokens ({ev['bytes'] / 2**20:.0f} MiB) in {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from sot.train.trainer import TrainConfig, fit
+
+    cfg = TrainConfig(
+        model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
+        lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab, eval_every=args.eval_every,
+        save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds,
+    )
+    fit(cfg)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    return {"gen-data": cmd_gen_data, "prepare": cmd_prepare, "fit": cmd_fit}[args.train_command](args)

@@ -1,0 +1,241 @@
+"""Training data for the state predictor: conversations -> token ids -> cached target states.
+
+Data flow::
+
+    ShareGPT (package, held-out split skipped)  or  a gen-data JSONL (self-distilled answers)
+        -> rendered with the target's chat template, assistant tokens marked
+        -> the target runs once per conversation (bf16), keeping the hidden states of the
+           predictor's input layers and the final (normed) hidden state
+        -> shards of ``states [N, S + 1, D]`` bf16, ``tokens [N]``, ``mask [N]``, ``offsets``
+
+A shard is one safetensors file; :class:`StateDataset` memory-maps them for training.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sot.data.sharegpt import is_heldout, load_conversations
+from sot.errors import ConfigError
+
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+            "assistant": "assistant", "system": "system"}
+SHARD_TOKENS = 200_000
+
+
+def to_messages(conv: dict) -> list[dict[str, str]] | None:
+    """ShareGPT turns as chat messages; ``None`` when the conversation has no assistant reply."""
+    msgs = []
+    for turn in conv.get("conversations") or []:
+        role = ROLE_MAP.get(str(turn.get("from", "")).lower())
+        text = str(turn.get("value", "")).strip()
+        if role is None or not text:
+            continue
+        msgs.append({"role": role, "content": text})
+    if not any(m["role"] == "assistant" for m in msgs) or msgs[0]["role"] == "assistant":
+        return None
+    return msgs
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[int], list[int]] | None:
+    """Token ids of a conversation and a 0/1 mask of assistant tokens (each ``[<= max_tokens]``).
+
+    Assistant spans are found by rendering growing prefixes of the conversation; for a chat
+    template that does not render prefixes as prefixes, every token is marked.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        spans, prev = [], ""
+        for i, m in enumerate(messages):
+            cur = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            if not cur.startswith(prev):
+                spans = [(0, len(text))]
+                break
+            if m["role"] == "assistant":
+                spans.append((len(prev), len(cur)))
+            prev = cur
+    else:
+        text = "\n\n".join(m["content"] for m in messages)
+        spans = [(0, len(text))]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"][:max_tokens]
+    offsets = enc["offset_mapping"][:max_tokens]
+    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in offsets]
+    if len(ids) < 8 or sum(mask) == 0:
+        return None
+    return ids, mask
+
+
+def training_conversations(source: str | Path | None = None, seed: int = 0) -> list[dict]:
+    """Conversations to train on, in a fixed shuffled order. ``source`` is ``None`` for the
+    packaged ShareGPT set (held-out split removed) or a JSONL file written by ``gen-data``."""
+    if source is None:
+        convs = [c for c in load_conversations() if not is_heldout(str(c.get("id", "")))]
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"training data file {path} does not exist")
+        convs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        convs = [c for c in convs if not is_heldout(str(c.get("id", "")))]
+    rng = random.Random(seed)
+    convs = list(convs)
+    rng.shuffle(convs)
+    return convs
+
+
+def heldout_conversations(limit: int) -> list[dict]:
+    """Held-out conversations (for evaluation only), in id-hash order."""
+    convs = [c for c in load_conversations() if is_heldout(str(c.get("id", "")))]
+    convs.sort(key=lambda c: hashlib.sha256(str(c.get("id", "")).encode()).hexdigest())
+    return convs[:limit]
+
+
+@dataclass
+class _Shard:
+    tokens: list[int]
+    mask: list[int]
+    offsets: list[int]
+    states: list[torch.Tensor]
+
+
+@torch.no_grad()
+def target_states(model: torch.nn.Module, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """Hidden states ``[T, S + 1, D]`` of one sequence: the ``S`` chosen layers (indices into
+    ``hidden_states``, 0 = embeddings) and, last, the final normed hidden state."""
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    out = backbone(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states
+    picked = [hs[i][0] for i in layers] + [out.last_hidden_state[0]]
+    return torch.stack(picked, dim=1).to(torch.bfloat16)
+
+
+def build_state_cache(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    conversations: Iterable[dict],
+    out_dir: str | Path,
+    layers: tuple[int, ...],
+    max_tokens: int | None,
+    seq_len: int = 1024,
+    progress: bool = True,
+) -> dict:
+    """Run the target over conversations and write state shards to ``out_dir``.
+
+    Stops after ``max_tokens`` tokens (``None``: all conversations). Writes ``meta.json`` last, so a folder with it is
+    complete. Returns the metadata (token count, shard files, size in bytes).
+    """
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shard = _Shard([], [], [0], [])
+    files: list[str] = []
+    total = sequences = 0
+    hidden = None
+
+    def flush() -> None:
+        if not shard.tokens:
+            return
+        name = f"shard-{len(files):04d}.safetensors"
+        save_file(
+            {
+                "tokens": torch.tensor(shard.tokens, dtype=torch.int32),
+                "mask": torch.tensor(shard.mask, dtype=torch.uint8),
+                "offsets": torch.tensor(shard.offsets, dtype=torch.int64),
+                "states": torch.cat(shard.states),
+            },
+            str(out / name),
+        )
+        files.append(name)
+        shard.tokens, shard.mask, shard.offsets, shard.states = [], [], [0], []
+
+    bar = tqdm(total=max_tokens, unit="tok", desc="target states", disable=not progress, dynamic_ncols=True)
+    for conv in conversations:
+        messages = to_messages(conv)
+        if messages is None:
+            continue
+        rendered = render(tokenizer, messages, seq_len)
+        if rendered is None:
+            continue
+        ids, mask = rendered
+        states = target_states(model, ids, layers)
+        hidden = states.shape[-1]
+        shard.tokens.extend(ids)
+        shard.mask.extend(mask)
+        shard.offsets.append(len(shard.tokens))
+        shard.states.append(states)
+        total += len(ids)
+        sequences += 1
+        bar.update(len(ids))
+        if len(shard.tokens) >= SHARD_TOKENS:
+            flush()
+        if max_tokens is not None and total >= max_tokens:
+            break
+    flush()
+    bar.close()
+    size = sum((out / f).stat().st_size for f in files)
+    meta = {"tokens": total, "sequences": sequences, "layers": list(layers), "hidden_size": hidden,
+            "seq_len": seq_len, "shards": files, "bytes": size}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+class StateDataset:
+    """Memory-mapped state shards written by :func:`build_state_cache`.
+
+    ``dataset[i]`` is one sequence: ``(tokens [T] int64, mask [T] float, states [T, S + 1, D] bf16)``.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        meta_path = self.folder / "meta.json"
+        if not meta_path.is_file():
+            raise ConfigError(f"{self.folder} holds no complete state cache (meta.json missing)")
+        self.meta = json.loads(meta_path.read_text())
+        self._files = [safe_open(str(self.folder / f), framework="pt") for f in self.meta["shards"]]
+        self._index: list[tuple[int, int, int]] = []
+        for s, fh in enumerate(self._files):
+            offsets = fh.get_tensor("offsets").tolist()
+            self._index.extend((s, a, b) for a, b in zip(offsets[:-1], offsets[1:]))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.meta["layers"])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, a, b = self._index[i]
+        fh = self._files[s]
+        tokens = fh.get_slice("tokens")[a:b].to(torch.int64)
+        mask = fh.get_slice("mask")[a:b].to(torch.float32)
+        states = fh.get_slice("states")[a:b]
+        return tokens, mask, states
+
+    def token_counts(self, vocab_size: int, masked_only: bool = True) -> torch.Tensor:
+        """``[vocab_size]`` how often each token occurs (in assistant spans when ``masked_only``)."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for fh in self._files:
+            tok = fh.get_tensor("tokens").to(torch.int64)
+            if masked_only:
+                tok = tok[fh.get_tensor("mask").bool()]
+            counts += torch.bincount(tok, minlength=vocab_size)[:vocab_size]
+        return counts
+
+    def iter_indices(self, seed: int, rank: int = 0, world: int = 1) -> Iterator[int]:
+        """An endless shuffled stream of sequence indices, disjoint across ``world`` ranks."""
+        epoch = 0
+        while True:
+            order = list(range(len(self)))
+            random.Random(seed + epoch).shuffle(order)
+            yield from order[rank::world]
+            epoch += 1
