@@ -3,7 +3,7 @@
 Example::
 
     from sot import SoT
-    sot = SoT.load("default", drafter="pld")
+    sot = SoT.load("default")  # the shipped state predictor drafts
     for out in sot.generate(["Write a haiku about the sea."], max_new_tokens=64):
         print(out.text, out.tokens_per_s, out.mean_accept_len)
 """
@@ -66,6 +66,24 @@ def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ConfigError(f"top_k must be >= 0, got {top_k}")
 
 
+def _has_predictor(model: torch.nn.Module, predictor: str | None) -> bool:
+    """True when a state predictor is given, or the shipped one fits ``model``."""
+    from sot.drafters import default_predictor_path
+    from sot.drafters.state import check_compatible, read_predictor_config
+    from sot.errors import DrafterCompatibilityError
+
+    if predictor is not None:
+        return True
+    path = default_predictor_path()
+    if not path.is_file():
+        return False
+    try:
+        check_compatible(read_predictor_config(path), model, path)
+    except DrafterCompatibilityError:
+        return False
+    return True
+
+
 class SoT:
     """A loaded target model with a drafter, ready to generate.
 
@@ -84,28 +102,37 @@ class SoT:
     def load(
         cls,
         model: str = "default",
-        drafter: str | DrafterKind = DrafterKind.PLD,
+        drafter: str | DrafterKind = "auto",
         dtype: str = "bfloat16",
         max_nodes: int = 16,
         max_depth: int = 8,
+        predictor: str | None = None,
+        top_k: int = 8,
     ) -> "SoT":
         """Load a target and build the engine.
 
         Args:
             model: ``"default"`` (SmolLM2-135M-Instruct), a model folder or a ``.gguf`` file.
-            drafter: ``none``, ``pld`` or ``state``.
+            drafter: ``auto`` (the state predictor when one is available for the model,
+                otherwise ``pld``), ``none``, ``pld`` or ``state``.
             dtype: ``bfloat16`` (default, fastest on CPU) or ``float32``.
             max_nodes: tree size limit per step, root included.
             max_depth: how many tokens ahead a tree may reach.
+            predictor: a state predictor file (default: the one shipped for the default model).
+            top_k: children per expanded node in state-predictor trees.
         """
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        try:
-            kind = DrafterKind(drafter)
-        except ValueError:
-            raise ConfigError(f"unknown drafter {drafter!r}; choose from {', '.join(k.value for k in DrafterKind)}") from None
         loaded = load_model(model, dtype=DTYPES[dtype])
-        draft = make_drafter(kind)
+        if drafter == "auto":
+            kind = DrafterKind.STATE if _has_predictor(loaded.model, predictor) else DrafterKind.PLD
+        else:
+            try:
+                kind = DrafterKind(drafter)
+            except ValueError:
+                choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
+                raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}") from None
+        draft = make_drafter(kind, loaded.model, predictor, top_k=top_k)
         target = TargetModel(loaded.model, state_layers=draft.state_layers)
         tok = loaded.tokenizer
 

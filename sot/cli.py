@@ -36,6 +36,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="engine dtype (default: bfloat16)")
     p.add_argument("--max-nodes", type=_positive_int, default=16, help="draft tree size per step, root included")
     p.add_argument("--max-depth", type=_non_negative_int, default=8, help="how far a draft tree may look ahead")
+    p.add_argument("--predictor", default=None, help="state predictor file (default: the one shipped for the default model)")
+    p.add_argument("--draft-top-k", dest="draft_top_k", type=_positive_int, default=8,
+                   help="children per expanded node of a state-predictor tree")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--prompts", help="JSONL file: {'prompt'}, {'messages'} or {'turns'} per line")
-    gen.add_argument("--drafter", choices=["none", "pld", "state"], default="pld")
+    gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
+                     help="auto: the state predictor when one fits the model, else pld")
     gen.add_argument("--batch-size", type=_positive_int, default=1)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -78,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_flag(gen)
 
     chat = sub.add_parser("chat", help="interactive streaming chat")
-    chat.add_argument("--drafter", choices=["none", "pld", "state"], default="pld")
+    chat.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
+                      help="auto: the state predictor when one fits the model, else pld")
     chat.add_argument("--system", default=None, help="system message")
     add_model_args(chat)
     add_sampling_args(chat)
@@ -96,7 +101,8 @@ def _load(args: argparse.Namespace):
     from sot.api import SoT
 
     print(f"loading {args.model} ({args.dtype}, drafter {args.drafter}) ...", file=sys.stderr)
-    return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes, max_depth=args.max_depth)
+    return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes,
+                    max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k)
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:

@@ -21,6 +21,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--max-nodes", type=_positive_int, default=16)
     bench.add_argument("--max-depth", type=_non_negative_int, default=8)
+    bench.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
+    bench.add_argument("--draft-top-k", type=_positive_int, default=8, help="children per expanded node (state)")
     bench.add_argument("--ignore-eos", action="store_true")
     bench.add_argument("--sweep", default=None, help="NAME=v1,v2,... with NAME max-depth or max-nodes")
     bench.add_argument("--out", default="bench-out", help="output folder")
@@ -42,6 +44,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_nodes=args.max_nodes,
         max_depth=args.max_depth,
+        predictor=args.predictor,
+        draft_top_k=args.draft_top_k,
         chat=args.chat,
         ignore_eos=args.ignore_eos,
         sweep=parse_sweep(args.sweep) if args.sweep else None,

@@ -55,6 +55,8 @@ class BenchConfig:
     seed: int = 0
     max_nodes: int = 16
     max_depth: int = 8
+    predictor: str | None = None
+    draft_top_k: int = 8
     chat: bool | None = None
     ignore_eos: bool = False
     warmup_tokens: int = 16
@@ -82,6 +84,11 @@ def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
     return TreeBudget(max_nodes=override.get("max_nodes", cfg.max_nodes), max_depth=override.get("max_depth", cfg.max_depth))
 
 
+def _drafter(cfg: BenchConfig, method: str, model):
+    kind = DrafterKind.NONE if method == "plain" else DrafterKind(method)
+    return make_drafter(kind, model, cfg.predictor, top_k=cfg.draft_top_k)
+
+
 def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
     """Load what the requested methods need; returns the methods, tokenizer and engine target."""
     unknown = [m for m in cfg.methods if m not in METHODS]
@@ -96,7 +103,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
     if engine_methods:
         loaded = load_model(cfg.model, dtype=_DTYPES[cfg.dtype])
         tokenizer = loaded.tokenizer
-        drafters = {m: make_drafter(DrafterKind.NONE if m == "plain" else DrafterKind(m)) for m in engine_methods}
+        drafters = {m: _drafter(cfg, m, loaded.model) for m in engine_methods}
         layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))
         target = TargetModel(loaded.model, state_layers=layers)
     for name in cfg.methods:
@@ -175,11 +182,12 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
         raise ConfigError("--sweep needs an engine method to sweep (pld or state) in --methods")
     plain = EngineMethod("plain", target, make_drafter(DrafterKind.NONE), _budget(cfg))
     variants = []
+    drafter = _drafter(cfg, spec, target.model)
     for v in values:
         budget = _budget(cfg, **{SWEEPABLE[name]: v})
         if name == "max-depth":
             budget = TreeBudget(max_nodes=max(budget.max_nodes, v + 1), max_depth=v)
-        variants.append((v, EngineMethod(f"{spec}@{v}", target, make_drafter(DrafterKind(spec)), budget)))
+        variants.append((v, EngineMethod(f"{spec}@{v}", target, drafter, budget)))
     runs: dict[str, list[RunRecord]] = {"plain": []}
     with tqdm(total=len(prompts) * (len(values) + 1), desc=f"sweep {name}", unit="run") as bar:
         for i, ids in enumerate(prompts):

@@ -1,15 +1,40 @@
 """Drafters: one interface (:class:`Drafter`), chosen by :class:`DrafterKind`."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 from sot.errors import ConfigError
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, NoDrafter, TreeBudget
 from sot.drafters.pld import PromptLookupDrafter
 
-__all__ = ["DraftInput", "Drafter", "DrafterKind", "NoDrafter", "PromptLookupDrafter", "TreeBudget", "make_drafter"]
+__all__ = ["DraftInput", "Drafter", "DrafterKind", "NoDrafter", "PromptLookupDrafter", "TreeBudget",
+           "default_predictor_path", "make_drafter"]
+
+#: the trained state predictor shipped for the default model (SmolLM2-135M-Instruct)
+DEFAULT_PREDICTOR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct.state.safetensors"
 
 
-def make_drafter(kind: DrafterKind | str) -> Drafter:
-    """Build a drafter that needs no weights. The state drafter is loaded separately."""
+def default_predictor_path() -> Path:
+    return DEFAULT_PREDICTOR
+
+
+def make_drafter(
+    kind: DrafterKind | str,
+    model: torch.nn.Module | None = None,
+    predictor: str | Path | None = None,
+    top_k: int = 8,
+) -> Drafter:
+    """Build a drafter.
+
+    Args:
+        kind: ``none``, ``pld`` or ``state``.
+        model: the target (a Hugging Face causal LM); needed by ``state``, whose predictor
+            shares the target's embeddings and LM head.
+        predictor: a state predictor file; default: the one shipped for the default model.
+        top_k: children per expanded node of a state-predictor tree.
+    """
     try:
         kind = DrafterKind(kind)
     except ValueError:
@@ -18,4 +43,11 @@ def make_drafter(kind: DrafterKind | str) -> Drafter:
         return NoDrafter()
     if kind is DrafterKind.PLD:
         return PromptLookupDrafter()
-    raise ConfigError(f"drafter {kind.value!r} (the learned state predictor) is not available in this release")
+    from sot.drafters.state import StateDrafter, load_predictor
+
+    if model is None:
+        raise ConfigError("the state drafter needs the target model")
+    path = Path(predictor) if predictor is not None else DEFAULT_PREDICTOR
+    if predictor is None and not path.is_file():
+        raise ConfigError(f"the default state predictor {path} is missing from this installation")
+    return StateDrafter(load_predictor(path, model), top_k=top_k)

@@ -1,0 +1,528 @@
+"""The state predictor: a one-layer model that predicts the target's next hidden states.
+
+Inputs and outputs, for a row at position ``t`` (``D`` = target hidden size, ``S`` = input layers)::
+
+    target states f_t [S, D] (layers low, mid, high)  --fuse-->  s_t [D]
+    or, when rolling forward, its own previous output  ------>  s_t [D]
+    [state_norm(s_t), embed_norm(E[x_{t+1}])] --inp--> one decoder layer (Llama-style, the
+    target's width, heads and rope) --> g_t [D]: the predicted state of position t + 1
+    out_norm(g_t) @ H[draft_vocab]^T --> logits [V_d] over x_{t+2}
+
+``E`` and ``H`` are the target's own input embeddings and LM head, shared and frozen; only the
+fuse/inp projections, the layer and the norms are trained and saved. ``draft_vocab`` is an
+index map onto the target vocabulary (the most frequent tokens), or the whole vocabulary.
+
+At inference (:class:`StateDrafter`) the predictor keeps its own KV cache of rows built from
+real target states. A tree is grown depth by depth: the ``top_k`` candidates with the highest
+cumulative log-probability are expanded, and the best ``max_nodes - 1`` nodes overall are
+proposed. Expansion stops early once no frontier node can still enter the tree.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
+from sot.errors import ConfigError, DrafterCompatibilityError
+from sot.tree import DraftTree
+
+FORMAT = "sot-state-predictor/1"
+
+
+# ---------------------------------------------------------------------------- config
+def _rope_theta(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(config, "rope_theta", None) or 10000.0)
+
+
+def embedding_hash(weight: torch.Tensor) -> str:
+    """A short fingerprint of an embedding matrix, independent of its storage dtype."""
+    data = weight.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def target_fingerprint(model: torch.nn.Module) -> dict:
+    """What a predictor checkpoint records about the target it was trained for."""
+    cfg = model.config
+    emb = model.get_input_embeddings().weight
+    arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
+    return {
+        "architecture": arch,
+        "hidden_size": int(emb.shape[1]),
+        "vocab_size": int(emb.shape[0]),
+        "num_layers": int(cfg.num_hidden_layers),
+        "embed_hash": embedding_hash(emb),
+    }
+
+
+@dataclass
+class StatePredictorConfig:
+    """Shape of a state predictor and the target it belongs to."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    rope_theta: float
+    state_layers: tuple[int, ...]
+    draft_vocab_size: int
+    target: dict = field(default_factory=dict)
+    format: str = FORMAT
+
+    @classmethod
+    def for_target(cls, model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab_size: int) -> "StatePredictorConfig":
+        cfg = model.config
+        d = int(model.get_input_embeddings().weight.shape[1])
+        heads = int(getattr(cfg, "num_attention_heads", max(1, d // 64)))
+        head_dim = int(getattr(cfg, "head_dim", None) or d // heads)
+        if heads * head_dim != d:  # keep the layer's width equal to the target's hidden size
+            heads, head_dim = max(1, d // 64), 64 if d % 64 == 0 else d
+            heads = d // head_dim
+        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        if heads % kv:
+            kv = heads
+        inter = int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * d)
+        eps = float(getattr(cfg, "rms_norm_eps", None) or 1e-6)
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        return cls(d, heads, kv, head_dim, inter, eps, _rope_theta(cfg), tuple(int(x) for x in state_layers),
+                   min(draft_vocab_size, vocab) if draft_vocab_size > 0 else 0, target_fingerprint(model))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "StatePredictorConfig":
+        data = json.loads(text)
+        if data.get("format") != FORMAT:
+            raise DrafterCompatibilityError(f"not a SoT state predictor checkpoint (format {data.get('format')!r})")
+        data["state_layers"] = tuple(data["state_layers"])
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------------- model
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def _add_noise(states: torch.Tensor, relative: float) -> torch.Tensor:
+    """Gaussian noise with std ``relative`` times each state vector's RMS."""
+    rms = states.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return states + (torch.randn(states.shape, device=states.device) * rms * relative).to(states.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class StatePredictor(torch.nn.Module):
+    """The trainable predictor plus references to the target's frozen embeddings and head.
+
+    Args:
+        config: shapes and target fingerprint.
+        embed: ``[V, D]`` the target's input embeddings (not copied, not saved).
+        head: ``[V, D]`` the target's LM head weight (not saved).
+        draft_vocab: ``[V_d]`` target token ids the predictor may propose, or ``None`` (all).
+    """
+
+    def __init__(self, config: StatePredictorConfig, embed: torch.Tensor, head: torch.Tensor,
+                 draft_vocab: torch.Tensor | None = None) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        d, s = c.hidden_size, len(c.state_layers)
+        lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        self.fuse = lin(s * d, d)
+        self.state_norm = RMSNorm(d, c.rms_eps)
+        self.embed_norm = RMSNorm(d, c.rms_eps)
+        self.inp = lin(2 * d, d)
+        self.attn_norm = RMSNorm(d, c.rms_eps)
+        self.q_proj = lin(d, c.num_heads * c.head_dim)
+        self.k_proj = lin(d, c.num_kv_heads * c.head_dim)
+        self.v_proj = lin(d, c.num_kv_heads * c.head_dim)
+        self.o_proj = lin(c.num_heads * c.head_dim, d)
+        self.mlp_norm = RMSNorm(d, c.rms_eps)
+        self.gate_proj = lin(d, c.intermediate_size)
+        self.up_proj = lin(d, c.intermediate_size)
+        self.down_proj = lin(c.intermediate_size, d)
+        self.out_norm = RMSNorm(d, c.rms_eps)
+        if draft_vocab is None:
+            draft_vocab = torch.arange(embed.shape[0])
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=True)
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        self.register_buffer("head", head.detach()[self.draft_vocab], persistent=False)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    # -- pieces
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items()}
+
+    def fuse_states(self, states: torch.Tensor) -> torch.Tensor:
+        """``[..., S, D]`` target states -> ``[..., D]``."""
+        return self.fuse(states.flatten(-2).to(self.fuse.weight.dtype))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x [..., H, T, hd]``, ``positions [..., T]``."""
+        ang = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((ang, ang), dim=-1)
+        cos, sin = emb.cos().unsqueeze(-3).to(x.dtype), emb.sin().unsqueeze(-3).to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def project(self, state: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """Input projection and attention inputs for rows ``[B, T]``.
+
+        Returns ``h [B, T, D]`` (the residual stream), ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]``.
+        """
+        c = self.config
+        e = self.embed[tokens].to(state.dtype)
+        h = self.inp(torch.cat((self.state_norm(state), self.embed_norm(e)), dim=-1))
+        a = self.attn_norm(h)
+        b, t = tokens.shape
+        q = self.q_proj(a).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(a).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(a).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return h, self._rope(q, positions), self._rope(k, positions), v
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual stream ``h [B, T, D]`` and attention output ``[B, H, T, hd]`` -> predicted
+        state ``g [B, T, D]``."""
+        b, _, t, _ = attn.shape
+        h = h + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        m = self.mlp_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Predicted states ``[..., D]`` -> draft-vocabulary logits ``[..., V_d]``."""
+        n = self.out_norm(g)
+        return n @ self.head.to(n.dtype).T
+
+    def _groups(self) -> int:
+        return self.config.num_heads // self.config.num_kv_heads
+
+    # -- training: unrolled on its own predictions ("training-time test")
+    def forward(self, states: torch.Tensor, next_tokens: torch.Tensor, steps: int, state_noise: float = 0.0,
+                perturb: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """:meth:`forward_unrolled`, plus (when ``perturb > 0``) the step-0 prediction
+        ``[B, T, D]`` from the same input states moved by a small random perturbation of
+        relative size ``perturb`` (for the stability penalty). One call, so DDP sees one graph."""
+        if state_noise > 0:
+            states = _add_noise(states, state_noise)
+        outs = self.forward_unrolled(states, next_tokens, steps)
+        moved = None
+        if perturb > 0:
+            moved = self.forward_unrolled(_add_noise(states, perturb), next_tokens, 1)[0]
+        return outs, moved
+
+    def forward_unrolled(self, states: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Roll the predictor forward ``steps`` times over whole sequences.
+
+        Args:
+            states: ``[B, T, S, D]`` target states of positions ``0..T-1``.
+            next_tokens: ``[B, T]`` the token at position ``t + 1`` for each row ``t``.
+            steps: unroll depth ``K``.
+
+        Returns ``K`` tensors ``g_k [B, T, D]``. At step ``k``, row ``t`` starts from the step
+        ``k - 1`` prediction of row ``t - 1`` and attends to real rows ``<= t - k`` plus its own
+        chain of predicted rows, exactly as a depth ``k + 1`` draft node does at inference.
+        All steps predict the same target: the state of position ``t + 1``. Rows ``t < k``
+        have no valid chain and must be masked out of the loss.
+        """
+        b, t = next_tokens.shape
+        positions = torch.arange(t, device=next_tokens.device).expand(b, t)
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        g_rep = self._groups()
+        causal = torch.ones(t, t, dtype=torch.bool, device=next_tokens.device).tril()
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        x = self.fuse_states(states)
+        for k in range(steps):
+            if k > 0:
+                x = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # row t takes row t-1's prediction
+            h, q, kk, vv = self.project(x, next_tokens, positions)
+            keys.append(kk.repeat_interleave(g_rep, dim=1))
+            values.append(vv.repeat_interleave(g_rep, dim=1))
+            s0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, H, T, T]
+            allowed = causal if k == 0 else torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-k)
+            s0 = s0.float().masked_fill(~allowed, float("-inf"))
+            diag, vals = [], []
+            for j in range(1, k + 1):
+                shift = k - j
+                kj = F.pad(keys[j][:, :, : t - shift], (0, 0, shift, 0)) if shift else keys[j]
+                vj = F.pad(values[j][:, :, : t - shift], (0, 0, shift, 0)) if shift else values[j]
+                diag.append(((q * kj).sum(-1, keepdim=True) * scale).float())
+                vals.append(vj)
+            scores = torch.cat([s0] + diag, dim=-1)
+            # rows with no allowed real key (t < k) still have their own chain entry, so the
+            # softmax is finite everywhere
+            p = torch.softmax(scores, dim=-1).to(q.dtype)
+            attn = p[..., :t] @ values[0]
+            for j, vj in enumerate(vals):
+                attn = attn + p[..., t + j : t + j + 1] * vj
+            outs.append(self.finish(h, attn))
+        return outs
+
+
+# ---------------------------------------------------------------------------- files
+def save_predictor(model: StatePredictor, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write the trainable weights and the draft vocabulary map to one safetensors file; the
+    config (with the target fingerprint) goes into its metadata."""
+    tensors = {}
+    for k, v in model.state_dict().items():
+        tensors[k] = v.detach().to(dtype).contiguous() if v.is_floating_point() else v.detach().contiguous()
+    save_file(tensors, str(path), metadata={"sot_config": model.config.to_json()})
+
+
+def read_predictor_config(path: str | Path) -> StatePredictorConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"state predictor file {p} does not exist")
+    try:
+        with safe_open(str(p), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except Exception as exc:  # noqa: BLE001
+        raise DrafterCompatibilityError(f"{p} is not a safetensors state predictor: {exc}") from exc
+    if "sot_config" not in meta:
+        raise DrafterCompatibilityError(f"{p} has no SoT state predictor config in its metadata")
+    return StatePredictorConfig.from_json(meta["sot_config"])
+
+
+def check_compatible(config: StatePredictorConfig, model: torch.nn.Module, path: str | Path = "checkpoint") -> None:
+    """Raise :class:`DrafterCompatibilityError` unless the predictor was trained for ``model``."""
+    have = target_fingerprint(model)
+    want = config.target
+    diffs = [f"{k}: trained for {want.get(k)!r}, target has {have[k]!r}" for k in
+             ("architecture", "hidden_size", "vocab_size", "num_layers", "embed_hash") if want.get(k) != have[k]]
+    if diffs:
+        raise DrafterCompatibilityError(
+            f"state predictor {path} was trained for another target model ({'; '.join(diffs)}); "
+            "train one for this model with 'sot train'"
+        )
+
+
+def _final_norm_weight(model: torch.nn.Module) -> torch.Tensor | None:
+    for name in ("model.norm", "model.final_layernorm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.final_norm"):
+        mod = model
+        for part in name.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        w = getattr(mod, "weight", None) if mod is not None else None
+        if isinstance(w, torch.Tensor):
+            return w
+    return None
+
+
+def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab: torch.Tensor | None,
+                  seed: int = 0) -> StatePredictor:
+    """A freshly initialised predictor for ``model`` (fp32 weights)."""
+    size = 0 if draft_vocab is None else int(draft_vocab.numel())
+    cfg = StatePredictorConfig.for_target(model, state_layers, size)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        pred = StatePredictor(cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight, draft_vocab)
+        for mod in pred.modules():
+            if isinstance(mod, torch.nn.Linear):
+                torch.nn.init.normal_(mod.weight, std=0.02)
+        w = _final_norm_weight(model)
+        if w is not None and w.shape == pred.out_norm.weight.shape:
+            pred.out_norm.weight.data.copy_(w.float())
+    return pred.float()
+
+
+def load_predictor(path: str | Path, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> StatePredictor:
+    """Load a predictor for ``model``; fails with a clear message for another target."""
+    cfg = read_predictor_config(path)
+    check_compatible(cfg, model, path)
+    with safe_open(str(path), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    vocab = tensors.get("draft_vocab")
+    pred = StatePredictor(cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight, vocab)
+    missing, unexpected = pred.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise DrafterCompatibilityError(f"{path} does not match the predictor layout (missing {missing}, unexpected {unexpected})")
+    for param in pred.parameters():
+        param.data = param.data.to(dtype)
+    pred.head = pred.head.to(dtype)  # the draft-vocabulary rows only; the embeddings stay shared
+    return pred.eval()
+
+
+# ---------------------------------------------------------------------------- drafter
+class _SeqState:
+    """One sequence's predictor KV cache and last predicted state."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # [Hkv, cap, hd]
+        self.v: torch.Tensor | None = None
+        self.length = 0
+        self.last: torch.Tensor | None = None  # [D] prediction for the root's position
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[1]
+        if self.k is None or self.length + n > self.k.shape[1]:
+            cap = max(256, 2 * (self.length + n))
+            nk = k.new_zeros(k.shape[0], cap, k.shape[2])
+            nv = v.new_zeros(v.shape[0], cap, v.shape[2])
+            if self.k is not None:
+                nk[:, : self.length] = self.k[:, : self.length]
+                nv[:, : self.length] = self.v[:, : self.length]
+            self.k, self.v = nk, nv
+        self.k[:, self.length : self.length + n] = k
+        self.v[:, self.length : self.length + n] = v
+        self.length += n
+
+
+class StateDrafter(Drafter):
+    """Proposes trees from a :class:`StatePredictor` rolled forward on its own states.
+
+    Args:
+        predictor: the loaded predictor.
+        top_k: children considered per expanded node, and nodes expanded per depth.
+    """
+
+    kind = DrafterKind.STATE
+
+    def __init__(self, predictor: StatePredictor, top_k: int = 8) -> None:
+        if top_k < 1:
+            raise ConfigError(f"top_k must be >= 1, got {top_k}")
+        self.predictor = predictor.eval()
+        self.state_layers = tuple(predictor.config.state_layers)
+        self.top_k = top_k
+        self.seqs: list[_SeqState] = []
+        self.dtype = next(predictor.parameters()).dtype
+
+    def reset(self, batch_size: int) -> None:
+        self.seqs = [_SeqState() for _ in range(batch_size)]
+
+    def _attend(self, q: torch.Tensor, seq: _SeqState, extra_k: torch.Tensor, extra_v: torch.Tensor,
+                extra_mask: torch.Tensor) -> torch.Tensor:
+        """``q [H, m, hd]`` over the cached rows (all visible) and ``extra`` rows ``[Hkv, e, hd]``
+        visible per ``extra_mask [m, e]``."""
+        g = self.predictor._groups()
+        k = torch.cat((seq.k[:, : seq.length], extra_k), dim=1) if seq.k is not None else extra_k
+        v = torch.cat((seq.v[:, : seq.length], extra_v), dim=1) if seq.v is not None else extra_v
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+        mask = torch.cat((torch.ones(q.shape[1], seq.length, dtype=torch.bool), extra_mask), dim=1)
+        return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask).squeeze(0)
+
+    @torch.no_grad()
+    def _absorb(self, seq: _SeqState, states: torch.Tensor, next_tokens: list[int], first_pos: int) -> None:
+        """Add real rows (target states ``[n, S, D]``) to the sequence's predictor cache."""
+        p = self.predictor
+        n = states.shape[0]
+        x = p.fuse_states(states.to(self.dtype)).unsqueeze(0)
+        tokens = torch.tensor([next_tokens])
+        pos = torch.arange(first_pos, first_pos + n).unsqueeze(0)
+        h, q, k, v = p.project(x, tokens, pos)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        attn = self._attend(q[0], seq, k[0], v[0], causal)
+        g = p.finish(h, attn.unsqueeze(0))
+        seq.append(k[0], v[0])
+        seq.last = g[0, -1]
+
+    @torch.no_grad()
+    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        out = []
+        for x in inputs:
+            seq = self.seqs[x.sequence]
+            root = x.context[-1]
+            if x.states is not None and x.states.shape[0] > 0:
+                n = x.states.shape[0]
+                first = len(x.context) - 1 - n
+                self._absorb(seq, x.states, x.context[first + 1 :], first)
+            if seq.last is None or budget.max_nodes < 2 or budget.max_depth < 1:
+                out.append(DraftTree([root], [-1], [0]))
+                continue
+            out.append(self._grow(seq, root, len(x.context) - 1, budget))
+        return out
+
+    def _grow(self, seq: _SeqState, root: int, root_pos: int, budget: TreeBudget) -> DraftTree:
+        p = self.predictor
+        vocab = p.draft_vocab
+        keep = budget.max_nodes - 1
+        k_top = self.top_k
+        # candidate nodes: token, parent (-1 = root), depth, cumulative log-prob
+        tok: list[int] = []
+        par: list[int] = []
+        dep: list[int] = []
+        score: list[float] = []
+        logp = torch.log_softmax(p.logits(seq.last).float(), dim=-1)
+        val, idx = logp.topk(min(k_top, logp.numel()))
+        for s, i in zip(val.tolist(), idx.tolist()):
+            tok.append(int(vocab[i])), par.append(-1), dep.append(1), score.append(s)
+        frontier = list(range(len(tok)))
+        row_of: dict[int, int] = {}  # node -> row in the draft KV below
+        parent_state = {-1: seq.last}
+        dk: list[torch.Tensor] = []
+        dv: list[torch.Tensor] = []
+        anc_rows: list[list[int]] = []
+        depth = 1
+        while depth < budget.max_depth and frontier:
+            if len(score) >= keep:
+                bar = sorted(score, reverse=True)[keep - 1]
+                frontier = [n for n in frontier if score[n] > bar]
+                if not frontier:
+                    break
+            m = len(frontier)
+            x = torch.stack([parent_state[par[n]] for n in frontier]).unsqueeze(0)
+            tokens = torch.tensor([[tok[n] for n in frontier]])
+            pos = torch.full((1, m), root_pos - 1 + depth)
+            h, q, k, v = p.project(x, tokens, pos)
+            base = len(anc_rows)
+            rows_here = []
+            for j, n in enumerate(frontier):
+                parent_rows = anc_rows[row_of[par[n]]] if par[n] in row_of else []
+                anc_rows.append(parent_rows + [base + j])
+                row_of[n] = base + j
+                rows_here.append(base + j)
+            dk.append(k[0])
+            dv.append(v[0])
+            all_k, all_v = torch.cat(dk, dim=1), torch.cat(dv, dim=1)
+            mask = torch.zeros(m, all_k.shape[1], dtype=torch.bool)
+            for j, r in enumerate(rows_here):
+                mask[j, anc_rows[r]] = True
+            attn = self._attend(q[0], seq, all_k, all_v, mask)
+            g = p.finish(h, attn.unsqueeze(0))[0]  # [m, D]
+            logp = torch.log_softmax(p.logits(g).float(), dim=-1)
+            val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
+            cand = []
+            for j, n in enumerate(frontier):
+                parent_state[n] = g[j]
+                for s, i in zip(val[j].tolist(), idx[j].tolist()):
+                    tok.append(int(vocab[i])), par.append(n), dep.append(depth + 1), score.append(score[n] + s)
+                    cand.append(len(tok) - 1)
+            cand.sort(key=lambda c: -score[c])
+            frontier = cand[:k_top]
+            depth += 1
+        # best `keep` nodes; a parent always scores at least as high as its child, and ties
+        # go to the shallower node, so the chosen set is closed under ancestors
+        chosen = sorted(range(len(tok)), key=lambda c: (-score[c], dep[c], c))[:keep]
+        chosen.sort(key=lambda c: (dep[c], c))
+        index = {c: i + 1 for i, c in enumerate(chosen)}
+        tokens = [root] + [tok[c] for c in chosen]
+        parents = [-1] + [0 if par[c] == -1 else index[par[c]] for c in chosen]
+        depths = [0] + [dep[c] for c in chosen]
+        probs = [1.0] + [math.exp(score[c]) for c in chosen]
+        return DraftTree(tokens, parents, depths, probs)

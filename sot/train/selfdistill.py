@@ -1,0 +1,56 @@
+"""``sot train gen-data``: regenerate ShareGPT answers with the target itself.
+
+The first user turn of each training conversation (held-out split skipped) is answered by
+the target through the SoT engine, in batches. The output is JSONL in ShareGPT layout, so
+``sot train prepare --data FILE`` reads it like the packaged set. Training on the target's
+own answers (self-distillation) teaches the predictor the target's style rather than the
+original ShareGPT authors'.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sot.errors import ConfigError
+from sot.train.data import to_messages, training_conversations
+
+
+def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: int = 256, batch_size: int = 8,
+                     temperature: float = 0.0, seed: int = 0, drafter: str = "pld") -> int:
+    """Append up to ``limit`` regenerated conversations to ``out``; ids already there are
+    skipped, so an interrupted run resumes. Returns the number of conversations in ``out``."""
+    from tqdm import tqdm
+
+    from sot.api import SoT
+
+    if batch_size < 1 or limit < 1:
+        raise ConfigError("limit and batch size must be >= 1")
+    path = Path(out)
+    done: set[str] = set()
+    if path.is_file():
+        done = {json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()}
+    todo = []
+    for conv in training_conversations():
+        if len(todo) + len(done) >= limit:
+            break
+        messages = to_messages(conv)
+        cid = str(conv.get("id", ""))
+        if messages is None or cid in done or messages[0]["role"] != "user":
+            continue
+        todo.append((cid, messages[0]["content"]))
+    sot = SoT.load(model, drafter=drafter)
+    params = sot.params(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh, tqdm(total=len(todo), desc="gen-data", unit="conv") as bar:
+        for i in range(0, len(todo), batch_size):
+            chunk = todo[i : i + batch_size]
+            ids = [sot.encode({"messages": [{"role": "user", "content": text}]}, chat=True) for _, text in chunk]
+            limit_ctx = sot.target.max_positions
+            ids = [p[-(limit_ctx - max_new_tokens) :] if limit_ctx else p for p in ids]
+            for (cid, text), res in zip(chunk, sot.generate_ids(ids, params, batch_size=len(ids))):
+                record = {"id": cid, "conversations": [{"from": "human", "value": text},
+                                                       {"from": "gpt", "value": res.text}]}
+                fh.write(json.dumps(record) + "\n")
+            fh.flush()
+            bar.update(len(chunk))
+    return len(done) + len(todo)

@@ -1,0 +1,358 @@
+"""The state-predictor trainer: multi-step (training-time test) loss on cached target states.
+
+Per sequence (``T`` tokens, cached states ``[T, S + 1, D]``: ``S`` input layers, then the
+target's final normed hidden state ``h``)::
+
+    rows t = 0..T-2: input states f_t, next token x_{t+1}; target: h_{t+1} and
+    p_{t+1} = softmax(h_{t+1} @ H_d^T), the target's next-token distribution on the draft vocab
+    for k in 0..K-1 (unrolled on the predictor's own states, weight w_k = decay^k):
+        loss_k = KL(p_{t+1} || q_k) + state_weight * smoothL1(out_norm(g_k), h_{t+1})
+    + stability_weight * |out_norm(g_0(f + delta)) - out_norm(g_0(f))|^2 / perturb^2
+    (the input states also carry Gaussian noise: ``state_noise``)
+
+Only rows inside assistant replies count. bf16 autocast for compute; fp32 master weights,
+optimizer state and losses. Under ``torchrun`` each process takes a disjoint share of the
+sequences and DDP averages gradients (gloo on CPU, NCCL on GPUs).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from sot.drafters.state import StatePredictor, new_predictor, save_predictor
+from sot.errors import ConfigError
+from sot.train.data import StateDataset
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; saved as ``config.json`` in the run folder."""
+
+    model: str = "default"
+    data: str = ""
+    out: str = ""
+    steps: int = 2000
+    tokens_per_step: int = 8192
+    lr: float = 1e-3
+    warmup: int = 50
+    unroll: int = 5
+    step_decay: float = 0.8
+    state_weight: float = 0.2
+    stability_weight: float = 0.02
+    state_noise: float = 0.05
+    perturb: float = 0.01
+    draft_vocab: int = 16384
+    eval_every: int = 200
+    eval_sequences: int = 32
+    eval_depth: int = 8
+    save_every: int = 100
+    seed: int = 0
+    max_seconds: float = 0.0
+    grad_clip: float = 1.0
+
+
+# ---------------------------------------------------------------------------- distributed
+def _dist_setup() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def _all_mean(x: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world
+    return x
+
+
+# ---------------------------------------------------------------------------- losses
+def sequence_loss(
+    model: torch.nn.Module,
+    pred: StatePredictor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    states: torch.Tensor,
+    cfg: TrainConfig,
+    device: torch.device,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss of one sequence (``tokens [T]``, ``mask [T]``, ``states [T, S + 1, D]``) and its parts.
+
+    ``model`` is what is called (the DDP wrapper or the predictor itself); ``pred`` is the
+    bare predictor for the head and norms.
+    """
+    s = states.shape[1] - 1
+    t = tokens.shape[0] - 1
+    inp = states[:t, :s].unsqueeze(0).to(device)
+    target_h = states[1:, s].to(device).float()  # [t, D]
+    nxt = tokens[1:].unsqueeze(0).to(device)
+    weight = mask[1:].to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    with torch.no_grad():
+        target_logp = torch.log_softmax(target_h @ pred.head.float().T, dim=-1)
+        target_p = target_logp.exp()
+        target_top = target_logp.argmax(-1)
+    with autocast:
+        outs, moved = model(inp, nxt, cfg.unroll, cfg.state_noise, cfg.perturb if cfg.stability_weight > 0 else 0.0)
+    total = torch.zeros((), device=device)
+    parts: dict[str, float] = {}
+    norm_w = sum(cfg.step_decay**k for k in range(cfg.unroll))
+    rows = torch.arange(t, device=device)
+    for k, g in enumerate(outs):
+        valid = weight * (rows >= k)
+        denom = valid.sum().clamp_min(1.0)
+        with autocast:
+            logits = pred.logits(g[0])
+            normed = pred.out_norm(g[0])
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        # KL(p || q) = CE - H(p): same gradient as the cross-entropy, and 0 at the optimum
+        ce = (target_p * (target_logp - logq)).sum(-1)
+        reg = F.smooth_l1_loss(normed.float(), target_h, reduction="none").mean(-1)
+        step_loss = ((ce + cfg.state_weight * reg) * valid).sum() / denom
+        total = total + (cfg.step_decay**k / norm_w) * step_loss
+        parts[f"kl{k}"] = float((ce.detach() * valid).sum() / denom)
+        parts[f"acc{k}"] = float(((logq.argmax(-1) == target_top).float() * valid).sum() / denom)
+        if k == 0:
+            parts["state0"] = float((reg.detach() * valid).sum() / denom)
+            base = normed
+    if moved is not None:
+        with autocast:
+            moved_n = pred.out_norm(moved[0])
+        change = (moved_n.float() - base.float()).pow(2).mean(-1) / (cfg.perturb**2)
+        stab = (change * weight).sum() / weight.sum().clamp_min(1.0)
+        total = total + cfg.stability_weight * stab
+        parts["stability"] = float(stab.detach())
+    parts["loss"] = float(total.detach())
+    return total, parts
+
+
+# ---------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(pred: StatePredictor, data: StateDataset, full_head: torch.Tensor, cfg: TrainConfig,
+             device: torch.device, cache: dict) -> dict:
+    """Greedy chain acceptance per depth on held-out sequences.
+
+    A chain starts at every assistant row; depth ``d`` is accepted when the predictor's top
+    token matches the target's (full-vocabulary) top token at depths ``1..d``. Returns
+    ``accept_rate[d]`` (accepted at ``d`` given accepted at ``d - 1``), ``reach[d]`` and the
+    expected tokens per step of a single greedy chain, ``1 + sum(reach)``.
+    """
+    pred.eval()
+    depth = cfg.eval_depth
+    reach = torch.zeros(depth, dtype=torch.float64)
+    chains = 0.0
+    vocab = pred.draft_vocab.to(device)
+    for i in range(min(cfg.eval_sequences, len(data))):
+        tokens, mask, states = data[i]
+        s = states.shape[1] - 1
+        t = tokens.shape[0] - 1
+        if t <= depth:
+            continue
+        if i not in cache:
+            cache[i] = (states[1:, s].to(device).float() @ full_head.T).argmax(-1)
+        target_top = cache[i]  # [t] target's token at each row's next position
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            outs = pred.forward_unrolled(states[:t, :s].unsqueeze(0).to(device), tokens[1:].unsqueeze(0).to(device), depth)
+        hits = torch.stack([vocab[pred.logits(g[0]).float().argmax(-1)] == target_top for g in outs])  # [K, t]
+        starts = torch.nonzero(mask[1 : t - depth + 1].bool()).flatten()
+        ok = torch.ones(starts.numel(), dtype=torch.bool, device=device)
+        for k in range(depth):
+            ok = ok & hits[k, starts.to(device) + k]
+            reach[k] += ok.sum().item()
+        chains += starts.numel()
+    pred.train()
+    reach = reach / max(chains, 1.0)
+    rates = [float(reach[0])] + [float(reach[k] / reach[k - 1]) if reach[k - 1] > 0 else 0.0 for k in range(1, depth)]
+    return {"reach": reach.tolist(), "accept_rate": rates, "chain_tau": 1.0 + float(reach.sum()), "chains": chains}
+
+
+# ---------------------------------------------------------------------------- plots
+def write_plots(out: Path, history: list[dict], evals: list[dict]) -> None:
+    """``loss.png`` (training loss and per-step CE) and ``accept.png`` (per-depth acceptance)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if history:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [h["step"] for h in history]
+        ax.plot(steps, [h["loss"] for h in history], label="total loss", color="black")
+        for k in range(len([key for key in history[0] if key.startswith("kl")])):
+            ax.plot(steps, [h[f"kl{k}"] for h in history], label=f"KL to target, unroll step {k}", alpha=0.7)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.set_title("state predictor training loss")
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=110)
+        plt.close(fig)
+    if evals:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        last = evals[-1]
+        a1.bar(range(1, len(last["accept_rate"]) + 1), last["accept_rate"], color="tab:blue", label="given depth-1 ok")
+        a1.plot(range(1, len(last["reach"]) + 1), last["reach"], "o-", color="tab:red", label="reached")
+        a1.set_xlabel("draft depth")
+        a1.set_ylabel("greedy acceptance")
+        a1.set_ylim(0, 1)
+        a1.legend(fontsize=8)
+        a1.set_title(f"held-out, step {last['step']}")
+        a2.plot([e["step"] for e in evals], [e["chain_tau"] for e in evals], "o-")
+        a2.set_xlabel("optimizer step")
+        a2.set_ylabel("expected tokens per step (one chain)")
+        a2.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "accept.png", dpi=110)
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- main loop
+def draft_vocabulary(data: StateDataset, vocab_size: int, size: int) -> torch.Tensor | None:
+    """The ``size`` most frequent assistant tokens of the training data, as sorted ids."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = data.token_counts(vocab_size)
+    return counts.topk(size).indices.sort().values
+
+
+def fit(cfg: TrainConfig) -> Path:
+    """Train (or resume) a state predictor; returns the path of the final predictor file."""
+    from tqdm import tqdm
+
+    from sot.models.loading import load_model
+
+    rank, world, device = _dist_setup()
+    out = Path(cfg.out)
+    data_dir = Path(cfg.data)
+    train = StateDataset(data_dir / "train")
+    evals_data = StateDataset(data_dir / "eval") if (data_dir / "eval" / "meta.json").is_file() else None
+    loaded = load_model(cfg.model, dtype=torch.float32)
+    target = loaded.model
+    if train.meta["hidden_size"] != target.config.hidden_size:
+        raise ConfigError(f"state cache {data_dir} was made for hidden size {train.meta['hidden_size']}, "
+                          f"the model has {target.config.hidden_size}")
+    vocab_size = target.get_input_embeddings().weight.shape[0]
+    pred = new_predictor(target, train.layers, draft_vocabulary(train, vocab_size, cfg.draft_vocab), cfg.seed).to(device)
+    full_head = target.get_output_embeddings().weight.detach().float().to(device)
+    model: torch.nn.Module = pred
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(pred)
+    params = [p for p in pred.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+        frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    start, history, evals, seen_tokens, elapsed_before = 0, [], [], 0, 0.0
+    ckpt = out / "checkpoint.pt"
+    if ckpt.is_file():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        pred.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, history, evals = state["step"], state["history"], state["evals"]
+        seen_tokens, elapsed_before = state.get("tokens", 0), state.get("seconds", 0.0)
+        if rank == 0:
+            print(f"resuming {out} at step {start}")
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    stream = train.iter_indices(cfg.seed + start, rank, world)
+    eval_cache: dict = {}
+
+    def save(step: int, seconds: float) -> None:
+        if rank != 0:
+            return
+        tmp = out / "checkpoint.pt.tmp"
+        torch.save({"model": pred.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+                    "evals": evals, "tokens": seen_tokens, "seconds": seconds, "config": asdict(cfg)}, tmp)
+        tmp.replace(ckpt)
+        save_predictor(pred, out / "predictor.safetensors")
+        write_plots(out, history, evals)
+
+    def run_eval(step: int) -> None:
+        if rank == 0 and evals_data is not None:
+            r = evaluate(pred, evals_data, full_head, cfg, device, eval_cache)
+            r["step"] = step
+            evals.append(r)
+            tqdm.write(f"step {step}: held-out greedy acceptance per depth "
+                       + " ".join(f"{x:.2f}" for x in r["accept_rate"]) + f"; chain tau {r['chain_tau']:.2f}")
+
+    t0 = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    pred.train()
+    step = start
+    if start == 0:
+        run_eval(0)
+    while step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        batch, ntok = [], 0
+        while ntok < cfg.tokens_per_step // world:
+            item = train[next(stream)]
+            batch.append(item)
+            ntok += item[0].shape[0]
+        agg: dict[str, float] = {}
+        for j, (tokens, mask, states) in enumerate(batch):
+            sync = j == len(batch) - 1
+            ctx = model.no_sync() if (world > 1 and not sync) else nullcontext()
+            with ctx:
+                loss, parts = sequence_loss(model, pred, tokens, mask, states, cfg, device)
+                (loss * tokens.shape[0] / ntok).backward()
+            for key, val in parts.items():
+                agg[key] = agg.get(key, 0.0) + val * tokens.shape[0] / ntok
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        seen_tokens += ntok * world
+        vals = _all_mean(torch.tensor([agg[k] for k in sorted(agg)]), world)
+        record = {k: float(v) for k, v in zip(sorted(agg), vals)}
+        record.update(step=step, lr=lr_at(step - 1), tokens=seen_tokens)
+        history.append(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc0']:.2f}", kl0=f"{record['kl0']:.2f}")
+        seconds = elapsed_before + time.perf_counter() - t0
+        stop = torch.tensor([1.0 if cfg.max_seconds and seconds >= cfg.max_seconds else 0.0])
+        if world > 1:
+            dist.broadcast(stop, 0)
+        if step % cfg.eval_every == 0 or step == cfg.steps or stop.item():
+            run_eval(step)
+        if step % cfg.save_every == 0 or step == cfg.steps or stop.item():
+            save(step, seconds)
+        if stop.item():
+            if rank == 0:
+                tqdm.write(f"stopping after {seconds:.0f}s at step {step} (--max-seconds)")
+            break
+    bar.close()
+    if rank == 0:
+        summary = {"steps": step, "tokens": seen_tokens, "seconds": elapsed_before + time.perf_counter() - t0,
+                   "world_size": world, "final": history[-1] if history else {}, "eval": evals[-1] if evals else {}}
+        (out / "train.json").write_text(json.dumps(summary, indent=2))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return out / "predictor.safetensors"

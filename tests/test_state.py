@@ -1,0 +1,184 @@
+"""The state predictor: model shapes, files, target checks, the trainer (single process and
+DDP), and losslessness of the state drafter."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import clone, random_prompts, tiny_model, tiny_model_dir
+from sot.drafters import NoDrafter, TreeBudget, make_drafter
+from sot.drafters.state import (
+    StateDrafter,
+    check_compatible,
+    load_predictor,
+    new_predictor,
+    read_predictor_config,
+    save_predictor,
+)
+from sot.engine import Engine, GenerationParams
+from sot.errors import DrafterCompatibilityError
+from sot.models.adapter import TargetModel
+from sot.models.loading import load_model
+from sot.train.data import StateDataset, build_state_cache
+from sot.train.trainer import TrainConfig, fit
+
+LAYERS = (0, 1, 2)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _conversations(n: int) -> list[dict]:
+    """Predictable chats (counting, repeated phrases) so a predictor can learn them fast."""
+    out = []
+    for i in range(n):
+        words = ["red", "green", "blue", "cyan"][i % 4]
+        reply = " ".join(f"{words}{j % 7}" for j in range(30 + i % 11))
+        out.append({"id": f"t{i}", "conversations": [{"from": "human", "value": f"say {words} please"},
+                                                      {"from": "gpt", "value": reply}]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> dict:
+    """A tiny target folder with cached states and a short training run."""
+    root = tmp_path_factory.mktemp("state")
+    model_dir = tiny_model_dir(root / "model")
+    loaded = load_model(str(model_dir))
+    data = root / "data"
+    build_state_cache(loaded.model, loaded.tokenizer, _conversations(40), data / "train", LAYERS, None, 256, progress=False)
+    build_state_cache(loaded.model, loaded.tokenizer, _conversations(6), data / "eval", LAYERS, None, 256, progress=False)
+    cfg = TrainConfig(model=str(model_dir), data=str(data), out=str(root / "run"), steps=30, tokens_per_step=1024,
+                      lr=3e-3, warmup=5, unroll=3, draft_vocab=0, eval_every=15, eval_sequences=4, eval_depth=4,
+                      save_every=10)
+    t0 = time.perf_counter()
+    predictor = fit(cfg)
+    return {"model_dir": model_dir, "data": data, "cfg": cfg, "predictor": predictor, "seconds": time.perf_counter() - t0}
+
+
+def test_state_cache_shapes(tiny_run) -> None:
+    ds = StateDataset(tiny_run["data"] / "train")
+    tokens, mask, states = ds[0]
+    assert states.shape == (tokens.shape[0], len(LAYERS) + 1, 64)
+    assert states.dtype == torch.bfloat16
+    assert 0 < mask.sum() < mask.numel(), "only assistant tokens are marked"
+    assert ds.meta["tokens"] == sum(ds[i][0].shape[0] for i in range(len(ds)))
+
+
+def test_trainer_loss_falls_within_a_minute(tiny_run) -> None:
+    run = Path(tiny_run["cfg"].out)
+    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    losses = [h["loss"] for h in state["history"]]
+    assert tiny_run["seconds"] < 60, f"training took {tiny_run['seconds']:.0f}s"
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert (run / "loss.png").is_file() and (run / "accept.png").is_file()
+    evals = state["evals"]
+    assert evals[-1]["chain_tau"] > evals[0]["chain_tau"], "held-out acceptance should improve"
+
+
+def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path) -> None:
+    cfg = tiny_run["cfg"]
+    import dataclasses
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(cfg.out, run)
+    more = dataclasses.replace(cfg, out=str(run), steps=cfg.steps + 4)
+    fit(more)
+    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert state["step"] == cfg.steps + 4
+    assert [h["step"] for h in state["history"]] == list(range(1, cfg.steps + 5))
+
+
+def test_checkpoint_round_trip(tiny_run, tmp_path) -> None:
+    model = load_model(str(tiny_run["model_dir"])).model
+    pred = load_predictor(tiny_run["predictor"], model)
+    again = tmp_path / "again.safetensors"
+    save_predictor(pred, again)
+    back = load_predictor(again, model)
+    for (k, a), (_, b) in zip(pred.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    states = torch.randn(1, 12, len(LAYERS), 64)
+    toks = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(pred.forward_unrolled(states, toks, 2)[1], back.forward_unrolled(states, toks, 2)[1])
+    cfg = read_predictor_config(again)
+    assert cfg.state_layers == LAYERS and cfg.target["hidden_size"] == 64
+
+
+def test_mismatched_target_is_refused(tiny_run, tmp_path) -> None:
+    other = tiny_model("llama", seed=5)  # same shapes, different weights
+    with pytest.raises(DrafterCompatibilityError, match="trained for another target.*embed_hash"):
+        load_predictor(tiny_run["predictor"], other)
+    gpt2 = tiny_model("gpt2")
+    with pytest.raises(DrafterCompatibilityError, match="architecture"):
+        check_compatible(read_predictor_config(tiny_run["predictor"]), gpt2)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(DrafterCompatibilityError):
+        read_predictor_config(junk)
+    other_dir = tiny_model_dir(tmp_path / "other", arch="qwen2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sot.cli", "generate", "hello", "--model", str(other_dir), "--drafter", "state",
+         "--predictor", str(tiny_run["predictor"]), "--max-new-tokens", "4"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "trained for another target" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_trained_drafter_is_lossless_and_accepts(tiny_run) -> None:
+    loaded = load_model(str(tiny_run["model_dir"]))
+    target = TargetModel(loaded.model, state_layers=LAYERS)
+    prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"say {w} please"}],
+                                                     add_generation_prompt=True) for w in ("red", "blue", "cyan")]
+    params = GenerationParams(max_new_tokens=40)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    drafter = make_drafter("state", loaded.model, tiny_run["predictor"], top_k=4)
+    res = Engine(target, drafter, TreeBudget(12, 6)).generate(prompts, params)
+    assert [r.token_ids for r in res] == plain
+    assert sum(sum(r.accept_lengths) - r.steps for r in res) > 0, "some drafted tokens should be accepted"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_two_processes(tiny_run, tmp_path) -> None:
+    """``torchrun`` with 2 CPU processes (gloo) runs the same trainer unchanged."""
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "sot.cli", "train", "fit", "--model", str(tiny_run["model_dir"]), "--data", str(tiny_run["data"]),
+           "--out", str(out), "--steps", "3", "--tokens-per-step", "1024", "--unroll", "2", "--draft-vocab", "0",
+           "--eval-every", "3", "--save-every", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "train.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    assert (out / "predictor.safetensors").is_file()
+    assert summary["tokens"] >= 3 * 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma"])
+def test_untrained_state_drafter_is_lossless(arch: str, dtype: torch.dtype) -> None:
+    """The core losslessness matrix, with the state drafter: batches of mixed prompt lengths."""
+    model = clone(tiny_model(arch), dtype)
+    target = TargetModel(model, state_layers=LAYERS)
+    prompts = random_prompts((7, 30, 75), seed=2)
+    params = GenerationParams(max_new_tokens=30)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+    batch = [r.token_ids for r in Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params)]
+    assert batch == plain
+    alone = [Engine(target, drafter, TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
+    assert alone == plain
