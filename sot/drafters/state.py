@@ -335,9 +335,52 @@ def _final_norm_weight(model: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
+def _last_decoder_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return layers[-1] if layers is not None and len(layers) else None
+
+
+def _init_from_target(pred: StatePredictor, model: torch.nn.Module) -> bool:
+    """Start the predictor's layer from the target's last decoder layer where the shapes
+    match (Llama-style families), the fuse from the highest input layer, and the input
+    projection from the state path. Returns whether the layer weights were copied."""
+    d = pred.config.hidden_size
+    s = len(pred.config.state_layers)
+    with torch.no_grad():
+        pred.fuse.weight[:, (s - 1) * d :] += torch.eye(d)
+        pred.inp.weight[:, :d] += torch.eye(d)
+        layer = _last_decoder_layer(model)
+        if layer is None:
+            return False
+        pairs = {
+            "q_proj": getattr(getattr(layer, "self_attn", None), "q_proj", None),
+            "k_proj": getattr(getattr(layer, "self_attn", None), "k_proj", None),
+            "v_proj": getattr(getattr(layer, "self_attn", None), "v_proj", None),
+            "o_proj": getattr(getattr(layer, "self_attn", None), "o_proj", None),
+            "gate_proj": getattr(getattr(layer, "mlp", None), "gate_proj", None),
+            "up_proj": getattr(getattr(layer, "mlp", None), "up_proj", None),
+            "down_proj": getattr(getattr(layer, "mlp", None), "down_proj", None),
+            "attn_norm": getattr(layer, "input_layernorm", None),
+            "mlp_norm": getattr(layer, "post_attention_layernorm", None),
+        }
+        ours = {k: getattr(pred, k) for k in pairs}
+        if any(src is None or getattr(src, "weight", None) is None or src.weight.shape != ours[k].weight.shape
+               or getattr(src, "bias", None) is not None for k, src in pairs.items()):
+            return False
+        for k, src in pairs.items():
+            ours[k].weight.copy_(src.weight.float())
+    return True
+
+
 def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab: torch.Tensor | None,
-                  seed: int = 0) -> StatePredictor:
-    """A freshly initialised predictor for ``model`` (fp32 weights)."""
+                  seed: int = 0, init: str = "target") -> StatePredictor:
+    """A freshly initialised predictor for ``model`` (fp32 weights).
+
+    ``init="target"`` starts the decoder layer from the target's last layer when the family
+    allows it (the rest small random); ``init="random"`` uses small random weights only.
+    """
+    if init not in ("target", "random"):
+        raise ConfigError(f"init must be 'target' or 'random', got {init!r}")
     size = 0 if draft_vocab is None else int(draft_vocab.numel())
     cfg = StatePredictorConfig.for_target(model, state_layers, size)
     with torch.random.fork_rng():
@@ -349,6 +392,8 @@ def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_v
         w = _final_norm_weight(model)
         if w is not None and w.shape == pred.out_norm.weight.shape:
             pred.out_norm.weight.data.copy_(w.float())
+        if init == "target":
+            _init_from_target(pred, model)
     return pred.float()
 
 
