@@ -19,6 +19,7 @@ from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.models.loading import load_model
+from sot.policy import PolicyConfig
 from sot.prompts import PromptItem, encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 
@@ -42,6 +43,9 @@ class Completion:
     accept_lengths: list[int] = field(default_factory=list)
     depth_attempts: list[int] = field(default_factory=list)
     depth_accepts: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    plain_steps: int = 0
+    fallbacks: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +112,7 @@ class SoT:
         max_depth: int = 8,
         predictor: str | None = None,
         top_k: int = 8,
+        policy: PolicyConfig | None = None,
     ) -> "SoT":
         """Load a target and build the engine.
 
@@ -120,6 +125,7 @@ class SoT:
             max_depth: how many tokens ahead a tree may reach.
             predictor: a state predictor file (default: the one shipped for the default model).
             top_k: children per expanded node in state-predictor trees.
+            policy: the commit policy (default: heuristic, no warm-up).
         """
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -139,7 +145,8 @@ class SoT:
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
 
-        engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode)
+        engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode,
+                        policy=policy)
         return cls(target, tok, engine, loaded.name)
 
     # ----------------------------------------------------------------- helpers
@@ -227,6 +234,9 @@ class SoT:
                         accept_lengths=res.accept_lengths,
                         depth_attempts=res.depth_attempts,
                         depth_accepts=res.depth_accepts,
+                        tree_sizes=res.tree_sizes,
+                        plain_steps=res.plain_steps,
+                        fallbacks=res.fallbacks,
                     )
                 )
         return out

@@ -37,8 +37,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-nodes", type=_positive_int, default=16, help="draft tree size per step, root included")
     p.add_argument("--max-depth", type=_non_negative_int, default=8, help="how far a draft tree may look ahead")
     p.add_argument("--predictor", default=None, help="state predictor file (default: the one shipped for the default model)")
+    add_policy_args(p)
     p.add_argument("--draft-top-k", dest="draft_top_k", type=_positive_int, default=8,
                    help="children per expanded node of a state-predictor tree")
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", choices=["heuristic", "static"], default="heuristic",
+                   help="commit policy: heuristic (cost model + fallback, default) or static (verify the whole tree)")
+    p.add_argument("--warmup", type=_non_negative_int, default=0, help="tokens decoded plainly at the start of a sequence")
+    p.add_argument("--fallback-threshold", type=_non_negative_float, default=1.0,
+                   help="fall back to plain decoding when recent speed / plain speed drops below this")
+
+
+def policy_from_args(args: argparse.Namespace):
+    from sot.policy import PolicyConfig, PolicyKind
+
+    return PolicyConfig(kind=PolicyKind(args.policy), warmup=args.warmup, fallback_threshold=args.fallback_threshold)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -102,7 +117,8 @@ def _load(args: argparse.Namespace):
 
     print(f"loading {args.model} ({args.dtype}, drafter {args.drafter}) ...", file=sys.stderr)
     return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes,
-                    max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k)
+                    max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
+                    policy=policy_from_args(args))
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:

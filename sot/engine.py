@@ -18,6 +18,7 @@ from sot.drafters.base import DraftInput, Drafter, TreeBudget
 from sot.errors import ConfigError, PromptTooLongError
 from sot.models.adapter import TargetModel
 from sot.models.rows import ROW_UNIT
+from sot.policy import CommitPolicy, CostModel, PolicyConfig
 from sot.sampling import SamplingMode, SamplingParams, sequence_generator
 from sot.tree import DraftTree, ancestor_table
 
@@ -56,6 +57,11 @@ class SequenceResult:
     depth_accepts: list[int] = field(default_factory=list)
     seconds: float = 0.0
     first_token_seconds: float = 0.0
+    #: per verify step: nodes verified, root included (1 = a plain step)
+    tree_sizes: list[int] = field(default_factory=list)
+    #: steps decoded plainly by the commit policy (warm-up or fallback), and fallbacks taken
+    plain_steps: int = 0
+    fallbacks: int = 0
     #: with ``Engine(trace=True)``: the logits row ``[V]`` that decided each committed token.
     logit_trace: list[torch.Tensor] = field(default_factory=list)
 
@@ -113,6 +119,7 @@ class Engine:
         budget: node and depth limits of each tree.
         decode: ``token_ids -> text`` used for stop strings and results.
         trace: keep the logits row behind every committed token (for exactness checks).
+        policy: the commit policy (default: heuristic); ignored for plain decoding.
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class Engine:
         budget: TreeBudget = TreeBudget(),
         decode: Callable[[list[int]], str] | None = None,
         trace: bool = False,
+        policy: PolicyConfig | None = None,
     ) -> None:
         if budget.max_nodes < 1 or budget.max_depth < 0:
             raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
@@ -136,6 +144,17 @@ class Engine:
         self.decode = decode or (lambda ids: "")
         self.times = PhaseTimes()
         self.trace = trace
+        self.policy_config = policy or PolicyConfig()
+        self._cost: CostModel | None = None
+
+    def cost_model(self) -> CostModel:
+        """Verify time by row count on this machine, measured once per target and tree size."""
+        key = ("sot_cost_model", self.budget.max_nodes)
+        cached = getattr(self.target, "_sot_costs", {})
+        if key not in cached:
+            cached[key] = CostModel.measure(self.target, self.budget.max_nodes)
+            self.target._sot_costs = cached
+        return cached[key]
 
     # ----------------------------------------------------------------- public API
     def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[SequenceResult]:
@@ -184,6 +203,10 @@ class Engine:
         ]
         results.extend(s.result for s in seqs)
         self.drafter.reset(len(seqs))
+        speculative = self.drafter.kind.value != "none"
+        self._policy = CommitPolicy(self.policy_config, self.cost_model() if speculative and
+                                    self.policy_config.kind.value == "heuristic" else None)
+        self._policy.reset(len(seqs))
         # Committed tokens, the accepted rows of a last step that overshoots max_new_tokens
         # (kept in the cache of a finished sequence), and the scratch rows of one pass.
         scratch = -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT
@@ -216,11 +239,22 @@ class Engine:
         sp = params.sampling
         t0 = time.perf_counter()
         active = [b for b, s in enumerate(seqs) if not s.done]
-        inputs = [
-            DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in active
-        ]
-        proposed = dict(zip(active, self.drafter.propose(inputs, self.budget)))
+        policy = self._policy
+        drafting = [b for b in active if policy.wants_draft(b, len(seqs[b].result.token_ids))]
+        plain = [b for b in active if b not in drafting]
+
+        def inputs(group: list[int]) -> list[DraftInput]:
+            return [DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in group]
+
+        proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), self.budget))) if drafting else {}
+        if plain:  # the drafter still sees these sequences' new states
+            proposed.update(zip(plain, self.drafter.propose(inputs(plain), TreeBudget(1, 0))))
+            for b in plain:
+                seqs[b].result.plain_steps += 1
+        for b in drafting:
+            proposed[b] = policy.choose(b, proposed[b])
         t1 = time.perf_counter()
+        draft_share = (t1 - t0) / max(1, len(drafting))
 
         trees: list[DraftTree] = []
         for b, seq in enumerate(seqs):
@@ -249,6 +283,7 @@ class Engine:
 
         keep: list[list[int]] = []
         commits: list[tuple[int, Acceptance]] = []
+        policy_verify = policy.cost.verify if policy.cost is not None else (lambda rows: 0.0)
         for b, (seq, tree) in enumerate(zip(seqs, trees)):
             if seq.done:
                 keep.append([])
@@ -257,6 +292,10 @@ class Engine:
             acc = self._accept(tree, out.logits[b], sp, b, length, seq.generator)
             keep.append([length + i for i in acc.path])
             commits.append((b, acc))
+            seq.result.tree_sizes.append(tree.size)
+            if b in drafting:
+                policy.observe(b, tree, acc.num_accepted, draft_share + policy_verify(tree.size))
+                seq.result.fallbacks = policy.seqs[b].fallbacks
             if out.states is not None:
                 seq.states = out.states[b, acc.path]
             if self.trace:

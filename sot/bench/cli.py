@@ -6,7 +6,7 @@ import sys
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from sot.cli import _non_negative_float, _non_negative_int, _positive_int, add_chat_flag
+    from sot.cli import _non_negative_float, _non_negative_int, _positive_int, add_chat_flag, add_policy_args
 
     bench = sub.add_parser("bench", help="benchmark decoding methods side by side")
     bench.add_argument("--prompts", default="humaneval",
@@ -23,6 +23,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-depth", type=_non_negative_int, default=8)
     bench.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
     bench.add_argument("--draft-top-k", type=_positive_int, default=8, help="children per expanded node (state)")
+    add_policy_args(bench)
     bench.add_argument("--ignore-eos", action="store_true")
     bench.add_argument("--sweep", default=None, help="NAME=v1,v2,... with NAME max-depth or max-nodes")
     bench.add_argument("--out", default="bench-out", help="output folder")
@@ -31,6 +32,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from sot.bench.runner import BenchConfig, parse_sweep, run_bench, summary
+    from sot.cli import policy_from_args
 
     cfg = BenchConfig(
         prompts=args.prompts,
@@ -46,6 +48,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_depth=args.max_depth,
         predictor=args.predictor,
         draft_top_k=args.draft_top_k,
+        policy=policy_from_args(args),
         chat=args.chat,
         ignore_eos=args.ignore_eos,
         sweep=parse_sweep(args.sweep) if args.sweep else None,

@@ -12,6 +12,7 @@ import torch
 from sot.drafters import Drafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
+from sot.policy import PolicyConfig
 
 METHODS = ("hf", "hf-pld", "plain", "pld", "state", "llamacpp")
 
@@ -32,6 +33,9 @@ class RunRecord:
     depth_attempts: list[int] = field(default_factory=list)
     depth_accepts: list[int] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    tree_sizes: list[int] = field(default_factory=list)
+    plain_steps: int = 0
+    fallbacks: int = 0
     peak_rss: int = 0
     rss_growth: int = 0
 
@@ -56,9 +60,10 @@ class EngineMethod(BenchMethod):
 
     uses_engine = True
 
-    def __init__(self, name: str, target: TargetModel, drafter: Drafter, budget: TreeBudget) -> None:
+    def __init__(self, name: str, target: TargetModel, drafter: Drafter, budget: TreeBudget,
+                 policy: PolicyConfig | None = None) -> None:
         self.name = name
-        self.engine = Engine(target, drafter, budget)
+        self.engine = Engine(target, drafter, budget, policy=policy)
 
     def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
         before = copy.copy(self.engine.times)
@@ -75,6 +80,7 @@ class EngineMethod(BenchMethod):
             method=self.name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt), new_tokens=res.new_tokens,
             wall_time=wall, ttft=res.first_token_seconds, token_ids=res.token_ids, accept_lengths=res.accept_lengths,
             depth_attempts=res.depth_attempts, depth_accepts=res.depth_accepts, phase_seconds=phases,
+            tree_sizes=res.tree_sizes, plain_steps=res.plain_steps, fallbacks=res.fallbacks,
         )
 
 

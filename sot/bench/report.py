@@ -73,6 +73,12 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, gree
             "phase_share": {k: v / seconds for k, v in phases.items()} if seconds > 0 and phases else {},
             "identical_to_plain": None,
             "divergences": [],
+            # commit-policy telemetry (engine methods): verified tree size per step, steps the
+            # policy decoded plainly (warm-up or fallback), and fallbacks per prompt
+            "mean_tree_size": (sum(sum(r.tree_sizes) for r in recs.values()) / steps) if steps else None,
+            "plain_step_share": (sum(r.plain_steps for r in recs.values()) / steps) if steps else None,
+            "fallbacks_per_prompt": (sum(r.fallbacks for r in recs.values()) / len(recs)) if steps else None,
+            "prompts_with_fallback": sum(1 for r in recs.values() if r.fallbacks) if steps else None,
         }
         plain = by_method.get("plain", {})
         if greedy and plain and m != "plain":

@@ -29,6 +29,7 @@ from sot.bench.methods import METHODS, BenchMethod, EngineMethod, HFMethod, Llam
 from sot.bench.prompts import load_prompt_set
 from sot.bench.report import aggregate, markdown_table, plots, sweep_plot
 from sot.drafters import DrafterKind, TreeBudget, make_drafter
+from sot.policy import PolicyConfig
 from sot.engine import GenerationParams
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
@@ -57,6 +58,7 @@ class BenchConfig:
     max_depth: int = 8
     predictor: str | None = None
     draft_top_k: int = 8
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     chat: bool | None = None
     ignore_eos: bool = False
     warmup_tokens: int = 16
@@ -120,7 +122,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
             except ImportError:
                 cfg.notes.append("llamacpp skipped: llama-cpp-python is not installed (pip install 'sot[llamacpp]')")
         else:
-            methods.append(EngineMethod(name, target, drafters[name], _budget(cfg)))
+            methods.append(EngineMethod(name, target, drafters[name], _budget(cfg), cfg.policy))
     return methods, tokenizer, target
 
 
@@ -187,7 +189,7 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
         budget = _budget(cfg, **{SWEEPABLE[name]: v})
         if name == "max-depth":
             budget = TreeBudget(max_nodes=max(budget.max_nodes, v + 1), max_depth=v)
-        variants.append((v, EngineMethod(f"{spec}@{v}", target, drafter, budget)))
+        variants.append((v, EngineMethod(f"{spec}@{v}", target, drafter, budget, cfg.policy)))
     runs: dict[str, list[RunRecord]] = {"plain": []}
     with tqdm(total=len(prompts) * (len(values) + 1), desc=f"sweep {name}", unit="run") as bar:
         for i, ids in enumerate(prompts):
