@@ -136,8 +136,10 @@ def test_mismatched_target_is_refused(tiny_run, tmp_path) -> None:
 def test_trained_drafter_is_lossless_and_accepts(tiny_run) -> None:
     loaded = load_model(str(tiny_run["model_dir"]))
     target = TargetModel(loaded.model, state_layers=LAYERS)
-    prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"say {w} please"}],
-                                                     add_generation_prompt=True) for w in ("red", "blue", "cyan")]
+    tok = loaded.tokenizer
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"say {w} please"}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for w in ("red", "blue", "cyan")]
     params = GenerationParams(max_new_tokens=40)
     plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
     drafter = make_drafter("state", loaded.model, tiny_run["predictor"], top_k=4)

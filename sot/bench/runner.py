@@ -58,6 +58,7 @@ class BenchConfig:
     max_depth: int = 8
     predictor: str | None = None
     draft_top_k: int = 8
+    full_vocab: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     chat: bool | None = None
     ignore_eos: bool = False
@@ -88,7 +89,7 @@ def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
 
 def _drafter(cfg: BenchConfig, method: str, model):
     kind = DrafterKind.NONE if method == "plain" else DrafterKind(method)
-    return make_drafter(kind, model, cfg.predictor, top_k=cfg.draft_top_k)
+    return make_drafter(kind, model, cfg.predictor, top_k=cfg.draft_top_k, full_vocab=cfg.full_vocab)
 
 
 def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:

@@ -25,6 +25,7 @@ def make_drafter(
     model: torch.nn.Module | None = None,
     predictor: str | Path | None = None,
     top_k: int = 8,
+    full_vocab: bool = False,
 ) -> Drafter:
     """Build a drafter.
 
@@ -34,6 +35,8 @@ def make_drafter(
             shares the target's embeddings and LM head.
         predictor: a state predictor file; default: the one shipped for the default model.
         top_k: children per expanded node of a state-predictor tree.
+        full_vocab: let the state predictor propose from the whole target vocabulary rather
+            than its reduced draft vocabulary.
     """
     try:
         kind = DrafterKind(kind)
@@ -50,4 +53,10 @@ def make_drafter(
     path = Path(predictor) if predictor is not None else DEFAULT_PREDICTOR
     if predictor is None and not path.is_file():
         raise ConfigError(f"the default state predictor {path} is missing from this installation")
-    return StateDrafter(load_predictor(path, model), top_k=top_k)
+    # bf16 halves the weight traffic of the small draft matmuls (they are memory-bound on
+    # CPU); float32 targets keep a float32 predictor
+    dtype = torch.bfloat16 if model.get_input_embeddings().weight.dtype == torch.bfloat16 else torch.float32
+    pred = load_predictor(path, model, dtype=dtype)
+    if full_vocab:
+        pred.use_full_vocabulary(model.get_output_embeddings().weight)
+    return StateDrafter(pred, top_k=top_k)

@@ -153,6 +153,9 @@ class StatePredictor(torch.nn.Module):
         self.config = c
         d, s = c.hidden_size, len(c.state_layers)
         lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        # one norm per input layer, started from the norm the target applies to that state
+        # (hidden states carry a few huge outlier dimensions; the target's norms tame them)
+        self.in_norms = torch.nn.ModuleList(RMSNorm(d, c.rms_eps) for _ in range(s))
         self.fuse = lin(s * d, d)
         self.state_norm = RMSNorm(d, c.rms_eps)
         self.embed_norm = RMSNorm(d, c.rms_eps)
@@ -175,13 +178,20 @@ class StatePredictor(torch.nn.Module):
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
+    def use_full_vocabulary(self, head: torch.Tensor) -> None:
+        """Propose from the target's whole vocabulary (``head [V, D]``) instead of the draft
+        vocabulary; for comparing the two at inference."""
+        self.draft_vocab = torch.arange(head.shape[0], device=self.draft_vocab.device)
+        self.head = head.detach().to(self.head.dtype)
+
     # -- pieces
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items()}
 
     def fuse_states(self, states: torch.Tensor) -> torch.Tensor:
         """``[..., S, D]`` target states -> ``[..., D]``."""
-        return self.fuse(states.flatten(-2).to(self.fuse.weight.dtype))
+        x = states.to(self.fuse.weight.dtype)
+        return self.fuse(torch.cat([norm(x[..., i, :]) for i, norm in enumerate(self.in_norms)], dim=-1))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [..., H, T, hd]``, ``positions [..., T]``."""
@@ -335,6 +345,17 @@ def _final_norm_weight(model: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
+def _state_norm_weight(model: torch.nn.Module, index: int) -> torch.Tensor | None:
+    """The weight of the norm the target applies to ``hidden_states[index]``: the input norm
+    of layer ``index``, or none for the last entry (it is already normed)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or index >= len(layers):
+        return None
+    norm = getattr(layers[index], "input_layernorm", None)
+    w = getattr(norm, "weight", None)
+    return w if isinstance(w, torch.Tensor) else None
+
+
 def _last_decoder_layer(model: torch.nn.Module) -> torch.nn.Module | None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     return layers[-1] if layers is not None and len(layers) else None
@@ -392,6 +413,10 @@ def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_v
         w = _final_norm_weight(model)
         if w is not None and w.shape == pred.out_norm.weight.shape:
             pred.out_norm.weight.data.copy_(w.float())
+        for norm, layer in zip(pred.in_norms, cfg.state_layers):
+            src = _state_norm_weight(model, layer)
+            if src is not None and src.shape == norm.weight.shape:
+                norm.weight.data.copy_(src.float())
         if init == "target":
             _init_from_target(pred, model)
     return pred.float()

@@ -57,6 +57,7 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     fit.add_argument("--steps", type=positive_int, default=2000)
     fit.add_argument("--tokens-per-step", type=positive_int, default=8192)
     fit.add_argument("--lr", type=positive_float, default=1e-3)
+    fit.add_argument("--warmup", type=positive_int, default=30, help="learning-rate warm-up steps")
     fit.add_argument("--unroll", type=positive_int, default=5, help="training-time-test steps")
     fit.add_argument("--draft-vocab", type=int, default=16384, help="reduced draft vocabulary (0 = full)")
     fit.add_argument("--init", choices=["target", "random"], default="target",
@@ -101,7 +102,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(
         model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
-        lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init, eval_every=args.eval_every,
+        lr=args.lr, warmup=args.warmup, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds,
     )
     fit(cfg)

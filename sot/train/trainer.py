@@ -6,11 +6,12 @@ target's final normed hidden state ``h``)::
     rows t = 0..T-2: input states f_t, next token x_{t+1}; target: h_{t+1} and
     p_{t+1} = softmax(h_{t+1} @ H_d^T), the target's next-token distribution on the draft vocab
     for k in 0..K-1 (unrolled on the predictor's own states, weight w_k = decay^k):
-        loss_k = KL(p_{t+1} || q_k) + state_weight * smoothL1(out_norm(g_k), h_{t+1})
+        loss_k = CE(p_{t+1}, q_k) + state_weight * smoothL1(out_norm(g_k), h_{t+1})
     + stability_weight * |out_norm(g_0(f + delta)) - out_norm(g_0(f))|^2 / perturb^2
     (the input states also carry Gaussian noise: ``state_noise``)
 
-Only rows inside assistant replies count. bf16 autocast for compute; fp32 master weights,
+Only rows inside assistant replies count. Reported losses use KL(p || q) = CE - H(p) in
+place of the cross-entropy (same gradient), so they fall to 0 at the optimum. bf16 autocast for compute; fp32 master weights,
 optimizer state and losses. Under ``torchrun`` each process takes a disjoint share of the
 sequences and DDP averages gradients (gloo on CPU, NCCL on GPUs).
 """
@@ -48,6 +49,7 @@ class TrainConfig:
     step_decay: float = 0.8
     state_weight: float = 0.2
     stability_weight: float = 0.02
+    stability_every: int = 4
     state_noise: float = 0.05
     perturb: float = 0.01
     draft_vocab: int = 16384
@@ -93,6 +95,7 @@ def sequence_loss(
     states: torch.Tensor,
     cfg: TrainConfig,
     device: torch.device,
+    with_stability: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one sequence (``tokens [T]``, ``mask [T]``, ``states [T, S + 1, D]``) and its parts.
 
@@ -114,8 +117,10 @@ def sequence_loss(
         target_top = target_logp.argmax(-1)
         target_sel = target_h[sel]
     with autocast:
-        outs, moved = model(inp, nxt, cfg.unroll, cfg.state_noise, cfg.perturb if cfg.stability_weight > 0 else 0.0)
+        perturb = cfg.perturb if (cfg.stability_weight > 0 and with_stability) else 0.0
+        outs, moved = model(inp, nxt, cfg.unroll, cfg.state_noise, perturb)
     total = torch.zeros((), device=device)
+    entropy_part = 0.0  # the constant H(p) inside the cross-entropy; reported losses omit it
     parts: dict[str, float] = {}
     norm_w = sum(cfg.step_decay**k for k in range(cfg.unroll))
     for k, g in enumerate(outs):
@@ -130,7 +135,9 @@ def sequence_loss(
         reg = F.smooth_l1_loss(normed.float(), target_sel[keep], reduction="none").mean(-1).sum() / n
         total = total + (cfg.step_decay**k / norm_w) * (ce + cfg.state_weight * reg)
         with torch.no_grad():
-            parts[f"kl{k}"] = float(ce - target_ent[keep].sum() / n)
+            ent = float(target_ent[keep].sum() / n)
+            entropy_part += (cfg.step_decay**k / norm_w) * ent
+            parts[f"kl{k}"] = float(ce) - ent
             if k in (0, len(outs) - 1):  # top-1 agreement (argmax is slow on bf16; two steps suffice)
                 parts[f"acc{k}"] = float((logits.float().argmax(-1) == target_top[keep]).float().sum() / n)
         if k == 0:
@@ -143,7 +150,7 @@ def sequence_loss(
         stab = change.mean() if change.numel() else change.sum()
         total = total + cfg.stability_weight * stab
         parts["stability"] = float(stab.detach())
-    parts["loss"] = float(total.detach())
+    parts["loss"] = float(total.detach()) - entropy_part  # KL-based: 0 at the optimum
     return total, parts
 
 
@@ -286,6 +293,7 @@ def fit(cfg: TrainConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     stream = train.iter_indices(cfg.seed + start, rank, world)
+    seen_sequences = 0
     eval_cache: dict = {}
 
     def save(step: int, seconds: float) -> None:
@@ -322,14 +330,21 @@ def fit(cfg: TrainConfig) -> Path:
             batch.append(item)
             ntok += item[0].shape[0]
         agg: dict[str, float] = {}
+        stab_sum, stab_n = 0.0, 0
         for j, (tokens, mask, states) in enumerate(batch):
             sync = j == len(batch) - 1
             ctx = model.no_sync() if (world > 1 and not sync) else nullcontext()
             with ctx:
-                loss, parts = sequence_loss(model, pred, tokens, mask, states, cfg, device)
+                seen_sequences += 1
+                stab = seen_sequences % cfg.stability_every == 0  # the extra pass on every n-th sequence
+                loss, parts = sequence_loss(model, pred, tokens, mask, states, cfg, device, stab)
                 (loss * tokens.shape[0] / ntok).backward()
+            stab_val = parts.pop("stability", None)
+            if stab_val is not None:
+                stab_sum, stab_n = stab_sum + stab_val, stab_n + 1
             for key, val in parts.items():
                 agg[key] = agg.get(key, 0.0) + val * tokens.shape[0] / ntok
+        agg["stability"] = stab_sum / stab_n if stab_n else 0.0
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         step += 1
