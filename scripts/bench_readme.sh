@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The benchmark runs behind the README tables (about 30 minutes on 2 cores).
+# The benchmark runs behind the README tables (about 25 minutes on 2 cores).
+# llamacpp needs the optional extra: pip install 'sot[llamacpp]' (skipped with a note otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/sot bench --prompts sharegpt-heldout --limit 20 --methods hf,hf-pld,plain,pld --max-new-tokens 256 --out docs/bench/sharegpt-heldout
-.venv/bin/sot bench --prompts humaneval --limit 20 --methods hf,hf-pld,plain,pld --max-new-tokens 256 --out docs/bench/humaneval
-.venv/bin/sot bench --prompts bench_prompts/code-edit.jsonl --methods hf,plain,pld --max-new-tokens 256 --out docs/bench/code-edit
+N=${N:-12}
+.venv/bin/sot bench --prompts sharegpt-heldout --limit "$N" --methods hf,plain,pld,state,llamacpp --max-new-tokens 256 --out docs/bench/sharegpt-heldout
+.venv/bin/sot bench --prompts humaneval --limit "$N" --methods hf,plain,pld,state,llamacpp --max-new-tokens 256 --out docs/bench/humaneval
+.venv/bin/sot bench --prompts sharegpt-heldout --limit 8 --methods plain,state --temperature 1.0 --max-new-tokens 256 --out docs/bench/sharegpt-t1
+.venv/bin/sot bench --prompts adversarial --limit 8 --methods plain,pld,state --max-new-tokens 128 --out docs/bench/adversarial

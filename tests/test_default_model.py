@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget, default_predictor_path, make_drafter
 from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
 from sot.models.loading import load_model
@@ -42,14 +42,24 @@ def _check(n_prompts: int, new_tokens: int) -> None:
         for p in prompts:
             out = fp32.model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False)
             reference.append(out[0, len(p):].tolist())
-    target = TargetModel(fp32.model)
+    shipped = default_predictor_path().is_file()
+    state32 = make_drafter("state", fp32.model) if shipped else None
+    target = TargetModel(fp32.model, state_layers=state32.state_layers if state32 else ())
     pld = [r.token_ids for r in Engine(target, PromptLookupDrafter(), TreeBudget(16, 8)).generate(prompts, params)]
     assert pld == reference, "float32 SoT (pld) differs from transformers generate()"
+    if state32 is not None:
+        state = [r.token_ids for r in Engine(target, state32, TreeBudget(16, 8)).generate(prompts, params)]
+        assert state == reference, "float32 SoT (state) differs from transformers generate()"
 
-    bf16 = TargetModel(load_model("default", dtype=torch.bfloat16).model)
+    bf16_model = load_model("default", dtype=torch.bfloat16).model
+    state16 = make_drafter("state", bf16_model) if shipped else None
+    bf16 = TargetModel(bf16_model, state_layers=state16.state_layers if state16 else ())
     plain = [r.token_ids for r in Engine(bf16, NoDrafter()).generate(prompts, params)]
     spec = [r.token_ids for r in Engine(bf16, PromptLookupDrafter(), TreeBudget(16, 8)).generate(prompts, params)]
     assert spec == plain, "bfloat16 SoT (pld) differs from bfloat16 plain decoding"
+    if state16 is not None:
+        spec = [r.token_ids for r in Engine(bf16, state16, TreeBudget(16, 8)).generate(prompts, params)]
+        assert spec == plain, "bfloat16 SoT (state, the shipped predictor) differs from bfloat16 plain decoding"
 
 
 def test_default_model_quick() -> None:
