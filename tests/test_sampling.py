@@ -122,15 +122,19 @@ def test_coupled_sampling_equals_seeded_plain_decoding(dtype: torch.dtype) -> No
     assert [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, other)] != plain
 
 
-def test_engine_rejection_sampling_distribution() -> None:
+@pytest.mark.parametrize("drafter_kind", ["oracle", "state"])
+def test_engine_rejection_sampling_distribution(drafter_kind: str) -> None:
     """Through the whole engine: the second generated token under tree speculation follows
-    the target's exact marginal ``sum_t1 p(t1) p(t2 | t1)`` (chi-square, small vocabulary)."""
+    the target's exact marginal ``sum_t1 p(t1) p(t2 | t1)`` (chi-square, small vocabulary).
+    ``oracle`` drafts 3 likely children; ``state`` is the state drafter (untrained predictor)."""
     from helpers import VOCAB
+    from sot.drafters.state import StateDrafter, new_predictor
 
     model = tiny_model("llama", seed=6)
     with torch.no_grad():  # peakier, so drafts are accepted often
         model.lm_head.weight.mul_(4.0)
-    target = TargetModel(clone(model, torch.float32))
+    layers = (0, 1, 2) if drafter_kind == "state" else ()
+    target = TargetModel(clone(model, torch.float32), state_layers=layers)
     prompt = random_prompts((10,), seed=1)[0]
     with torch.no_grad():
         p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
@@ -142,15 +146,18 @@ def test_engine_rejection_sampling_distribution() -> None:
     class Oracle(NoDrafter):
         def propose(self, inputs, budget):
             return [tree_from_parents([x.context[-1], *top3[x.context[-1]]], [-1, 0, 0, 0]) for x in inputs]
+
+    drafter = Oracle() if drafter_kind == "oracle" else StateDrafter(new_predictor(target.model, layers, None, seed=3), top_k=4)
     counts = np.zeros(VOCAB)
     accepted = 0
-    trials = 1200
+    trials = 1200 if drafter_kind == "oracle" else 2000
+    engine = Engine(target, drafter, TreeBudget(8, 3))
     for seed in range(trials):
         sp = SamplingParams(temperature=1.0, seed=seed)
-        res = Engine(target, Oracle(), TreeBudget(8, 3)).generate([prompt], GenerationParams(max_new_tokens=3, sampling=sp))[0]
+        res = engine.generate([prompt], GenerationParams(max_new_tokens=3, sampling=sp))[0]
         counts[res.token_ids[1]] += 1
         accepted += res.accept_lengths[0] > 1 if res.accept_lengths else 0
-    assert accepted > trials // 20, "the drafter should be accepted now and then"
+    assert accepted > (trials // 20 if drafter_kind == "oracle" else 5), "drafts should be accepted now and then"
     expected = marginal * trials
     keep = expected >= 5
     obs = np.append(counts[keep], counts[~keep].sum())
