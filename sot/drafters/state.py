@@ -185,9 +185,6 @@ class StatePredictor(torch.nn.Module):
         self.head = head.detach().to(self.head.dtype)
 
     # -- pieces
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items()}
-
     def fuse_states(self, states: torch.Tensor) -> torch.Tensor:
         """``[..., S, D]`` target states -> ``[..., D]``."""
         x = states.to(self.fuse.weight.dtype)
