@@ -25,6 +25,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--draft-top-k", type=_positive_int, default=8, help="children per expanded node (state)")
     bench.add_argument("--full-vocab", action="store_true",
                        help="state: propose from the whole vocabulary, not the predictor's draft vocabulary")
+    bench.add_argument("--no-lookup", dest="lookup", action="store_false",
+                       help="state: do not merge prompt-lookup paths into the predictor's trees")
     add_policy_args(bench)
     bench.add_argument("--ignore-eos", action="store_true")
     bench.add_argument("--sweep", default=None, help="NAME=v1,v2,... with NAME max-depth or max-nodes")
@@ -52,6 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft_top_k=args.draft_top_k,
         policy=policy_from_args(args),
         full_vocab=args.full_vocab,
+        lookup=args.lookup,
         chat=args.chat,
         ignore_eos=args.ignore_eos,
         sweep=parse_sweep(args.sweep) if args.sweep else None,

@@ -59,6 +59,7 @@ class BenchConfig:
     predictor: str | None = None
     draft_top_k: int = 8
     full_vocab: bool = False
+    lookup: bool = True
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     chat: bool | None = None
     ignore_eos: bool = False
@@ -89,7 +90,8 @@ def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
 
 def _drafter(cfg: BenchConfig, method: str, model):
     kind = DrafterKind.NONE if method == "plain" else DrafterKind(method)
-    return make_drafter(kind, model, cfg.predictor, top_k=cfg.draft_top_k, full_vocab=cfg.full_vocab)
+    return make_drafter(kind, model, cfg.predictor, top_k=cfg.draft_top_k, full_vocab=cfg.full_vocab,
+                        lookup=cfg.lookup)
 
 
 def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:

@@ -26,6 +26,7 @@ def make_drafter(
     predictor: str | Path | None = None,
     top_k: int = 8,
     full_vocab: bool = False,
+    lookup: bool = True,
 ) -> Drafter:
     """Build a drafter.
 
@@ -37,6 +38,7 @@ def make_drafter(
         top_k: children per expanded node of a state-predictor tree.
         full_vocab: let the state predictor propose from the whole target vocabulary rather
             than its reduced draft vocabulary.
+        lookup: merge the best prompt-lookup continuation into state-predictor trees.
     """
     try:
         kind = DrafterKind(kind)
@@ -59,4 +61,4 @@ def make_drafter(
     pred = load_predictor(path, model, dtype=dtype)
     if full_vocab:
         pred.use_full_vocabulary(model.get_output_embeddings().weight)
-    return StateDrafter(pred, top_k=top_k)
+    return StateDrafter(pred, top_k=top_k, lookup=lookup)

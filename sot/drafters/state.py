@@ -471,9 +471,14 @@ class StateDrafter(Drafter):
 
     kind = DrafterKind.STATE
 
-    def __init__(self, predictor: StatePredictor, top_k: int = 8) -> None:
+    def __init__(self, predictor: StatePredictor, top_k: int = 8, lookup: bool = True,
+                 lookup_confidence: float = 0.5) -> None:
         if top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {top_k}")
+        from sot.drafters.pld import PromptLookupDrafter
+
+        self.lookup = PromptLookupDrafter() if lookup else None
+        self.lookup_confidence = lookup_confidence
         self.predictor = predictor.eval()
         self.state_layers = tuple(predictor.config.state_layers)
         self.top_k = top_k
@@ -522,8 +527,42 @@ class StateDrafter(Drafter):
             if seq.last is None or budget.max_nodes < 2 or budget.max_depth < 1:
                 out.append(DraftTree([root], [-1], [0]))
                 continue
-            out.append(self._grow(seq, root, len(x.context) - 1, budget))
+            tree = self._grow(seq, root, len(x.context) - 1, budget)
+            if self.lookup is not None:
+                tree = self._merge_lookup(tree, x.context, budget)
+            out.append(tree)
         return out
+
+    def _merge_lookup(self, tree: DraftTree, context: list[int], budget: TreeBudget) -> DraftTree:
+        """Merge the best prompt-lookup path into ``tree``; the best ``max_nodes - 1`` nodes of
+        both, by confidence, are kept (shared prefixes count once)."""
+        found = self.lookup.candidates(context, budget.max_depth)
+        if not found:
+            return tree
+        probs = tree.draft_probs or [1.0] * tree.size
+        paths: list[tuple[float, tuple[int, ...]]] = []
+        node_path: list[tuple[int, ...]] = [()]
+        for i in range(1, tree.size):
+            node_path.append(node_path[tree.parents[i]] + (tree.tokens[i],))
+            paths.append((probs[i], node_path[i]))
+        best = found[0]
+        paths += [(self.lookup_confidence ** d, tuple(best[:d])) for d in range(1, len(best) + 1)]
+        # a prefix is never less confident than its extension, so this order inserts parents first
+        paths.sort(key=lambda x: (-x[0], len(x[1])))
+        tokens, parents, depths, conf = [tree.tokens[0]], [-1], [0], [1.0]
+        index: dict[tuple[int, ...], int] = {(): 0}
+        for p, path in paths:
+            if path in index:
+                conf[index[path]] = max(conf[index[path]], p)
+                continue
+            if len(tokens) >= budget.max_nodes or path[:-1] not in index:
+                continue
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]])
+            depths.append(len(path))
+            conf.append(p)
+        return DraftTree(tokens, parents, depths, conf)
 
     def _grow(self, seq: _SeqState, root: int, root_pos: int, budget: TreeBudget) -> DraftTree:
         p = self.predictor
