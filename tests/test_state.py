@@ -96,6 +96,17 @@ def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path) -> None:
     assert [h["step"] for h in state["history"]] == list(range(1, cfg.steps + 5))
 
 
+def test_init_from_a_predictor_file(tiny_run, tmp_path) -> None:
+    """Training can continue from a shipped predictor file (fresh optimizer state)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "more"), steps=2, init_from=str(tiny_run["predictor"]))
+    fit(cfg)
+    state = torch.load(tmp_path / "more" / "checkpoint.pt", weights_only=False)
+    trained = torch.load(Path(tiny_run["cfg"].out) / "checkpoint.pt", weights_only=False)
+    assert state["evals"][0]["chain_tau"] == pytest.approx(trained["evals"][-1]["chain_tau"], abs=0.15)
+
+
 def test_checkpoint_round_trip(tiny_run, tmp_path) -> None:
     model = load_model(str(tiny_run["model_dir"])).model
     pred = load_predictor(tiny_run["predictor"], model)

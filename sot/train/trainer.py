@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sot.drafters.state import StatePredictor, new_predictor, save_predictor
+from sot.drafters.state import StatePredictor, load_predictor, new_predictor, save_predictor
 from sot.errors import ConfigError
 from sot.train.data import StateDataset
 
@@ -54,6 +54,7 @@ class TrainConfig:
     perturb: float = 0.01
     draft_vocab: int = 16384
     init: str = "target"
+    init_from: str = ""
     eval_every: int = 200
     eval_sequences: int = 32
     eval_depth: int = 8
@@ -264,8 +265,16 @@ def fit(cfg: TrainConfig) -> Path:
         raise ConfigError(f"state cache {data_dir} was made for hidden size {train.meta['hidden_size']}, "
                           f"the model has {target.config.hidden_size}")
     vocab_size = target.get_input_embeddings().weight.shape[0]
-    pred = new_predictor(target, train.layers, draft_vocabulary(train, vocab_size, cfg.draft_vocab), cfg.seed,
-                         cfg.init).to(device)
+    if cfg.init_from:  # continue from a predictor file (e.g. the shipped one) with fresh optimizer state
+        start_from = load_predictor(cfg.init_from, target)
+        if tuple(start_from.config.state_layers) != tuple(train.layers):
+            raise ConfigError(f"{cfg.init_from} uses layers {start_from.config.state_layers}, the data {train.layers}")
+        pred = new_predictor(target, train.layers, start_from.draft_vocab.clone(), cfg.seed, cfg.init)
+        pred.load_state_dict(start_from.state_dict())
+        pred = pred.float().to(device)
+    else:
+        pred = new_predictor(target, train.layers, draft_vocabulary(train, vocab_size, cfg.draft_vocab), cfg.seed,
+                             cfg.init).to(device)
     full_head = target.get_output_embeddings().weight.detach().float().to(device)
     model: torch.nn.Module = pred
     if world > 1:
