@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The benchmark runs behind the README tables (about 25 minutes on 2 cores).
+# The benchmark runs behind the README tables (about 20 minutes on 2 cores).
 # llamacpp needs the optional extra: pip install 'sot[llamacpp]' (skipped with a note otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-N=${N:-12}
+N=${N:-8}
 .venv/bin/sot bench --prompts sharegpt-heldout --limit "$N" --methods hf,plain,pld,state,llamacpp --max-new-tokens 256 --out docs/bench/sharegpt-heldout
 .venv/bin/sot bench --prompts humaneval --limit "$N" --methods hf,plain,pld,state,llamacpp --max-new-tokens 256 --out docs/bench/humaneval
 .venv/bin/sot bench --prompts sharegpt-heldout --limit 8 --methods plain,state --temperature 1.0 --max-new-tokens 256 --out docs/bench/sharegpt-t1

@@ -472,13 +472,14 @@ class StateDrafter(Drafter):
     kind = DrafterKind.STATE
 
     def __init__(self, predictor: StatePredictor, top_k: int = 8, lookup: bool = True,
-                 lookup_confidence: float = 0.5) -> None:
+                 lookup_confidence: float = 0.5, min_confidence: float = 0.05) -> None:
         if top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {top_k}")
         from sot.drafters.pld import PromptLookupDrafter
 
         self.lookup = PromptLookupDrafter() if lookup else None
         self.lookup_confidence = lookup_confidence
+        self.min_confidence = min_confidence
         self.predictor = predictor.eval()
         self.state_layers = tuple(predictor.config.state_layers)
         self.top_k = top_k
@@ -585,7 +586,11 @@ class StateDrafter(Drafter):
         dv: list[torch.Tensor] = []
         anc_rows: list[list[int]] = []
         depth = 1
+        floor = math.log(self.min_confidence) if self.min_confidence > 0 else -math.inf
         while depth < budget.max_depth and frontier:
+            frontier = [n for n in frontier if score[n] >= floor]
+            if not frontier:
+                break
             if len(score) >= keep:
                 bar = sorted(score, reverse=True)[keep - 1]
                 frontier = [n for n in frontier if score[n] > bar]

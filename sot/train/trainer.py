@@ -223,7 +223,7 @@ def write_plots(out: Path, history: list[dict], evals: list[dict]) -> None:
     if evals:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
         last = evals[-1]
-        a1.bar(range(1, len(last["accept_rate"]) + 1), last["accept_rate"], color="tab:blue", label="given depth-1 ok")
+        a1.bar(range(1, len(last["accept_rate"]) + 1), last["accept_rate"], color="tab:blue", label="given depth d-1 reached")
         a1.plot(range(1, len(last["reach"]) + 1), last["reach"], "o-", color="tab:red", label="reached")
         a1.set_xlabel("draft depth")
         a1.set_ylabel("greedy acceptance")
