@@ -14,11 +14,11 @@ import torch
 
 from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
 from sot.attention import MAX_TREE_DEPTH, build_tree_layout
-from sot.drafters.base import DraftInput, Drafter, TreeBudget
+from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError, PromptTooLongError
 from sot.models.adapter import TargetModel
 from sot.models.rows import ROW_UNIT
-from sot.policy import CommitPolicy, CostModel, PolicyConfig
+from sot.policy import CommitPolicy, CostModel, PolicyConfig, PolicyKind
 from sot.sampling import SamplingMode, SamplingParams, sequence_generator
 from sot.tree import DraftTree, ancestor_table
 
@@ -145,7 +145,6 @@ class Engine:
         self.times = PhaseTimes()
         self.trace = trace
         self.policy_config = policy or PolicyConfig()
-        self._cost: CostModel | None = None
 
     def cost_model(self) -> CostModel:
         """Verify time by row count on this machine, measured once per target and tree size."""
@@ -203,9 +202,8 @@ class Engine:
         ]
         results.extend(s.result for s in seqs)
         self.drafter.reset(len(seqs))
-        speculative = self.drafter.kind.value != "none"
-        self._policy = CommitPolicy(self.policy_config, self.cost_model() if speculative and
-                                    self.policy_config.kind.value == "heuristic" else None)
+        needs_cost = self.drafter.kind is not DrafterKind.NONE and self.policy_config.kind is PolicyKind.HEURISTIC
+        self._policy = CommitPolicy(self.policy_config, self.cost_model() if needs_cost else None)
         self._policy.reset(len(seqs))
         # Committed tokens, the accepted rows of a last step that overshoots max_new_tokens
         # (kept in the cache of a finished sequence), and the scratch rows of one pass.
