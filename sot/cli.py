@@ -34,7 +34,8 @@ _probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="engine dtype (default: bfloat16)")
-    p.add_argument("--max-nodes", type=_positive_int, default=16, help="draft tree size per step, root included")
+    p.add_argument("--max-nodes", "--budget", dest="max_nodes", type=_positive_int, default=16,
+                   help="draft tree size per step (nodes verified at most), root included")
     p.add_argument("--max-depth", type=_non_negative_int, default=8, help="how far a draft tree may look ahead")
     p.add_argument("--predictor", default=None, help="state predictor file (default: the one shipped for the default model)")
     add_policy_args(p)
@@ -43,8 +44,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", choices=["heuristic", "static"], default="heuristic",
-                   help="commit policy: heuristic (cost model + fallback, default) or static (verify the whole tree)")
+    p.add_argument("--policy", choices=["heuristic", "learned", "static"], default="heuristic",
+                   help="commit policy: heuristic (cost model + fallback, default), learned (a trained acceptance "
+                        "model + cost model + fallback) or static (a fixed tree of top-k nodes per depth)")
+    p.add_argument("--policy-model", default=None,
+                   help="acceptance model of --policy learned (default: the one shipped for the default model)")
     p.add_argument("--warmup", type=_non_negative_int, default=0, help="tokens decoded plainly at the start of a sequence")
     p.add_argument("--fallback-threshold", type=_non_negative_float, default=1.0,
                    help="fall back to plain decoding when recent speed / plain speed drops below this")
@@ -53,7 +57,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 def policy_from_args(args: argparse.Namespace):
     from sot.policy import PolicyConfig, PolicyKind
 
-    return PolicyConfig(kind=PolicyKind(args.policy), warmup=args.warmup, fallback_threshold=args.fallback_threshold)
+    return PolicyConfig(kind=PolicyKind(args.policy), warmup=args.warmup, fallback_threshold=args.fallback_threshold,
+                        model_path=args.policy_model)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

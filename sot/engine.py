@@ -18,7 +18,7 @@ from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError, PromptTooLongError
 from sot.models.adapter import TargetModel
 from sot.models.rows import ROW_UNIT
-from sot.policy import CommitPolicy, CostModel, PolicyConfig, PolicyKind
+from sot.policy import AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind
 from sot.sampling import SamplingMode, SamplingParams, sequence_generator
 from sot.tree import DraftTree, ancestor_table
 
@@ -106,6 +106,7 @@ class _Seq:
     prompt: list[int]
     result: SequenceResult
     generator: torch.Generator | None
+    #: ``[n, S, D]`` target states of the rows committed since the drafter last saw this sequence
     states: torch.Tensor | None = None
     done: bool = False
 
@@ -119,7 +120,13 @@ class Engine:
         budget: node and depth limits of each tree.
         decode: ``token_ids -> text`` used for stop strings and results.
         trace: keep the logits row behind every committed token (for exactness checks).
-        policy: the commit policy (default: heuristic); ignored for plain decoding.
+        policy: the commit policy (default: heuristic); ignored for plain decoding. With
+            ``static``, a state drafter grows a fixed beam of its ``top_k`` nodes per depth to
+            ``budget.max_depth`` (``budget.max_nodes`` is raised to fit it).
+        acceptance_model: the model of the ``learned`` policy (default: loaded from
+            ``policy.model_path``, or the one shipped for the default model).
+        record_policy: verify every tree whole and log the commit policy's features and the
+            outcome of every node in ``self.policy_trace`` (training data of ``learned``).
     """
 
     def __init__(
@@ -130,6 +137,8 @@ class Engine:
         decode: Callable[[list[int]], str] | None = None,
         trace: bool = False,
         policy: PolicyConfig | None = None,
+        acceptance_model: AcceptanceModel | None = None,
+        record_policy: bool = False,
     ) -> None:
         if budget.max_nodes < 1 or budget.max_depth < 0:
             raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
@@ -138,13 +147,24 @@ class Engine:
         missing = set(drafter.state_layers) - set(target.state_layers)
         if missing:
             raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
+        self.policy_config = policy or PolicyConfig()
+        if self.policy_config.kind is PolicyKind.STATIC and drafter.static_width > 1:
+            width = drafter.static_width
+            budget = TreeBudget(max_nodes=1 + width * budget.max_depth, max_depth=budget.max_depth, width=width)
         self.target = target
         self.drafter = drafter
         self.budget = budget
         self.decode = decode or (lambda ids: "")
         self.times = PhaseTimes()
         self.trace = trace
-        self.policy_config = policy or PolicyConfig()
+        self.record_policy = record_policy
+        self.policy_trace = None
+        self.acceptance_model = acceptance_model
+        if (self.policy_config.kind is PolicyKind.LEARNED and acceptance_model is None and not record_policy
+                and drafter.kind is not DrafterKind.NONE):
+            from sot.policy import load_acceptance_model
+
+            self.acceptance_model = load_acceptance_model(self.policy_config.model_path, target.model)
 
     def cost_model(self) -> CostModel:
         """Verify time by row count on this machine, measured once per target and tree size."""
@@ -202,9 +222,11 @@ class Engine:
         ]
         results.extend(s.result for s in seqs)
         self.drafter.reset(len(seqs))
-        needs_cost = self.drafter.kind is not DrafterKind.NONE and self.policy_config.kind is PolicyKind.HEURISTIC
-        self._policy = CommitPolicy(self.policy_config, self.cost_model() if needs_cost else None)
-        self._policy.reset(len(seqs))
+        needs_cost = self.drafter.kind is not DrafterKind.NONE and self.policy_config.kind is not PolicyKind.STATIC
+        self._policy = CommitPolicy(self.policy_config, self.cost_model() if needs_cost else None,
+                                    self.acceptance_model, record=self.record_policy)
+        self._policy.reset(len(seqs), 0.0 if sp.greedy else sp.temperature)
+        self.policy_trace = self._policy.trace
         # Committed tokens, the accepted rows of a last step that overshoots max_new_tokens
         # (kept in the cache of a finished sequence), and the scratch rows of one pass.
         scratch = -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT
@@ -244,13 +266,13 @@ class Engine:
         def inputs(group: list[int]) -> list[DraftInput]:
             return [DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in group]
 
+        # sequences decoding plainly skip the drafter; their states wait until it next runs
         proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), self.budget))) if drafting else {}
-        if plain:  # the drafter still sees these sequences' new states
-            proposed.update(zip(plain, self.drafter.propose(inputs(plain), TreeBudget(1, 0))))
-            for b in plain:
-                seqs[b].result.plain_steps += 1
         for b in drafting:
+            seqs[b].states = None
             proposed[b] = policy.choose(b, proposed[b])
+        for b in plain:
+            seqs[b].result.plain_steps += 1
         t1 = time.perf_counter()
         draft_share = (t1 - t0) / max(1, len(drafting))
 
@@ -292,10 +314,11 @@ class Engine:
             commits.append((b, acc))
             seq.result.tree_sizes.append(tree.size)
             if b in drafting:
-                policy.observe(b, tree, acc.num_accepted, draft_share + policy_verify(tree.size))
+                policy.observe(b, tree, acc.path, draft_share + policy_verify(tree.size))
                 seq.result.fallbacks = policy.seqs[b].fallbacks
             if out.states is not None:
-                seq.states = out.states[b, acc.path]
+                new = out.states[b, acc.path]
+                seq.states = new if seq.states is None else torch.cat((seq.states, new))
             if self.trace:
                 seq.result.logit_trace.extend(out.logits[b, i].clone() for i in acc.path)
             self._record_depths(seq.result, tree, acc)

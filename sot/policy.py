@@ -13,14 +13,24 @@ in the verify pass. The policy decides that per sequence, every step:
   ``fallback_threshold`` times plain decoding's, it decodes plainly for a while and probes
   again, on an exponential back-off. This is per sequence: the others keep speculating.
 
-``static`` verifies whatever the drafter proposes (the tree shape is fixed by the budget).
+``learned`` replaces the calibrated draft confidence by an acceptance predictor
+(:class:`AcceptanceModel`, a small MLP trained on logged decoding traces with
+``sot train policy``): it predicts, per node, the probability that the target accepts it, from
+the draft confidences, the node's depth and rank, and the sequence's recent acceptance. Pruning,
+stopping (a root-only choice) and fallback then work as for ``heuristic``.
+
+``static`` verifies a fixed-shape tree: the drafter's best ``width`` nodes at every depth up to
+``max_depth`` (``1 + width * max_depth`` nodes), with no pruning and no fallback.
 """
 from __future__ import annotations
 
 import enum
+import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -31,6 +41,7 @@ from sot.tree import DraftTree
 class PolicyKind(str, enum.Enum):
     STATIC = "static"
     HEURISTIC = "heuristic"
+    LEARNED = "learned"
 
 
 @dataclass(frozen=True)
@@ -38,7 +49,8 @@ class PolicyConfig:
     """Commit-policy settings.
 
     Attributes:
-        kind: ``heuristic`` (cost model, calibration, fallback) or ``static`` (verify as proposed).
+        kind: ``heuristic`` (cost model, calibration, fallback), ``learned`` (the same with a
+            trained acceptance predictor) or ``static`` (a fixed-shape tree, verified whole).
         warmup: tokens decoded plainly at the start of every sequence.
         fallback_threshold: fall back when recent speed / plain speed drops below this.
         window: steps of history behind the fallback decision.
@@ -52,6 +64,8 @@ class PolicyConfig:
     window: int = 6
     first_backoff: int = 4
     max_backoff: int = 64
+    #: the acceptance model of ``learned`` (default: the one shipped for the default model)
+    model_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.window < 1 or self.first_backoff < 1 or self.max_backoff < self.first_backoff:
@@ -122,6 +136,7 @@ class SequencePolicyState:
     """What the policy remembers about one sequence."""
 
     calibration: float = 1.0  # accepted / expected drafted tokens, smoothed
+    tau: float = 2.0  # committed tokens per drafting step, smoothed
     speed: list[float] = field(default_factory=list)  # recent step speed / plain speed
     plain_left: int = 0  # fallback steps still to decode plainly
     backoff: int = 0  # length of the next fallback
@@ -129,10 +144,10 @@ class SequencePolicyState:
     fallbacks: int = 0
 
 
-def ranked_nodes(tree: DraftTree) -> list[int]:
-    """Non-root nodes by draft confidence, best first; every prefix is closed under parents
-    (a child is never more probable than its parent; ties go to the shallower node)."""
-    probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:
+    """Non-root nodes by ``scores`` (default: draft confidence), best first; every prefix is
+    closed under parents when no child scores above its parent (ties go to the shallower node)."""
+    probs = scores or tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
     return sorted(range(1, tree.size), key=lambda i: (-probs[i], tree.depths[i], i))
 
 
@@ -149,22 +164,142 @@ def prune(tree: DraftTree, keep: list[int]) -> DraftTree:
     return DraftTree(tokens, parents, depths, probs)
 
 
-class CommitPolicy:
-    """Per-sequence decisions of one generation call (see the module docstring)."""
+#: per-node inputs of the learned acceptance model, in order
+FEATURES = ("log_conf", "log_cond", "depth", "sibling_rank", "calibration", "recent_tau", "temperature", "tree_size")
 
-    def __init__(self, config: PolicyConfig, cost: CostModel | None) -> None:
+
+def node_features(tree: DraftTree, state: SequencePolicyState, temperature: float) -> torch.Tensor:
+    """``[N - 1, len(FEATURES)]`` features of the non-root nodes of ``tree``: log draft
+    confidence, log confidence given the parent, depth, rank among siblings, the sequence's
+    calibration and recent tokens per step, the sampling temperature and the tree's size."""
+    probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+    logs = [math.log(max(p, 1e-6)) for p in probs]
+    rank = [0] * tree.size
+    for kids in tree.children():
+        for r, c in enumerate(sorted(kids, key=lambda c: -probs[c])):
+            rank[c] = r
+    rows = [
+        [logs[i], logs[i] - logs[tree.parents[i]], tree.depths[i] / 8.0, rank[i] / 4.0,
+         state.calibration, state.tau / 4.0, temperature, tree.size / 32.0]
+        for i in range(1, tree.size)
+    ]
+    return torch.tensor(rows, dtype=torch.float32).reshape(-1, len(FEATURES))
+
+
+class AcceptanceModel(torch.nn.Module):
+    """Predicts the probability that the target accepts a draft node (its whole path) from
+    :func:`node_features`: a two-layer MLP over standardised features.
+
+    ``forward(features [M, F]) -> probabilities [M]``.
+    """
+
+    FORMAT = "sot-commit-policy/1"
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        n = len(FEATURES)
+        self.register_buffer("mean", torch.zeros(n))
+        self.register_buffer("std", torch.ones(n))
+        self.net = torch.nn.Sequential(torch.nn.Linear(n, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, 1))
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net((features - self.mean) / self.std).squeeze(-1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.logits(features))
+
+    def save(self, path: str | Path, meta: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        info = {"format": self.FORMAT, "features": list(FEATURES), "hidden": self.net[0].out_features, **(meta or {})}
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path),
+                  metadata={"sot_policy": json.dumps(info)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AcceptanceModel":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"commit-policy model {path} does not exist (train one with 'sot train policy')")
+        try:
+            with safe_open(str(path), "pt") as fh:
+                info = json.loads((fh.metadata() or {}).get("sot_policy", "{}"))
+            weights = load_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
+            raise ConfigError(f"{path} is not a commit-policy model: {exc}") from None
+        if info.get("format") != cls.FORMAT or tuple(info.get("features", ())) != FEATURES:
+            raise ConfigError(f"{path} is not a {cls.FORMAT} file with features {', '.join(FEATURES)}")
+        model = cls(int(info.get("hidden", 32)))
+        model.load_state_dict(weights)
+        model.info = info
+        return model.eval()
+
+
+#: the acceptance model shipped for the default model with its shipped state predictor
+DEFAULT_ACCEPTANCE_MODEL = Path(__file__).resolve().parent / "assets" / "smollm2-135m-instruct.policy.safetensors"
+
+
+def load_acceptance_model(path: str | Path | None, target: torch.nn.Module | None = None) -> AcceptanceModel:
+    """Load the ``learned`` policy's model (default: the shipped one); when the file names
+    the target it was trained for, ``target`` must match it."""
+    model = AcceptanceModel.load(path or DEFAULT_ACCEPTANCE_MODEL)
+    expected = model.info.get("embed_hash")
+    if expected and target is not None:
+        from sot.drafters.state import embedding_hash
+
+        found = embedding_hash(target.get_input_embeddings().weight)
+        if found != expected:
+            raise ConfigError(f"commit-policy model {path or DEFAULT_ACCEPTANCE_MODEL} was trained for another target "
+                              f"(embedding hash {expected}, this model has {found}); train one with 'sot train policy'")
+    return model
+
+
+@dataclass
+class Trace:
+    """Logged decisions for training the acceptance model: ``features [M, F]`` of every
+    verified non-root node and ``accepted [M]`` (1 when the target accepted it)."""
+
+    features: list[torch.Tensor] = field(default_factory=list)
+    accepted: list[torch.Tensor] = field(default_factory=list)
+
+
+class CommitPolicy:
+    """Per-sequence decisions of one generation call (see the module docstring).
+
+    Args:
+        config: the settings.
+        cost: verify time by row count (``None`` disables pruning and fallback).
+        model: the acceptance model of ``learned``.
+        record: keep every tree whole and log a :class:`Trace` (for ``sot train policy``).
+    """
+
+    def __init__(self, config: PolicyConfig, cost: CostModel | None, model: AcceptanceModel | None = None,
+                 record: bool = False) -> None:
+        if config.kind is PolicyKind.LEARNED and model is None and not record:
+            raise ConfigError("the learned policy needs its acceptance model")
         self.config = config
         self.cost = cost
+        self.model = model
+        self.record = record
+        self.trace = Trace()
+        self.temperature = 0.0
         self.seqs: list[SequencePolicyState] = []
 
-    def reset(self, batch_size: int) -> None:
+    @property
+    def adaptive(self) -> bool:
+        return self.config.kind is not PolicyKind.STATIC and self.cost is not None and not self.record
+
+    def reset(self, batch_size: int, temperature: float = 0.0) -> None:
+        self.temperature = temperature
         self.seqs = [SequencePolicyState(backoff=self.config.first_backoff) for _ in range(batch_size)]
 
     def wants_draft(self, b: int, generated: int) -> bool:
         """False when sequence ``b`` decodes plainly this step (warm-up or fallback)."""
         if generated < self.config.warmup:
             return False
-        if self.config.kind is PolicyKind.STATIC:
+        if not self.adaptive:
             return True
         s = self.seqs[b]
         if s.plain_left > 0:
@@ -172,38 +307,65 @@ class CommitPolicy:
             if s.plain_left == 0:
                 s.probing = True
                 s.speed.clear()
+                s.calibration = max(s.calibration, 0.25)
             return False
         return True
 
+    def acceptance(self, b: int, tree: DraftTree) -> list[float]:
+        """``[N]`` estimated probability that each node is accepted (root: 1)."""
+        s = self.seqs[b]
+        if self.config.kind is PolicyKind.LEARNED and self.model is not None:
+            with torch.no_grad():
+                est = [1.0] + self.model(node_features(tree, s, self.temperature)).tolist()
+            for i in range(1, tree.size):  # a node is never likelier than its parent
+                est[i] = min(est[i], est[tree.parents[i]])
+            return est
+        probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+        return [1.0] + [min(1.0, s.calibration * probs[i]) for i in range(1, tree.size)]
+
     def choose(self, b: int, tree: DraftTree) -> DraftTree:
-        """Keep the part of ``tree`` with the best expected tokens per second."""
-        if self.config.kind is PolicyKind.STATIC or self.cost is None or tree.size <= 1:
+        """Keep the part of ``tree`` with the best expected tokens per second. A root-only
+        choice means drafting does not pay for this sequence now: it falls back."""
+        if not self.adaptive or tree.size <= 1:
             return tree
         s = self.seqs[b]
-        probs = tree.draft_probs or [1.0] * tree.size
-        order = ranked_nodes(tree)
+        est = self.acceptance(b, tree)
+        order = ranked_nodes(tree, est)
         best_n, best_rate, expected = 0, 1.0 / self.cost.verify(1), 1.0
         for n, i in enumerate(order, start=1):
-            expected += min(1.0, s.calibration * probs[i])
+            expected += est[i]
             rate = expected / self.cost.verify(n + 1)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        if best_n == 0:
+            self._fall_back(s)
+            return prune(tree, [])
         if best_n == len(order):
             return tree
         return prune(tree, order[:best_n])
 
-    def observe(self, b: int, tree: DraftTree, accepted: int, step_seconds: float) -> None:
-        """Update sequence ``b`` after a step that verified ``tree`` and accepted ``accepted``
-        drafted tokens; ``step_seconds`` is its share of the step (its draft time plus the
-        modelled verify time of its rows)."""
-        if self.config.kind is PolicyKind.STATIC or self.cost is None or tree.size <= 1:
+    def observe(self, b: int, tree: DraftTree, path: list[int], step_seconds: float) -> None:
+        """Update sequence ``b`` after a step that verified ``tree`` and accepted the nodes of
+        ``path`` (tree indices, root first); ``step_seconds`` is its share of the step (its
+        draft time plus the modelled verify time of its rows)."""
+        if tree.size <= 1 or (not self.adaptive and not self.record):
             return
         s = self.seqs[b]
-        probs = tree.draft_probs or [1.0] * tree.size
+        accepted = len(path) - 1
+        if self.record:
+            feats = node_features(tree, s, self.temperature)
+            label = torch.zeros(tree.size - 1)
+            label[[i - 1 for i in path[1:]]] = 1.0
+            self.trace.features.append(feats)
+            self.trace.accepted.append(label)
+        probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
         # E[accepted] = sum over nodes of P(node accepted); the draft probabilities estimate it
         expected = sum(min(1.0, probs[i]) for i in range(1, tree.size))
         ratio = (accepted + 0.1) / (expected + 0.1)
         s.calibration = min(2.0, max(0.05, 0.8 * s.calibration + 0.2 * ratio))
+        s.tau = 0.8 * s.tau + 0.2 * (accepted + 1)
+        if self.cost is None or self.record:
+            return
         s.speed.append((accepted + 1) * self.cost.verify(1) / max(step_seconds, 1e-9))
         del s.speed[: -self.config.window]
         if s.probing and len(s.speed) >= 2:

@@ -91,3 +91,18 @@ def test_sweep(setup) -> None:
     assert [r["value"] for r in rows] == [1, 4]
     assert all(r["identical_to_plain"] == "3/3" for r in rows)
     assert (root / "sweep" / "sweep.png").is_file()
+
+
+def test_batched_bench_checks_each_sequence_against_alone(setup) -> None:
+    model, prompts, root = setup
+    out = root / "batch"
+    rc = main(["bench", "--prompts", str(prompts), "--methods", "plain,pld", "--model", str(model), "--batch-size", "2",
+               "--max-new-tokens", "16", "--no-chat", "--ignore-eos", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    for name in ("plain", "pld"):
+        agg = res["methods"][name]
+        assert agg["identical_to_alone"] == "3/3" and agg["new_tokens"] == 3 * 16
+    assert "decoded alone: 3/3" in (out / "report.md").read_text()
+    assert main(["bench", "--prompts", str(prompts), "--methods", "hf,plain", "--model", str(model),
+                 "--batch-size", "2", "--out", str(out)]) == 2

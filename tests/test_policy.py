@@ -95,3 +95,93 @@ def test_policy_rejects_bad_settings() -> None:
         PolicyConfig(window=0)
     with pytest.raises(ConfigError):
         PolicyConfig(fallback_threshold=-1)
+
+
+def test_root_only_choice_falls_back_and_skips_the_drafter() -> None:
+    """When no node is worth its verify cost, the sequence falls back: the drafter is not
+    called again until the back-off ends."""
+    model = tiny_model("llama", seed=2)
+    target = TargetModel(clone(model, torch.float32))
+    prompts = random_prompts((12,), seed=4)
+    params = GenerationParams(max_new_tokens=40)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+
+    class _Unsure(_Mixed):
+        calls = 0
+
+        def propose(self, inputs, budget):
+            type(self).calls += len(inputs)
+            trees = super().propose(inputs, budget)
+            return [DraftTree(t.tokens, t.parents, t.depths, [1.0] + [1e-4] * (t.size - 1)) for t in trees]
+
+    drafter = _Unsure([[0] * 64], [12])  # junk drafts (sequence 0 here gets the reference of zeros)
+    engine = Engine(target, drafter, TreeBudget(8, 6), policy=PolicyConfig(first_backoff=4))
+    engine.cost_model = lambda: CostModel([1, 8], [0.010, 0.020])
+    res = engine.generate(prompts, params)[0]
+    assert res.token_ids == plain[0]
+    assert res.fallbacks >= 2 and set(res.tree_sizes) == {1}
+    assert _Unsure.calls < res.steps, "fallback steps must not call the drafter"
+    assert res.plain_steps == res.steps - _Unsure.calls
+
+
+def test_static_policy_grows_a_fixed_beam() -> None:
+    from sot.drafters.state import StateDrafter, new_predictor
+
+    model = tiny_model("llama", seed=3)
+    layers = (0, 1, 2)
+    target = TargetModel(clone(model, torch.float32), state_layers=layers)
+    drafter = StateDrafter(new_predictor(model, layers, None, seed=1), top_k=3)
+    prompts = random_prompts((9, 21), seed=5)
+    params = GenerationParams(max_new_tokens=20)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    engine = Engine(target, drafter, TreeBudget(4, 5), policy=PolicyConfig(kind=PolicyKind.STATIC))
+    assert engine.budget == TreeBudget(1 + 3 * 5, 5, width=3)
+    res = engine.generate(prompts, params)
+    assert [r.token_ids for r in res] == plain
+    for r in res:  # every drafting step verifies 3 nodes at each of 5 depths (the last step may end early)
+        assert set(r.tree_sizes[:-1]) == {16}
+
+
+def test_learned_policy_records_trains_and_stays_lossless(tmp_path) -> None:
+    from sot.drafters.state import StateDrafter, new_predictor
+    from sot.policy import FEATURES, AcceptanceModel, load_acceptance_model
+    from sot.train.policy import fit_acceptance
+
+    model = tiny_model("llama", seed=3)
+    layers = (0, 1, 2)
+    target = TargetModel(clone(model, torch.float32), state_layers=layers)
+    drafter = StateDrafter(new_predictor(model, layers, None, seed=1), top_k=3)
+    prompts = random_prompts((9, 21, 14, 30), seed=6)
+    params = GenerationParams(max_new_tokens=24)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    # record: whole trees, one label per verified node; labels add up to the accepted tokens
+    # (the last step of a sequence may accept more than max_new_tokens lets it commit)
+    rec = Engine(target, drafter, TreeBudget(10, 4), record_policy=True)
+    res = rec.generate(prompts, params)
+    assert [r.token_ids for r in res] == plain
+    trace = rec.policy_trace
+    assert all(f.shape == (a.numel(), len(FEATURES)) for f, a in zip(trace.features, trace.accepted))
+    drafted_steps = [a for r in res for a in r.accept_lengths]
+    labelled, committed = sum(float(a.sum()) for a in trace.accepted), sum(drafted_steps) - len(drafted_steps)
+    assert committed <= labelled <= committed + 4 * len(prompts)
+    # fit on synthetic traces where acceptance depends on depth: the model must beat a constant
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(3000, len(FEATURES), generator=gen)
+    y = (torch.rand(3000, generator=gen) < 0.9 - 0.8 * x[:, FEATURES.index("depth")]).float()
+    fitted, report = fit_acceptance({"features": x, "accepted": y, "group": torch.arange(3000) % 20}, epochs=30)
+    rate = float(y.mean())
+    constant = -(rate * torch.log(torch.tensor(rate)) + (1 - rate) * torch.log(torch.tensor(1 - rate)))
+    assert report["val_log_loss"]["learned"] < float(constant) - 0.02
+    # save / load round trip, then decode with it: still lossless
+    path = tmp_path / "policy.safetensors"
+    fitted.save(path)
+    loaded = load_acceptance_model(path)
+    assert torch.equal(loaded(x[:5]), fitted(x[:5]))
+    engine = Engine(target, drafter, TreeBudget(10, 4), policy=PolicyConfig(kind=PolicyKind.LEARNED), acceptance_model=loaded)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == plain
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ConfigError, match="not a commit-policy model"):
+        AcceptanceModel.load(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        Engine(target, drafter, policy=PolicyConfig(kind=PolicyKind.LEARNED, model_path=str(tmp_path / "none")))

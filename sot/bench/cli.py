@@ -10,7 +10,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     bench = sub.add_parser("bench", help="benchmark decoding methods side by side")
     bench.add_argument("--prompts", default="humaneval",
-                       help="a JSONL file or a built-in set: sharegpt-heldout, humaneval, long, adversarial")
+                       help="a JSONL file or a built-in set: sharegpt-heldout, humaneval, long, adversarial, "
+                            "mix (sharegpt-heldout and adversarial prompts, alternating)")
     bench.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
     bench.add_argument("--methods", default="hf,plain,pld", help="comma list of hf, hf-pld, plain, pld, state, llamacpp")
     bench.add_argument("--model", default="default")
@@ -19,17 +20,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--temperature", type=_non_negative_float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--max-nodes", type=_positive_int, default=16)
+    bench.add_argument("--max-nodes", "--budget", dest="max_nodes", type=_positive_int, default=16,
+                       help="draft tree size per step (nodes verified at most), root included")
     bench.add_argument("--max-depth", type=_non_negative_int, default=8)
     bench.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
-    bench.add_argument("--draft-top-k", type=_positive_int, default=8, help="children per expanded node (state)")
+    bench.add_argument("--draft-top-k", "--top-k", dest="draft_top_k", type=_positive_int, default=8,
+                       help="state: children per expanded node (the width of --policy static trees)")
+    bench.add_argument("--batch-size", type=_positive_int, default=1,
+                       help="engine methods decode this many prompts together (hf and llamacpp stay at 1)")
     bench.add_argument("--full-vocab", action="store_true",
                        help="state: propose from the whole vocabulary, not the predictor's draft vocabulary")
     bench.add_argument("--no-lookup", dest="lookup", action="store_false",
                        help="state: do not merge prompt-lookup paths into the predictor's trees")
     add_policy_args(bench)
     bench.add_argument("--ignore-eos", action="store_true")
-    bench.add_argument("--sweep", default=None, help="NAME=v1,v2,... with NAME max-depth or max-nodes")
+    bench.add_argument("--sweep", default=None,
+                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget) or top-k")
     bench.add_argument("--out", default="bench-out", help="output folder")
     add_chat_flag(bench)
 
@@ -52,6 +58,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_depth=args.max_depth,
         predictor=args.predictor,
         draft_top_k=args.draft_top_k,
+        batch_size=args.batch_size,
         policy=policy_from_args(args),
         full_vocab=args.full_vocab,
         lookup=args.lookup,

@@ -66,9 +66,14 @@ class EngineMethod(BenchMethod):
         self.engine = Engine(target, drafter, budget, policy=policy)
 
     def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
+        return self.run_batch([prompt], params)[0]
+
+    def run_batch(self, prompts: list[list[int]], params: GenerationParams) -> list[RunRecord]:
+        """Decode ``prompts`` as one batch. Each record gets a share of the batch's wall time
+        (and phase times) proportional to its new tokens, so totals add up to the batch."""
         before = copy.copy(self.engine.times)
         t0 = time.perf_counter()
-        res = self.engine.generate([prompt], params)[0]
+        results = self.engine.generate(prompts, params)
         wall = time.perf_counter() - t0
         after = self.engine.times
         phases = {
@@ -76,12 +81,18 @@ class EngineMethod(BenchMethod):
             "verify": after.verify - before.verify + after.prefill - before.prefill,
         }
         phases["bookkeeping"] = max(0.0, wall - phases["draft"] - phases["verify"])
-        return RunRecord(
-            method=self.name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt), new_tokens=res.new_tokens,
-            wall_time=wall, ttft=res.first_token_seconds, token_ids=res.token_ids, accept_lengths=res.accept_lengths,
-            depth_attempts=res.depth_attempts, depth_accepts=res.depth_accepts, phase_seconds=phases,
-            tree_sizes=res.tree_sizes, plain_steps=res.plain_steps, fallbacks=res.fallbacks,
-        )
+        total = max(1, sum(r.new_tokens for r in results))
+        out = []
+        for prompt, res in zip(prompts, results):
+            share = res.new_tokens / total if len(results) > 1 else 1.0
+            out.append(RunRecord(
+                method=self.name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt), new_tokens=res.new_tokens,
+                wall_time=wall * share, ttft=res.first_token_seconds, token_ids=res.token_ids,
+                accept_lengths=res.accept_lengths, depth_attempts=res.depth_attempts, depth_accepts=res.depth_accepts,
+                phase_seconds={k: v * share for k, v in phases.items()}, tree_sizes=res.tree_sizes,
+                plain_steps=res.plain_steps, fallbacks=res.fallbacks,
+            ))
+        return out
 
 
 class _FirstTokenClock:

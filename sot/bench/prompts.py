@@ -41,7 +41,7 @@ def adversarial_prompts(n: int = 20, seed: int = 0) -> list[dict]:
     return out
 
 
-BUILTIN = ("sharegpt-heldout", "humaneval", "long", "adversarial")
+BUILTIN = ("sharegpt-heldout", "humaneval", "long", "adversarial", "mix")
 
 
 def load_prompt_set(name: str, limit: int | None = None, chat: bool = True) -> list[dict]:
@@ -58,6 +58,11 @@ def load_prompt_set(name: str, limit: int | None = None, chat: bool = True) -> l
         records = [{"id": f"long-{i}", "turns": [t]} for i, t in enumerate(LONG_PROMPTS)]
     elif name == "adversarial":
         records = adversarial_prompts()
+    elif name == "mix":  # predictable and unpredictable prompts, alternating (for batches)
+        from sot.data.sharegpt import heldout_prompts
+
+        adv = adversarial_prompts()
+        records = [r for pair in zip(heldout_prompts(len(adv)), adv) for r in pair]
     elif Path(name).suffix == ".jsonl" or Path(name).exists():
         records = read_jsonl(name)
     else:

@@ -38,7 +38,7 @@ from sot.prompts import encode, has_chat_template
 from sot.sampling import SamplingParams
 
 SCHEMA = "sot-bench/1"
-SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes"}
+SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "top-k": "draft_top_k"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class BenchConfig:
     max_depth: int = 8
     predictor: str | None = None
     draft_top_k: int = 8
+    batch_size: int = 1
     full_vocab: bool = False
     lookup: bool = True
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -88,9 +89,9 @@ def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
     return TreeBudget(max_nodes=override.get("max_nodes", cfg.max_nodes), max_depth=override.get("max_depth", cfg.max_depth))
 
 
-def _drafter(cfg: BenchConfig, method: str, model):
+def _drafter(cfg: BenchConfig, method: str, model, top_k: int | None = None):
     kind = DrafterKind.NONE if method == "plain" else DrafterKind(method)
-    return make_drafter(kind, model, cfg.predictor, top_k=cfg.draft_top_k, full_vocab=cfg.full_vocab,
+    return make_drafter(kind, model, cfg.predictor, top_k=top_k or cfg.draft_top_k, full_vocab=cfg.full_vocab,
                         lookup=cfg.lookup)
 
 
@@ -99,6 +100,8 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
     unknown = [m for m in cfg.methods if m not in METHODS]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if cfg.batch_size > 1 and any(m not in ("plain", "pld", "state") for m in cfg.methods):
+        raise ConfigError("--batch-size above 1 compares engine methods only (plain, pld, state)")
     if cfg.dtype not in _DTYPES or cfg.hf_dtype not in _DTYPES:
         raise ConfigError("dtypes must be float32 or bfloat16")
     methods: list[BenchMethod] = []
@@ -136,6 +139,29 @@ def _run_one(method: BenchMethod, ids: list[int], params: GenerationParams, inde
     return rec
 
 
+def _run_batch(method: BenchMethod, batch: list[list[int]], params: GenerationParams, start: int,
+               ids_of: list[str]) -> list[RunRecord]:
+    if len(batch) == 1 or not isinstance(method, EngineMethod):
+        return [_run_one(method, ids, params, start + j, ids_of[start + j]) for j, ids in enumerate(batch)]
+    with PeakRSS() as mem:
+        recs = method.run_batch(batch, params)
+    for j, rec in enumerate(recs):
+        rec.prompt_index, rec.prompt_id, rec.peak_rss, rec.rss_growth = start + j, ids_of[start + j], mem.peak, mem.growth
+    return recs
+
+
+def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel, prompts: list[list[int]],
+                   params: GenerationParams) -> None:
+    """Greedy batches: does every sequence equal plain decoding of its prompt alone (batch 1)?
+    Adds ``identical_to_alone`` ("k/n") to each engine method."""
+    alone = EngineMethod("alone", target, make_drafter(DrafterKind.NONE), TreeBudget())
+    reference = [alone.run(ids, params).token_ids for ids in tqdm(prompts, desc="alone", unit="run")]
+    for name, entry in aggregates.items():
+        recs = [r for r in runs if r.method == name]
+        same = sum(1 for r in recs if r.token_ids == reference[r.prompt_index])
+        entry["identical_to_alone"] = f"{same}/{len(recs)}"
+
+
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark and write its outputs into ``cfg.out``; returns the results dict."""
     out = Path(cfg.out)
@@ -156,15 +182,21 @@ def run_bench(cfg: BenchConfig) -> dict:
     for m in methods:
         m.run(prompts[0], warm)
     model_rss = current_rss()
+    ids_of = [str(r.get("id", i)) if isinstance(r, dict) else str(i) for i, r in enumerate(records)]
     runs: list[RunRecord] = []
+    batch = cfg.batch_size
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run") as bar:
-        for i, ids in enumerate(prompts):
+        for start in range(0, len(prompts), batch):
             for m in methods:
-                runs.append(_run_one(m, ids, params, i, str(records[i].get("id", i)) if isinstance(records[i], dict) else str(i)))
-                bar.set_postfix_str(f"{m.name} {runs[-1].tokens_per_s:.1f} tok/s")
-                bar.update()
+                got = _run_batch(m, prompts[start : start + batch], params, start, ids_of)
+                runs += got
+                rate = sum(r.new_tokens for r in got) / max(1e-9, sum(r.wall_time for r in got))
+                bar.set_postfix_str(f"{m.name} {rate:.1f} tok/s")
+                bar.update(len(got))
     names = [m.name for m in methods]
     aggregates = aggregate(runs, names, model_rss, greedy=cfg.temperature == 0)
+    if batch > 1 and cfg.temperature == 0 and target is not None:
+        _compare_alone(aggregates, runs, target, prompts, params)
     result = {
         "schema": SCHEMA,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "notes"},
@@ -189,6 +221,10 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
     variants = []
     drafter = _drafter(cfg, spec, target.model)
     for v in values:
+        if name == "top-k":
+            variants.append((v, EngineMethod(f"{spec}@{v}", target, _drafter(cfg, spec, target.model, top_k=v),
+                                             _budget(cfg), cfg.policy)))
+            continue
         budget = _budget(cfg, **{SWEEPABLE[name]: v})
         if name == "max-depth":
             budget = TreeBudget(max_nodes=max(budget.max_nodes, v + 1), max_depth=v)
@@ -202,10 +238,13 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
                 runs.setdefault(m.name, []).append(_run_one(m, ids, params, i, str(i)))
                 bar.update()
     rows = []
+    plain_rate = sum(r.new_tokens for r in runs["plain"]) / max(1e-9, sum(r.wall_time for r in runs["plain"]))
     for v, m in variants:
         agg = aggregate(runs[m.name] + runs["plain"], [m.name, "plain"], 0, greedy=True)[m.name]
         rows.append({"value": v, "tokens_per_s": agg["tokens_per_s"], "mean_accept_len": agg["mean_accept_len"],
-                     "speedup_vs_plain": agg["speedup_vs_plain"], "identical_to_plain": agg["identical_to_plain"]})
+                     "speedup_vs_plain": agg["speedup_vs_plain"], "identical_to_plain": agg["identical_to_plain"],
+                     "tokens_per_s_vs_plain": agg["tokens_per_s"] / max(1e-9, plain_rate),
+                     "mean_tree_size": agg["mean_tree_size"]})
     sweep_plot(name, rows, out)
     return {"name": name, "method": spec, "rows": rows}
 
@@ -229,24 +268,39 @@ def _write(result: dict, runs: list[RunRecord], names: list[str], records: list,
         f"# sot bench: {cfg['prompts']}",
         "",
         f"model `{cfg['model']}`, engine {cfg['dtype']}, HF {cfg['hf_dtype']}, {len(records)} prompts, "
-        f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}",
+        f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
+        f"policy {cfg['policy']['kind']}",
         "",
         markdown_table(result["methods"]),
     ]
+    lines += _alone_lines(result["methods"])
     for note in result["notes"]:
         lines.append(f"- {note}")
     if "sweep" in result:
         sw = result["sweep"]
-        lines += ["", f"## sweep of {sw['name']} ({sw['method']})", "", "| value | tok/s | tau | speedup vs plain | identical |", "|---|---|---|---|---|"]
+        lines += ["", f"## sweep of {sw['name']} ({sw['method']})", "",
+                  "| value | tok/s | total vs plain | tau | per-prompt speedup vs plain (median) | tree size | identical |",
+                  "|---|---|---|---|---|---|---|"]
         for row in sw["rows"]:
             s = row["speedup_vs_plain"]
-            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row['mean_accept_len']:.2f} | "
-                         f"{(s or {}).get('median', 0):.2f}x | {row['identical_to_plain']} |")
+            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain', 0):.2f}x | "
+                         f"{row['mean_accept_len']:.2f} | {(s or {}).get('median', 0):.2f}x | "
+                         f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain']} |")
     written = plots(result["methods"], out)
     lines += ["", *[f"![{w}]({w})" for w in written]]
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
+def _alone_lines(methods: dict) -> list[str]:
+    return [f"- {m}: every sequence of a batch equals its prompt decoded alone: {a['identical_to_alone']}"
+            for m, a in methods.items() if a.get("identical_to_alone")]
+
+
 def summary(result: dict) -> str:
     """One screen of text for the terminal."""
-    return markdown_table(result["methods"]) + "".join(f"note: {n}\n" for n in result["notes"])
+    text = markdown_table(result["methods"]) + "".join(f"{line}\n" for line in _alone_lines(result["methods"]))
+    if "sweep" in result:
+        sw = result["sweep"]
+        text += f"sweep of {sw['name']} ({sw['method']}): " + ", ".join(
+            f"{r['value']}: {r['tokens_per_s_vs_plain']:.2f}x plain, tau {r['mean_accept_len']:.2f}" for r in sw["rows"]) + "\n"
+    return text + "".join(f"note: {n}\n" for n in result["notes"])

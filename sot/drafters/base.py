@@ -20,10 +20,14 @@ class DrafterKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class TreeBudget:
-    """Limits on one proposed tree: ``max_nodes`` counts the root; ``max_depth`` the levels."""
+    """Limits on one proposed tree: ``max_nodes`` counts the root; ``max_depth`` the levels.
+    ``width > 0`` asks for a fixed shape instead of a confidence-grown tree: the best
+    ``width`` nodes at every depth down to ``max_depth`` (drafters that only make chains
+    ignore it)."""
 
     max_nodes: int = 16
     max_depth: int = 8
+    width: int = 0
 
 
 @dataclass
@@ -33,8 +37,9 @@ class DraftInput:
     Attributes:
         sequence: index of the sequence in its batch.
         context: every token so far (prompt, then generated); the last one is the root.
-        states: ``[n, S, D]`` target hidden states of the rows committed at the last step
-            (``S`` layers as listed by :attr:`Drafter.state_layers`), or ``None``.
+        states: ``[n, S, D]`` target hidden states of the rows committed since the drafter
+            last saw this sequence (``S`` layers as listed by :attr:`Drafter.state_layers`;
+            they end at the position before the root), or ``None``.
     """
 
     sequence: int
@@ -52,6 +57,8 @@ class Drafter(ABC):
     kind: DrafterKind
     #: indices into the target's ``hidden_states`` (0 = embeddings) this drafter needs.
     state_layers: tuple[int, ...] = ()
+    #: nodes per depth of the fixed-shape trees of the ``static`` policy (1: a chain)
+    static_width: int = 1
 
     def reset(self, batch_size: int) -> None:
         """Forget all sequences; a new batch of ``batch_size`` starts."""

@@ -483,6 +483,7 @@ class StateDrafter(Drafter):
         self.predictor = predictor.eval()
         self.state_layers = tuple(predictor.config.state_layers)
         self.top_k = top_k
+        self.static_width = top_k
         self.seqs: list[_SeqState] = []
         self.dtype = next(predictor.parameters()).dtype
 
@@ -529,7 +530,7 @@ class StateDrafter(Drafter):
                 out.append(DraftTree([root], [-1], [0]))
                 continue
             tree = self._grow(seq, root, len(x.context) - 1, budget)
-            if self.lookup is not None:
+            if self.lookup is not None and budget.width == 0:
                 tree = self._merge_lookup(tree, x.context, budget)
             out.append(tree)
         return out
@@ -566,10 +567,15 @@ class StateDrafter(Drafter):
         return DraftTree(tokens, parents, depths, conf)
 
     def _grow(self, seq: _SeqState, root: int, root_pos: int, budget: TreeBudget) -> DraftTree:
+        """Grow a tree by cumulative confidence: at every depth the ``top_k`` best new nodes
+        are expanded, until the budget is filled, confidence falls below ``min_confidence``
+        or ``max_depth`` is reached; the best ``max_nodes - 1`` nodes are kept. With
+        ``budget.width``, a fixed beam of that many nodes per depth to ``max_depth``."""
         p = self.predictor
         vocab = p.draft_vocab
-        keep = budget.max_nodes - 1
-        k_top = self.top_k
+        fixed = budget.width > 0
+        keep = min(budget.max_nodes - 1, budget.width * budget.max_depth) if fixed else budget.max_nodes - 1
+        k_top = budget.width if fixed else self.top_k
         # candidate nodes: token, parent (-1 = root), depth, cumulative log-prob
         tok: list[int] = []
         par: list[int] = []
@@ -586,12 +592,12 @@ class StateDrafter(Drafter):
         dv: list[torch.Tensor] = []
         anc_rows: list[list[int]] = []
         depth = 1
-        floor = math.log(self.min_confidence) if self.min_confidence > 0 else -math.inf
+        floor = math.log(self.min_confidence) if self.min_confidence > 0 and not fixed else -math.inf
         while depth < budget.max_depth and frontier:
             frontier = [n for n in frontier if score[n] >= floor]
             if not frontier:
                 break
-            if len(score) >= keep:
+            if not fixed and len(score) >= keep:
                 bar = sorted(score, reverse=True)[keep - 1]
                 frontier = [n for n in frontier if score[n] > bar]
                 if not frontier:
@@ -629,7 +635,11 @@ class StateDrafter(Drafter):
             depth += 1
         # best `keep` nodes; a parent always scores at least as high as its child, and ties
         # go to the shallower node, so the chosen set is closed under ancestors
-        chosen = sorted(range(len(tok)), key=lambda c: (-score[c], dep[c], c))[:keep]
+        if fixed:  # the beam: the frontier of every depth, whatever its score
+            last = set(frontier)
+            chosen = [c for c in range(len(tok)) if c in row_of or c in last]
+        else:
+            chosen = sorted(range(len(tok)), key=lambda c: (-score[c], dep[c], c))[:keep]
         chosen.sort(key=lambda c: (dep[c], c))
         index = {c: i + 1 for i, c in enumerate(chosen)}
         tokens = [root] + [tok[c] for c in chosen]

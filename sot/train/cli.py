@@ -29,7 +29,7 @@ def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
 
 
 def add_train_parser(sub, positive_int, positive_float) -> None:
-    train = sub.add_parser("train", help="train a state predictor: gen-data, prepare, fit")
+    train = sub.add_parser("train", help="train a state predictor (gen-data, prepare, fit) or a commit policy (policy)")
     tsub = train.add_subparsers(dest="train_command", required=True, parser_class=type(train))
 
     gen = tsub.add_parser("gen-data", help="regenerate ShareGPT answers with the target (self-distillation)")
@@ -67,6 +67,17 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     fit.add_argument("--save-every", type=positive_int, default=100)
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--max-seconds", type=float, default=0.0, help="stop (with a checkpoint) after this long")
+
+    pol = tsub.add_parser("policy", help="train the learned commit policy from logged decoding traces")
+    pol.add_argument("--model", default="default")
+    pol.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
+    pol.add_argument("--out", required=True, help="run folder: traces.pt (reused if present), policy.safetensors, report")
+    pol.add_argument("--prompts", type=positive_int, default=48, help="ShareGPT training prompts to decode")
+    pol.add_argument("--max-new-tokens", type=positive_int, default=128)
+    pol.add_argument("--temperatures", default="0,1", help="comma list of sampling temperatures to decode at")
+    pol.add_argument("--batch-size", type=positive_int, default=4)
+    pol.add_argument("--epochs", type=positive_int, default=60)
+    pol.add_argument("--seed", type=int, default=0)
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
@@ -111,5 +122,27 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policy(args: argparse.Namespace) -> int:
+    from sot.errors import ConfigError
+    from sot.train.policy import PolicyTrainConfig, train_policy
+
+    try:
+        temps = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        raise ConfigError(f"--temperatures takes comma-separated numbers, got {args.temperatures!r}") from None
+    if any(t < 0 for t in temps):
+        raise ConfigError("temperatures must be >= 0")
+    cfg = PolicyTrainConfig(model=args.model, predictor=args.predictor, out=args.out, prompts=args.prompts,
+                            max_new_tokens=args.max_new_tokens, temperatures=temps, batch_size=args.batch_size,
+                            epochs=args.epochs, seed=args.seed)
+    path = train_policy(cfg)
+    report = json.loads((Path(args.out) / "report.json").read_text())
+    ll = report["val_log_loss"]
+    print(f"{report['nodes']:,} logged nodes (acceptance {report['accept_rate']:.2f}); held-out log-loss: "
+          f"learned {ll['learned']:.3f}, heuristic {ll['heuristic']:.3f}; wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    return {"gen-data": cmd_gen_data, "prepare": cmd_prepare, "fit": cmd_fit}[args.train_command](args)
+    return {"gen-data": cmd_gen_data, "prepare": cmd_prepare, "fit": cmd_fit,
+            "policy": cmd_policy}[args.train_command](args)
