@@ -46,7 +46,12 @@ if stage depth; then
       --sweep max-depth=1,2,4,8,12,16,20,24,32,40,48 --out $OUT/depth-$S
   done
 fi
-# 6. batches: predictable and adversarial prompts together, 4 at a time
+# 6. warm-up: tokens decoded plainly before the first draft
+if stage warmup; then
+  $SOT bench --prompts sharegpt-heldout --limit 4 --methods plain,state --max-new-tokens 256 \
+    --sweep warmup=0,2,8,32 --out $OUT/warmup
+fi
+# 7. batches: predictable and adversarial prompts together, 4 at a time
 if stage batch; then
   $SOT bench --prompts mix --limit 8 --batch-size 4 --methods plain,state --max-new-tokens 128 --out $OUT/batch4-mix
 fi

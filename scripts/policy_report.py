@@ -114,6 +114,12 @@ def summary(root: Path) -> str:
             for r in res["sweep"]["rows"]:
                 lines.append(f"| {r['value']} | {r['tokens_per_s_vs_plain']:.2f}x | {r['mean_accept_len']:.2f} | "
                              f"{r.get('mean_tree_size') or 0:.1f} | {r['identical_to_plain']} |")
+    res = _load(root / "warmup")
+    if res and "sweep" in res:
+        lines += ["", "## Warm-up (tokens decoded plainly first), ShareGPT held-out", "",
+                  "| warm-up | tok/s vs plain | tau |", "|---|---|---|"]
+        for r in res["sweep"]["rows"]:
+            lines.append(f"| {r['value']} | {r['tokens_per_s_vs_plain']:.2f}x | {r['mean_accept_len']:.2f} |")
     fit = root / "learned-fit" / "report.json"
     if fit.is_file():
         rep = json.loads(fit.read_text())

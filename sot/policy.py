@@ -324,8 +324,8 @@ class CommitPolicy:
         return [1.0] + [min(1.0, s.calibration * probs[i]) for i in range(1, tree.size)]
 
     def choose(self, b: int, tree: DraftTree) -> DraftTree:
-        """Keep the part of ``tree`` with the best expected tokens per second. A root-only
-        choice means drafting does not pay for this sequence now: it falls back."""
+        """Keep the part of ``tree`` with the best expected tokens per second (possibly the
+        root alone: a plain step that still paid for drafting, which counts toward fallback)."""
         if not self.adaptive or tree.size <= 1:
             return tree
         s = self.seqs[b]
@@ -337,9 +337,6 @@ class CommitPolicy:
             rate = expected / self.cost.verify(n + 1)
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        if best_n == 0:
-            self._fall_back(s)
-            return prune(tree, [])
         if best_n == len(order):
             return tree
         return prune(tree, order[:best_n])
@@ -348,10 +345,14 @@ class CommitPolicy:
         """Update sequence ``b`` after a step that verified ``tree`` and accepted the nodes of
         ``path`` (tree indices, root first); ``step_seconds`` is its share of the step (its
         draft time plus the modelled verify time of its rows)."""
-        if tree.size <= 1 or (not self.adaptive and not self.record):
+        if not self.adaptive and not self.record:
             return
         s = self.seqs[b]
         accepted = len(path) - 1
+        if tree.size <= 1:  # pruned to the root: nothing learned about acceptance, time lost to drafting
+            if self.cost is not None and not self.record:
+                self._observe_speed(s, accepted, step_seconds)
+            return
         if self.record:
             feats = node_features(tree, s, self.temperature)
             label = torch.zeros(tree.size - 1)
@@ -366,6 +367,9 @@ class CommitPolicy:
         s.tau = 0.8 * s.tau + 0.2 * (accepted + 1)
         if self.cost is None or self.record:
             return
+        self._observe_speed(s, accepted, step_seconds)
+
+    def _observe_speed(self, s: SequencePolicyState, accepted: int, step_seconds: float) -> None:
         s.speed.append((accepted + 1) * self.cost.verify(1) / max(step_seconds, 1e-9))
         del s.speed[: -self.config.window]
         if s.probing and len(s.speed) >= 2:

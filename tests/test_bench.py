@@ -83,14 +83,16 @@ def test_bench_catches_a_lossy_method(setup, monkeypatch) -> None:
     assert agg["divergences"] and "first_divergent_token" in agg["divergences"][0]
 
 
-def test_sweep(setup) -> None:
+@pytest.mark.parametrize("name", ["max-depth", "warmup"])
+def test_sweep(setup, name) -> None:
     model, prompts, root = setup
-    cfg = _config(model, prompts, root / "sweep", methods=("plain", "pld"), max_new_tokens=16, sweep=("max-depth", (1, 4)))
+    cfg = _config(model, prompts, root / f"sweep-{name}", methods=("plain", "pld"), max_new_tokens=16, sweep=(name, (1, 4)))
     res = run_bench(cfg)
     rows = res["sweep"]["rows"]
     assert [r["value"] for r in rows] == [1, 4]
     assert all(r["identical_to_plain"] == "3/3" for r in rows)
-    assert (root / "sweep" / "sweep.png").is_file()
+    assert all(r["tokens_per_s_vs_plain"] > 0 for r in rows)
+    assert (root / f"sweep-{name}" / "sweep.png").is_file()
 
 
 def test_batched_bench_checks_each_sequence_against_alone(setup) -> None:

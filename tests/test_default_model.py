@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 
+from sot.policy import DEFAULT_ACCEPTANCE_MODEL, PolicyConfig, PolicyKind
 from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget, default_predictor_path, make_drafter
 from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
@@ -60,6 +61,10 @@ def _check(n_prompts: int, new_tokens: int) -> None:
     if state16 is not None:
         spec = [r.token_ids for r in Engine(bf16, state16, TreeBudget(16, 8)).generate(prompts, params)]
         assert spec == plain, "bfloat16 SoT (state, the shipped predictor) differs from bfloat16 plain decoding"
+    if state16 is not None and DEFAULT_ACCEPTANCE_MODEL.is_file():
+        learned = PolicyConfig(kind=PolicyKind.LEARNED)
+        spec = [r.token_ids for r in Engine(bf16, state16, TreeBudget(16, 8), policy=learned).generate(prompts, params)]
+        assert spec == plain, "bfloat16 SoT (state, learned commit policy) differs from bfloat16 plain decoding"
 
 
 def test_default_model_quick() -> None:

@@ -35,7 +35,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_policy_args(bench)
     bench.add_argument("--ignore-eos", action="store_true")
     bench.add_argument("--sweep", default=None,
-                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget) or top-k")
+                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget), top-k or warmup")
     bench.add_argument("--out", default="bench-out", help="output folder")
     add_chat_flag(bench)
 

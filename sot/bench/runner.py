@@ -38,7 +38,8 @@ from sot.prompts import encode, has_chat_template
 from sot.sampling import SamplingParams
 
 SCHEMA = "sot-bench/1"
-SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "top-k": "draft_top_k"}
+SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "top-k": "draft_top_k",
+             "warmup": "warmup"}
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,10 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
         if name == "top-k":
             variants.append((v, EngineMethod(f"{spec}@{v}", target, _drafter(cfg, spec, target.model, top_k=v),
                                              _budget(cfg), cfg.policy)))
+            continue
+        if name == "warmup":
+            policy = dataclasses.replace(cfg.policy, warmup=v)
+            variants.append((v, EngineMethod(f"{spec}@{v}", target, drafter, _budget(cfg), policy)))
             continue
         budget = _budget(cfg, **{SWEEPABLE[name]: v})
         if name == "max-depth":
