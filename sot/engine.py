@@ -168,10 +168,11 @@ class Engine:
 
     def cost_model(self) -> CostModel:
         """Verify time by row count on this machine, measured once per target and tree size."""
-        key = ("sot_cost_model", self.budget.max_nodes)
+        rows = max(64, self.budget.max_nodes)  # batches are costed by their total rows
+        key = ("sot_cost_model", rows)
         cached = getattr(self.target, "_sot_costs", {})
         if key not in cached:
-            cached[key] = CostModel.measure(self.target, self.budget.max_nodes)
+            cached[key] = CostModel.measure(self.target, rows)
             self.target._sot_costs = cached
         return cached[key]
 
@@ -270,7 +271,7 @@ class Engine:
         proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), self.budget))) if drafting else {}
         for b in drafting:
             seqs[b].states = None
-            proposed[b] = policy.choose(b, proposed[b])
+        proposed.update(policy.choose_batch({b: proposed[b] for b in drafting}, len(seqs), len(active)))
         for b in plain:
             seqs[b].result.plain_steps += 1
         t1 = time.perf_counter()

@@ -101,9 +101,11 @@ class CostModel:
 
     @classmethod
     def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 3) -> "CostModel":
-        """Time verify passes of chain trees of growing size after a ``context``-token prefill."""
+        """Time verify passes of trees of growing size (binary trees, so depth stays small)
+        after a ``context``-token prefill. In a batch, a pass over ``B`` sequences of ``n``
+        rows is costed as ``verify(B * n)``."""
         from sot.attention import build_tree_layout
-        from sot.tree import ancestor_table, chain_tree
+        from sot.tree import ancestor_table, tree_from_parents
 
         sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_rows + 1)) | {max_rows})
         unit = target.row_multiple
@@ -115,7 +117,7 @@ class CostModel:
         cache.set_length(0, context)
         timings: dict[int, float] = {}
         for n in sizes:
-            tree = chain_tree(int(prompt[-1]), prompt[-n:-1].tolist()) if n > 1 else DraftTree([int(prompt[-1])], [-1], [0])
+            tree = tree_from_parents(prompt[-n:].tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
             rows = -(-n // unit) * unit
             ids = torch.full((1, rows), int(tree.tokens[0]))
             ids[0, :n] = torch.tensor(tree.tokens)
@@ -326,20 +328,36 @@ class CommitPolicy:
     def choose(self, b: int, tree: DraftTree) -> DraftTree:
         """Keep the part of ``tree`` with the best expected tokens per second (possibly the
         root alone: a plain step that still paid for drafting, which counts toward fallback)."""
-        if not self.adaptive or tree.size <= 1:
-            return tree
-        s = self.seqs[b]
-        est = self.acceptance(b, tree)
-        order = ranked_nodes(tree, est)
-        best_n, best_rate, expected = 0, 1.0 / self.cost.verify(1), 1.0
-        for n, i in enumerate(order, start=1):
-            expected += est[i]
-            rate = expected / self.cost.verify(n + 1)
+        return self.choose_batch({b: tree}, 1)[b]
+
+    def choose_batch(self, trees: dict[int, DraftTree], batch_rows: int, live: int | None = None) -> dict[int, DraftTree]:
+        """Prune the trees of the drafting sequences of one step together. Every sequence of
+        the pass is padded to the largest tree, so the pass costs ``verify(batch_rows * n)``
+        for ``n`` rows per sequence; the policy picks the ``n`` with the most expected tokens
+        per second over the batch (``batch_rows``: sequences in the pass, drafting or not;
+        ``live``: those not finished), and each drafting sequence keeps its best ``n - 1`` nodes."""
+        if not self.adaptive or not trees:
+            return trees
+        orders, gains = {}, {}
+        for b, tree in trees.items():
+            est = self.acceptance(b, tree) if tree.size > 1 else [1.0]
+            orders[b] = ranked_nodes(tree, est)
+            cum = [0.0]
+            for i in orders[b]:
+                cum.append(cum[-1] + est[i])
+            gains[b] = cum
+        base = batch_rows if live is None else live  # every live sequence commits at least one token
+        best_n, best_rate = 1, base / self.cost.verify(batch_rows)
+        for n in range(2, max(t.size for t in trees.values()) + 1):
+            expected = base + sum(g[min(n - 1, len(g) - 1)] for g in gains.values())
+            rate = expected / self.cost.verify(batch_rows * n)
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        if best_n == len(order):
-            return tree
-        return prune(tree, order[:best_n])
+        out = {}
+        for b, tree in trees.items():
+            keep = orders[b][: best_n - 1]
+            out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)
+        return out
 
     def observe(self, b: int, tree: DraftTree, path: list[int], step_seconds: float) -> None:
         """Update sequence ``b`` after a step that verified ``tree`` and accepted the nodes of

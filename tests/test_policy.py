@@ -185,3 +185,23 @@ def test_learned_policy_records_trains_and_stays_lossless(tmp_path) -> None:
         AcceptanceModel.load(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         Engine(target, drafter, policy=PolicyConfig(kind=PolicyKind.LEARNED, model_path=str(tmp_path / "none")))
+
+
+def test_batch_choice_pays_for_padding_rows() -> None:
+    """Every sequence of a pass is padded to the largest tree, so the batch chooses one size;
+    the more sequences share the pass, the dearer each extra row and the smaller the trees."""
+    from sot.policy import CommitPolicy
+
+    cost = CostModel([1, 16, 64], [0.010, 0.013, 0.040])  # rows are cheap at first, then not
+    confident = tree_from_parents(list(range(9)), [-1, *range(8)], [1.0] + [0.95 ** d for d in range(1, 9)])
+    unsure = tree_from_parents(list(range(9)), [-1, *range(8)], [1.0] + [0.02 ** d for d in range(1, 9)])
+    policy = CommitPolicy(PolicyConfig(), cost)
+    policy.reset(4)
+    alone = policy.choose_batch({0: confident}, 1)[0]
+    assert alone.size == 9, "one sequence: every confident node is worth a row"
+    four = policy.choose_batch({b: confident for b in range(4)}, 4)
+    sizes = {t.size for t in four.values()}
+    assert len(sizes) == 1 and sizes.pop() < 9, "four sequences: the extra rows cost four times as much"
+    mixed = policy.choose_batch({0: confident, 1: unsure}, 2)
+    assert mixed[0].size == mixed[1].size > 1, "the unsure sequence fills the padding rows the confident one pays for"
+    assert policy.choose_batch({0: unsure}, 1)[0].size == 1
