@@ -9,9 +9,12 @@ in the verify pass. The policy decides that per sequence, every step:
   tracks how often such nodes were really accepted); the policy keeps the best ``n`` nodes,
   where ``n`` maximises ``expected tokens / verify time(n + 1 rows)`` with verify time
   measured on this machine at start-up (:class:`CostModel`);
-* **fallback** - when a sequence's measured speed over its recent steps stays below
-  ``fallback_threshold`` times plain decoding's, it decodes plainly for a while and probes
-  again, on an exponential back-off. This is per sequence: the others keep speculating.
+* **fallback** - when a sequence's measured speed (tokens per step over its draft time plus
+  the modelled verify time of its rows) stays below ``fallback_threshold`` times plain
+  decoding's over its last ``window`` steps, or clearly below it (under 80%) over 3 steps,
+  it decodes plainly for a while, without drafting, and probes again on an exponential
+  back-off (a probe that is clearly slow ends after one step). This is per sequence: the
+  others keep speculating.
 
 ``learned`` replaces the calibrated draft confidence by an acceptance predictor
 (:class:`AcceptanceModel`, a small MLP trained on logged decoding traces with
@@ -390,12 +393,15 @@ class CommitPolicy:
     def _observe_speed(self, s: SequencePolicyState, accepted: int, step_seconds: float) -> None:
         s.speed.append((accepted + 1) * self.cost.verify(1) / max(step_seconds, 1e-9))
         del s.speed[: -self.config.window]
-        if s.probing and len(s.speed) >= 2:
-            if statistics.fmean(s.speed) >= self.config.fallback_threshold:
-                s.probing, s.backoff = False, self.config.first_backoff
-            else:
-                self._fall_back(s)
-        elif len(s.speed) >= self.config.window and statistics.fmean(s.speed) < self.config.fallback_threshold:
+        n, mean, bar = len(s.speed), statistics.fmean(s.speed), self.config.fallback_threshold
+        clearly_slow = mean < 0.8 * bar  # strong evidence needs fewer steps
+        if s.probing:
+            if n >= 2 or clearly_slow:
+                if mean >= bar:
+                    s.probing, s.backoff = False, self.config.first_backoff
+                else:
+                    self._fall_back(s)
+        elif (n >= self.config.window and mean < bar) or (n >= 3 and clearly_slow):
             self._fall_back(s)
 
     def _fall_back(self, s: SequencePolicyState) -> None:
