@@ -24,7 +24,7 @@ fi
 # 3. the best static tree: width (top-k) x depth, fixed shape, no pruning or fallback
 if stage static; then
   for W in 1 2 4; do
-    $SOT bench --prompts sharegpt-heldout --limit 4 --methods plain,state --policy static --top-k $W \
+    $SOT bench --prompts sharegpt-heldout --limit 4 --methods state --policy static --top-k $W \
       --sweep max-depth=2,3,4,6 --max-new-tokens 256 --out $OUT/static-w$W
   done
 fi
@@ -42,13 +42,13 @@ fi
 # 5. the depth sweep (dynamic policy; the tree budget grows to depth + 1 where needed)
 if stage depth; then
   for S in sharegpt-heldout humaneval; do
-    $SOT bench --prompts $S --limit 4 --methods plain,state --max-new-tokens 256 \
+    $SOT bench --prompts $S --limit 4 --methods state --max-new-tokens 256 \
       --sweep max-depth=1,2,4,8,12,16,20,24,32,40,48 --out $OUT/depth-$S
   done
 fi
 # 6. warm-up: tokens decoded plainly before the first draft
 if stage warmup; then
-  $SOT bench --prompts sharegpt-heldout --limit 4 --methods plain,state --max-new-tokens 256 \
+  $SOT bench --prompts sharegpt-heldout --limit 4 --methods state --max-new-tokens 256 \
     --sweep warmup=0,2,8,32 --out $OUT/warmup
 fi
 # 7. batches: predictable and adversarial prompts together, 4 at a time

@@ -8,3 +8,6 @@ N=${N:-8}
 .venv/bin/sot bench --prompts humaneval --limit "$N" --methods hf,plain,pld,state,llamacpp --max-new-tokens 256 --out docs/bench/humaneval
 .venv/bin/sot bench --prompts sharegpt-heldout --limit 8 --methods plain,state --temperature 1.0 --max-new-tokens 256 --out docs/bench/sharegpt-t1
 .venv/bin/sot bench --prompts adversarial --limit 8 --methods plain,pld,state --max-new-tokens 128 --out docs/bench/adversarial
+# the state predictor's head: its reduced draft vocabulary (default) against the full vocabulary
+.venv/bin/sot bench --prompts sharegpt-heldout --limit 8 --methods plain,state --max-new-tokens 256 --out docs/bench/vocab-reduced
+.venv/bin/sot bench --prompts sharegpt-heldout --limit 8 --methods plain,state --full-vocab --max-new-tokens 256 --out docs/bench/vocab-full
