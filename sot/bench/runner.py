@@ -274,7 +274,7 @@ def _write(result: dict, runs: list[RunRecord], names: list[str], records: list,
         "",
         f"model `{cfg['model']}`, engine {cfg['dtype']}, HF {cfg['hf_dtype']}, {len(records)} prompts, "
         f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
-        f"policy {cfg['policy']['kind']}",
+        f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",
         "",
         markdown_table(result["methods"]),
     ]
