@@ -13,13 +13,19 @@ if stage train; then
   cp runs/policy/policy.safetensors sot/assets/smollm2-135m-instruct.policy.safetensors
   mkdir -p $OUT/learned-fit && cp runs/policy/report.json runs/policy/calibration.png $OUT/learned-fit/
 fi
-# 2. never slower: unpredictable workloads
+# 2. never slower: unpredictable workloads. Sampling runs use coupled sampling, whose seeded
+#    outputs equal plain decoding's, so both methods decode the same tokens (rejection
+#    sampling gives other, equally distributed texts of other lengths, which adds noise).
 if stage adversarial; then
   for P in heuristic learned; do
-    $SOT bench --prompts adversarial --limit 8 --methods plain,state --policy $P --temperature 1.5 --max-new-tokens 128 --out $OUT/adversarial-t1.5-$P
-    $SOT bench --prompts sharegpt-heldout --limit 8 --methods plain,state --policy $P --temperature 1.5 --max-new-tokens 128 --out $OUT/sharegpt-t1.5-$P
+    $SOT bench --prompts adversarial --limit 8 --methods plain,state --policy $P --temperature 1.5 --sampling coupled --max-new-tokens 128 --out $OUT/adversarial-t1.5-$P
+    $SOT bench --prompts sharegpt-heldout --limit 8 --methods plain,state --policy $P --temperature 1.5 --sampling coupled --max-new-tokens 128 --out $OUT/sharegpt-t1.5-$P
     $SOT bench --prompts adversarial --limit 8 --methods plain,state --policy $P --max-new-tokens 128 --out $OUT/adversarial-$P
   done
+fi
+if stage rejection; then
+  $SOT bench --prompts adversarial --limit 8 --methods plain,state --temperature 1.5 --max-new-tokens 128 --out $OUT/adversarial-t1.5-rejection-heuristic
+  $SOT bench --prompts sharegpt-heldout --limit 8 --methods plain,state --temperature 1.5 --max-new-tokens 128 --out $OUT/sharegpt-t1.5-rejection-heuristic
 fi
 # 3. the best static tree: width (top-k) x depth, fixed shape, no pruning or fallback
 if stage static; then

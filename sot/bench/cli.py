@@ -20,6 +20,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--temperature", type=_non_negative_float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--sampling", choices=["rejection", "coupled"], default="rejection",
+                       help="engine sampling: rejection (default) or coupled (seeded outputs equal plain decoding's, "
+                            "so speed compares on the same tokens)")
     bench.add_argument("--max-nodes", "--budget", dest="max_nodes", type=_positive_int, default=16,
                        help="draft tree size per step (nodes verified at most), root included")
     bench.add_argument("--max-depth", type=_non_negative_int, default=8)
@@ -54,6 +57,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        sampling=args.sampling,
         max_nodes=args.max_nodes,
         max_depth=args.max_depth,
         predictor=args.predictor,

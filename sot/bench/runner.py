@@ -35,7 +35,7 @@ from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.models.loading import DEFAULT_MODEL, default_gguf_path, load_model
 from sot.prompts import encode, has_chat_template
-from sot.sampling import SamplingParams
+from sot.sampling import SamplingMode, SamplingParams
 
 SCHEMA = "sot-bench/1"
 SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "top-k": "draft_top_k",
@@ -55,6 +55,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
+    sampling: str = "rejection"
     max_nodes: int = 16
     max_depth: int = 8
     predictor: str | None = None
@@ -176,7 +177,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     eos = () if cfg.ignore_eos else tuple({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else ())
     params = GenerationParams(
         max_new_tokens=cfg.max_new_tokens,
-        sampling=SamplingParams(temperature=cfg.temperature, seed=cfg.seed),
+        sampling=SamplingParams(temperature=cfg.temperature, seed=cfg.seed, mode=SamplingMode(cfg.sampling)),
         eos_token_ids=eos,
     )
     warm = dataclasses.replace(params, max_new_tokens=cfg.warmup_tokens)
@@ -195,8 +196,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                 bar.set_postfix_str(f"{m.name} {rate:.1f} tok/s")
                 bar.update(len(got))
     names = [m.name for m in methods]
-    aggregates = aggregate(runs, names, model_rss, greedy=cfg.temperature == 0)
-    if batch > 1 and cfg.temperature == 0 and target is not None:
+    # coupled sampling makes seeded outputs token-identical to plain decoding, like greedy
+    aggregates = aggregate(runs, names, model_rss, greedy=cfg.temperature == 0 or cfg.sampling == "coupled")
+    if batch > 1 and (cfg.temperature == 0 or cfg.sampling == "coupled") and target is not None:
         _compare_alone(aggregates, runs, target, prompts, params)
     result = {
         "schema": SCHEMA,
