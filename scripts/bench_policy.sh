@@ -17,7 +17,7 @@ fi
 #    outputs equal plain decoding's, so both methods decode the same tokens (rejection
 #    sampling gives other, equally distributed texts of other lengths, which adds noise).
 if stage adversarial; then
-  for P in heuristic learned; do
+  for P in ${POLICIES:-heuristic learned}; do
     $SOT bench --prompts adversarial --limit 8 --methods plain,state --policy $P --temperature 1.5 --sampling coupled --max-new-tokens 128 --out $OUT/adversarial-t1.5-$P
     $SOT bench --prompts sharegpt-heldout --limit 8 --methods plain,state --policy $P --temperature 1.5 --sampling coupled --max-new-tokens 128 --out $OUT/sharegpt-t1.5-$P
     $SOT bench --prompts adversarial --limit 8 --methods plain,state --policy $P --max-new-tokens 128 --out $OUT/adversarial-$P
@@ -30,13 +30,13 @@ fi
 # 3. the best static tree: width (top-k) x depth, fixed shape, no pruning or fallback
 if stage static; then
   for W in 1 2 4; do
-    $SOT bench --prompts sharegpt-heldout --limit 4 --methods state --policy static --top-k $W \
+    $SOT bench --prompts sharegpt-heldout --limit 3 --methods state --policy static --top-k $W \
       --sweep max-depth=2,3,4,6 --max-new-tokens 256 --out $OUT/static-w$W
   done
 fi
 # 4. dynamic (heuristic, learned) against the best static tree, same prompts
 if stage compare; then
-  for P in heuristic learned; do
+  for P in ${POLICIES:-heuristic learned}; do
     for S in sharegpt-heldout humaneval; do
       $SOT bench --prompts $S --limit 8 --methods plain,state --policy $P --max-new-tokens 256 --out $OUT/$S-$P
     done
@@ -48,7 +48,7 @@ fi
 # 5. the depth sweep (dynamic policy; the tree budget grows to depth + 1 where needed)
 if stage depth; then
   for S in sharegpt-heldout humaneval; do
-    $SOT bench --prompts $S --limit 4 --methods state --max-new-tokens 256 \
+    $SOT bench --prompts $S --limit 3 --methods state --max-new-tokens 256 \
       --sweep max-depth=1,2,4,8,12,16,20,24,32,40,48 --out $OUT/depth-$S
   done
 fi

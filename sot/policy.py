@@ -4,6 +4,8 @@ Speculation pays only when the tokens a tree wins are worth more than the extra 
 in the verify pass. The policy decides that per sequence, every step:
 
 * **warm-up** - the first ``warmup`` tokens of a sequence are decoded plainly;
+* **depth by recent acceptance** - drafting goes ``2 * tau + 1`` levels deep (at least 3, at
+  most ``max_depth``), with ``tau`` the sequence's recent tokens per step;
 * **pruning by a cost model** - the tree's nodes are ranked by draft confidence (the
   cumulative draft probability of reaching them, scaled by a per-sequence calibration that
   tracks how often such nodes were really accepted); the policy keeps the best ``n`` nodes,
@@ -65,8 +67,8 @@ class PolicyConfig:
     warmup: int = 0
     fallback_threshold: float = 1.0
     window: int = 6
-    first_backoff: int = 4
-    max_backoff: int = 64
+    first_backoff: int = 8
+    max_backoff: int = 128
     #: the acceptance model of ``learned`` (default: the one shipped for the default model)
     model_path: str | None = None
 
@@ -140,7 +142,9 @@ class CostModel:
 class SequencePolicyState:
     """What the policy remembers about one sequence."""
 
-    calibration: float = 1.0  # accepted / expected drafted tokens, smoothed
+    # accepted / expected drafted tokens, smoothed; it starts at 0.6, about what greedy
+    # decoding with the shipped predictor settles at (draft confidence overstates acceptance)
+    calibration: float = 0.6
     tau: float = 2.0  # committed tokens per drafting step, smoothed
     speed: list[float] = field(default_factory=list)  # recent step speed / plain speed
     plain_left: int = 0  # fallback steps still to decode plainly
@@ -315,6 +319,15 @@ class CommitPolicy:
                 s.calibration = max(s.calibration, 0.25)
             return False
         return True
+
+    def draft_depth(self, drafting: list[int], max_depth: int) -> int:
+        """How deep to draft this step: ``2 * tau + 1`` (at least 3) for the sequence with the
+        highest recent tokens per step, capped at ``max_depth``. Deeper drafts rarely pay
+        and every depth costs a predictor pass."""
+        if not self.adaptive or not drafting:
+            return max_depth
+        tau = max(self.seqs[b].tau for b in drafting)
+        return min(max_depth, max(3, math.ceil(2 * tau) + 1))
 
     def acceptance(self, b: int, tree: DraftTree) -> list[float]:
         """``[N]`` estimated probability that each node is accepted (root: 1)."""
