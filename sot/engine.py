@@ -268,11 +268,7 @@ class Engine:
             return [DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in group]
 
         # sequences decoding plainly skip the drafter; their states wait until it next runs
-        budget = self.budget
-        if drafting and self.budget.width == 0:
-            depth = policy.draft_depth(drafting, budget.max_depth)
-            budget = TreeBudget(budget.max_nodes, depth)
-        proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), budget))) if drafting else {}
+        proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), self.budget))) if drafting else {}
         for b in drafting:
             seqs[b].states = None
         proposed.update(policy.choose_batch({b: proposed[b] for b in drafting}, len(seqs), len(active)))

@@ -4,8 +4,6 @@ Speculation pays only when the tokens a tree wins are worth more than the extra 
 in the verify pass. The policy decides that per sequence, every step:
 
 * **warm-up** - the first ``warmup`` tokens of a sequence are decoded plainly;
-* **depth by recent acceptance** - drafting goes ``2 * tau + 1`` levels deep (at least 3, at
-  most ``max_depth``), with ``tau`` the sequence's recent tokens per step;
 * **pruning by a cost model** - the tree's nodes are ranked by draft confidence (the
   cumulative draft probability of reaching them, scaled by a per-sequence calibration that
   tracks how often such nodes were really accepted); the policy keeps the best ``n`` nodes,
@@ -319,15 +317,6 @@ class CommitPolicy:
                 s.calibration = max(s.calibration, 0.25)
             return False
         return True
-
-    def draft_depth(self, drafting: list[int], max_depth: int) -> int:
-        """How deep to draft this step: ``2 * tau + 1`` (at least 3) for the sequence with the
-        highest recent tokens per step, capped at ``max_depth``. Deeper drafts rarely pay
-        and every depth costs a predictor pass."""
-        if not self.adaptive or not drafting:
-            return max_depth
-        tau = max(self.seqs[b].tau for b in drafting)
-        return min(max_depth, max(3, math.ceil(2 * tau) + 1))
 
     def acceptance(self, b: int, tree: DraftTree) -> list[float]:
         """``[N]`` estimated probability that each node is accepted (root: 1)."""
