@@ -23,10 +23,6 @@ if stage adversarial; then
     $SOT bench --prompts adversarial --limit 8 --methods plain,state --policy $P --max-new-tokens 128 --out $OUT/adversarial-$P
   done
 fi
-if stage rejection; then
-  $SOT bench --prompts adversarial --limit 8 --methods plain,state --temperature 1.5 --max-new-tokens 128 --out $OUT/adversarial-t1.5-rejection-heuristic
-  $SOT bench --prompts sharegpt-heldout --limit 8 --methods plain,state --temperature 1.5 --max-new-tokens 128 --out $OUT/sharegpt-t1.5-rejection-heuristic
-fi
 # 3. the best static tree: width (top-k) x depth, fixed shape, no pruning or fallback
 if stage static; then
   for W in 1 2 4; do

@@ -90,10 +90,9 @@ def summary(root: Path) -> str:
     for name in ("sharegpt-heldout-heuristic", "sharegpt-heldout-learned", "sharegpt-heldout-static",
                  "humaneval-heuristic", "humaneval-learned"):
         lines.append(_line(name, _load(root / name)))
-    lines += ["", "## Unpredictable workloads (temperature 1.5: coupled sampling, or rejection where named)", ""] + head
+    lines += ["", "## Unpredictable workloads (temperature 1.5 with coupled sampling)", ""] + head
     for name in ("adversarial-heuristic", "adversarial-learned", "adversarial-t1.5-heuristic",
-                 "adversarial-t1.5-learned", "sharegpt-t1.5-heuristic", "sharegpt-t1.5-learned",
-                 "adversarial-t1.5-rejection-heuristic", "sharegpt-t1.5-rejection-heuristic"):
+                 "adversarial-t1.5-learned", "sharegpt-t1.5-heuristic", "sharegpt-t1.5-learned"):
         lines.append(_line(name, _load(root / name)))
     batch = _load(root / "batch4-mix")
     lines += ["", "## Batch of 4 (mix of ShareGPT and adversarial prompts)", ""] + head + [_line("batch4-mix", batch)]

@@ -284,7 +284,7 @@ class CommitPolicy:
 
     def __init__(self, config: PolicyConfig, cost: CostModel | None, model: AcceptanceModel | None = None,
                  record: bool = False) -> None:
-        if config.kind is PolicyKind.LEARNED and model is None and not record:
+        if config.kind is PolicyKind.LEARNED and model is None and cost is not None and not record:
             raise ConfigError("the learned policy needs its acceptance model")
         self.config = config
         self.cost = cost

@@ -205,3 +205,10 @@ def test_batch_choice_pays_for_padding_rows() -> None:
     mixed = policy.choose_batch({0: confident, 1: unsure}, 2)
     assert mixed[0].size == mixed[1].size > 1, "the unsure sequence fills the padding rows the confident one pays for"
     assert policy.choose_batch({0: unsure}, 1)[0].size == 1
+
+
+def test_learned_policy_with_plain_decoding_needs_no_model() -> None:
+    target = TargetModel(clone(tiny_model("llama", seed=2), torch.float32))
+    prompts = random_prompts((12,), seed=4)
+    engine = Engine(target, NoDrafter(), policy=PolicyConfig(kind=PolicyKind.LEARNED, model_path="/nonexistent"))
+    assert engine.generate(prompts, GenerationParams(max_new_tokens=5))[0].new_tokens == 5
