@@ -148,7 +148,7 @@ class Engine:
         if missing:
             raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
         self.policy_config = policy or PolicyConfig()
-        if self.policy_config.kind is PolicyKind.STATIC and drafter.static_width > 1:
+        if self.policy_config.kind is PolicyKind.STATIC and drafter.static_width > 0:
             width = drafter.static_width
             budget = TreeBudget(max_nodes=1 + width * budget.max_depth, max_depth=budget.max_depth, width=width)
         self.target = target

@@ -140,6 +140,11 @@ def test_static_policy_grows_a_fixed_beam() -> None:
     assert [r.token_ids for r in res] == plain
     for r in res:  # every drafting step verifies 3 nodes at each of 5 depths (the last step may end early)
         assert set(r.tree_sizes[:-1]) == {16}
+    chain = StateDrafter(new_predictor(model, layers, None, seed=1), top_k=1)
+    engine = Engine(target, chain, TreeBudget(16, 4), policy=PolicyConfig(kind=PolicyKind.STATIC))
+    assert engine.budget == TreeBudget(5, 4, width=1), "width 1 is a chain of max_depth nodes"
+    res = engine.generate(prompts, params)
+    assert [r.token_ids for r in res] == plain and set(res[0].tree_sizes[:-1]) == {5}
 
 
 def test_learned_policy_records_trains_and_stays_lossless(tmp_path) -> None:

@@ -57,8 +57,9 @@ class Drafter(ABC):
     kind: DrafterKind
     #: indices into the target's ``hidden_states`` (0 = embeddings) this drafter needs.
     state_layers: tuple[int, ...] = ()
-    #: nodes per depth of the fixed-shape trees of the ``static`` policy (1: a chain)
-    static_width: int = 1
+    #: nodes per depth of the fixed-shape trees of the ``static`` policy (0: the drafter has
+    #: no fixed shape and its trees are verified as proposed)
+    static_width: int = 0
 
     def reset(self, batch_size: int) -> None:
         """Forget all sequences; a new batch of ``batch_size`` starts."""
