@@ -6,6 +6,7 @@ the others are unaffected (every row is computed independently of its neighbours
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -111,6 +112,20 @@ class _Seq:
     done: bool = False
 
 
+def _fitting_acceptance_model(config: PolicyConfig, drafter: Drafter, target: TargetModel) -> AcceptanceModel | None:
+    """The learned policy's model when one is available for this target and drafter."""
+    from sot.policy import load_acceptance_model
+
+    if drafter.kind is not DrafterKind.STATE:
+        return None
+    if config.model_path:  # asked for by name: its errors are the user's to see
+        return load_acceptance_model(config.model_path, target.model)
+    try:
+        return load_acceptance_model(config.model_path, target.model)
+    except ConfigError:
+        return None
+
+
 class Engine:
     """Tree-speculative decoding over a :class:`TargetModel`.
 
@@ -148,6 +163,10 @@ class Engine:
         if missing:
             raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
         self.policy_config = policy or PolicyConfig()
+        if self.policy_config.kind is PolicyKind.AUTO:
+            acceptance_model = acceptance_model or _fitting_acceptance_model(self.policy_config, drafter, target)
+            kind = PolicyKind.LEARNED if acceptance_model is not None else PolicyKind.HEURISTIC
+            self.policy_config = dataclasses.replace(self.policy_config, kind=kind)
         if self.policy_config.kind is PolicyKind.STATIC and drafter.static_width > 0:
             width = drafter.static_width
             budget = TreeBudget(max_nodes=1 + width * budget.max_depth, max_depth=budget.max_depth, width=width)

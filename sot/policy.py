@@ -42,6 +42,7 @@ from sot.tree import DraftTree
 
 
 class PolicyKind(str, enum.Enum):
+    AUTO = "auto"  # learned when an acceptance model fits the target, else heuristic
     STATIC = "static"
     HEURISTIC = "heuristic"
     LEARNED = "learned"
@@ -52,8 +53,10 @@ class PolicyConfig:
     """Commit-policy settings.
 
     Attributes:
-        kind: ``heuristic`` (cost model, calibration, fallback), ``learned`` (the same with a
-            trained acceptance predictor) or ``static`` (a fixed-shape tree, verified whole).
+        kind: ``auto`` (default: ``learned`` when an acceptance model for the target is
+            available, as for the default model, else ``heuristic``), ``heuristic`` (cost
+            model, calibration, fallback), ``learned`` (the same with a trained acceptance
+            predictor) or ``static`` (a fixed-shape tree, verified whole).
         warmup: tokens decoded plainly at the start of every sequence.
         fallback_threshold: fall back when recent speed / plain speed drops below this.
         window: steps of history behind the fallback decision.
@@ -61,7 +64,7 @@ class PolicyConfig:
         max_backoff: cap of the back-off, in steps.
     """
 
-    kind: PolicyKind = PolicyKind.HEURISTIC
+    kind: PolicyKind = PolicyKind.AUTO
     warmup: int = 0
     fallback_threshold: float = 1.0
     window: int = 6
