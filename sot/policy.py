@@ -210,10 +210,15 @@ class AcceptanceModel(torch.nn.Module):
         n = len(FEATURES)
         self.register_buffer("mean", torch.zeros(n))
         self.register_buffer("std", torch.ones(n))
+        # the range of each feature in the training data; inputs are clipped to it, so the
+        # model never extrapolates (e.g. to larger trees than it was trained on)
+        self.register_buffer("low", torch.full((n,), -1e9))
+        self.register_buffer("high", torch.full((n,), 1e9))
         self.net = torch.nn.Sequential(torch.nn.Linear(n, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, 1))
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        return self.net((features - self.mean) / self.std).squeeze(-1)
+        x = torch.maximum(torch.minimum(features, self.high), self.low)
+        return self.net((x - self.mean) / self.std).squeeze(-1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.logits(features))

@@ -131,6 +131,8 @@ def fit_acceptance(traces: dict, epochs: int = 60, lr: float = 3e-3, seed: int =
     model = AcceptanceModel()
     model.mean.copy_(x[~val].mean(0))
     model.std.copy_(x[~val].std(0).clamp(min=1e-3))
+    model.low.copy_(x[~val].min(0).values)
+    model.high.copy_(x[~val].max(0).values)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     xt, yt = x[~val], y[~val]
     batch = 4096
