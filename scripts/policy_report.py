@@ -90,7 +90,7 @@ def summary(root: Path) -> str:
     for name in ("sharegpt-heldout-heuristic", "sharegpt-heldout-learned", "sharegpt-heldout-static",
                  "humaneval-heuristic", "humaneval-learned"):
         lines.append(_line(name, _load(root / name)))
-    lines += ["", "## Unpredictable workloads (temperature 1.5 with coupled sampling)", ""] + head
+    lines += ["", "## Unpredictable workloads (adversarial greedy; t1.5: temperature 1.5 with coupled sampling)", ""] + head
     for name in ("adversarial-heuristic", "adversarial-learned", "adversarial-t1.5-heuristic",
                  "adversarial-t1.5-learned", "sharegpt-t1.5-heuristic", "sharegpt-t1.5-learned"):
         lines.append(_line(name, _load(root / name)))
