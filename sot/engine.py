@@ -118,11 +118,11 @@ def _fitting_acceptance_model(config: PolicyConfig, drafter: Drafter, target: Ta
 
     if drafter.kind is not DrafterKind.STATE:
         return None
-    if config.model_path:  # asked for by name: its errors are the user's to see
-        return load_acceptance_model(config.model_path, target.model)
     try:
         return load_acceptance_model(config.model_path, target.model)
     except ConfigError:
+        if config.model_path:  # asked for by name: its errors are the user's to see
+            raise
         return None
 
 

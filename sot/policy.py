@@ -338,17 +338,13 @@ class CommitPolicy:
         probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
         return [1.0] + [min(1.0, s.calibration * probs[i]) for i in range(1, tree.size)]
 
-    def choose(self, b: int, tree: DraftTree) -> DraftTree:
-        """Keep the part of ``tree`` with the best expected tokens per second (possibly the
-        root alone: a plain step that still paid for drafting, which counts toward fallback)."""
-        return self.choose_batch({b: tree}, 1)[b]
-
     def choose_batch(self, trees: dict[int, DraftTree], batch_rows: int, live: int | None = None) -> dict[int, DraftTree]:
         """Prune the trees of the drafting sequences of one step together. Every sequence of
         the pass is padded to the largest tree, so the pass costs ``verify(batch_rows * n)``
         for ``n`` rows per sequence; the policy picks the ``n`` with the most expected tokens
         per second over the batch (``batch_rows``: sequences in the pass, drafting or not;
-        ``live``: those not finished), and each drafting sequence keeps its best ``n - 1`` nodes."""
+        ``live``: those not finished), and each drafting sequence keeps its best ``n - 1`` nodes.
+        ``n`` may be 1: a plain step that still paid for drafting, which counts toward fallback."""
         if not self.adaptive or not trees:
             return trees
         orders, gains = {}, {}

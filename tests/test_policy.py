@@ -184,6 +184,18 @@ def test_learned_policy_records_trains_and_stays_lossless(tmp_path) -> None:
     assert torch.equal(loaded(x[:5]), fitted(x[:5]))
     engine = Engine(target, drafter, TreeBudget(10, 4), policy=PolicyConfig(kind=PolicyKind.LEARNED), acceptance_model=loaded)
     assert [r.token_ids for r in engine.generate(prompts, params)] == plain
+    # inputs outside the training range are clipped to it (no extrapolation to unseen trees)
+    far = x[:1].clone()
+    far[0, FEATURES.index("tree_size")] = 100.0
+    farther = far.clone()
+    farther[0, FEATURES.index("tree_size")] = 1000.0
+    assert torch.equal(loaded(far), loaded(farther))
+    # auto: learned with a fitting model, heuristic when none fits, an error for a named bad file
+    auto = PolicyConfig(kind=PolicyKind.AUTO)
+    assert Engine(target, drafter, policy=auto, acceptance_model=loaded).policy_config.kind is PolicyKind.LEARNED
+    assert Engine(target, drafter, policy=auto).policy_config.kind is PolicyKind.HEURISTIC  # shipped model: other target
+    with pytest.raises(ConfigError, match="does not exist"):
+        Engine(target, drafter, policy=PolicyConfig(kind=PolicyKind.AUTO, model_path=str(tmp_path / "none")))
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a model")
     with pytest.raises(ConfigError, match="not a commit-policy model"):

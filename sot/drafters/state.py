@@ -483,9 +483,12 @@ class StateDrafter(Drafter):
         self.predictor = predictor.eval()
         self.state_layers = tuple(predictor.config.state_layers)
         self.top_k = top_k
-        self.static_width = top_k
         self.seqs: list[_SeqState] = []
         self.dtype = next(predictor.parameters()).dtype
+
+    @property
+    def static_width(self) -> int:  # the static policy's beam: top_k nodes per depth
+        return self.top_k
 
     def reset(self, batch_size: int) -> None:
         self.seqs = [_SeqState() for _ in range(batch_size)]
@@ -574,7 +577,7 @@ class StateDrafter(Drafter):
         p = self.predictor
         vocab = p.draft_vocab
         fixed = budget.width > 0
-        keep = min(budget.max_nodes - 1, budget.width * budget.max_depth) if fixed else budget.max_nodes - 1
+        keep = budget.max_nodes - 1
         k_top = budget.width if fixed else self.top_k
         # candidate nodes: token, parent (-1 = root), depth, cumulative log-prob
         tok: list[int] = []
