@@ -287,7 +287,8 @@ class Engine:
             return [DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in group]
 
         # sequences decoding plainly skip the drafter; their states wait until it next runs
-        proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), self.budget))) if drafting else {}
+        budget = policy.draft_budget(self.budget, drafting)
+        proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), budget))) if drafting else {}
         for b in drafting:
             seqs[b].states = None
         proposed.update(policy.choose_batch({b: proposed[b] for b in drafting}, len(seqs), len(active)))

@@ -32,13 +32,17 @@ import json
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from sot.errors import ConfigError
 from sot.tree import DraftTree
+
+if TYPE_CHECKING:
+    from sot.drafters.base import TreeBudget
 
 
 class PolicyKind(str, enum.Enum):
@@ -152,6 +156,8 @@ class SequencePolicyState:
     backoff: int = 0  # length of the next fallback
     probing: bool = False
     fallbacks: int = 0
+    drafted: int = 0  # drafting steps so far
+    verified: int = 0  # rows per sequence of the last verify pass it drafted for (0: none yet)
 
 
 def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:
@@ -290,6 +296,9 @@ class CommitPolicy:
         record: keep every tree whole and log a :class:`Trace` (for ``sot train policy``).
     """
 
+    #: nodes a tree may grow by from one step to the next (see :meth:`draft_budget`)
+    SLACK = 2
+
     def __init__(self, config: PolicyConfig, cost: CostModel | None, model: AcceptanceModel | None = None,
                  record: bool = False) -> None:
         if config.kind is PolicyKind.LEARNED and model is None and cost is not None and not record:
@@ -321,10 +330,26 @@ class CommitPolicy:
             s.plain_left -= 1
             if s.plain_left == 0:
                 s.probing = True
+                s.verified = 0
                 s.speed.clear()
                 s.calibration = max(s.calibration, 0.25)
             return False
         return True
+
+    def draft_budget(self, budget: "TreeBudget", drafting: list[int]) -> "TreeBudget":
+        """The tree budget to draft with this step. Drafting a node the policy will not verify
+        is wasted work (each depth is a full pass of the predictor), so an adaptive policy
+        drafts at most ``SLACK`` nodes more than the sequences' last verified trees, letting
+        the size grow step by step; sequences just starting or probing get the full budget."""
+        if not self.adaptive or budget.width > 0 or not drafting:
+            return budget
+        last = [self.seqs[b].verified for b in drafting]
+        if min(last) == 0:
+            return budget
+        nodes = min(budget.max_nodes, max(last) + self.SLACK)
+        if nodes >= budget.max_nodes:
+            return budget
+        return replace(budget, max_nodes=nodes, max_depth=min(budget.max_depth, nodes - 1))
 
     def acceptance(self, b: int, tree: DraftTree) -> list[float]:
         """``[N]`` estimated probability that each node is accepted (root: 1)."""
@@ -364,6 +389,7 @@ class CommitPolicy:
                 best_n, best_rate = n, rate
         out = {}
         for b, tree in trees.items():
+            self.seqs[b].verified = best_n
             keep = orders[b][: best_n - 1]
             out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)
         return out
@@ -397,6 +423,9 @@ class CommitPolicy:
         self._observe_speed(s, accepted, step_seconds)
 
     def _observe_speed(self, s: SequencePolicyState, accepted: int, step_seconds: float) -> None:
+        s.drafted += 1
+        if s.drafted == 1:  # the first draft also reads the whole prompt into the drafter: not a step's cost
+            return
         s.speed.append((accepted + 1) * self.cost.verify(1) / max(step_seconds, 1e-9))
         del s.speed[: -self.config.window]
         n, mean, bar = len(s.speed), statistics.fmean(s.speed), self.config.fallback_threshold

@@ -229,3 +229,26 @@ def test_learned_policy_with_plain_decoding_needs_no_model() -> None:
     prompts = random_prompts((12,), seed=4)
     engine = Engine(target, NoDrafter(), policy=PolicyConfig(kind=PolicyKind.LEARNED, model_path="/nonexistent"))
     assert engine.generate(prompts, GenerationParams(max_new_tokens=5))[0].new_tokens == 5
+
+
+def test_draft_budget_follows_the_verified_trees() -> None:
+    """Nodes the policy will not verify are not drafted: after a pass that verified ``n`` rows
+    per sequence, the next draft may grow to ``n + SLACK`` nodes; a sequence without a
+    verified tree yet (start, probe) gets the full budget."""
+    from sot.policy import CommitPolicy
+
+    cost = CostModel([1, 16, 64], [0.010, 0.013, 0.040])
+    policy = CommitPolicy(PolicyConfig(), cost)
+    policy.reset(3)
+    full = TreeBudget(16, 8)
+    assert policy.draft_budget(full, [0, 1]) == full
+    unsure = tree_from_parents(list(range(5)), [-1, 0, 1, 2, 3], [1.0, 0.3, 0.05, 0.01, 0.001])
+    chosen = policy.choose_batch({0: unsure, 1: unsure}, 3)
+    n = chosen[0].size
+    assert n < 5
+    small = policy.draft_budget(full, [0, 1])
+    assert small.max_nodes == n + CommitPolicy.SLACK and small.max_depth == small.max_nodes - 1
+    assert policy.draft_budget(full, [0, 2]) == full, "sequence 2 has verified nothing yet"
+    static = CommitPolicy(PolicyConfig(kind=PolicyKind.STATIC), None)
+    static.reset(1)
+    assert static.draft_budget(full, [0]) == full

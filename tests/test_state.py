@@ -3,6 +3,7 @@ DDP), and losslessness of the state drafter."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -195,3 +196,67 @@ def test_untrained_state_drafter_is_lossless(arch: str, dtype: torch.dtype) -> N
     assert batch == plain
     alone = [Engine(target, drafter, TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
     assert alone == plain
+
+
+def _chain_inputs(model, pred, lengths, seed):
+    """Random target states and contexts for sequences of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    d = model.config.hidden_size
+    vocab = model.config.vocab_size
+    out = []
+    for n in lengths:
+        ctx = torch.randint(0, vocab, (n + 1,), generator=gen).tolist()
+        states = torch.randn(n, len(LAYERS), d, generator=gen)
+        out.append((ctx, states))
+    return out
+
+
+def test_drafted_chain_matches_the_training_unroll() -> None:
+    """A top-1 chain drafted at inference follows the training unroll step for step: the depth
+    ``d`` node's prediction is ``forward_unrolled`` step ``d`` at its row."""
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2)
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=2), top_k=1, lookup=False, min_confidence=0.0)
+    (ctx, states), = _chain_inputs(model, pred, [12], seed=0)
+    drafter.reset(1)
+    depth = 4
+    tree = drafter.propose([DraftInput(0, ctx, states)], TreeBudget(1 + depth, depth))[0]
+    assert tree.tokens[0] == ctx[-1] and tree.depths == list(range(depth + 1)), "top-1 gives a chain"
+    n = states.shape[0]
+    # rows 0..n-1 are real; rows n..n+depth-2 are the chain's; row t's next token is x_{t+1}
+    tokens = ctx[1:] + tree.tokens[1:depth]
+    full = torch.cat([states, torch.zeros(depth - 1, *states.shape[1:])]).unsqueeze(0)
+    with torch.no_grad():
+        outs = pred.forward_unrolled(full, torch.tensor([tokens]), depth)
+        cum = 0.0
+        for d in range(1, depth + 1):
+            logp = torch.log_softmax(pred.logits(outs[d - 1][0, n - 2 + d]).float(), dim=-1)
+            assert int(logp.argmax()) == tree.tokens[d]
+            cum += float(logp.max())
+            assert tree.draft_probs[d] == pytest.approx(math.exp(cum), rel=1e-4)
+
+
+def test_batched_drafting_equals_drafting_alone() -> None:
+    """Sequences drafted together (one predictor pass per depth) get the trees they get alone,
+    across several steps, with states arriving in chunks of different sizes."""
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2)
+    seqs = _chain_inputs(model, pred, [9, 17, 30], seed=1)
+    budget = TreeBudget(10, 5)
+    together = StateDrafter(pred, top_k=3)
+    together.reset(3)
+    alone = [StateDrafter(pred, top_k=3) for _ in seqs]
+    for a in alone:
+        a.reset(1)
+    cuts = [(0, 5), (5, 6), (6, 9)]  # rows absorbed before each of three steps
+    for lo, hi in cuts:
+        inputs = [DraftInput(b, ctx[: hi + 1], states[lo:hi]) for b, (ctx, states) in enumerate(seqs)]
+        batch = together.propose(inputs, budget)
+        for b, x in enumerate(inputs):
+            one = alone[b].propose([DraftInput(0, x.context, x.states)], budget)[0]
+            assert batch[b].tokens == one.tokens and batch[b].parents == one.parents
+            assert batch[b].draft_probs == pytest.approx(one.draft_probs, rel=1e-4)
