@@ -208,13 +208,13 @@ class SoT:
     def generate_ids(
         self, prompts: list[list[int]], params: GenerationParams, batch_size: int = 1
     ) -> list[Completion]:
-        """Generate from token-id prompts, ``batch_size`` sequences per batch."""
+        """Generate from token-id prompts, at most ``batch_size`` sequences at a time (a
+        continuous batch: a finished sequence's place goes to the next prompt)."""
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         out: list[Completion] = []
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            for prompt, res in zip(chunk, self.engine.generate(chunk, params)):
+        if prompts:
+            for prompt, res in zip(prompts, self.engine.generate(prompts, params, batch_size)):
                 text = res.text
                 for s in params.stop:
                     if s in text:

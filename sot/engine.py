@@ -110,6 +110,7 @@ class _Seq:
     #: ``[n, S, D]`` target states of the rows committed since the drafter last saw this sequence
     states: torch.Tensor | None = None
     done: bool = False
+    start: float = 0.0  # when the sequence entered the batch (its prefill began)
 
 
 def _fitting_acceptance_model(config: PolicyConfig, drafter: Drafter, target: TargetModel) -> AcceptanceModel | None:
@@ -196,19 +197,26 @@ class Engine:
         return cached[key]
 
     # ----------------------------------------------------------------- public API
-    def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[SequenceResult]:
-        """Generate for every prompt (token ids); returns one result per prompt, in order."""
+    def generate(self, prompts: list[list[int]], params: GenerationParams,
+                 batch_size: int | None = None) -> list[SequenceResult]:
+        """Generate for every prompt (token ids); returns one result per prompt, in order.
+
+        At most ``batch_size`` sequences (default: all) decode together. The batch is
+        continuous: when a sequence finishes, the next waiting prompt takes its place at
+        the next step, so a slow sequence never leaves the others' slots idle.
+        """
         results: list[SequenceResult] = []
-        for event in self._run(prompts, params, results):
+        for event in self._run(prompts, params, results, batch_size):
             del event
         return results
 
     def stream(
-        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult] | None = None
+        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult] | None = None,
+        batch_size: int | None = None,
     ) -> Iterator[TokenEvent]:
         """Like :meth:`generate`, yielding tokens as they are committed; ``results``, when
         given, receives the per-sequence results (complete once the stream is exhausted)."""
-        yield from self._run(prompts, params, [] if results is None else results)
+        yield from self._run(prompts, params, [] if results is None else results, batch_size)
 
     # ----------------------------------------------------------------- the loop
     def _check(self, prompts: list[list[int]], params: GenerationParams) -> None:
@@ -227,9 +235,12 @@ class Engine:
                 )
 
     def _run(
-        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult]
+        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult],
+        batch_size: int | None = None,
     ) -> Iterator[TokenEvent]:
         self._check(prompts, params)
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         sp = params.sampling
         start = time.perf_counter()
         seqs = [
@@ -241,41 +252,58 @@ class Engine:
             for i, p in enumerate(prompts)
         ]
         results.extend(s.result for s in seqs)
-        self.drafter.reset(len(seqs))
+        width = min(len(seqs), batch_size or len(seqs))
+        self.drafter.reset(width)
         needs_cost = self.drafter.kind is not DrafterKind.NONE and self.policy_config.kind is not PolicyKind.STATIC
         self._policy = CommitPolicy(self.policy_config, self.cost_model() if needs_cost else None,
                                     self.acceptance_model, record=self.record_policy)
-        self._policy.reset(len(seqs), 0.0 if sp.greedy else sp.temperature)
+        self._policy.reset(width, 0.0 if sp.greedy else sp.temperature)
         self.policy_trace = self._policy.trace
         # Committed tokens, the accepted rows of a last step that overshoots max_new_tokens
         # (kept in the cache of a finished sequence), and the scratch rows of one pass.
         scratch = -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT
         capacity = max(len(p) for p in prompts) + params.max_new_tokens + self.budget.max_depth + scratch
-        cache = self.target.new_cache(len(seqs), capacity)
+        cache = self.target.new_cache(width, capacity)
 
-        t0 = time.perf_counter()
-        for b, seq in enumerate(seqs):
-            out = self.target.prefill(cache, b, torch.tensor(seq.prompt))
-            cache.set_length(b, len(seq.prompt))
-            root = DraftTree([seq.prompt[-1]], [-1], [0])
-            acc = self._accept(root, out.logits[0, -1:], sp, b, len(seq.prompt) - 1, seq.generator)
-            if out.states is not None:
-                seq.states = out.states[0]
-            if self.trace:
-                seq.result.logit_trace.append(out.logits[0, -1].clone())
-            now = time.perf_counter()
-            seq.result.first_token_seconds = now - start
-            yield from self._commit(seq, acc.tokens, params, now - start)
-        self.times.prefill += time.perf_counter() - t0
-
-        while not all(s.done for s in seqs):
-            yield from self._step(seqs, cache, params, start)
+        slots = seqs[:width]  # slot b of the cache, the drafter and the policy holds slots[b]
+        waiting = iter(seqs[width:])
+        for b, seq in enumerate(slots):  # the first batch's clocks all start with the call
+            yield from self._admit(b, seq, cache, params, start)
+        while True:
+            for b in range(width):
+                while slots[b].done:  # a finished sequence's slot goes to the next prompt
+                    seq = next(waiting, None)
+                    if seq is None:
+                        break
+                    slots[b] = seq
+                    self.drafter.reset_sequence(b)
+                    self._policy.reset_sequence(b)
+                    yield from self._admit(b, seq, cache, params, time.perf_counter())
+            if all(s.done for s in slots):
+                break
+            yield from self._step(slots, cache, params)
         for seq in seqs:
             seq.result.text = self.decode(seq.result.token_ids)
 
-    def _step(
-        self, seqs: list[_Seq], cache, params: GenerationParams, start: float
-    ) -> Iterator[TokenEvent]:
+    def _admit(self, b: int, seq: _Seq, cache, params: GenerationParams, since: float) -> Iterator[TokenEvent]:
+        """Prefill ``seq``'s prompt into cache slot ``b`` and commit its first token; the
+        sequence's clock (first-token time, seconds) runs from ``since``."""
+        seq.start = since
+        t0 = time.perf_counter()
+        out = self.target.prefill(cache, b, torch.tensor(seq.prompt))
+        cache.set_length(b, len(seq.prompt))
+        root = DraftTree([seq.prompt[-1]], [-1], [0])
+        acc = self._accept(root, out.logits[0, -1:], params.sampling, seq.result.index, len(seq.prompt) - 1,
+                           seq.generator)
+        seq.states = out.states[0] if out.states is not None else None
+        if self.trace:
+            seq.result.logit_trace.append(out.logits[0, -1].clone())
+        now = time.perf_counter()
+        seq.result.first_token_seconds = now - seq.start
+        yield from self._commit(seq, acc.tokens, params, now)
+        self.times.prefill += time.perf_counter() - t0
+
+    def _step(self, seqs: list[_Seq], cache, params: GenerationParams) -> Iterator[TokenEvent]:
         sp = params.sampling
         t0 = time.perf_counter()
         active = [b for b, s in enumerate(seqs) if not s.done]
@@ -330,7 +358,7 @@ class Engine:
                 keep.append([])
                 continue
             length = cache.lengths[b]
-            acc = self._accept(tree, out.logits[b], sp, b, length, seq.generator)
+            acc = self._accept(tree, out.logits[b], sp, seq.result.index, length, seq.generator)
             keep.append([length + i for i in acc.path])
             commits.append((b, acc))
             seq.result.tree_sizes.append(tree.size)
@@ -346,7 +374,7 @@ class Engine:
         cache.keep_rows(keep)
         now = time.perf_counter()
         for b, acc in commits:
-            yield from self._commit(seqs[b], acc.tokens, params, now - start, step=True)
+            yield from self._commit(seqs[b], acc.tokens, params, now, step=True)
         t4 = time.perf_counter()
         self.times.draft += t1 - t0
         self.times.verify += t3 - t2
@@ -384,7 +412,7 @@ class Engine:
         return accept_rejection(tree, logits, sp, generator)
 
     def _commit(
-        self, seq: _Seq, tokens: list[int], params: GenerationParams, elapsed: float, step: bool = False
+        self, seq: _Seq, tokens: list[int], params: GenerationParams, now: float, step: bool = False
     ) -> Iterator[TokenEvent]:
         """Append tokens up to a stop condition; ``step`` records the count as an accepted length."""
         res = seq.result
@@ -407,5 +435,5 @@ class Engine:
             if any(s in text for s in params.stop):
                 res.finish_reason = "stop"
                 seq.done = True
-        res.seconds = elapsed
+        res.seconds = now - seq.start
         yield TokenEvent(sequence=res.index, token_ids=taken, finished=seq.done)

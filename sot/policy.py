@@ -319,6 +319,10 @@ class CommitPolicy:
         self.temperature = temperature
         self.seqs = [SequencePolicyState(backoff=self.config.first_backoff) for _ in range(batch_size)]
 
+    def reset_sequence(self, b: int) -> None:
+        """A new sequence takes slot ``b``: forget what was learned about the last one."""
+        self.seqs[b] = SequencePolicyState(backoff=self.config.first_backoff)
+
     def wants_draft(self, b: int, generated: int) -> bool:
         """False when sequence ``b`` decodes plainly this step (warm-up or fallback)."""
         if generated < self.config.warmup:

@@ -68,12 +68,14 @@ class EngineMethod(BenchMethod):
     def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
         return self.run_batch([prompt], params)[0]
 
-    def run_batch(self, prompts: list[list[int]], params: GenerationParams) -> list[RunRecord]:
-        """Decode ``prompts`` as one batch. Each record gets a share of the batch's wall time
-        (and phase times) proportional to its new tokens, so totals add up to the batch."""
+    def run_batch(self, prompts: list[list[int]], params: GenerationParams,
+                  batch_size: int | None = None) -> list[RunRecord]:
+        """Decode ``prompts`` in one continuous batch of at most ``batch_size`` sequences
+        (default: all at once). Each record gets a share of the call's wall time (and phase
+        times) proportional to its new tokens, so totals add up to the call."""
         before = copy.copy(self.engine.times)
         t0 = time.perf_counter()
-        results = self.engine.generate(prompts, params)
+        results = self.engine.generate(prompts, params, batch_size)
         wall = time.perf_counter() - t0
         after = self.engine.times
         phases = {

@@ -142,11 +142,13 @@ def _run_one(method: BenchMethod, ids: list[int], params: GenerationParams, inde
 
 
 def _run_batch(method: BenchMethod, batch: list[list[int]], params: GenerationParams, start: int,
-               ids_of: list[str]) -> list[RunRecord]:
-    if len(batch) == 1 or not isinstance(method, EngineMethod):
+               ids_of: list[str], width: int) -> list[RunRecord]:
+    """Run ``batch`` (prompts ``start...``) through ``method``: one at a time, or for an engine
+    method with ``width > 1`` as a continuous batch of ``width`` sequences."""
+    if width == 1 or not isinstance(method, EngineMethod):
         return [_run_one(method, ids, params, start + j, ids_of[start + j]) for j, ids in enumerate(batch)]
     with PeakRSS() as mem:
-        recs = method.run_batch(batch, params)
+        recs = method.run_batch(batch, params, width)
     for j, rec in enumerate(recs):
         rec.prompt_index, rec.prompt_id, rec.peak_rss, rec.rss_growth = start + j, ids_of[start + j], mem.peak, mem.growth
     return recs
@@ -187,10 +189,13 @@ def run_bench(cfg: BenchConfig) -> dict:
     ids_of = [str(r.get("id", i)) if isinstance(r, dict) else str(i) for i, r in enumerate(records)]
     runs: list[RunRecord] = []
     batch = cfg.batch_size
+    # methods alternate on every round of prompts; with batches, a round holds two batches'
+    # worth so that finished sequences are replaced by waiting ones (continuous batching)
+    rounds = 1 if batch == 1 else 2 * batch
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run") as bar:
-        for start in range(0, len(prompts), batch):
+        for start in range(0, len(prompts), rounds):
             for m in methods:
-                got = _run_batch(m, prompts[start : start + batch], params, start, ids_of)
+                got = _run_batch(m, prompts[start : start + rounds], params, start, ids_of, batch)
                 runs += got
                 rate = sum(r.new_tokens for r in got) / max(1e-9, sum(r.wall_time for r in got))
                 bar.set_postfix_str(f"{m.name} {rate:.1f} tok/s")

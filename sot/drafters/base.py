@@ -64,6 +64,9 @@ class Drafter(ABC):
     def reset(self, batch_size: int) -> None:
         """Forget all sequences; a new batch of ``batch_size`` starts."""
 
+    def reset_sequence(self, sequence: int) -> None:
+        """Forget sequence ``sequence`` only: a new prompt takes its slot in the batch."""
+
     @abstractmethod
     def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
         """One tree per input, rooted at ``input.context[-1]``."""

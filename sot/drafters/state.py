@@ -565,6 +565,9 @@ class StateDrafter(Drafter):
     def reset(self, batch_size: int) -> None:
         self.seqs = [_SeqState() for _ in range(batch_size)]
 
+    def reset_sequence(self, sequence: int) -> None:
+        self.seqs[sequence] = _SeqState()
+
     @torch.no_grad()
     def _absorb(self, items: list[tuple[_SeqState, torch.Tensor, list[int], int]]) -> None:
         """Add real rows to the sequences' predictor caches in one pass. Each item is
