@@ -53,8 +53,9 @@ if stage warmup; then
   $SOT bench --prompts sharegpt-heldout --limit 4 --methods state --max-new-tokens 256 \
     --sweep warmup=0,2,8,32 --out $OUT/warmup
 fi
-# 7. batches: predictable and adversarial prompts together, 4 at a time
+# 7. batches: predictable and adversarial prompts together, a continuous batch of 4 (16 prompts,
+#    two rounds of 8 with the methods alternating)
 if stage batch; then
-  $SOT bench --prompts mix --limit 8 --batch-size 4 --methods plain,state --max-new-tokens 128 --out $OUT/batch4-mix
+  $SOT bench --prompts mix --limit 16 --batch-size 4 --methods plain,state --max-new-tokens 128 --out $OUT/batch4-mix
 fi
 .venv/bin/python scripts/policy_report.py $OUT

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts", help="JSONL file: {'prompt'}, {'messages'} or {'turns'} per line")
     gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
                      help="auto: the state predictor when one fits the model, else pld")
-    gen.add_argument("--batch-size", type=_positive_int, default=1)
+    gen.add_argument("--batch-size", type=_positive_int, default=1,
+                     help="sequences decoded together; a finished one's place goes to the next prompt")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_model_args(gen)

@@ -30,7 +30,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--draft-top-k", "--top-k", dest="draft_top_k", type=_positive_int, default=8,
                        help="state: children per expanded node (the width of --policy static trees)")
     bench.add_argument("--batch-size", type=_positive_int, default=1,
-                       help="engine methods decode this many prompts together (hf and llamacpp stay at 1)")
+                       help="engine methods decode this many prompts together, as a continuous batch; the methods "
+                            "alternate on rounds of twice that many prompts (hf and llamacpp stay at 1)")
     bench.add_argument("--full-vocab", action="store_true",
                        help="state: propose from the whole vocabulary, not the predictor's draft vocabulary")
     bench.add_argument("--no-lookup", dest="lookup", action="store_false",
