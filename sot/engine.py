@@ -242,7 +242,6 @@ class Engine:
         if batch_size is not None and batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         sp = params.sampling
-        start = time.perf_counter()
         seqs = [
             _Seq(
                 prompt=list(p),
@@ -259,6 +258,7 @@ class Engine:
                                     self.acceptance_model, record=self.record_policy)
         self._policy.reset(width, 0.0 if sp.greedy else sp.temperature)
         self.policy_trace = self._policy.trace
+        start = time.perf_counter()  # after the one-time cost model: the clocks time generation
         # Committed tokens, the accepted rows of a last step that overshoots max_new_tokens
         # (kept in the cache of a finished sequence), and the scratch rows of one pass.
         scratch = -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT
