@@ -254,15 +254,16 @@ class SoT:
         return self.generate_ids(ids, params, batch_size)
 
     def stream(
-        self, prompts: Sequence[PromptItem], chat: bool | None = None, **kwargs: Any
+        self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int | None = None, **kwargs: Any
     ) -> Iterator[StreamEvent]:
-        """Yield text as it is committed, for a batch of prompts generated together."""
+        """Yield text as it is committed, for prompts generated together (at most
+        ``batch_size`` at a time, as a continuous batch; default: all at once)."""
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in prompts]
         tokens: list[list[int]] = [[] for _ in ids]
         shown = [0] * len(ids)
         self.last_stream = []
-        for event in self.engine.stream(ids, params, self.last_stream):
+        for event in self.engine.stream(ids, params, self.last_stream, batch_size):
             tokens[event.sequence].extend(event.token_ids)
             text = self.tokenizer.decode(tokens[event.sequence], skip_special_tokens=True)
             # Hold back an incomplete multi-byte character until its last token arrives.

@@ -35,7 +35,8 @@ class DraftInput:
     """What a drafter sees of one sequence at one step.
 
     Attributes:
-        sequence: index of the sequence in its batch.
+        sequence: the sequence's slot in the batch (a slot is reused by the next prompt
+            once its sequence finishes; :meth:`Drafter.reset_sequence` marks the change).
         context: every token so far (prompt, then generated); the last one is the root.
         states: ``[n, S, D]`` target hidden states of the rows committed since the drafter
             last saw this sequence (``S`` layers as listed by :attr:`Drafter.state_layers`;
