@@ -315,8 +315,11 @@ class Engine:
             return [DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in group]
 
         # sequences decoding plainly skip the drafter; their states wait until it next runs
-        budget = policy.draft_budget(self.budget, drafting)
+        budget = policy.draft_budget(self.budget, drafting, len(seqs))
+        passes = self.drafter.passes
         proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), budget))) if drafting else {}
+        if drafting:
+            policy.observe_draft(time.perf_counter() - t0, self.drafter.passes - passes)
         for b in drafting:
             seqs[b].states = None
         proposed.update(policy.choose_batch({b: proposed[b] for b in drafting}, len(seqs), len(active)))

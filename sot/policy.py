@@ -310,6 +310,7 @@ class CommitPolicy:
         self.trace = Trace()
         self.temperature = 0.0
         self.seqs: list[SequencePolicyState] = []
+        self.pass_seconds: list[float] = []  # recent drafting time per predictor pass
 
     @property
     def adaptive(self) -> bool:
@@ -340,20 +341,40 @@ class CommitPolicy:
             return False
         return True
 
-    def draft_budget(self, budget: "TreeBudget", drafting: list[int]) -> "TreeBudget":
-        """The tree budget to draft with this step. Drafting a node the policy will not verify
-        is wasted work (each depth is a full pass of the predictor), so an adaptive policy
-        drafts at most ``SLACK`` nodes more than the sequences' last verified trees, letting
-        the size grow step by step; sequences just starting or probing get the full budget."""
+    def draft_budget(self, budget: "TreeBudget", drafting: list[int], batch_rows: int = 1) -> "TreeBudget":
+        """The tree budget to draft with this step (``drafting``: the sequences that draft;
+        ``batch_rows``: sequences in the verify pass).
+
+        - Size: drafting a node the policy will not verify is wasted work (each depth is a
+          full pass of the predictor), so a tree is drafted at most ``SLACK`` nodes larger
+          than the sequence's last verified tree; sequences just starting or probing get the
+          full budget.
+        - Depth: a node is expanded only while its draft confidence, counted in expected
+          tokens, is worth the predictor pass it needs. The floor is the measured time of a
+          pass (shared by the drafting sequences) over the time a plain step takes per token
+          in this batch, ``verify(batch_rows) / batch_rows``.
+        """
         if not self.adaptive or budget.width > 0 or not drafting:
             return budget
+        out = budget
         last = [self.seqs[b].verified for b in drafting]
-        if min(last) == 0:
-            return budget
-        nodes = min(budget.max_nodes, max(last) + self.SLACK)
-        if nodes >= budget.max_nodes:
-            return budget
-        return replace(budget, max_nodes=nodes, max_depth=min(budget.max_depth, nodes - 1))
+        if min(last) > 0:
+            nodes = min(budget.max_nodes, max(last) + self.SLACK)
+            if nodes < budget.max_nodes:
+                out = replace(out, max_nodes=nodes, max_depth=min(budget.max_depth, nodes - 1))
+        if len(self.pass_seconds) >= 3:
+            per_sequence = statistics.median(self.pass_seconds) / len(drafting)
+            plain_token = self.cost.verify(batch_rows) / batch_rows
+            out = replace(out, min_confidence=min(0.5, max(0.01, per_sequence / plain_token)))
+        return out
+
+    def observe_draft(self, seconds: float, passes: int) -> None:
+        """Time of one drafting call that ran ``passes`` predictor passes (for the floor of
+        :meth:`draft_budget`; the median of recent calls discounts a first call that also
+        read a prompt)."""
+        if passes > 0:
+            self.pass_seconds.append(seconds / passes)
+            del self.pass_seconds[:-16]
 
     def acceptance(self, b: int, tree: DraftTree) -> list[float]:
         """``[N]`` estimated probability that each node is accepted (root: 1)."""

@@ -249,6 +249,12 @@ def test_draft_budget_follows_the_verified_trees() -> None:
     small = policy.draft_budget(full, [0, 1])
     assert small.max_nodes == n + CommitPolicy.SLACK and small.max_depth == small.max_nodes - 1
     assert policy.draft_budget(full, [0, 2]) == full, "sequence 2 has verified nothing yet"
+    assert small.min_confidence is None, "no pass timed yet: the drafter keeps its own floor"
+    for _ in range(3):  # 1 ms per predictor pass against 10 ms per plain token alone
+        policy.observe_draft(0.004, 4)
+    assert policy.draft_budget(full, [0]).min_confidence == pytest.approx(0.1)
+    # two drafting sequences share a pass; in a batch of 3, a plain token costs verify(3) / 3
+    assert policy.draft_budget(full, [0, 1], 3).min_confidence == pytest.approx(0.0005 / (cost.verify(3) / 3))
     static = CommitPolicy(PolicyConfig(kind=PolicyKind.STATIC), None)
     static.reset(1)
     assert static.draft_budget(full, [0]) == full

@@ -23,11 +23,13 @@ class TreeBudget:
     """Limits on one proposed tree: ``max_nodes`` counts the root; ``max_depth`` the levels.
     ``width > 0`` asks for a fixed shape instead of a confidence-grown tree: the best
     ``width`` nodes at every depth down to ``max_depth`` (drafters that only make chains
-    ignore it)."""
+    ignore it). ``min_confidence``, when set, replaces the drafter's own floor: nodes whose
+    cumulative draft probability is below it are not expanded."""
 
     max_nodes: int = 16
     max_depth: int = 8
     width: int = 0
+    min_confidence: float | None = None
 
 
 @dataclass
@@ -61,6 +63,9 @@ class Drafter(ABC):
     #: nodes per depth of the fixed-shape trees of the ``static`` policy (0: the drafter has
     #: no fixed shape and its trees are verified as proposed)
     static_width: int = 0
+    #: model passes run by :meth:`propose` so far (drafters without a model leave it at 0);
+    #: the commit policy times drafting per pass from it
+    passes: int = 0
 
     def reset(self, batch_size: int) -> None:
         """Forget all sequences; a new batch of ``batch_size`` starts."""

@@ -573,6 +573,7 @@ class StateDrafter(Drafter):
         """Add real rows to the sequences' predictor caches in one pass. Each item is
         ``(seq, states [n, S, D], next_tokens [n], first_pos)``."""
         p = self.predictor
+        self.passes += 1
         x = p.fuse_states(torch.cat([it[1] for it in items]).to(self.dtype)).unsqueeze(0)
         tokens = torch.tensor([[t for it in items for t in it[2]]])
         pos = torch.tensor([[it[3] + i for it in items for i in range(it[1].shape[0])]])
@@ -660,7 +661,9 @@ class StateDrafter(Drafter):
         fixed = budget.width > 0
         keep = budget.max_nodes - 1
         k_top = budget.width if fixed else self.top_k
-        floor = math.log(self.min_confidence) if self.min_confidence > 0 and not fixed else -math.inf
+        least = self.min_confidence if budget.min_confidence is None else budget.min_confidence
+        floor = math.log(least) if least > 0 and not fixed else -math.inf
+        self.passes += 1
         last = torch.stack([gr.seq.last for gr in growths])  # [B, D]
         logp = torch.log_softmax(p.logits(last).float(), dim=-1)
         val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
@@ -685,6 +688,7 @@ class StateDrafter(Drafter):
                     states.append(gr.seq.last if gr.par[n] == -1 else gr.state[gr.par[n]])
                     tokens.append(gr.tok[n])
                     positions.append(gr.root_pos - 1 + depth)
+            self.passes += 1
             h, q, k, v = p.project(torch.stack(states).unsqueeze(0), torch.tensor([tokens]), torch.tensor([positions]))
             outs, at = [], 0
             for gr in live:
