@@ -44,10 +44,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", choices=["auto", "heuristic", "learned", "static"], default="auto",
-                   help="commit policy: auto (default: learned when an acceptance model fits the model, else "
-                        "heuristic), heuristic (cost model + fallback), learned (a trained acceptance model + cost "
-                        "model + fallback) or static (a fixed tree of top-k nodes per depth)")
+    p.add_argument("--policy", choices=["auto", "heuristic", "learned", "static"], default="heuristic",
+                   help="commit policy: heuristic (default: cost model + fallback), learned (a trained acceptance "
+                        "model + cost model + fallback), auto (learned when an acceptance model fits the model, "
+                        "else heuristic) or static (a fixed tree of top-k nodes per depth)")
     p.add_argument("--policy-model", default=None,
                    help="acceptance model of --policy learned (default: the one shipped for the default model)")
     p.add_argument("--warmup", type=_non_negative_int, default=0, help="tokens decoded plainly at the start of a sequence")

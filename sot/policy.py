@@ -57,10 +57,10 @@ class PolicyConfig:
     """Commit-policy settings.
 
     Attributes:
-        kind: ``auto`` (default: ``learned`` when an acceptance model for the target is
-            available, as for the default model, else ``heuristic``), ``heuristic`` (cost
-            model, calibration, fallback), ``learned`` (the same with a trained acceptance
-            predictor) or ``static`` (a fixed-shape tree, verified whole).
+        kind: ``heuristic`` (default: cost model, calibration, fallback), ``learned`` (the
+            same with a trained acceptance predictor), ``auto`` (``learned`` when an
+            acceptance model for the target is available, as for the default model, else
+            ``heuristic``) or ``static`` (a fixed-shape tree, verified whole).
         warmup: tokens decoded plainly at the start of every sequence.
         fallback_threshold: fall back when recent speed / plain speed drops below this.
         window: steps of history behind the fallback decision.
@@ -68,7 +68,7 @@ class PolicyConfig:
         max_backoff: cap of the back-off, in steps.
     """
 
-    kind: PolicyKind = PolicyKind.AUTO
+    kind: PolicyKind = PolicyKind.HEURISTIC  # measured the faster one; see the README
     warmup: int = 0
     fallback_threshold: float = 1.0
     window: int = 6
