@@ -32,9 +32,9 @@ import json
 import math
 import statistics
 import time
-from typing import TYPE_CHECKING
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 

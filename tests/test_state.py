@@ -260,3 +260,28 @@ def test_batched_drafting_equals_drafting_alone() -> None:
             one = alone[b].propose([DraftInput(0, x.context, x.states)], budget)[0]
             assert batch[b].tokens == one.tokens and batch[b].parents == one.parents
             assert batch[b].draft_probs == pytest.approx(one.draft_probs, rel=1e-4)
+
+
+def test_budget_floor_limits_growth_and_passes_are_counted() -> None:
+    """``TreeBudget.min_confidence`` overrides the drafter's floor (a floor above every
+    confidence stops growth after the root's children), and ``passes`` counts the predictor
+    passes, which the engine reports to the policy."""
+    from sot.drafters.base import DraftInput
+    from sot.policy import PolicyConfig
+
+    model = tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2)
+    (ctx, states), = _chain_inputs(model, pred, [12], seed=0)
+    drafter = StateDrafter(pred, top_k=2, lookup=False, min_confidence=0.0)
+    drafter.reset(1)
+    before = drafter.passes
+    deep = drafter.propose([DraftInput(0, ctx, states)], TreeBudget(16, 5))[0]
+    assert deep.max_depth == 5
+    assert drafter.passes - before == 1 + 1 + 4, "absorb, the root's logits, then one pass per depth 2..5"
+    drafter.reset(1)
+    shallow = drafter.propose([DraftInput(0, ctx, states)], TreeBudget(16, 5, min_confidence=1.0))[0]
+    assert shallow.max_depth == 1 and shallow.size == 3
+    target = TargetModel(clone(model, torch.float32), state_layers=LAYERS)
+    engine = Engine(target, StateDrafter(pred, top_k=2), TreeBudget(8, 4), policy=PolicyConfig())
+    engine.generate(random_prompts((9,), seed=1), GenerationParams(max_new_tokens=12))
+    assert engine._policy.pass_seconds and all(t > 0 for t in engine._policy.pass_seconds)

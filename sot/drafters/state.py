@@ -489,14 +489,12 @@ class _SeqState:
         self.k[:, self.length + at : self.length + at + n] = k
         self.v[:, self.length + at : self.length + at + n] = v
 
-    def attend(self, q: torch.Tensor, extra: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, extra: int, mask: torch.Tensor) -> torch.Tensor:
         """``q [H, m, hd]`` over every real row plus the first ``extra`` scratch rows, which
-        are visible per ``mask [m, extra]`` (``None``: all visible). Returns ``[H, m, hd]``."""
+        are visible per ``mask [m, extra]``. Returns ``[H, m, hd]``."""
         n = self.length + extra
-        full = None
-        if mask is not None:
-            full = torch.ones(q.shape[1], n, dtype=torch.bool, device=q.device)
-            full[:, self.length :] = mask
+        full = torch.ones(q.shape[1], n, dtype=torch.bool, device=q.device)
+        full[:, self.length :] = mask
         return F.scaled_dot_product_attention(q.unsqueeze(0), self.k[None, :, :n], self.v[None, :, :n],
                                               attn_mask=full, enable_gqa=True).squeeze(0)
 
