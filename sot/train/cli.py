@@ -40,6 +40,8 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     gen.add_argument("--batch-size", type=positive_int, default=8)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
+                     help="drafter for generation (output is the same with any; auto: the state predictor if shipped)")
 
     prep = tsub.add_parser("prepare", help="run the target over training data and cache its states (bf16)")
     prep.add_argument("--model", default="default")
@@ -84,7 +86,8 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
     from sot.train.selfdistill import generate_answers
 
     n = generate_answers(args.model, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                         batch_size=args.batch_size, temperature=args.temperature, seed=args.seed)
+                         batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
+                         drafter=args.drafter)
     print(f"wrote {n} regenerated conversations to {args.out}", file=sys.stderr)
     return 0
 

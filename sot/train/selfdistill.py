@@ -16,7 +16,7 @@ from sot.train.data import to_messages, training_conversations
 
 
 def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: int = 256, batch_size: int = 8,
-                     temperature: float = 0.0, seed: int = 0, drafter: str = "pld") -> int:
+                     temperature: float = 0.0, seed: int = 0, drafter: str = "auto") -> int:
     """Append up to ``limit`` regenerated conversations to ``out``; ids already there are
     skipped, so an interrupted run resumes. Returns the number of conversations in ``out``."""
     from tqdm import tqdm
