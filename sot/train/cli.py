@@ -40,6 +40,7 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     gen.add_argument("--batch-size", type=positive_int, default=8)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="skip longer first turns")
     gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
                      help="drafter for generation (output is the same with any; auto: the state predictor if shipped)")
 
@@ -87,7 +88,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
     n = generate_answers(args.model, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
-                         drafter=args.drafter)
+                         drafter=args.drafter, max_prompt_tokens=args.max_prompt_tokens)
     print(f"wrote {n} regenerated conversations to {args.out}", file=sys.stderr)
     return 0
 

@@ -16,9 +16,13 @@ from sot.train.data import to_messages, training_conversations
 
 
 def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: int = 256, batch_size: int = 8,
-                     temperature: float = 0.0, seed: int = 0, drafter: str = "auto") -> int:
+                     temperature: float = 0.0, seed: int = 0, drafter: str = "auto",
+                     max_prompt_tokens: int = 512) -> int:
     """Append up to ``limit`` regenerated conversations to ``out``; ids already there are
-    skipped, so an interrupted run resumes. Returns the number of conversations in ``out``."""
+    skipped, so an interrupted run resumes. Prompts longer than ``max_prompt_tokens`` are
+    skipped: the training window (``prepare --seq-len``) would leave their answers little
+    room, and one long prompt slows a whole batch. Returns the number of conversations in
+    ``out``."""
     from tqdm import tqdm
 
     from sot.api import SoT
@@ -29,6 +33,7 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
     done: set[str] = set()
     if path.is_file():
         done = {json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()}
+    sot = SoT.load(model, drafter=drafter)
     todo = []
     for conv in training_conversations():
         if len(todo) + len(done) >= limit:
@@ -37,8 +42,9 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
         cid = str(conv.get("id", ""))
         if messages is None or cid in done or messages[0]["role"] != "user":
             continue
+        if len(sot.tokenizer(messages[0]["content"], add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
+            continue
         todo.append((cid, messages[0]["content"]))
-    sot = SoT.load(model, drafter=drafter)
     params = sot.params(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh, tqdm(total=len(todo), desc="gen-data", unit="conv") as bar:
