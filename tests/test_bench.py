@@ -108,3 +108,29 @@ def test_batched_bench_checks_each_sequence_against_alone(setup) -> None:
     assert "decoded alone: 3/3" in (out / "report.md").read_text()
     assert main(["bench", "--prompts", str(prompts), "--methods", "hf,plain", "--model", str(model),
                  "--batch-size", "2", "--out", str(out)]) == 2
+
+
+def test_bench_compares_predictor_files_side_by_side(setup) -> None:
+    from sot.drafters.state import new_predictor, save_predictor
+    from sot.models.loading import load_model
+
+    model, prompts, root = setup
+    target = load_model(str(model)).model
+    (root / "pa").mkdir(exist_ok=True)
+    a, b = root / "pa" / "predictor.safetensors", root / "pb.safetensors"
+    save_predictor(new_predictor(target, (0, 1, 2), None, seed=1), a)
+    save_predictor(new_predictor(target, (0, 1, 2), None, seed=2), b)
+    out = root / "predictors"
+    rc = main(["bench", "--prompts", str(prompts), "--methods", f"plain,state={a},state={b}", "--model", str(model),
+               "--max-new-tokens", "16", "--no-chat", "--ignore-eos", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["methods"]) == {"plain", "state[pa]", "state[pb]"}
+    for name in ("state[pa]", "state[pb]"):
+        assert res["methods"][name]["identical_to_plain"] == "3/3"
+        assert res["methods"][name]["speedup_vs_plain"] is not None
+    # two files that would show under one name, and a missing file, are refused
+    assert main(["bench", "--prompts", str(prompts), "--methods", f"plain,state={a},state={a}", "--model", str(model),
+                 "--out", str(out)]) == 2
+    assert main(["bench", "--prompts", str(prompts), "--methods", f"plain,state={root / 'none.safetensors'}",
+                 "--model", str(model), "--out", str(out)]) == 2

@@ -92,24 +92,43 @@ def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
 
 
 def _drafter(cfg: BenchConfig, method: str, model, top_k: int | None = None):
-    kind = DrafterKind.NONE if method == "plain" else DrafterKind(method)
-    return make_drafter(kind, model, cfg.predictor, top_k=top_k or cfg.draft_top_k, full_vocab=cfg.full_vocab,
+    if method.startswith("state="):  # another predictor file, compared side by side
+        kind, predictor = DrafterKind.STATE, method.split("=", 1)[1]
+    else:
+        kind, predictor = DrafterKind.NONE if method == "plain" else DrafterKind(method), cfg.predictor
+    return make_drafter(kind, model, predictor, top_k=top_k or cfg.draft_top_k, full_vocab=cfg.full_vocab,
                         lookup=cfg.lookup)
+
+
+def method_label(method: str) -> str:
+    """Display name of a method: ``state=runs/x/predictor.safetensors`` shows as ``state[x]``
+    (the file's folder, or its stem when the file has another name)."""
+    if not method.startswith("state="):
+        return method
+    path = Path(method.split("=", 1)[1])
+    return f"state[{path.parent.name if path.stem == 'predictor' else path.stem}]"
+
+
+def _is_engine(method: str) -> bool:
+    return method in ("plain", "pld", "state") or method.startswith("state=")
 
 
 def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
     """Load what the requested methods need; returns the methods, tokenizer and engine target."""
-    unknown = [m for m in cfg.methods if m not in METHODS]
+    unknown = [m for m in cfg.methods if m not in METHODS and not m.startswith("state=")]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    if cfg.batch_size > 1 and any(m not in ("plain", "pld", "state") for m in cfg.methods):
+    labels = [method_label(m) for m in cfg.methods]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"methods must have distinct names, got {', '.join(labels)}")
+    if cfg.batch_size > 1 and not all(_is_engine(m) for m in cfg.methods):
         raise ConfigError("--batch-size above 1 compares engine methods only (plain, pld, state)")
     if cfg.dtype not in _DTYPES or cfg.hf_dtype not in _DTYPES:
         raise ConfigError("dtypes must be float32 or bfloat16")
     methods: list[BenchMethod] = []
     tokenizer = None
     target = None
-    engine_methods = [m for m in cfg.methods if m in ("plain", "pld", "state")]
+    engine_methods = [m for m in cfg.methods if _is_engine(m)]
     if engine_methods:
         loaded = load_model(cfg.model, dtype=_DTYPES[cfg.dtype])
         tokenizer = loaded.tokenizer
@@ -130,7 +149,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
             except ImportError:
                 cfg.notes.append("llamacpp skipped: llama-cpp-python is not installed (pip install 'sot[llamacpp]')")
         else:
-            methods.append(EngineMethod(name, target, drafters[name], _budget(cfg), cfg.policy))
+            methods.append(EngineMethod(method_label(name), target, drafters[name], _budget(cfg), cfg.policy))
     return methods, tokenizer, target
 
 
