@@ -25,7 +25,7 @@ from sot.drafters.state import (
     save_predictor,
 )
 from sot.engine import Engine, GenerationParams
-from sot.errors import DrafterCompatibilityError
+from sot.errors import ConfigError, DrafterCompatibilityError
 from sot.models.adapter import TargetModel
 from sot.models.loading import load_model
 from sot.train.data import StateDataset, build_state_cache
@@ -70,6 +70,25 @@ def test_state_cache_shapes(tiny_run) -> None:
     assert states.dtype == torch.bfloat16
     assert 0 < mask.sum() < mask.numel(), "only assistant tokens are marked"
     assert ds.meta["tokens"] == sum(ds[i][0].shape[0] for i in range(len(ds)))
+
+
+def test_state_caches_combine(tiny_run, tmp_path) -> None:
+    """Several cache folders train as one (``fit --data a,b``); mismatched caches are refused."""
+    data = tiny_run["data"]
+    one, ev = StateDataset(data / "train"), StateDataset(data / "eval")
+    both = StateDataset([data / "train", data / "eval"])
+    assert len(both) == len(one) + len(ev)
+    assert both.meta["tokens"] == one.meta["tokens"] + ev.meta["tokens"]
+    assert torch.equal(both[len(one)][2], ev[0][2]) and torch.equal(both[0][0], one[0][0])
+    vocab = int(one[0][0].max()) + 1 + int(ev[0][0].max())
+    assert torch.equal(both.token_counts(vocab), one.token_counts(vocab) + ev.token_counts(vocab))
+    loaded = load_model(str(tiny_run["model_dir"]))
+    build_state_cache(loaded.model, loaded.tokenizer, _conversations(3), tmp_path / "other", (0, 1), None, 64,
+                      progress=False)
+    with pytest.raises(ConfigError, match="differ in hidden size or layers"):
+        StateDataset([data / "train", tmp_path / "other"])
+    with pytest.raises(ConfigError, match="no complete state cache"):
+        StateDataset([data / "train", tmp_path / "missing"])
 
 
 def test_trainer_loss_falls_within_a_minute(tiny_run) -> None:

@@ -55,7 +55,9 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
 
     fit = tsub.add_parser("fit", help="train a state predictor on a prepared state cache")
     fit.add_argument("--model", default="default")
-    fit.add_argument("--data", required=True, help="state cache folder from 'sot train prepare'")
+    fit.add_argument("--data", required=True,
+                     help="state cache folder from 'sot train prepare', or several, comma-separated, to train on all "
+                          "(held-out evaluation uses the first)")
     fit.add_argument("--out", required=True, help="run folder: checkpoints, predictor, loss.png, accept.png")
     fit.add_argument("--steps", type=positive_int, default=2000)
     fit.add_argument("--tokens-per-step", type=positive_int, default=8192)

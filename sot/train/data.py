@@ -191,16 +191,31 @@ def build_state_cache(
 class StateDataset:
     """Memory-mapped state shards written by :func:`build_state_cache`.
 
-    ``dataset[i]`` is one sequence: ``(tokens [T] int64, mask [T] float, states [T, S + 1, D] bf16)``.
+    ``folder`` is one cache folder or several (their sequences are concatenated; they must
+    share hidden size and layers). ``dataset[i]`` is one sequence: ``(tokens [T] int64,
+    mask [T] float, states [T, S + 1, D] bf16)``.
     """
 
-    def __init__(self, folder: str | Path) -> None:
-        self.folder = Path(folder)
-        meta_path = self.folder / "meta.json"
-        if not meta_path.is_file():
-            raise ConfigError(f"{self.folder} holds no complete state cache (meta.json missing)")
-        self.meta = json.loads(meta_path.read_text())
-        self._files = [safe_open(str(self.folder / f), framework="pt") for f in self.meta["shards"]]
+    def __init__(self, folder: str | Path | list[str | Path]) -> None:
+        folders = [Path(f) for f in (folder if isinstance(folder, (list, tuple)) else [folder])]
+        if not folders:
+            raise ConfigError("no state cache folder given")
+        self.folder = folders[0]
+        metas = []
+        for f in folders:
+            meta_path = f / "meta.json"
+            if not meta_path.is_file():
+                raise ConfigError(f"{f} holds no complete state cache (meta.json missing)")
+            metas.append(json.loads(meta_path.read_text()))
+        for f, m in zip(folders[1:], metas[1:]):
+            if (m["hidden_size"], m["layers"]) != (metas[0]["hidden_size"], metas[0]["layers"]):
+                raise ConfigError(f"state caches {folders[0]} and {f} differ in hidden size or layers "
+                                  f"({metas[0]['hidden_size']}, {metas[0]['layers']} vs {m['hidden_size']}, {m['layers']})")
+        self.meta = dict(metas[0])
+        for key in ("tokens", "sequences", "bytes"):
+            self.meta[key] = sum(m[key] for m in metas)
+        self.meta["shards"] = [str(f / name) for f, m in zip(folders, metas) for name in m["shards"]]
+        self._files = [safe_open(name, framework="pt") for name in self.meta["shards"]]
         self._index: list[tuple[int, int, int]] = []
         for s, fh in enumerate(self._files):
             offsets = fh.get_tensor("offsets").tolist()

@@ -256,8 +256,11 @@ def fit(cfg: TrainConfig) -> Path:
 
     rank, world, device = _dist_setup()
     out = Path(cfg.out)
-    data_dir = Path(cfg.data)
-    train = StateDataset(data_dir / "train")
+    data_dirs = [Path(d) for d in cfg.data.split(",") if d]
+    if not data_dirs:
+        raise ConfigError("--data names no state cache folder")
+    data_dir = data_dirs[0]  # held-out evaluation comes from the first folder
+    train = StateDataset([d / "train" for d in data_dirs])
     evals_data = StateDataset(data_dir / "eval") if (data_dir / "eval" / "meta.json").is_file() else None
     loaded = load_model(cfg.model, dtype=torch.float32)
     target = loaded.model
