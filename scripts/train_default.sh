@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
 # Reproduces the shipped state predictor for SmolLM2-135M-Instruct
-# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU.
-# Each command resumes where it stopped: prepare skips nothing (re-run from scratch if it was
-# interrupted), fit continues from runs/state-default/checkpoint.pt.
+# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in two stages:
+#   1. ShareGPT: 1.5M tokens of cached target states, about 730 steps (66 minutes).
+#   2. Self-distillation: the target's own greedy answers to 1,520 ShareGPT training prompts
+#      (about 30 minutes to generate), then 400 fine-tuning steps on them (25 minutes).
+# Each command resumes where it stopped: gen-data skips answered prompts, prepare must be re-run
+# from scratch if it was interrupted, fit continues from the run folder's checkpoint.pt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+# stage 1
 [ -f runs/data/sharegpt/prepare.json ] || \
-  .venv/bin/sot train prepare --out runs/data/sharegpt --tokens 1500000 --eval-conversations 64
-.venv/bin/sot train fit --data runs/data/sharegpt --out runs/state-default \
+  $PY -m sot.cli train prepare --out runs/data/sharegpt --tokens 1500000 --eval-conversations 64
+$PY -m sot.cli train fit --data runs/data/sharegpt --out runs/state-default \
   --steps 1100 --tokens-per-step 2048 --lr 2e-3 --warmup 20 --unroll 3 --draft-vocab 16384 --init target \
   --eval-every 100 --save-every 25 --max-seconds 3900
+# stage 2
+$PY -m sot.cli train gen-data --out runs/selfdistill/answers.jsonl --limit 1520 --max-new-tokens 256 --batch-size 16 \
+  --drafter pld  # greedy output is the same with any drafter
+[ -f runs/data/selfdistill/prepare.json ] || \
+  $PY -m sot.cli train prepare --data runs/selfdistill/answers.jsonl --out runs/data/selfdistill \
+    --tokens 2000000 --eval-conversations 64
+$PY -m sot.cli train fit --data runs/data/selfdistill --out runs/sd-gen --steps 400 --tokens-per-step 2048 \
+  --lr 6e-4 --warmup 10 --unroll 3 --init-from runs/state-default/predictor.safetensors --eval-every 100 --save-every 25
 mkdir -p sot/assets
-cp runs/state-default/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
+cp runs/sd-gen/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
