@@ -304,3 +304,29 @@ def test_budget_floor_limits_growth_and_passes_are_counted() -> None:
     engine = Engine(target, StateDrafter(pred, top_k=2), TreeBudget(8, 4), policy=PolicyConfig())
     engine.generate(random_prompts((9,), seed=1), GenerationParams(max_new_tokens=12))
     assert engine._policy.pass_seconds and all(t > 0 for t in engine._policy.pass_seconds)
+
+
+def test_gen_data_answers_with_the_target_and_resumes(tiny_run, tmp_path) -> None:
+    """Self-distillation data: each answer is the target's own greedy decoding of the first
+    turn, long prompts are skipped, and a second call resumes without duplicates."""
+    from sot.api import SoT
+    from sot.train.selfdistill import generate_answers
+
+    convs = _conversations(5)
+    convs[2]["conversations"][0]["value"] = "x" * 200  # over the prompt limit below
+    out = tmp_path / "answers.jsonl"
+    model = str(tiny_run["model_dir"])
+    n = generate_answers(model, out, limit=3, max_new_tokens=8, batch_size=2, max_prompt_tokens=64,
+                         conversations=convs)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert n == 3 and [r["id"] for r in rows] == ["t0", "t1", "t3"]
+    plain = SoT.load(model, drafter="none")
+    params = plain.params(max_new_tokens=8, temperature=0.0)
+    for r in rows:
+        human, gpt = r["conversations"]
+        assert human["from"] == "human" and gpt["from"] == "gpt"
+        ids = plain.encode({"messages": [{"role": "user", "content": human["value"]}]}, chat=True)
+        assert gpt["value"] == plain.generate_ids([ids], params)[0].text
+    assert generate_answers(model, out, limit=4, max_new_tokens=8, batch_size=2, max_prompt_tokens=64,
+                            conversations=convs) == 4
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["t0", "t1", "t3", "t4"]

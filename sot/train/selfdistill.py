@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
 
 from sot.errors import ConfigError
 from sot.train.data import to_messages, training_conversations
@@ -17,12 +18,12 @@ from sot.train.data import to_messages, training_conversations
 
 def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: int = 256, batch_size: int = 8,
                      temperature: float = 0.0, seed: int = 0, drafter: str = "auto",
-                     max_prompt_tokens: int = 512) -> int:
+                     max_prompt_tokens: int = 512, conversations: Iterable[dict] | None = None) -> int:
     """Append up to ``limit`` regenerated conversations to ``out``; ids already there are
     skipped, so an interrupted run resumes. Prompts longer than ``max_prompt_tokens`` are
     skipped: the training window (``prepare --seq-len``) would leave their answers little
     room, and one long prompt slows a whole batch. Returns the number of conversations in
-    ``out``."""
+    ``out``. ``conversations`` replaces the packaged ShareGPT training set (ShareGPT layout)."""
     from tqdm import tqdm
 
     from sot.api import SoT
@@ -35,7 +36,7 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
         done = {json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()}
     sot = SoT.load(model, drafter=drafter)
     todo = []
-    for conv in training_conversations():
+    for conv in training_conversations() if conversations is None else conversations:
         if len(todo) + len(done) >= limit:
             break
         messages = to_messages(conv)
