@@ -13,7 +13,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="a JSONL file or a built-in set: sharegpt-heldout, humaneval, long, adversarial, "
                             "mix (sharegpt-heldout and adversarial prompts, alternating)")
     bench.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
-    bench.add_argument("--methods", default="hf,plain,pld", help="comma list of hf, hf-pld, plain, pld, state, llamacpp; state=FILE adds the state drafter "
+    bench.add_argument("--methods", default="hf,plain,pld",
+                       help="comma list of hf, hf-pld, plain, pld, state, llamacpp; state=FILE adds the state drafter "
                             "with another predictor file (shown as state[FOLDER]), to compare predictors side by side")
     bench.add_argument("--model", default="default")
     bench.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="engine dtype")
