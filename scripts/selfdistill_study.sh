@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# With vs without self-distillation, from the shipped predictor: the same fine-tuning run on
-# (gen) the target's own answers to ShareGPT training prompts, and on (sharegpt) more of the
-# original ShareGPT answers, then both predictors side by side with the shipped one.
+# With vs without self-distillation, from the stage 1 predictor (START, default: the output of
+# stage 1 of scripts/train_default.sh): the same fine-tuning run on (gen) the target's own
+# answers to ShareGPT training prompts, and on (sharegpt) more of the original ShareGPT answers,
+# then both predictors side by side with the stage 1 one. (The recorded study started from the
+# file shipped at the time, which was that stage 1 output.)
 # Stages (select with ONLY="..."): gen prepare fit-gen fit-sharegpt bench. About 2 hours on
 # 2 cores. RUNS is where data and runs go (default: runs).
 set -euo pipefail
@@ -10,8 +12,8 @@ PY=${PY:-.venv/bin/python}
 RUNS=${RUNS:-runs}
 ONLY=${ONLY:-"gen prepare fit-gen fit-sharegpt bench"}
 STEPS=${STEPS:-400}
-SHIPPED=sot/assets/smollm2-135m-instruct.state.safetensors
-FIT=(--steps "$STEPS" --tokens-per-step 2048 --lr 6e-4 --warmup 10 --unroll 3 --init-from "$SHIPPED"
+START=${START:-$RUNS/state-default/predictor.safetensors}
+FIT=(--steps "$STEPS" --tokens-per-step 2048 --lr 6e-4 --warmup 10 --unroll 3 --init-from "$START"
      --eval-every 100 --save-every 25)
 has() { [[ " $ONLY " == *" $1 "* ]]; }
 if has gen; then  # greedy answers, 256 tokens, 16 sequences in a continuous batch
@@ -28,7 +30,7 @@ if has fit-sharegpt; then  # the control: the same run on the original answers
   $PY -m sot.cli train fit --data "$RUNS/data/sharegpt" --out "$RUNS/sd-sharegpt" "${FIT[@]}"
 fi
 if has bench; then
-  M="plain,state,state=$RUNS/sd-gen/predictor.safetensors,state=$RUNS/sd-sharegpt/predictor.safetensors"
+  M="plain,state=$START,state=$RUNS/sd-gen/predictor.safetensors,state=$RUNS/sd-sharegpt/predictor.safetensors"
   for SET in sharegpt-heldout humaneval; do
     $PY -m sot.cli bench --prompts $SET --limit 8 --methods "$M" --max-new-tokens 256 --out docs/bench/selfdistill/$SET
   done

@@ -2,6 +2,7 @@
 DDP), and losslessness of the state drafter."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -89,6 +90,11 @@ def test_state_caches_combine(tiny_run, tmp_path) -> None:
         StateDataset([data / "train", tmp_path / "other"])
     with pytest.raises(ConfigError, match="no complete state cache"):
         StateDataset([data / "train", tmp_path / "missing"])
+    # the trainer takes them comma-separated
+    cfg = dataclasses.replace(tiny_run["cfg"], data=f"{data},{data}", out=str(tmp_path / "both"), steps=2,
+                              eval_every=100, save_every=100)
+    fit(cfg)
+    assert json.loads((tmp_path / "both" / "train.json").read_text())["steps"] == 2
 
 
 def test_trainer_loss_falls_within_a_minute(tiny_run) -> None:
@@ -104,7 +110,6 @@ def test_trainer_loss_falls_within_a_minute(tiny_run) -> None:
 
 def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path) -> None:
     cfg = tiny_run["cfg"]
-    import dataclasses
     import shutil
 
     run = tmp_path / "run"

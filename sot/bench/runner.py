@@ -91,9 +91,15 @@ def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
     return TreeBudget(max_nodes=override.get("max_nodes", cfg.max_nodes), max_depth=override.get("max_depth", cfg.max_depth))
 
 
+def _predictor_file(method: str) -> str | None:
+    """The predictor file of a ``state=FILE`` method (``None`` for any other method)."""
+    return method.split("=", 1)[1] if method.startswith("state=") else None
+
+
 def _drafter(cfg: BenchConfig, method: str, model, top_k: int | None = None):
-    if method.startswith("state="):  # another predictor file, compared side by side
-        kind, predictor = DrafterKind.STATE, method.split("=", 1)[1]
+    file = _predictor_file(method)
+    if file is not None:  # another predictor file, compared side by side
+        kind, predictor = DrafterKind.STATE, file
     else:
         kind, predictor = DrafterKind.NONE if method == "plain" else DrafterKind(method), cfg.predictor
     return make_drafter(kind, model, predictor, top_k=top_k or cfg.draft_top_k, full_vocab=cfg.full_vocab,
@@ -103,19 +109,20 @@ def _drafter(cfg: BenchConfig, method: str, model, top_k: int | None = None):
 def method_label(method: str) -> str:
     """Display name of a method: ``state=runs/x/predictor.safetensors`` shows as ``state[x]``
     (the file's folder, or its stem when the file has another name)."""
-    if not method.startswith("state="):
+    file = _predictor_file(method)
+    if file is None:
         return method
-    path = Path(method.split("=", 1)[1])
+    path = Path(file)
     return f"state[{path.parent.name if path.stem == 'predictor' else path.stem}]"
 
 
 def _is_engine(method: str) -> bool:
-    return method in ("plain", "pld", "state") or method.startswith("state=")
+    return method in ("plain", "pld", "state") or _predictor_file(method) is not None
 
 
 def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
     """Load what the requested methods need; returns the methods, tokenizer and engine target."""
-    unknown = [m for m in cfg.methods if m not in METHODS and not m.startswith("state=")]
+    unknown = [m for m in cfg.methods if m not in METHODS and _predictor_file(m) is None]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     labels = [method_label(m) for m in cfg.methods]

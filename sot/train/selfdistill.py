@@ -43,9 +43,10 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
         cid = str(conv.get("id", ""))
         if messages is None or cid in done or messages[0]["role"] != "user":
             continue
-        if len(sot.tokenizer(messages[0]["content"], add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
+        text = messages[0]["content"]
+        if len(sot.tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
             continue
-        todo.append((cid, messages[0]["content"]))
+        todo.append((cid, text))
     params = sot.params(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh, tqdm(total=len(todo), desc="gen-data", unit="conv") as bar:
