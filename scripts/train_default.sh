@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces the shipped state predictor for SmolLM2-135M-Instruct
-# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in two stages:
+# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in three stages:
 #   1. ShareGPT: 1.5M tokens of cached target states, about 730 steps (66 minutes).
 #   2. Self-distillation: the target's own greedy answers to 1,520 ShareGPT training prompts
 #      (about 30 minutes to generate), then 400 fine-tuning steps on them (25 minutes).
+#   3. Both caches together: 300 steps, then 900 more at a fresh schedule (22 + 84 minutes).
 # Each command resumes where it stopped: gen-data skips answered prompts, prepare must be re-run
 # from scratch if it was interrupted, fit continues from the run folder's checkpoint.pt.
 set -euo pipefail
@@ -23,5 +24,12 @@ $PY -m sot.cli train gen-data --out runs/selfdistill/answers.jsonl --limit 1520 
     --tokens 2000000 --eval-conversations 64
 $PY -m sot.cli train fit --data runs/data/selfdistill --out runs/sd-gen --steps 400 --tokens-per-step 2048 \
   --lr 6e-4 --warmup 10 --unroll 3 --init-from runs/state-default/predictor.safetensors --eval-every 100 --save-every 25
+# stage 3
+$PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill --out runs/sd-mix --steps 300 \
+  --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-gen/predictor.safetensors \
+  --eval-every 100 --save-every 25
+$PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill --out runs/sd-long --steps 900 \
+  --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-mix/predictor.safetensors \
+  --eval-every 150 --save-every 25
 mkdir -p sot/assets
-cp runs/sd-gen/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
+cp runs/sd-long/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
