@@ -110,7 +110,7 @@ class CostModel:
         return s[-1] + slope * (rows - r[-1])
 
     @classmethod
-    def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 3) -> "CostModel":
+    def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
         after a ``context``-token prefill. In a batch, a pass over ``B`` sequences of ``n``
         rows is costed as ``verify(B * n)``."""
@@ -125,7 +125,7 @@ class CostModel:
         prompt = torch.randint(0, vocab, (context,), generator=gen)
         target.prefill(cache, 0, prompt)
         cache.set_length(0, context)
-        timings: dict[int, float] = {}
+        passes = []
         for n in sizes:
             tree = tree_from_parents(prompt[-n:].tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
             rows = -(-n // unit) * unit
@@ -134,12 +134,17 @@ class CostModel:
             pos = torch.full((1, rows), context)
             pos[0, :n] = torch.tensor(tree.depths) + context
             layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows, cache)
-            runs = []
-            for _ in range(repeats + 1):
+            passes.append((ids, pos, layout))
+        # Sizes take turns, round after round (the first round warms up), and each keeps its
+        # fastest pass: a busy moment then slows one round of every size instead of bending
+        # the curve, and the minimum is the most repeatable timing of a pass.
+        timings = {n: math.inf for n in sizes}
+        for round_ in range(repeats + 1):
+            for n, (ids, pos, layout) in zip(sizes, passes):
                 t0 = time.perf_counter()
                 target.verify(cache, ids, pos, layout)
-                runs.append(time.perf_counter() - t0)
-            timings[n] = statistics.median(runs[1:])
+                if round_ > 0:
+                    timings[n] = min(timings[n], time.perf_counter() - t0)
         return cls(list(timings), list(timings.values()))
 
 

@@ -22,6 +22,37 @@ def test_cost_model_interpolates_and_never_decreases() -> None:
     assert cost.verify(24) > cost.verify(16)
 
 
+def test_cost_model_measure_times_every_size_in_turn_and_keeps_the_fastest(monkeypatch) -> None:
+    """Every size is timed once per round (sizes take turns, so a slow moment hits one round of
+    each), the warm-up round is dropped, and each size keeps its fastest pass."""
+    target = TargetModel(clone(tiny_model("llama", seed=2), torch.float32))
+    calls: list[int] = []
+    verify = target.verify
+
+    def counted(cache, ids, pos, layout):
+        calls.append(id(ids))  # each size's pass has its own input tensor
+        return verify(cache, ids, pos, layout)
+
+    monkeypatch.setattr(target, "verify", counted)
+    sizes = [1, 2, 4, 8, 12, 16]
+    per_round = [0.1, 0.7, 0.3, 0.5]  # seconds of every pass in round 0 (warm-up), 1, 2, 3
+    clock = {"now": 0.0, "reads": 0}
+
+    def fake_clock() -> float:  # read twice per pass: at its start and at its end
+        if clock["reads"] % 2 == 1:
+            clock["now"] += per_round[len(calls[:-1]) // len(sizes)]
+        clock["reads"] += 1
+        return clock["now"]
+
+    monkeypatch.setattr("sot.policy.time.perf_counter", fake_clock)
+    cost = CostModel.measure(target, 16, context=32, repeats=3)
+    first = calls[: len(sizes)]
+    assert len(set(first)) == len(sizes) and calls == first * 4, "a warm-up round, then 3 rounds of all sizes in turn"
+    assert cost.rows == sizes
+    # the fastest measured round (0.3 s), not the warm-up (0.1 s) nor the median (0.5 s)
+    assert cost.seconds == pytest.approx([0.3] * len(sizes))
+
+
 def test_ranked_prefixes_are_closed_under_parents() -> None:
     tree = tree_from_parents([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 3, 1], draft_probs=[1, 0.5, 0.4, 0.45, 0.3, 0.1])
     order = ranked_nodes(tree)
