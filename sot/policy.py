@@ -112,8 +112,9 @@ class CostModel:
     @classmethod
     def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
-        after a ``context``-token prefill. In a batch, a pass over ``B`` sequences of ``n``
-        rows is costed as ``verify(B * n)``."""
+        after a ``context``-token prefill: one warm-up round, then ``repeats`` rounds in which
+        every size takes its turn; each size keeps its fastest pass. In a batch, a pass over
+        ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``."""
         from sot.attention import build_tree_layout
         from sot.tree import ancestor_table, tree_from_parents
 

@@ -40,7 +40,7 @@ def test_cost_model_measure_times_every_size_in_turn_and_keeps_the_fastest(monke
 
     def fake_clock() -> float:  # read twice per pass: at its start and at its end
         if clock["reads"] % 2 == 1:
-            clock["now"] += per_round[len(calls[:-1]) // len(sizes)]
+            clock["now"] += per_round[(len(calls) - 1) // len(sizes)]
         clock["reads"] += 1
         return clock["now"]
 
