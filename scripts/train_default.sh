@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Reproduces the shipped state predictor for SmolLM2-135M-Instruct
-# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in three stages:
+# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in four stages:
 #   1. ShareGPT: 1.5M tokens of cached target states, about 730 steps (66 minutes).
 #   2. Self-distillation: the target's own greedy answers to 1,520 ShareGPT training prompts
 #      (about 30 minutes to generate), then 400 fine-tuning steps on them (25 minutes).
 #   3. Both caches together: 300 steps, then 900 more at a fresh schedule (22 + 84 minutes).
+#   4. 1,800 more steps at a fresh schedule, the self-distilled cache drawn twice as often
+#      (it is listed twice), about 90 minutes.
 # Each command resumes where it stopped: gen-data skips answered prompts, prepare must be re-run
 # from scratch if it was interrupted, fit continues from the run folder's checkpoint.pt.
 set -euo pipefail
@@ -31,5 +33,9 @@ $PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill --out r
 $PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill --out runs/sd-long --steps 900 \
   --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-mix/predictor.safetensors \
   --eval-every 150 --save-every 25
+# stage 4
+$PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill,runs/data/selfdistill --out runs/sd-xl \
+  --steps 1800 --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-long/predictor.safetensors \
+  --eval-every 150 --save-every 25
 mkdir -p sot/assets
-cp runs/sd-long/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
+cp runs/sd-xl/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
