@@ -335,3 +335,19 @@ def test_gen_data_answers_with_the_target_and_resumes(tiny_run, tmp_path) -> Non
     assert generate_answers(model, out, limit=4, max_new_tokens=8, batch_size=2, max_prompt_tokens=64,
                             conversations=convs) == 4
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["t0", "t1", "t3", "t4"]
+
+
+def test_gen_data_match_keeps_only_matching_prompts(tiny_run, tmp_path) -> None:
+    """``match`` selects first turns by a case-insensitive regular expression; an invalid one
+    is a clear error before any model is loaded."""
+    from sot.train.selfdistill import generate_answers
+
+    convs = _conversations(8)  # prompts cycle through red, green, blue, cyan
+    out = tmp_path / "answers.jsonl"
+    model = str(tiny_run["model_dir"])
+    n = generate_answers(model, out, limit=10, max_new_tokens=4, batch_size=4, conversations=convs,
+                         match=r"\b(RED|blue)\b")
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert n == 4 and ids == ["t0", "t2", "t4", "t6"]
+    with pytest.raises(ConfigError, match="not a valid regular expression"):
+        generate_answers("no/such/model", out, limit=10, conversations=convs, match="(unclosed")

@@ -41,6 +41,8 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="skip longer first turns")
+    gen.add_argument("--match", default=None, metavar="REGEX",
+                     help="only first turns this regular expression finds (case-insensitive), e.g. coding prompts")
     gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
                      help="drafter for generation (output is the same with any; auto: the state predictor if shipped)")
 
@@ -90,7 +92,8 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
     n = generate_answers(args.model, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
-                         drafter=args.drafter, max_prompt_tokens=args.max_prompt_tokens)
+                         drafter=args.drafter, max_prompt_tokens=args.max_prompt_tokens,
+                         match=args.match)
     print(f"wrote {n} regenerated conversations to {args.out}", file=sys.stderr)
     return 0
 

@@ -9,8 +9,9 @@ original ShareGPT authors'.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from sot.errors import ConfigError
 from sot.train.data import to_messages, training_conversations
@@ -18,18 +19,25 @@ from sot.train.data import to_messages, training_conversations
 
 def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: int = 256, batch_size: int = 8,
                      temperature: float = 0.0, seed: int = 0, drafter: str = "auto",
-                     max_prompt_tokens: int = 512, conversations: Iterable[dict] | None = None) -> int:
+                     max_prompt_tokens: int = 512, conversations: Iterable[dict] | None = None,
+                     match: str | None = None) -> int:
     """Append up to ``limit`` regenerated conversations to ``out``; ids already there are
     skipped, so an interrupted run resumes. Prompts longer than ``max_prompt_tokens`` are
     skipped: the training window (``prepare --seq-len``) would leave their answers little
     room, and one long prompt slows a whole batch. Returns the number of conversations in
-    ``out``. ``conversations`` replaces the packaged ShareGPT training set (ShareGPT layout)."""
+    ``out``. ``conversations`` replaces the packaged ShareGPT training set (ShareGPT layout).
+    ``match``, a regular expression, keeps only first turns it finds a match in (case
+    insensitive), e.g. to add answers to coding prompts."""
     from tqdm import tqdm
 
     from sot.api import SoT
 
     if batch_size < 1 or limit < 1:
         raise ConfigError("limit and batch size must be >= 1")
+    try:
+        pattern = re.compile(match, re.IGNORECASE) if match else None
+    except re.error as exc:
+        raise ConfigError(f"--match {match!r} is not a valid regular expression: {exc}") from None
     path = Path(out)
     done: set[str] = set()
     if path.is_file():
@@ -44,6 +52,8 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
         if messages is None or cid in done or messages[0]["role"] != "user":
             continue
         text = messages[0]["content"]
+        if pattern is not None and not pattern.search(text):
+            continue
         if len(sot.tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
             continue
         todo.append((cid, text))
