@@ -37,5 +37,16 @@ $PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill --out r
 $PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill,runs/data/selfdistill --out runs/sd-xl \
   --steps 1800 --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-long/predictor.safetensors \
   --eval-every 150 --save-every 25
+# stage 5: 2,480 more self-distilled answers (the first 1,520 are stage 2's), drawn twice as often
+mkdir -p runs/selfdistill2
+[ -f runs/selfdistill2/answers.jsonl ] || cp runs/selfdistill/answers.jsonl runs/selfdistill2/answers.jsonl
+$PY -m sot.cli train gen-data --out runs/selfdistill2/answers.jsonl --limit 4000 --max-new-tokens 256 --batch-size 16 \
+  --drafter state
+[ -f runs/data/selfdistill2/prepare.json ] || \
+  $PY -m sot.cli train prepare --data runs/selfdistill2/answers.jsonl --out runs/data/selfdistill2 \
+    --tokens 3000000 --eval-conversations 64
+$PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill2,runs/data/selfdistill2 --out runs/sd-5 \
+  --steps 1500 --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-xl/predictor.safetensors \
+  --eval-every 150 --save-every 25
 mkdir -p sot/assets
-cp runs/sd-xl/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
+cp runs/sd-5/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
