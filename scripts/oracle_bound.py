@@ -75,8 +75,9 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=31, help="largest tree, root excluded")
     ap.add_argument("--out", required=True)
     ap.add_argument("--state-cache", default=None, metavar="FOLDER",
-                    help="also measure the shipped predictor on this held-out state cache (e.g. "
+                    help="also measure a predictor on this held-out state cache (e.g. "
                          "runs/data/sharegpt/eval): its top token's target probability against 1 - TV")
+    ap.add_argument("--predictor", default=None, help="predictor file for --state-cache (default: the shipped one)")
     ap.add_argument("--remeasure", action="store_true",
                     help="keep the trees of OUT/oracle.json and only measure the verify times again")
     args = ap.parse_args()
@@ -99,26 +100,28 @@ def main() -> None:
 
 @torch.no_grad()
 def drafter_acceptance(model, args, out: Path, depths: int = 4, sequences: int = 24) -> None:
-    """On held-out rows of a state cache, unroll the shipped predictor along the text and compare,
+    """On held-out rows of a state cache, unroll the predictor along the text and compare,
     per depth, the target's probability of the predictor's top token (what a one-hot draft is
     accepted with) with ``1 - TV(p, q)`` (what a draft sampled from the predictor is accepted with)."""
     from sot.drafters import DEFAULT_PREDICTOR
     from sot.drafters.state import load_predictor
     from sot.train.data import StateDataset
 
-    pred = load_predictor(DEFAULT_PREDICTOR, model).float()
+    path = Path(args.predictor) if args.predictor else DEFAULT_PREDICTOR
+    pred = load_predictor(path, model).float()
     head = model.get_output_embeddings().weight.detach().float()
+    params = SamplingParams(temperature=args.temperature)
     data = StateDataset(args.state_cache)
     sums = [[0.0, 0.0, 0] for _ in range(depths)]
     for i in tqdm(range(min(sequences, len(data))), desc="predictor rows", unit="seq"):
         tokens, mask, states = data[i]
         s, t = states.shape[1] - 1, tokens.shape[0] - 1
-        p = torch.softmax(states[1:, s].float() @ head.T / args.temperature, -1)  # [t, V]
+        p = target_probs(states[1:, s].float() @ head.T, params).float()  # [t, V]
         outs = pred.forward_unrolled(states[:t, :s].unsqueeze(0).float(), tokens[1:].unsqueeze(0), depths)
         rows = torch.nonzero(mask[1 : t + 1].bool()).flatten()
         for k, g in enumerate(outs):
             r = rows[rows >= k]
-            q_draft = torch.softmax(pred.logits(g[0, r]).float() / args.temperature, -1)
+            q_draft = target_probs(pred.logits(g[0, r]), params).float()
             q = torch.zeros(len(r), head.shape[0])
             q[:, pred.draft_vocab] = q_draft
             top = pred.draft_vocab[q_draft.argmax(-1)]
@@ -126,7 +129,7 @@ def drafter_acceptance(model, args, out: Path, depths: int = 4, sequences: int =
             sums[k][1] += float(torch.minimum(p[r], q).sum())
             sums[k][2] += len(r)
     rows_out = [{"depth": k, "top_token": a / n, "sampled": b / n, "rows": n} for k, (a, b, n) in enumerate(sums)]
-    (out / "predictor.json").write_text(json.dumps(rows_out, indent=1))
+    (out / "predictor.json").write_text(json.dumps({"predictor": str(path), "depths": rows_out}, indent=1))
     for r in rows_out:
         print(f"depth {r['depth']}: target probability of the predictor's top token {r['top_token']:.3f}, "
               f"1 - TV {r['sampled']:.3f} ({r['rows']} rows)")

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Reproduces the shipped state predictor for SmolLM2-135M-Instruct
-# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in four stages:
+# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in five stages:
 #   1. ShareGPT: 1.5M tokens of cached target states, about 730 steps (66 minutes).
 #   2. Self-distillation: the target's own greedy answers to 1,520 ShareGPT training prompts
 #      (about 30 minutes to generate), then 400 fine-tuning steps on them (25 minutes).
 #   3. Both caches together: 300 steps, then 900 more at a fresh schedule (22 + 84 minutes).
 #   4. 1,800 more steps at a fresh schedule, the self-distilled cache drawn twice as often
 #      (it is listed twice), about 90 minutes.
+#   5. 2,480 more self-distilled answers (35 minutes), then 1,500 steps on ShareGPT and all
+#      4,000 answers, drawn twice as often (about 2 hours).
 # Each command resumes where it stopped: gen-data skips answered prompts, prepare must be re-run
 # from scratch if it was interrupted, fit continues from the run folder's checkpoint.pt.
 set -euo pipefail
