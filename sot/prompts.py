@@ -10,20 +10,28 @@ from sot.errors import ConfigError
 PromptItem = Union[str, dict]
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Read prompt records, one JSON object per line: ``{"prompt": str}``,
-    ``{"messages": [...]}`` or ``{"turns": [str, ...]}`` (the first turn is used)."""
+def json_lines(path: str | Path, missing: str = "prompts file not found") -> list[tuple[int, Any]]:
+    """``(line number, parsed value)`` for each non-blank line of a JSONL file; a missing file
+    or a line that is not JSON is a :class:`ConfigError` naming the place."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"prompts file not found: {path}")
-    records = []
+        raise ConfigError(f"{missing}: {path}")
+    out = []
     for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            out.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Read prompt records, one JSON object per line: ``{"prompt": str}``,
+    ``{"messages": [...]}`` or ``{"turns": [str, ...]}`` (the first turn is used)."""
+    records = []
+    for number, record in json_lines(path):
         check_record(record, f"{path}:{number}")
         records.append(record)
     if not records:

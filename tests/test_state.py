@@ -351,3 +351,58 @@ def test_gen_data_match_keeps_only_matching_prompts(tiny_run, tmp_path) -> None:
     assert n == 4 and ids == ["t0", "t2", "t4", "t6"]
     with pytest.raises(ConfigError, match="not a valid regular expression"):
         generate_answers("no/such/model", out, limit=10, conversations=convs, match="(unclosed")
+
+
+def test_code_prompts_are_signatures_and_docstrings_without_bodies(tmp_path) -> None:
+    """``sot train code-prompts`` turns documented public functions into completion requests
+    in the benchmark's wording; bodies, private and undocumented functions are left out."""
+    from sot.data.humaneval import CHAT_INSTRUCTION
+    from sot.train.code_prompts import stdlib_function_stubs, write_code_prompts
+
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text(
+        "def area(width: float, height: float) -> float:\n"
+        '    """Return the area of a rectangle of the given width and height."""\n'
+        "    secret_body = width * height\n    return secret_body\n\n"
+        "def _hidden(x):\n    '''A private helper that should never be offered as a prompt.'''\n    return x\n\n"
+        "def bare(x):\n    return x\n\n"
+        "class Box:\n    def volume(self):\n        '''Methods are not module-level functions, skip them.'''\n        return 1\n")
+    (src / "tests").mkdir()
+    (src / "tests" / "t.py").write_text(
+        "def test_thing():\n    '''A test function from a test folder, which is skipped.'''\n    assert True\n")
+    (src / "broken.py").write_text("def (:\n")
+    stubs = list(stdlib_function_stubs(src))
+    assert [cid for cid, _ in stubs] == ["stdlib:pkg.mod.area"]
+    stub = stubs[0][1]
+    assert stub.startswith("def area(width: float, height: float) -> float:\n") and "rectangle" in stub
+    assert "secret_body" not in stub
+    out = tmp_path / "prompts.jsonl"
+    assert write_code_prompts(out, limit=5, root=src) == 1
+    rec = json.loads(out.read_text())
+    assert rec == {"id": "stdlib:pkg.mod.area", "prompt": CHAT_INSTRUCTION.format(code=stub)}
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no documented public functions"):
+        write_code_prompts(out, limit=5, root=tmp_path / "empty")
+    with pytest.raises(ConfigError, match="not a folder"):
+        write_code_prompts(out, limit=5, root=tmp_path / "missing")
+
+
+def test_gen_data_prompts_file_replaces_sharegpt(tiny_run, tmp_path) -> None:
+    """``prompts`` answers the turns of a JSONL file (``prompt`` or ShareGPT records) in
+    order; a missing file or a malformed record is a clear error before the model loads."""
+    from sot.train.selfdistill import generate_answers
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p0", "prompt": "say red please"}) + "\n\n"
+                       + json.dumps(_conversations(2)[1]) + "\n")
+    out = tmp_path / "answers.jsonl"
+    n = generate_answers(str(tiny_run["model_dir"]), out, limit=5, max_new_tokens=4, batch_size=2, prompts=prompts)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert n == 2 and [r["id"] for r in rows] == ["p0", "t1"]
+    assert [r["conversations"][0]["value"] for r in rows] == ["say red please", "say green please"]
+    with pytest.raises(ConfigError, match="--prompts file not found"):
+        generate_answers("no/such/model", out, limit=5, prompts=tmp_path / "missing.jsonl")
+    prompts.write_text(json.dumps({"prompt": "no id"}) + "\n")
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:1: a record needs an 'id'"):
+        generate_answers("no/such/model", out, limit=5, prompts=prompts)

@@ -43,8 +43,17 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     gen.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="skip longer first turns")
     gen.add_argument("--match", default=None, metavar="REGEX",
                      help="only first turns this regular expression finds (case-insensitive), e.g. coding prompts")
+    gen.add_argument("--prompts", default=None, metavar="FILE",
+                     help="JSONL of prompts to answer instead of ShareGPT: records with 'id' and 'prompt' "
+                          "(e.g. from 'sot train code-prompts') or ShareGPT 'conversations'")
     gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
                      help="drafter for generation (output is the same with any; auto: the state predictor if shipped)")
+
+    code = tsub.add_parser("code-prompts", help="write function-completion prompts built from the Python standard library")
+    code.add_argument("--out", required=True, help="JSONL file to write (input of 'gen-data --prompts')")
+    code.add_argument("--limit", type=positive_int, default=1000, help="prompts to write (a seeded random sample)")
+    code.add_argument("--seed", type=int, default=0)
+    code.add_argument("--source", default=None, metavar="DIR", help="folder of Python sources (default: the standard library)")
 
     prep = tsub.add_parser("prepare", help="run the target over training data and cache its states (bf16)")
     prep.add_argument("--model", default="default")
@@ -87,13 +96,21 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     pol.add_argument("--seed", type=int, default=0)
 
 
+def cmd_code_prompts(args: argparse.Namespace) -> int:
+    from sot.train.code_prompts import write_code_prompts
+
+    n = write_code_prompts(args.out, limit=args.limit, seed=args.seed, root=args.source)
+    print(f"wrote {n} function-completion prompts to {args.out}", file=sys.stderr)
+    return 0
+
+
 def cmd_gen_data(args: argparse.Namespace) -> int:
     from sot.train.selfdistill import generate_answers
 
     n = generate_answers(args.model, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
                          drafter=args.drafter, max_prompt_tokens=args.max_prompt_tokens,
-                         match=args.match)
+                         match=args.match, prompts=args.prompts)
     print(f"wrote {n} regenerated conversations to {args.out}", file=sys.stderr)
     return 0
 
@@ -153,5 +170,5 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    return {"gen-data": cmd_gen_data, "prepare": cmd_prepare, "fit": cmd_fit,
+    return {"gen-data": cmd_gen_data, "code-prompts": cmd_code_prompts, "prepare": cmd_prepare, "fit": cmd_fit,
             "policy": cmd_policy}[args.train_command](args)

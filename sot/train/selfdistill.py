@@ -10,24 +10,49 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from sot.errors import ConfigError
+from sot.prompts import json_lines
 from sot.train.data import to_messages, training_conversations
+
+
+def _first_turns(conversations: Iterable[dict]) -> Iterator[tuple[str, str]]:
+    for conv in conversations:
+        messages = to_messages(conv)
+        if messages is not None and messages[0]["role"] == "user":
+            yield str(conv.get("id", "")), messages[0]["content"]
+
+
+def read_prompts(path: str | Path) -> list[tuple[str, str]]:
+    """``(id, first user turn)`` from a JSONL file whose records hold ``id`` and either
+    ``prompt`` (a string, as ``sot train code-prompts`` writes) or ShareGPT ``conversations``
+    (the first human turn is used)."""
+    records = []
+    for n, rec in json_lines(path, missing="--prompts file not found"):
+        text = rec.get("prompt") if isinstance(rec, dict) else None
+        if text is None and isinstance(rec, dict):
+            turns = [t for t in rec.get("conversations") or [] if str(t.get("from", "")).lower() in ("human", "user")]
+            text = turns[0].get("value") if turns else None
+        if not isinstance(text, str) or not text.strip() or "id" not in rec:
+            raise ConfigError(f"{path}:{n}: a record needs an 'id' and a 'prompt' (or ShareGPT 'conversations')")
+        records.append((str(rec["id"]), text.strip()))
+    return records
 
 
 def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: int = 256, batch_size: int = 8,
                      temperature: float = 0.0, seed: int = 0, drafter: str = "auto",
                      max_prompt_tokens: int = 512, conversations: Iterable[dict] | None = None,
-                     match: str | None = None) -> int:
+                     match: str | None = None, prompts: str | Path | None = None) -> int:
     """Append up to ``limit`` regenerated conversations to ``out``; ids already there are
     skipped, so an interrupted run resumes. Prompts longer than ``max_prompt_tokens`` are
     skipped: the training window (``prepare --seq-len``) would leave their answers little
     room, and one long prompt slows a whole batch. Returns the number of conversations in
     ``out``. ``conversations`` replaces the packaged ShareGPT training set (ShareGPT layout).
     ``match``, a regular expression, keeps only first turns it finds a match in (case
-    insensitive), e.g. to add answers to coding prompts."""
+    insensitive), e.g. to add answers to coding prompts. ``prompts``, a JSONL file (see
+    :func:`read_prompts`), replaces ShareGPT as the source of first turns."""
     from tqdm import tqdm
 
     from sot.api import SoT
@@ -42,16 +67,18 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
     done: set[str] = set()
     if path.is_file():
         done = {json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()}
+    source: Iterable[tuple[str, str]]
+    if prompts is not None:
+        source = read_prompts(prompts)
     sot = SoT.load(model, drafter=drafter)
+    if prompts is None:
+        source = _first_turns(training_conversations() if conversations is None else conversations)
     todo = []
-    for conv in training_conversations() if conversations is None else conversations:
+    for cid, text in source:
         if len(todo) + len(done) >= limit:
             break
-        messages = to_messages(conv)
-        cid = str(conv.get("id", ""))
-        if messages is None or cid in done or messages[0]["role"] != "user":
+        if cid in done:
             continue
-        text = messages[0]["content"]
         if pattern is not None and not pattern.search(text):
             continue
         if len(sot.tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:

@@ -1,0 +1,80 @@
+"""``sot train code-prompts``: coding prompts made from the Python standard library.
+
+ShareGPT holds few requests to complete a function, which is what code benchmarks such as
+HumanEval ask. This module builds such requests from the standard library of the running
+Python, which is on every machine: each public module-level function with a docstring
+becomes its signature plus docstring, wrapped in the same instruction the benchmark prompts
+use. Nothing is taken from a benchmark, and the function bodies are dropped, so the target
+answers in its own words (``sot train gen-data --prompts FILE``).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from sot.data.humaneval import CHAT_INSTRUCTION
+from sot.errors import ConfigError
+
+# packages whose functions are test scaffolding, tooling or platform glue rather than code a
+# user would ask for
+_SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip",
+               "turtledemo", "__pycache__", "pydoc_data", "tkinter", "msilib", "venv"}
+
+
+def _stub(source_lines: list[str], node: ast.FunctionDef) -> str | None:
+    """``def`` line(s) plus docstring of ``node``, dedented, or ``None`` when unsuitable."""
+    doc = ast.get_docstring(node)
+    if not doc or not 40 <= len(doc) <= 800 or len(node.body) < 2:
+        return None
+    first = node.body[0]
+    lines = source_lines[node.lineno - 1 : first.end_lineno]
+    if not lines or len(lines) > 40:
+        return None
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    return "\n".join(line[indent:] for line in lines) + "\n"
+
+
+def stdlib_function_stubs(root: str | Path | None = None) -> Iterator[tuple[str, str]]:
+    """``(id, stub)`` for every public module-level function with a docstring under ``root``
+    (default: this Python's standard library), in a stable order."""
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    if not base.is_dir():
+        raise ConfigError(f"{base} is not a folder of Python sources")
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base)
+        if _SKIP_PARTS.intersection(rel.parts) or any(p.startswith("_") for p in rel.parts[:-1]):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = text.splitlines()
+        module = ".".join(rel.with_suffix("").parts)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith(("_", "test")):
+                stub = _stub(lines, node)
+                if stub is not None:
+                    yield f"stdlib:{module}.{node.name}", stub
+
+
+def write_code_prompts(out: str | Path, limit: int, seed: int = 0, root: str | Path | None = None) -> int:
+    """Write up to ``limit`` prompts (a random sample, fixed by ``seed``) to ``out`` as JSONL
+    records ``{"id", "prompt"}``, the input of ``sot train gen-data --prompts``. Returns the
+    number written."""
+    if limit < 1:
+        raise ConfigError("--limit must be >= 1")
+    stubs = list(stdlib_function_stubs(root))
+    if not stubs:
+        raise ConfigError(f"no documented public functions found under {root or 'the standard library'}")
+    random.Random(seed).shuffle(stubs)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for cid, stub in stubs[:limit]:
+            fh.write(json.dumps({"id": cid, "prompt": CHAT_INSTRUCTION.format(code=stub)}) + "\n")
+    return min(limit, len(stubs))
