@@ -18,12 +18,11 @@ from sot.drafters import DrafterKind, TreeBudget, make_drafter
 from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
-from sot.models.loading import load_model
+from sot.models.loading import load_model, resolve_dtype
 from sot.policy import PolicyConfig
 from sot.prompts import PromptItem, encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -107,7 +106,7 @@ class SoT:
         cls,
         model: str = "default",
         drafter: str | DrafterKind = "auto",
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_nodes: int = 16,
         max_depth: int = 8,
         predictor: str | None = None,
@@ -120,16 +119,16 @@ class SoT:
             model: ``"default"`` (SmolLM2-135M-Instruct), a model folder or a ``.gguf`` file.
             drafter: ``auto`` (the state predictor when one is available for the model,
                 otherwise ``pld``), ``none``, ``pld`` or ``state``.
-            dtype: ``bfloat16`` (default, fastest on CPU) or ``float32``.
+            dtype: ``auto`` (default: ``bfloat16`` where the hardware computes it natively,
+                i.e. CPUs with AMX or AVX512-BF16 and bf16-capable GPUs, else ``float32``),
+                ``bfloat16`` or ``float32``. Greedy output is identical to plain decoding in either.
             max_nodes: tree size limit per step, root included.
             max_depth: how many tokens ahead a tree may reach.
             predictor: a state predictor file (default: the one shipped for the default model).
             top_k: children per expanded node in state-predictor trees.
             policy: the commit policy (default: heuristic, no warm-up).
         """
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        loaded = load_model(model, dtype=DTYPES[dtype])
+        loaded = load_model(model, dtype=resolve_dtype(dtype))
         if drafter == "auto":
             kind = DrafterKind.STATE if _has_predictor(loaded.model, predictor) else DrafterKind.PLD
         else:

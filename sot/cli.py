@@ -33,7 +33,8 @@ _probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="engine dtype (default: bfloat16)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="engine dtype (default auto: bfloat16 on hardware with native bf16 such as AMX, else float32)")
     p.add_argument("--max-nodes", "--budget", dest="max_nodes", type=_positive_int, default=16,
                    help="draft tree size per step (nodes verified at most), root included")
     p.add_argument("--max-depth", type=_non_negative_int, default=8, help="how far a draft tree may look ahead")
@@ -121,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace):
     from sot.api import SoT
+    from sot.models.loading import dtype_name, resolve_dtype
 
-    print(f"loading {args.model} ({args.dtype}, drafter {args.drafter}) ...", file=sys.stderr)
+    print(f"loading {args.model} ({dtype_name(resolve_dtype(args.dtype))}, drafter {args.drafter}) ...", file=sys.stderr)
     return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes,
                     max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
                     policy=policy_from_args(args))

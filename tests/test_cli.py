@@ -144,3 +144,22 @@ def test_stream_reports_statistics(model_dir: Path) -> None:
     assert sum(len(e.token_ids) for e in events) == 12
     stats = sot.last_stream[0]
     assert stats.new_tokens == 12 and stats.steps >= 1 and stats.mean_accept_len >= 1.0
+
+
+def test_auto_dtype_follows_native_bf16_support(monkeypatch, model_dir: Path) -> None:
+    """``auto`` takes bfloat16 only where the CPU multiplies it in hardware (AMX or
+    AVX512-BF16) and float32 elsewhere; explicit names are kept, unknown ones are refused."""
+    import torch
+
+    from sot.models.loading import native_bf16, resolve_dtype
+
+    assert resolve_dtype("float32") is torch.float32 and resolve_dtype("bfloat16") is torch.bfloat16
+    for amx, avx512_bf16, want in [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                   (False, False, torch.float32)]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        assert native_bf16("cpu") is (want is torch.bfloat16)
+        assert resolve_dtype("auto") is want
+        assert SoT.load(str(model_dir), drafter="none").target.model.dtype is want
+    with pytest.raises(ConfigError, match="dtype must be one of auto, float32, bfloat16"):
+        resolve_dtype("float16")

