@@ -58,6 +58,9 @@ def test_bench_outputs_and_consistency(setup) -> None:
     spec = [json.loads(line) for line in (out / "pld.jsonl").read_text().splitlines()]
     assert {"new_tokens", "wall_time", "accept_lengths"} <= set(spec[0]["choices"][0])
     assert "| pld |" in (out / "report.md").read_text()
+    machine = res["machine"]
+    assert machine["cores"] >= 1 and machine["torch_threads"] >= 1 and isinstance(machine["native_bf16"], bool)
+    assert f"SIMD {machine['simd']}" in (out / "report.md").read_text()
 
 
 def test_bench_catches_a_lossy_method(setup, monkeypatch) -> None:

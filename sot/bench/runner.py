@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,6 +192,27 @@ def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel,
         entry["identical_to_alone"] = f"{same}/{len(recs)}"
 
 
+def machine_info() -> dict:
+    """What the timings depend on: processor, cores, torch threads and SIMD level."""
+    import platform
+
+    import torch
+
+    from sot.models.loading import native_bf16
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "simd": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16("cpu"),
+            "torch": torch.__version__}
+
+
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark and write its outputs into ``cfg.out``; returns the results dict."""
     out = Path(cfg.out)
@@ -235,6 +257,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "notes"},
         "notes": list(cfg.notes),
         "model_rss_mb": model_rss / 2**20,
+        "machine": machine_info(),
         "methods": aggregates,
         "records": [dataclasses.asdict(r) for r in runs],
     }
@@ -308,6 +331,8 @@ def _write(result: dict, runs: list[RunRecord], names: list[str], records: list,
         f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
         f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",
         "",
+        _machine_line(result.get("machine")),
+        "",
         markdown_table(result["methods"]),
     ]
     lines += _alone_lines(result["methods"])
@@ -331,6 +356,13 @@ def _write(result: dict, runs: list[RunRecord], names: list[str], records: list,
 def _alone_lines(methods: dict) -> list[str]:
     return [f"- {m}: every sequence of a batch equals its prompt decoded alone: {a['identical_to_alone']}"
             for m, a in methods.items() if a.get("identical_to_alone")]
+
+
+def _machine_line(m: dict | None) -> str:
+    if not m:
+        return "machine: not recorded"
+    return (f"machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, SIMD {m['simd']}, "
+            f"native bf16 {'yes' if m['native_bf16'] else 'no'}, torch {m['torch']}")
 
 
 def summary(result: dict) -> str:
