@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,8 @@ from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_att
 from sot.cache import KVCache
 from sot.errors import UnsupportedModelError
 from sot.kernels import tree_attention_kernel
-from sot.models.fast_llama import FAST_FAMILIES, FastLlama, fused_rms_norm
-from sot.models.rows import ROW_UNIT, stable_matmul
+from sot.models.fast_llama import FAST_FAMILIES, FastLlama, PackedLinear, fused_rms_norm
+from sot.models.rows import ROW_UNIT
 
 ATTN_NAME = "sot"
 
@@ -38,13 +38,25 @@ def row_stable() -> Iterator[None]:
         _row_stable.reset(token)
 
 
+def _packed(module: torch.nn.Module, weight_nk: Callable[[], torch.Tensor]) -> PackedLinear:
+    """The module's weight packed once for row-stable products (the fast path's kernels),
+    re-packed if the parameter was replaced or changed in place."""
+    key = (module.weight.data_ptr(), module.weight._version)
+    cached = getattr(module, "_sot_packed", None)
+    if cached is None or cached[0] != key:
+        cached = (key, PackedLinear(weight_nk(), module.bias))
+        module._sot_packed = cached
+    return cached[1]
+
+
 class RowStableLinear(torch.nn.Linear):
     """``nn.Linear`` whose output rows do not depend on the other rows in the call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _row_stable.get():
             return F.linear(x, self.weight, self.bias)
-        return stable_matmul(x, self.weight.t(), self.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        return _packed(self, lambda: self.weight)(flat, stable=True).view(*x.shape[:-1], -1)
 
 
 def _stable_conv1d_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +64,8 @@ def _stable_conv1d_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Te
     if not _row_stable.get():
         size_out = x.size()[:-1] + (module.nf,)
         return torch.addmm(module.bias, x.view(-1, x.size(-1)), module.weight).view(size_out)
-    return stable_matmul(x, module.weight, module.bias)
+    flat = x.reshape(-1, x.shape[-1])
+    return _packed(module, lambda: module.weight.t())(flat, stable=True).view(*x.shape[:-1], -1)
 
 
 def make_row_stable(model: torch.nn.Module) -> None:

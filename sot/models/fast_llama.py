@@ -30,10 +30,14 @@ def fused_rms_norm(dtype: torch.dtype, device: torch.device):
 
 
 class PackedLinear:
-    """A weight ``[N, K]`` pre-packed once for the CPU BLAS (bf16: oneDNN, fp32: MKL).
+    """A weight ``[N, K]`` pre-packed once for the CPU BLAS (bf16: oneDNN; fp32: MKL or oneDNN).
 
-    Packing removes the per-call weight reorder; the products are bit-identical to
-    ``F.linear`` (checked by the test suite). Elsewhere it is plain ``F.linear``.
+    Packing removes the per-call weight reorder; the products are bit-identical to the
+    unpacked kernel's (checked by the test suite). For float32 the kernel is chosen by probe:
+    MKL where a short block gives each row the same bits as a full block, else oneDNN where
+    that holds, else MKL with short blocks padded (on some AVX2 CPUs MKL's float32 kernels
+    round short blocks differently, and padding every one-row product to ``ROW_UNIT`` rows
+    would make plain decoding several times slower). Elsewhere it is plain ``F.linear``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -41,18 +45,40 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()
         self.packed = None
         self.kind = ""
+        self.partial_ok = False
         if self.weight.device.type != "cpu":
             return
+        if self.weight.dtype == torch.bfloat16:
+            kinds = ["mkldnn"] if torch.backends.mkldnn.is_available() else []
+        elif self.weight.dtype == torch.float32:
+            kinds = [k for k, ok in (("mkl", torch.backends.mkl.is_available()),
+                                     ("mkldnn", torch.backends.mkldnn.is_available())) if ok]
+        else:
+            kinds = []
+        first = None
+        for kind in kinds:
+            if not self._pack(kind):
+                continue
+            first = first or kind
+            if self._probe_partial_blocks():
+                self.partial_ok = True
+                return
+        if first is not None and first != self.kind:
+            self._pack(first)
+        elif first is None:
+            self.packed, self.kind = None, ""
+
+    def _pack(self, kind: str) -> bool:
         try:
-            if self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            if kind == "mkldnn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROW_UNIT)
-                self.kind = "mkldnn"
-            elif self.weight.dtype == torch.float32 and torch.backends.mkl.is_available():
+            else:
                 self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, ROW_UNIT)
-                self.kind = "mkl"
         except (RuntimeError, AttributeError):
-            self.packed = None
-        self.partial_ok = self.packed is not None and self._probe_partial_blocks()
+            self.packed, self.kind = None, ""
+            return False
+        self.kind = kind
+        return True
 
     def _probe_partial_blocks(self) -> bool:
         """Whether a block of fewer than ``ROW_UNIT`` rows gives each row the same bits as a
