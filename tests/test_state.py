@@ -406,3 +406,28 @@ def test_gen_data_prompts_file_replaces_sharegpt(tiny_run, tmp_path) -> None:
     prompts.write_text(json.dumps({"prompt": "no id"}) + "\n")
     with pytest.raises(ConfigError, match=r"prompts.jsonl:1: a record needs an 'id'"):
         generate_answers("no/such/model", out, limit=5, prompts=prompts)
+
+
+def test_training_precision_bf16_or_fp32(tiny_run, tmp_path, monkeypatch) -> None:
+    """``precision`` picks bf16 autocast or float32 compute (``auto``: bf16 only where the
+    hardware has it); both train, and a bad value is refused before any work."""
+    from sot.train.trainer import compute_autocast
+
+    cpu = torch.device("cpu")
+    with compute_autocast(cpu, "bf16"):
+        assert torch.is_autocast_enabled("cpu")
+    with compute_autocast(cpu, "fp32"):
+        assert not torch.is_autocast_enabled("cpu")
+    for native in (True, False):
+        monkeypatch.setattr("sot.models.loading.native_bf16", lambda device="cpu", v=native: v)
+        with compute_autocast(cpu, "auto"):
+            assert torch.is_autocast_enabled("cpu") is native
+    monkeypatch.undo()
+    for precision in ("bf16", "fp32"):
+        cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / precision), steps=3, eval_every=100,
+                                  save_every=100, precision=precision)
+        fit(cfg)
+        history = torch.load(tmp_path / precision / "checkpoint.pt", weights_only=False)["history"]
+        assert len(history) == 3 and all(math.isfinite(h["loss"]) for h in history)
+    with pytest.raises(ConfigError, match="precision must be one of"):
+        fit(dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "bad"), precision="fp16"))

@@ -63,6 +63,9 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     prep.add_argument("--eval-conversations", type=positive_int, default=48, help="held-out conversations for evaluation")
     prep.add_argument("--seq-len", type=positive_int, default=1024)
     prep.add_argument("--layers", default=None, help="hidden-state layers, e.g. 2,15,27 (default: 2, L/2, L-3)")
+    prep.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                      help="dtype the target runs in (auto: bfloat16 where the hardware computes it natively, "
+                           "else float32); the cache stores bf16 either way")
 
     fit = tsub.add_parser("fit", help="train a state predictor on a prepared state cache")
     fit.add_argument("--model", default="default")
@@ -83,6 +86,9 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     fit.add_argument("--save-every", type=positive_int, default=100)
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--max-seconds", type=float, default=0.0, help="stop (with a checkpoint) after this long")
+    fit.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                     help="compute precision (auto: bf16 autocast where the hardware computes bf16 natively, "
+                          "else float32; master weights and losses are float32 either way)")
 
     pol = tsub.add_parser("policy", help="train the learned commit policy from logged decoding traces")
     pol.add_argument("--model", default="default")
@@ -116,19 +122,18 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    import torch
-
-    from sot.models.loading import load_model
+    from sot.models.loading import load_model, resolve_dtype
     from sot.train.data import build_state_cache, heldout_conversations, training_conversations
 
-    loaded = load_model(args.model, dtype=torch.bfloat16)
+    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
     layers = parse_layers(args.layers, loaded.model.config.num_hidden_layers)
     out = Path(args.out)
     convs = training_conversations(args.data)
     meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, args.seq_len)
     ev = build_state_cache(loaded.model, loaded.tokenizer, heldout_conversations(args.eval_conversations),
                            out / "eval", layers, None, args.seq_len)
-    info = {"model": args.model, "data": args.data or "sharegpt", "train": meta, "eval": ev}
+    info = {"model": args.model, "data": args.data or "sharegpt", "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "train": meta, "eval": ev}
     (out / "prepare.json").write_text(json.dumps(info, indent=2))
     print(f"cached {meta['tokens']:,} training tokens ({meta['bytes'] / 2**30:.2f} GiB) and "
           f"{ev['tokens']:,} held-out tokens ({ev['bytes'] / 2**20:.0f} MiB) in {out}", file=sys.stderr)
@@ -142,7 +147,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
         lr=args.lr, warmup=args.warmup, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init,
         init_from=args.init_from, eval_every=args.eval_every,
-        save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds,
+        save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, precision=args.precision,
     )
     fit(cfg)
     return 0

@@ -11,8 +11,9 @@ target's final normed hidden state ``h``)::
     (the input states also carry Gaussian noise: ``state_noise``)
 
 Only rows inside assistant replies count. Reported losses use KL(p || q) = CE - H(p) in
-place of the cross-entropy (same gradient), so they fall to 0 at the optimum. bf16 autocast for compute; fp32 master weights,
-optimizer state and losses. Under ``torchrun`` each process takes a disjoint share of the
+place of the cross-entropy (same gradient), so they fall to 0 at the optimum. bf16 autocast for compute
+(``precision="auto"``: where the hardware computes bf16 natively; float32 elsewhere, e.g. on AVX2-only
+CPUs, where PyTorch emulates bf16); fp32 master weights, optimizer state and losses. Under ``torchrun`` each process takes a disjoint share of the
 sequences and DDP averages gradients (gloo on CPU, NCCL on GPUs).
 """
 from __future__ import annotations
@@ -62,6 +63,21 @@ class TrainConfig:
     seed: int = 0
     max_seconds: float = 0.0
     grad_clip: float = 1.0
+    precision: str = "auto"  # compute: "bf16" autocast, "fp32", or "auto" (bf16 where native)
+
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def compute_autocast(device: torch.device, precision: str) -> torch.autocast:
+    """The autocast context of a training computation: bf16 for ``bf16``, off (float32) for
+    ``fp32``, and for ``auto`` bf16 only where ``device`` computes it natively."""
+    from sot.models.loading import native_bf16
+
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    use_bf16 = precision == "bf16" or (precision == "auto" and native_bf16(device))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
 
 # ---------------------------------------------------------------------------- distributed
@@ -105,11 +121,11 @@ def sequence_loss(
     """
     s = states.shape[1] - 1
     t = tokens.shape[0] - 1
-    inp = states[:t, :s].unsqueeze(0).to(device)
+    inp = states[:t, :s].unsqueeze(0).to(device).float()  # the cache is bf16; autocast casts back exactly
     target_h = states[1:, s].to(device).float()  # [t, D]
     nxt = tokens[1:].unsqueeze(0).to(device)
     weight = mask[1:].to(device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    autocast = compute_autocast(device, cfg.precision)
     sel = torch.nonzero(weight > 0).flatten()  # assistant rows: only these enter the loss
     with torch.no_grad():
         target_logp = torch.log_softmax(target_h[sel] @ pred.head.float().T, dim=-1)
@@ -180,8 +196,9 @@ def evaluate(pred: StatePredictor, data: StateDataset, full_head: torch.Tensor, 
         if i not in cache:
             cache[i] = (states[1:, s].to(device).float() @ full_head.T).argmax(-1)
         target_top = cache[i]  # [t] target's token at each row's next position
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            outs = pred.forward_unrolled(states[:t, :s].unsqueeze(0).to(device), tokens[1:].unsqueeze(0).to(device), depth)
+        with compute_autocast(device, cfg.precision):
+            outs = pred.forward_unrolled(states[:t, :s].unsqueeze(0).to(device).float(), tokens[1:].unsqueeze(0).to(device),
+                                         depth)
         hits = torch.stack([vocab[pred.logits(g[0]).float().argmax(-1)] == target_top for g in outs])  # [K, t]
         starts = torch.nonzero(mask[1 : t - depth + 1].bool()).flatten()
         ok = torch.ones(starts.numel(), dtype=torch.bool, device=device)
@@ -254,6 +271,8 @@ def fit(cfg: TrainConfig) -> Path:
 
     from sot.models.loading import load_model
 
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     rank, world, device = _dist_setup()
     out = Path(cfg.out)
     data_dirs = [Path(d) for d in cfg.data.split(",") if d]
