@@ -24,7 +24,6 @@ from sot.prompts import PromptItem, encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 
 
-
 @dataclass
 class Completion:
     """One prompt's output and its speed figures."""

@@ -31,9 +31,14 @@ _non_negative_float = _checked(float, "a number", lambda v: v >= 0, ">= 0")
 _probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 
 
+#: values of --dtype (sot.models.loading.resolve_dtype interprets them; kept here so that
+#: parsing arguments does not import torch)
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="engine dtype (default auto: bfloat16 on hardware with native bf16 such as AMX, else float32)")
     p.add_argument("--max-nodes", "--budget", dest="max_nodes", type=_positive_int, default=16,
                    help="draft tree size per step (nodes verified at most), root included")

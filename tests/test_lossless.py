@@ -149,3 +149,33 @@ def test_head_dim_outside_the_kernel_uses_the_pytorch_path() -> None:
     prompts = random_prompts((9, 40), seed=3)
     plain = run(target, NoDrafter(), prompts)
     assert run(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8), prompts) == plain
+
+
+def test_packed_linear_prefers_a_row_stable_kernel() -> None:
+    """Float32 products take a kernel whose short blocks give each row the bits of a full
+    block whenever the machine has one (MKL or oneDNN), so one-row passes need no padding;
+    with or without one, a row's result never depends on the other rows."""
+    from sot.models.fast_llama import PackedLinear
+    from sot.models.rows import ROW_UNIT
+
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((96, 64), (3072, 576), (576, 1536)):
+        w = torch.randn(n, k, generator=gen) / k**0.5
+        x = torch.randn(ROW_UNIT, k, generator=gen)
+
+        def stable(block) -> bool:
+            return all(torch.equal(block(x[:m]), block(x)[:m]) for m in (1, 3, 8))
+
+        kernels = []
+        if torch.backends.mkl.is_available():
+            mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, ROW_UNIT)
+            kernels.append(lambda a, p=mkl: torch.ops.mkl._mkl_linear(a, p, w, None, ROW_UNIT))
+        if torch.backends.mkldnn.is_available():
+            dnn = torch.ops.mkldnn._reorder_linear_weight(w, ROW_UNIT)
+            kernels.append(lambda a, p=dnn: torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], ""))
+        lin = PackedLinear(w)
+        assert lin.partial_ok == any(stable(f) for f in kernels), (n, k, lin.kind)
+        full = lin(x, stable=True)
+        for m in (1, 5, ROW_UNIT + 3):
+            rows = torch.cat([x, x])[:m]
+            assert torch.equal(lin(rows, stable=True)[: min(m, ROW_UNIT)], full[: min(m, ROW_UNIT)])

@@ -6,7 +6,8 @@ import sys
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from sot.cli import _non_negative_float, _non_negative_int, _positive_int, add_chat_flag, add_policy_args
+    from sot.cli import (DTYPE_CHOICES, _non_negative_float, _non_negative_int, _positive_int, add_chat_flag,
+                         add_policy_args)
 
     bench = sub.add_parser("bench", help="benchmark decoding methods side by side")
     bench.add_argument("--prompts", default="humaneval",
@@ -17,7 +18,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="comma list of hf, hf-pld, plain, pld, state, llamacpp; state=FILE adds the state drafter "
                             "with another predictor file (shown as state[FOLDER]), to compare predictors side by side")
     bench.add_argument("--model", default="default")
-    bench.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+    bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="engine dtype (auto: bfloat16 where the hardware computes it natively, else float32)")
     bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)

@@ -84,8 +84,6 @@ def parse_sweep(text: str) -> tuple[str, tuple[int, ...]]:
     return name, parsed
 
 
-
-
 def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
     return TreeBudget(max_nodes=override.get("max_nodes", cfg.max_nodes), max_depth=override.get("max_depth", cfg.max_depth))
 

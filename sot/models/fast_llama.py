@@ -63,10 +63,8 @@ class PackedLinear:
             if self._probe_partial_blocks():
                 self.partial_ok = True
                 return
-        if first is not None and first != self.kind:
+        if first is not None and first != self.kind:  # no kernel is row-stable for short blocks: pad
             self._pack(first)
-        elif first is None:
-            self.packed, self.kind = None, ""
 
     def _pack(self, kind: str) -> bool:
         try:

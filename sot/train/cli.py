@@ -29,6 +29,8 @@ def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
 
 
 def add_train_parser(sub, positive_int, positive_float) -> None:
+    from sot.cli import DTYPE_CHOICES
+
     train = sub.add_parser("train", help="train a state predictor (gen-data, prepare, fit) or a commit policy (policy)")
     tsub = train.add_subparsers(dest="train_command", required=True, parser_class=type(train))
 
@@ -63,7 +65,7 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     prep.add_argument("--eval-conversations", type=positive_int, default=48, help="held-out conversations for evaluation")
     prep.add_argument("--seq-len", type=positive_int, default=1024)
     prep.add_argument("--layers", default=None, help="hidden-state layers, e.g. 2,15,27 (default: 2, L/2, L-3)")
-    prep.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+    prep.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                       help="dtype the target runs in (auto: bfloat16 where the hardware computes it natively, "
                            "else float32); the cache stores bf16 either way")
 
@@ -122,7 +124,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from sot.models.loading import load_model, resolve_dtype
+    from sot.models.loading import dtype_name, load_model, resolve_dtype
     from sot.train.data import build_state_cache, heldout_conversations, training_conversations
 
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
@@ -132,7 +134,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, args.seq_len)
     ev = build_state_cache(loaded.model, loaded.tokenizer, heldout_conversations(args.eval_conversations),
                            out / "eval", layers, None, args.seq_len)
-    info = {"model": args.model, "data": args.data or "sharegpt", "dtype": str(loaded.model.dtype).removeprefix("torch."),
+    info = {"model": args.model, "data": args.data or "sharegpt", "dtype": dtype_name(loaded.model.dtype),
             "train": meta, "eval": ev}
     (out / "prepare.json").write_text(json.dumps(info, indent=2))
     print(f"cached {meta['tokens']:,} training tokens ({meta['bytes'] / 2**30:.2f} GiB) and "
