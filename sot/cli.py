@@ -32,7 +32,7 @@ _probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 #: values of --dtype (sot.models.loading.resolve_dtype interprets them; kept here so that
-#: parsing arguments does not import torch)
+#: parsing arguments does not import torch; a test checks that the two lists agree)
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 
 

@@ -163,3 +163,7 @@ def test_auto_dtype_follows_native_bf16_support(monkeypatch, model_dir: Path) ->
         assert SoT.load(str(model_dir), drafter="none").target.model.dtype is want
     with pytest.raises(ConfigError, match="dtype must be one of auto, float32, bfloat16"):
         resolve_dtype("float16")
+    # the parsers' torch-free list names exactly the values the loader resolves
+    from sot.cli import DTYPE_CHOICES
+    from sot.models.loading import DTYPE_CHOICES as LOADER_CHOICES
+    assert sorted(DTYPE_CHOICES) == sorted(LOADER_CHOICES)

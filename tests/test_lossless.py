@@ -8,6 +8,7 @@ import torch
 from helpers import ARCHS, RandomTreeDrafter, clone, hf_greedy, random_prompts, tiny_model
 from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
+from sot.kernels import tree_attention_kernel
 from sot.models.adapter import TargetModel
 
 NEW = 40
@@ -151,11 +152,35 @@ def test_head_dim_outside_the_kernel_uses_the_pytorch_path() -> None:
     assert run(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8), prompts) == plain
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (5, 1)], ids=["group3", "group5"])
+def test_kernel_query_head_groups_are_lossless(heads: int, kv_heads: int) -> None:
+    """The compiled attention has register-resident code for 1-4 query heads per KV head
+    and a generic loop beyond; both must keep tree rows identical to plain decoding (the
+    tiny models of the matrix cover groups 1, 2 and 4)."""
+    import transformers
+
+    torch.manual_seed(4)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=16 * heads, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).eval()
+    target = TargetModel(model)
+    assert target.new_cache(1, 64).transposed_keys == (tree_attention_kernel() is not None)
+    prompts = random_prompts((9, 40), seed=4)
+    plain = traced(target, NoDrafter(), prompts)
+    tokens = [t.argmax(-1).tolist() for t in plain]
+    spec = traced(target, RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.8, seed=3), prompts)
+    for a, b in zip(plain, spec):
+        assert torch.equal(a, b)
+
+
 def test_packed_linear_prefers_a_row_stable_kernel() -> None:
     """Float32 products take a kernel whose short blocks give each row the bits of a full
-    block whenever the machine has one (MKL or oneDNN), so one-row passes need no padding;
-    with or without one, a row's result never depends on the other rows."""
-    from sot.models.fast_llama import PackedLinear
+    block whenever the machine has one (SoT's compiled kernel, MKL or oneDNN), so one-row
+    passes need no padding; with or without one, a row's result never depends on the other
+    rows."""
+    from sot.kernels import tree_attention_kernel
+    from sot.models.fast_llama import PackedLinear, pack_panels
     from sot.models.rows import ROW_UNIT
 
     gen = torch.Generator().manual_seed(3)
@@ -167,6 +192,10 @@ def test_packed_linear_prefers_a_row_stable_kernel() -> None:
             return all(torch.equal(block(x[:m]), block(x)[:m]) for m in (1, 3, 8))
 
         kernels = []
+        compiled = tree_attention_kernel()
+        if compiled is not None:
+            panels = pack_panels(w)
+            kernels.append(lambda a, p=panels: compiled.linear_f32(a, p, w.shape[0], None))
         if torch.backends.mkl.is_available():
             mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, ROW_UNIT)
             kernels.append(lambda a, p=mkl: torch.ops.mkl._mkl_linear(a, p, w, None, ROW_UNIT))
@@ -179,3 +208,28 @@ def test_packed_linear_prefers_a_row_stable_kernel() -> None:
         for m in (1, 5, ROW_UNIT + 3):
             rows = torch.cat([x, x])[:m]
             assert torch.equal(lin(rows, stable=True)[: min(m, ROW_UNIT)], full[: min(m, ROW_UNIT)])
+        torch.testing.assert_close(full, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_float32_linear_is_row_stable() -> None:
+    """SoT's float32 kernel: any row count, any place of a row in the call, ragged column
+    counts and a bias give each row the same bits, and the values are the product's."""
+    from sot.kernels import tree_attention_kernel
+    from sot.models.fast_llama import pack_panels
+
+    kernel = tree_attention_kernel()
+    if kernel is None:
+        pytest.skip("the compiled kernel is unavailable here")
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((100, 40), (48, 576), (33, 7)):
+        w = torch.randn(n, k, generator=gen) / k**0.5
+        bias = torch.randn(n, generator=gen)
+        x = torch.randn(37, k, generator=gen)
+        panels = pack_panels(w)
+        assert panels.shape == (-(-n // 16), k, 16)
+        full = kernel.linear_f32(x, panels, n, bias)
+        torch.testing.assert_close(full, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+        for lo, hi in ((0, 1), (5, 6), (3, 5), (2, 9), (0, 16), (20, 37)):
+            assert torch.equal(kernel.linear_f32(x[lo:hi], panels, n, bias), full[lo:hi]), (n, k, lo, hi)
+        with pytest.raises(RuntimeError, match="packed weight mismatch"):
+            kernel.linear_f32(x[:, :-1], panels, n, bias)

@@ -10,6 +10,9 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -63,7 +66,90 @@ constexpr int64_t kMaxGroup = 16;
 // one vector), values [B, Hkv, S, D], both float32. One task is one (sequence, KV head, row):
 // the query heads sharing that KV head are processed together so each key is loaded once,
 // but every head keeps its own accumulators and its own fixed order of operations.
-template <typename T>
+// One 16-key block of scores for the query heads of one KV head: each lane sums
+// q[d] * k[d] over d in order. G > 0 fixes the head count at compile time, so the
+// accumulators stay in registers; G == 0 takes it from `group`. The operations are the same.
+template <int G>
+inline void score_block(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
+                        float* scores, int64_t stride) {
+#if defined(__AVX2__)
+  if constexpr (G > 0) {  // the same multiply, then add, per lane, in AVX2 registers
+    __m256 lo[G], hi[G];
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 c0 = _mm256_loadu_ps(kt + d * S), c1 = _mm256_loadu_ps(kt + d * S + 8);
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        const __m256 qd = _mm256_set1_ps(qrows[j * D + d]);
+        lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(qd, c0));
+        hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(qd, c1));
+      }
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      _mm256_storeu_ps(scores + j * stride, _mm256_mul_ps(lo[j], sc));
+      _mm256_storeu_ps(scores + j * stride + 8, _mm256_mul_ps(hi[j], sc));
+    }
+    return;
+  }
+#endif
+  const int64_t g = G > 0 ? G : group;
+  vec16 lane[G > 0 ? G : kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
+  for (int64_t d = 0; d < D; ++d) {
+    vec16 col;
+    std::memcpy(&col, kt + d * S, sizeof(col));
+    for (int64_t j = 0; j < g; ++j) lane[j] += qrows[j * D + d] * col;
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    lane[j] *= scale;
+    std::memcpy(scores + j * stride, &lane[j], sizeof(vec16));
+  }
+}
+
+// 16 lanes of the weighted value sum for each query head: acc[j * nv] += w[j][k] * v[k]
+// over the keys k in order (committed slots, then the row's ancestors).
+template <int G>
+inline void weighted_values(int64_t group, const float* weights, int64_t stride, const float* vbase, int64_t D,
+                            int64_t committed, const int64_t* slots, int64_t total, vec16* acc, int64_t nv) {
+#if defined(__AVX2__)
+  if constexpr (G > 0) {
+    __m256 lo[G], hi[G];
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < total; ++k) {
+      const float* v = vbase + (k < committed ? k : slots[k - committed]) * D;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        const __m256 w = _mm256_set1_ps(weights[j * stride + k]);
+        lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(w, v0));
+        hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(w, v1));
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      _mm256_storeu_ps(reinterpret_cast<float*>(acc + j * nv), lo[j]);
+      _mm256_storeu_ps(reinterpret_cast<float*>(acc + j * nv) + 8, hi[j]);
+    }
+    return;
+  }
+#endif
+  const int64_t g = G > 0 ? G : group;
+  vec16 lane[G > 0 ? G : kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
+  for (int64_t k = 0; k < total; ++k) {
+    const int64_t slot = k < committed ? k : slots[k - committed];
+    vec16 vv;
+    std::memcpy(&vv, vbase + slot * D, sizeof(vv));
+    for (int64_t j = 0; j < g; ++j) lane[j] += weights[j * stride + k] * vv;
+  }
+  for (int64_t j = 0; j < g; ++j) acc[j * nv] = lane[j];
+}
+
+template <typename T, int G>
 void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
          const torch::Tensor& lengths, const torch::Tensor& ancestors, const torch::Tensor& rows,
          float scale, torch::Tensor& out) {
@@ -114,19 +200,8 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
       scores.resize(group * stride);
       // Scores: each lane sums q[d] * k[d] over d in order, the same operations as the
       // scalar loop used for the rest.
-      for (int64_t k0 = 0; k0 < blocks; k0 += kLanes) {
-        vec16 lane[kMaxGroup];
-        for (int64_t j = 0; j < group; ++j) lane[j] = vec16{};
-        for (int64_t d = 0; d < D; ++d) {
-          vec16 col;
-          std::memcpy(&col, kt + d * S + k0, sizeof(col));
-          for (int64_t j = 0; j < group; ++j) lane[j] += qrows[j * D + d] * col;
-        }
-        for (int64_t j = 0; j < group; ++j) {
-          lane[j] *= scale;
-          std::memcpy(scores.data() + j * stride + k0, &lane[j], sizeof(vec16));
-        }
-      }
+      for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
+        score_block<G>(group, qrows.data(), D, kt + k0, S, scale, scores.data() + k0, stride);
       for (int64_t k = committed; k < total; ++k) {
         const int64_t slot = slots[k - committed];
         for (int64_t j = 0; j < group; ++j) {
@@ -164,16 +239,9 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
           for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
         sums[j] = lanes[0];
       }
-      std::fill(accv.begin(), accv.end(), vec16{});
-      for (int64_t k = 0; k < total; ++k) {
-        const int64_t slot = k < committed ? k : slots[k - committed];
-        const float* v = vbase + slot * D;
-        for (int64_t i = 0; i < nv; ++i) {
-          vec16 vv;
-          std::memcpy(&vv, v + i * kLanes, sizeof(vv));
-          for (int64_t j = 0; j < group; ++j) accv[j * nv + i] += scores[j * stride + k] * vv;
-        }
-      }
+      for (int64_t i = 0; i < nv; ++i)
+        weighted_values<G>(group, scores.data(), stride, vbase + i * kLanes, D, committed, slots.data(), total,
+                           accv.data() + i, nv);
       for (int64_t j = 0; j < group; ++j) {
         T* o = op + ((b * R + r) * H + kvh * group + j) * D;
         for (int64_t i = 0; i < nv; ++i)
@@ -197,12 +265,19 @@ torch::Tensor tree_attention_exact(torch::Tensor q, torch::Tensor keys, torch::T
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   const float scale = static_cast<float>(scaling);
-  if (q.scalar_type() == torch::kFloat32) {
-    run<float>(q, keys, values, lengths, ancestors, rows, scale, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(q, keys, values, lengths, ancestors, rows, scale, out);
-  } else {
-    TORCH_CHECK(false, "float32 or bfloat16 only");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 only");
+  const bool f32 = q.scalar_type() == torch::kFloat32;
+  switch (q.size(1) / keys.size(1)) {  // query heads per KV head
+    case 1: f32 ? run<float, 1>(q, keys, values, lengths, ancestors, rows, scale, out)
+                : run<at::BFloat16, 1>(q, keys, values, lengths, ancestors, rows, scale, out); break;
+    case 2: f32 ? run<float, 2>(q, keys, values, lengths, ancestors, rows, scale, out)
+                : run<at::BFloat16, 2>(q, keys, values, lengths, ancestors, rows, scale, out); break;
+    case 3: f32 ? run<float, 3>(q, keys, values, lengths, ancestors, rows, scale, out)
+                : run<at::BFloat16, 3>(q, keys, values, lengths, ancestors, rows, scale, out); break;
+    case 4: f32 ? run<float, 4>(q, keys, values, lengths, ancestors, rows, scale, out)
+                : run<at::BFloat16, 4>(q, keys, values, lengths, ancestors, rows, scale, out); break;
+    default: f32 ? run<float, 0>(q, keys, values, lengths, ancestors, rows, scale, out)
+                 : run<at::BFloat16, 0>(q, keys, values, lengths, ancestors, rows, scale, out); break;
   }
   return out;
 }
@@ -326,8 +401,145 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
+// Row-stable float32 linear layer: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]).
+//
+// Weights are packed once into panels of 16 output columns, [P, K, 16] (pack with
+// sot.models.fast_llama.pack_panels). Every output is one fused multiply-add chain over
+// k = 0 .. K-1 starting from zero, with the bias added last, whatever the row count, the
+// row's place in the call or the register block it lands in; so a row's bits never depend
+// on the other rows, and plain decoding (1 row) and tree verification (many rows) agree.
+// Register blocks of up to 6 rows x 16 columns, or 2 rows x 32 columns for 1-2 row calls
+// (more independent chains where the product is memory-bound).
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int kMaxRows = 6;
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <int MR, int NP>
+inline void linear_tile(const float* x, int64_t K, const float* panel, float* out) {
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  const int64_t stride = K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    // With 3 or more rows the tile is compute-bound: fetch the next panel meanwhile.
+    if (NP == 1) _mm_prefetch(reinterpret_cast<const char*>(panel + stride + k * kPanel), _MM_HINT_T0);
+    __m256 w[NP][2];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      w[j][0] = _mm256_loadu_ps(panel + j * stride + k * kPanel);
+      w[j][1] = _mm256_loadu_ps(panel + j * stride + k * kPanel + 8);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xi = _mm256_broadcast_ss(x + i * K + k);
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) {
+        acc[i][j][0] = _mm256_fmadd_ps(xi, w[j][0], acc[i][j][0]);
+        acc[i][j][1] = _mm256_fmadd_ps(xi, w[j][1], acc[i][j][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      _mm256_storeu_ps(out + (i * NP + j) * kPanel, acc[i][j][0]);
+      _mm256_storeu_ps(out + (i * NP + j) * kPanel + 8, acc[i][j][1]);
+    }
+}
+#else
+template <int MR, int NP>
+inline void linear_tile(const float* x, int64_t K, const float* panel, float* out) {
+  float acc[MR][NP][kPanel] = {};
+  const int64_t stride = K * kPanel;
+  for (int64_t k = 0; k < K; ++k)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NP; ++j)
+        for (int64_t c = 0; c < kPanel; ++c)
+          acc[i][j][c] = std::fma(x[i * K + k], panel[j * stride + k * kPanel + c], acc[i][j][c]);
+  std::memcpy(out, acc, sizeof(acc));
+}
+#endif
+
+// MR rows (x [MR, K]) times NP panels starting at panel p, written to y [MR, N].
+template <int MR, int NP>
+inline void linear_block(const float* x, int64_t K, const float* packed, int64_t p, int64_t N,
+                         const float* bias, float* y) {
+  float tile[MR * NP * kPanel];
+  linear_tile<MR, NP>(x, K, packed + p * K * kPanel, tile);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NP; ++j) {
+      const int64_t n0 = (p + j) * kPanel;
+      const int64_t cols = std::min<int64_t>(kPanel, N - n0);
+      const float* a = tile + (i * NP + j) * kPanel;
+      float* dst = y + i * N + n0;
+      if (bias) {
+        for (int64_t c = 0; c < cols; ++c) dst[c] = a[c] + bias[n0 + c];
+      } else {
+        for (int64_t c = 0; c < cols; ++c) dst[c] = a[c];
+      }
+    }
+}
+
+template <int NP>
+inline void linear_rows(int64_t rows, const float* x, int64_t K, const float* packed, int64_t p, int64_t N,
+                        const float* bias, float* y) {
+  switch (rows) {
+    case 1: linear_block<1, NP>(x, K, packed, p, N, bias, y); break;
+    case 2: linear_block<2, NP>(x, K, packed, p, N, bias, y); break;
+    case 3: linear_block<3, NP>(x, K, packed, p, N, bias, y); break;
+    case 4: linear_block<4, NP>(x, K, packed, p, N, bias, y); break;
+    case 5: linear_block<5, NP>(x, K, packed, p, N, bias, y); break;
+    default: linear_block<kMaxRows, NP>(x, K, packed, p, N, bias, y); break;
+  }
+}
+
+}  // namespace
+
+// x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N; bias: [N] or None. Returns [M, N].
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
+              packed.scalar_type() == torch::kFloat32 && packed.is_contiguous(), "packed weight mismatch");
+  TORCH_CHECK(packed.size(0) * kPanel >= N, "N exceeds the packed weight");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias size mismatch");
+    bp = b.data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t np = M <= 2 ? 2 : 1;
+  at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = t * np;
+      const bool pair = np == 2 && p + 1 < P;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+        if (pair) {
+          linear_rows<2>(rows, xp + m0 * K, K, pp, p, N, bp, yp + m0 * N);
+        } else {
+          linear_rows<1>(rows, xp + m0 * K, K, pp, p, N, bp, yp + m0 * N);
+        }
+      }
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rotary embedding of q/k and KV-cache write");
   m.def("tree_attention_exact", &tree_attention_exact, "exact CPU tree attention");
   m.def("rms_norm_bf16", &rms_norm_bf16, "fused bfloat16 RMSNorm (optionally after a residual add)");
+  m.def("linear_f32", &linear_f32, "row-stable float32 linear layer on panel-packed weights");
 }
