@@ -152,8 +152,9 @@ def test_head_dim_outside_the_kernel_uses_the_pytorch_path() -> None:
     assert run(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8), prompts) == plain
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (5, 1)], ids=["group3", "group5"])
-def test_kernel_query_head_groups_are_lossless(heads: int, kv_heads: int) -> None:
+def test_kernel_query_head_groups_are_lossless(heads: int, kv_heads: int, dtype: torch.dtype) -> None:
     """The compiled attention has register-resident code for 1-4 query heads per KV head
     and a generic loop beyond; both must keep tree rows identical to plain decoding (the
     tiny models of the matrix cover groups 1, 2 and 4)."""
@@ -164,7 +165,7 @@ def test_kernel_query_head_groups_are_lossless(heads: int, kv_heads: int) -> Non
                                       num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                       max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(config).eval()
-    target = TargetModel(model)
+    target = TargetModel(clone(model, dtype))
     assert target.new_cache(1, 64).transposed_keys == (tree_attention_kernel() is not None)
     prompts = random_prompts((9, 40), seed=4)
     plain = traced(target, NoDrafter(), prompts)
@@ -233,3 +234,37 @@ def test_compiled_float32_linear_is_row_stable() -> None:
             assert torch.equal(kernel.linear_f32(x[lo:hi], panels, n, bias), full[lo:hi]), (n, k, lo, hi)
         with pytest.raises(RuntimeError, match="packed weight mismatch"):
             kernel.linear_f32(x[:, :-1], panels, n, bias)
+
+
+def test_weights_stored_as_exact_blocks_give_the_same_bits() -> None:
+    """Float32 weights that are exactly GGUF Q4_1 or Q8_0 blocks (as in a model dequantized
+    from a GGUF file) are kept in 4 or 8 bits and decoded on the fly; the product has the
+    bits of the float32 kernel's, for any rows. Other weights are refused."""
+    from sot.kernels import tree_attention_kernel
+    from sot.models.fast_llama import PackedLinear, pack_blocks, pack_panels
+
+    kernel = tree_attention_kernel()
+    if kernel is None:
+        pytest.skip("the compiled kernel is unavailable here")
+    gen = torch.Generator().manual_seed(8)
+    n, k = 100, 96
+    scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
+    low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q4[..., 0], q4[..., 1] = 0, 15  # a block's minimum is its offset, as the quantizer makes it
+    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q8[..., 0] = 127
+    x = torch.randn(21, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    for w, dtype in (((scale * q4 + low).reshape(n, k), torch.uint8), ((scale * q8).reshape(n, k), torch.int8)):
+        blocks = pack_blocks(w)
+        assert blocks is not None and blocks[0].dtype == dtype
+        full = kernel.linear_f32(x, pack_panels(w), n, bias)
+        assert torch.equal(kernel.linear_blocks_f32(x, *blocks, n, bias), full)
+        for lo, hi in ((0, 1), (4, 6), (2, 9)):
+            assert torch.equal(kernel.linear_blocks_f32(x[lo:hi], *blocks, n, bias), full[lo:hi])
+        assert isinstance(PackedLinear(w, bias).packed, tuple)
+    nearly = (scale * q4 + low).reshape(n, k).clone()
+    nearly[5, 7] = torch.nextafter(nearly[5, 7], torch.tensor(1.0))
+    assert pack_blocks(nearly) is None and pack_blocks(torch.randn(n, k, generator=gen)) is None
+    assert not isinstance(PackedLinear(nearly).packed, tuple)

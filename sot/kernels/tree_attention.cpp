@@ -465,12 +465,13 @@ inline void linear_tile(const float* x, int64_t K, const float* panel, float* ou
 }
 #endif
 
-// MR rows (x [MR, K]) times NP panels starting at panel p, written to y [MR, N].
+// MR rows (x [MR, K]) times NP consecutive panels (the first is panel p, at `panel`),
+// written to y [MR, N].
 template <int MR, int NP>
-inline void linear_block(const float* x, int64_t K, const float* packed, int64_t p, int64_t N,
+inline void linear_block(const float* x, int64_t K, const float* panel, int64_t p, int64_t N,
                          const float* bias, float* y) {
   float tile[MR * NP * kPanel];
-  linear_tile<MR, NP>(x, K, packed + p * K * kPanel, tile);
+  linear_tile<MR, NP>(x, K, panel, tile);
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NP; ++j) {
       const int64_t n0 = (p + j) * kPanel;
@@ -500,14 +501,14 @@ inline void linear_rows(int64_t rows, const float* x, int64_t K, const float* pa
 
 }  // namespace
 
-// x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N; bias: [N] or None. Returns [M, N].
-torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
-              packed.scalar_type() == torch::kFloat32 && packed.is_contiguous(), "packed weight mismatch");
-  TORCH_CHECK(packed.size(0) * kPanel >= N, "N exceeds the packed weight");
+// The product over every panel, two threads or more splitting the panels. `panel_at(p, np,
+// scratch)` returns np consecutive panels starting at panel p, [np][K][16] floats, either in
+// place or decoded into `scratch` (room for two panels).
+template <typename PanelAt>
+torch::Tensor linear_panels(torch::Tensor x, int64_t P, int64_t N, const c10::optional<torch::Tensor>& bias,
+                            PanelAt panel_at) {
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor b;
   const float* bp = nullptr;
@@ -517,19 +518,20 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
     bp = b.data_ptr<float>();
   }
   const float* xp = x.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t np = M <= 2 ? 2 : 1;
   at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t * np;
       const bool pair = np == 2 && p + 1 < P;
+      const float* panel = panel_at(p, pair ? 2 : 1, scratch);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
         if (pair) {
-          linear_rows<2>(rows, xp + m0 * K, K, pp, p, N, bp, yp + m0 * N);
+          linear_rows<2>(rows, xp + m0 * K, K, panel, p, N, bp, yp + m0 * N);
         } else {
-          linear_rows<1>(rows, xp + m0 * K, K, pp, p, N, bp, yp + m0 * N);
+          linear_rows<1>(rows, xp + m0 * K, K, panel, p, N, bp, yp + m0 * N);
         }
       }
     }
@@ -537,9 +539,99 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   return y;
 }
 
+// x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N; bias: [N] or None. Returns [M, N].
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
+              packed.scalar_type() == torch::kFloat32 && packed.is_contiguous(), "packed weight mismatch");
+  TORCH_CHECK(packed.size(0) * kPanel >= N, "N exceeds the packed weight");
+  const float* pp = packed.data_ptr<float>();
+  const int64_t K = x.size(1);
+  return linear_panels(x, packed.size(0), N, bias,
+                       [&](int64_t p, int64_t, std::vector<float>&) { return pp + p * K * kPanel; });
+}
+
+// Float32 weights stored exactly as 4-bit or 8-bit blocks of 32 inputs (the GGUF Q4_1 and
+// Q8_0 layouts, whose float32 dequantization is w = d * q + m, resp. w = d * q, rounded after
+// each operation). A panel is decoded into float32 right before use, so the products are
+// bit-identical to linear_f32 on the float32 weights, with a quarter to an eighth of the
+// memory traffic. Layouts per panel p and block kb (K / 32 blocks):
+//   q4: data [P, K/32, 32, 8] uint8, byte j of input k = column j (low nibble) and column
+//       j + 8 (high nibble); scale, min [P, K/32, 16] float32;
+//   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float32; min empty.
+inline void decode_panel(int bits, const uint8_t* data, const float* scale, const float* mins, int64_t K,
+                         float* out) {
+  const int64_t blocks = K / 32;
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const float* d = scale + kb * kPanel;
+    const float* m = mins ? mins + kb * kPanel : nullptr;
+#if defined(__AVX2__)
+    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+    const __m256 m0 = m ? _mm256_loadu_ps(m) : _mm256_setzero_ps(), m1 = m ? _mm256_loadu_ps(m + 8) : m0;
+    for (int64_t k = 0; k < 32; ++k) {
+      float* o = out + (kb * 32 + k) * kPanel;
+      if (bits == 4) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + (kb * 32 + k) * 8)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(d0, lo), m0));
+        _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(d1, hi), m1));
+      } else {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (kb * 32 + k) * 16));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+        _mm256_storeu_ps(o, _mm256_mul_ps(d0, lo));
+        _mm256_storeu_ps(o + 8, _mm256_mul_ps(d1, hi));
+      }
+    }
+#else
+    for (int64_t k = 0; k < 32; ++k) {
+      float* o = out + (kb * 32 + k) * kPanel;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        if (bits == 4) {
+          const uint8_t byte = data[(kb * 32 + k) * 8 + c % 8];
+          const float q = static_cast<float>(c < 8 ? byte & 15 : byte >> 4);
+          o[c] = d[c] * q + m[c];
+        } else {
+          o[c] = d[c] * static_cast<float>(reinterpret_cast<const int8_t*>(data)[(kb * 32 + k) * 16 + c]);
+        }
+      }
+    }
+#endif
+  }
+}
+
+torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tensor scale, torch::Tensor mins,
+                                int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+  const int64_t K = x.size(1), P = data.size(0);
+  const bool q4 = data.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(data.dim() == 4 && K % 32 == 0 && data.size(1) == K / 32 && data.size(2) == 32 &&
+              data.size(3) == (q4 ? 8 : 16) && (q4 || data.scalar_type() == torch::kInt8) && data.is_contiguous(),
+              "packed weight mismatch");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == P * (K / 32) * kPanel,
+              "packed weight mismatch");
+  TORCH_CHECK(!q4 || (mins.scalar_type() == torch::kFloat32 && mins.is_contiguous() && mins.numel() == scale.numel()),
+              "packed weight mismatch");
+  TORCH_CHECK(P * kPanel >= N, "N exceeds the packed weight");
+  const uint8_t* dp = reinterpret_cast<const uint8_t*>(data.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
+  const int64_t bytes = K * (q4 ? 8 : 16), per = (K / 32) * kPanel;
+  return linear_panels(x, P, N, bias, [&](int64_t p, int64_t count, std::vector<float>& scratch) {
+    scratch.resize(2 * K * kPanel);
+    for (int64_t j = 0; j < count; ++j)
+      decode_panel(q4 ? 4 : 8, dp + (p + j) * bytes, sp + (p + j) * per, mp ? mp + (p + j) * per : nullptr, K,
+                   scratch.data() + j * K * kPanel);
+    return static_cast<const float*>(scratch.data());
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rotary embedding of q/k and KV-cache write");
   m.def("tree_attention_exact", &tree_attention_exact, "exact CPU tree attention");
   m.def("rms_norm_bf16", &rms_norm_bf16, "fused bfloat16 RMSNorm (optionally after a residual add)");
   m.def("linear_f32", &linear_f32, "row-stable float32 linear layer on panel-packed weights");
+  m.def("linear_blocks_f32", &linear_blocks_f32, "linear_f32 on float32 weights stored as exact 4/8-bit blocks");
 }

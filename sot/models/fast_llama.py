@@ -7,6 +7,7 @@ dispatch. A test checks that its logits equal the generic path's bit for bit.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,61 @@ def pack_panels(weight: torch.Tensor, width: int = 16) -> torch.Tensor:
     return weight.reshape(panels, width, k).transpose(1, 2).contiguous()
 
 
+def _fp16_candidates(approx: torch.Tensor) -> list[torch.Tensor]:
+    """float16 values at and next to ``approx`` (as float32), nearest first."""
+    bits = approx.to(torch.float16).view(torch.int16)
+    return [(bits + off).view(torch.float16).float() for off in (0, -1, 1, -2, 2)]
+
+
+def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0:
+    ``w = d * q``) blocks of 32 inputs, in the panel layout of the compiled
+    ``linear_blocks_f32``: ``(data, scale, mins)`` (``mins`` empty for 8-bit), or ``None``
+    when some block is not exactly of that form. Every decoded weight is checked to equal
+    the float32 one bit for bit, so a product over the blocks equals ``linear_f32``'s.
+
+    A model dequantized from a GGUF file (the default model) has such weights: it then reads
+    an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32 or n == 0:
+        return None
+    panels = -(-n // 16)
+    w = weight.detach()
+    if panels * 16 != n:
+        w = torch.cat([w, w.new_zeros(panels * 16 - n, k)])
+    blocks = w.reshape(panels * 16, k // 32, 32)
+
+    def solve(levels: range, offset: torch.Tensor, spread: torch.Tensor):
+        found = torch.zeros(blocks.shape[:2], dtype=torch.bool)
+        scale = torch.zeros(blocks.shape[:2])
+        q = torch.zeros(blocks.shape, dtype=torch.int16)
+        for d in _fp16_candidates(spread):
+            safe = torch.where(d == 0, torch.ones_like(d), d)[..., None]
+            cand = torch.round((blocks - offset[..., None]) / safe).clamp(levels.start, levels.stop - 1)
+            rebuilt = d[..., None] * cand + offset[..., None] if offset.any() else d[..., None] * cand
+            new = (rebuilt.view(torch.int32) == blocks.view(torch.int32)).all(-1) & ~found  # bits, signed zeros too
+            scale = torch.where(new, d, scale)
+            q = torch.where(new[..., None], cand.to(torch.int16), q)
+            found |= new
+            if bool(found.all()):
+                break
+        return bool(found.all()), scale, q
+
+    low = blocks.min(-1).values
+    if bool((low.to(torch.float16).float() == low).all()):
+        ok, scale, q = solve(range(0, 16), low, (blocks.max(-1).values - low) / 15)
+        if ok:  # 4-bit: byte j holds column j (low nibble) and column j + 8 (high nibble)
+            q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
+            data = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
+            per_panel = lambda t: t.reshape(panels, 16, k // 32).transpose(1, 2).contiguous()  # noqa: E731
+            return data, per_panel(scale), per_panel(low)
+    ok, scale, q = solve(range(-128, 128), torch.zeros_like(low), blocks.abs().max(-1).values / 127)
+    if ok:
+        data = q.to(torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1).contiguous()
+        return data, scale.reshape(panels, 16, k // 32).transpose(1, 2).contiguous(), torch.empty(0)
+    return None
+
+
 class PackedLinear:
     """A weight ``[N, K]`` pre-packed once for a CPU kernel (bf16: oneDNN; fp32: SoT's own
     compiled kernel, else MKL or oneDNN).
@@ -52,9 +108,15 @@ class PackedLinear:
     blocks padded (on some AVX2 CPUs MKL's float32 kernels round short blocks differently, and
     padding every one-row product to ``ROW_UNIT`` rows makes plain decoding several times
     slower). Elsewhere it is plain ``F.linear``.
+
+    With SoT's kernel, a float32 weight that is exactly a grid of GGUF Q4_1 or Q8_0 blocks (a
+    model dequantized from a GGUF file) is kept in that form and decoded on the fly
+    (:func:`pack_blocks`; same bits, a sixth of the memory traffic). ``compress=False`` or the
+    environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compress: bool = True) -> None:
+        self.compress = compress and not os.environ.get("SOT_NO_BLOCKS")
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach()
         self.packed = None
@@ -85,7 +147,8 @@ class PackedLinear:
     def _pack(self, kind: str) -> bool:
         try:
             if kind == "sot":
-                self.packed = pack_panels(self.weight)
+                blocks = pack_blocks(self.weight) if self.compress else None
+                self.packed = blocks if blocks is not None else pack_panels(self.weight)
             elif kind == "mkldnn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROW_UNIT)
             else:
@@ -107,6 +170,8 @@ class PackedLinear:
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "sot":
+            if isinstance(self.packed, tuple):
+                return tree_attention_kernel().linear_blocks_f32(x, *self.packed, self.weight.shape[0], self.bias)
             return tree_attention_kernel().linear_f32(x, self.packed, self.weight.shape[0], self.bias)
         if self.kind == "mkldnn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
