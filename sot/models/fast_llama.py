@@ -65,14 +65,16 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
         w = torch.cat([w, w.new_zeros(panels * 16 - n, k)])
     blocks = w.reshape(panels * 16, k // 32, 32)
 
-    def solve(levels: range, offset: torch.Tensor, spread: torch.Tensor):
+    def solve(levels: range, offset: torch.Tensor | None, spread: torch.Tensor):
+        # decoded exactly as the kernel does: d * q, then + m (4-bit), each step rounded
         found = torch.zeros(blocks.shape[:2], dtype=torch.bool)
         scale = torch.zeros(blocks.shape[:2])
         q = torch.zeros(blocks.shape, dtype=torch.int16)
         for d in _fp16_candidates(spread):
             safe = torch.where(d == 0, torch.ones_like(d), d)[..., None]
-            cand = torch.round((blocks - offset[..., None]) / safe).clamp(levels.start, levels.stop - 1)
-            rebuilt = d[..., None] * cand + offset[..., None] if offset.any() else d[..., None] * cand
+            base = blocks if offset is None else blocks - offset[..., None]
+            cand = torch.round(base / safe).clamp(levels.start, levels.stop - 1)
+            rebuilt = d[..., None] * cand if offset is None else d[..., None] * cand + offset[..., None]
             new = (rebuilt.view(torch.int32) == blocks.view(torch.int32)).all(-1) & ~found  # bits, signed zeros too
             scale = torch.where(new, d, scale)
             q = torch.where(new[..., None], cand.to(torch.int16), q)
@@ -89,7 +91,7 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
             data = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
             per_panel = lambda t: t.reshape(panels, 16, k // 32).transpose(1, 2).contiguous()  # noqa: E731
             return data, per_panel(scale), per_panel(low)
-    ok, scale, q = solve(range(-128, 128), torch.zeros_like(low), blocks.abs().max(-1).values / 127)
+    ok, scale, q = solve(range(-128, 128), None, blocks.abs().max(-1).values / 127)
     if ok:
         data = q.to(torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1).contiguous()
         return data, scale.reshape(panels, 16, k // 32).transpose(1, 2).contiguous(), torch.empty(0)
@@ -103,8 +105,8 @@ class PackedLinear:
     Packing removes the per-call weight reorder; the products are bit-identical to the
     unpacked kernel's (checked by the test suite). For float32 the kernel is chosen by probe,
     in this order, taking the first whose short blocks give each row the same bits as a full
-    block: SoT's ``linear_f32`` (row-stable by construction, and on 2-core AVX2 CPUs 1.5x
-    faster than oneDNN for one row and 1.3x for 16), MKL, oneDNN; if none is, MKL with short
+    block: SoT's ``linear_f32`` (row-stable by construction, and on a 2-core AVX2 CPU about
+    1.6-1.7x faster than oneDNN for 1 to 16 rows; ``scripts/linear_bench.py``), MKL, oneDNN; if none is, MKL with short
     blocks padded (on some AVX2 CPUs MKL's float32 kernels round short blocks differently, and
     padding every one-row product to ``ROW_UNIT`` rows makes plain decoding several times
     slower). Elsewhere it is plain ``F.linear``.
