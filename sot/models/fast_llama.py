@@ -83,18 +83,20 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
                 break
         return bool(found.all()), scale, q
 
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16]
+        return t.reshape(panels, 16, k // 32).transpose(1, 2).contiguous()
+
     low = blocks.min(-1).values
     if bool((low.to(torch.float16).float() == low).all()):
         ok, scale, q = solve(range(0, 16), low, (blocks.max(-1).values - low) / 15)
         if ok:  # 4-bit: byte j holds column j (low nibble) and column j + 8 (high nibble)
             q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
             data = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
-            per_panel = lambda t: t.reshape(panels, 16, k // 32).transpose(1, 2).contiguous()  # noqa: E731
             return data, per_panel(scale), per_panel(low)
     ok, scale, q = solve(range(-128, 128), None, blocks.abs().max(-1).values / 127)
     if ok:
         data = q.to(torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1).contiguous()
-        return data, scale.reshape(panels, 16, k // 32).transpose(1, 2).contiguous(), torch.empty(0)
+        return data, per_panel(scale), torch.empty(0)
     return None
 
 
@@ -123,14 +125,15 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()
         self.packed = None
         self.kind = ""
+        self.kernel = None  # SoT's compiled module, for kind "sot"
         self.partial_ok = False
         if self.weight.device.type != "cpu":
             return
         if self.weight.dtype == torch.bfloat16:
             kinds = ["mkldnn"] if torch.backends.mkldnn.is_available() else []
         elif self.weight.dtype == torch.float32:
-            kernel = tree_attention_kernel()
-            kinds = [k for k, ok in (("sot", kernel is not None and hasattr(kernel, "linear_f32")),
+            self.kernel = tree_attention_kernel()
+            kinds = [k for k, ok in (("sot", self.kernel is not None),
                                      ("mkl", torch.backends.mkl.is_available()),
                                      ("mkldnn", torch.backends.mkldnn.is_available())) if ok]
         else:
@@ -173,8 +176,8 @@ class PackedLinear:
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "sot":
             if isinstance(self.packed, tuple):
-                return tree_attention_kernel().linear_blocks_f32(x, *self.packed, self.weight.shape[0], self.bias)
-            return tree_attention_kernel().linear_f32(x, self.packed, self.weight.shape[0], self.bias)
+                return self.kernel.linear_blocks_f32(x, *self.packed, self.weight.shape[0], self.bias)
+            return self.kernel.linear_f32(x, self.packed, self.weight.shape[0], self.bias)
         if self.kind == "mkldnn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.kind == "mkl":
