@@ -60,7 +60,8 @@ class SequenceResult:
     first_token_seconds: float = 0.0
     #: per verify step: nodes verified, root included (1 = a plain step)
     tree_sizes: list[int] = field(default_factory=list)
-    #: steps decoded plainly by the commit policy (warm-up or fallback), and fallbacks taken
+    #: steps on which the commit policy kept the drafter's model idle (warm-up or fallback; they
+    #: verify the drafter's free trees, if any, else decode plainly), and fallbacks taken
     plain_steps: int = 0
     fallbacks: int = 0
     #: with ``Engine(trace=True)``: the logits row ``[V]`` that decided each committed token.
@@ -314,7 +315,8 @@ class Engine:
         def inputs(group: list[int]) -> list[DraftInput]:
             return [DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in group]
 
-        # sequences decoding plainly skip the drafter; their states wait until it next runs
+        # sequences decoding plainly skip the drafter's model; their states wait until it next
+        # runs, and they verify what it offers for free (prompt-lookup matches), if anything
         budget = policy.draft_budget(self.budget, drafting, len(seqs))
         passes = self.drafter.passes
         proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), budget))) if drafting else {}
@@ -322,7 +324,9 @@ class Engine:
             policy.observe_draft(time.perf_counter() - t0, self.drafter.passes - passes)
         for b in drafting:
             seqs[b].states = None
-        proposed.update(policy.choose_batch({b: proposed[b] for b in drafting}, len(seqs), len(active)))
+        free = (self.drafter.propose_free(inputs(plain), self.budget) if plain and policy.adaptive else None) or []
+        proposed.update(zip(plain, free))
+        proposed = policy.choose_batch(proposed, len(seqs), len(active), calibrated=frozenset(plain))
         for b in plain:
             seqs[b].result.plain_steps += 1
         t1 = time.perf_counter()

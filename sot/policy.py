@@ -394,18 +394,27 @@ class CommitPolicy:
         probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
         return [1.0] + [min(1.0, s.calibration * probs[i]) for i in range(1, tree.size)]
 
-    def choose_batch(self, trees: dict[int, DraftTree], batch_rows: int, live: int | None = None) -> dict[int, DraftTree]:
+    def choose_batch(self, trees: dict[int, DraftTree], batch_rows: int, live: int | None = None,
+                     calibrated: frozenset[int] = frozenset()) -> dict[int, DraftTree]:
         """Prune the trees of the drafting sequences of one step together. Every sequence of
         the pass is padded to the largest tree, so the pass costs ``verify(batch_rows * n)``
         for ``n`` rows per sequence; the policy picks the ``n`` with the most expected tokens
         per second over the batch (``batch_rows``: sequences in the pass, drafting or not;
         ``live``: those not finished), and each drafting sequence keeps its best ``n - 1`` nodes.
-        ``n`` may be 1: a plain step that still paid for drafting, which counts toward fallback."""
+        ``n`` may be 1: a plain step that still paid for drafting, which counts toward fallback.
+        The trees of the sequences in ``calibrated`` (free drafts, see
+        :meth:`~sot.drafters.base.Drafter.propose_free`) carry acceptance estimates as their
+        ``draft_probs`` and are taken as they are."""
         if not self.adaptive or not trees:
             return trees
         orders, gains = {}, {}
         for b, tree in trees.items():
-            est = self.acceptance(b, tree) if tree.size > 1 else [1.0]
+            if tree.size <= 1:
+                est = [1.0]
+            elif b in calibrated:
+                est = list(tree.draft_probs or [1.0] + [0.0] * (tree.size - 1))
+            else:
+                est = self.acceptance(b, tree)
             orders[b] = ranked_nodes(tree, est)
             cum = [0.0]
             for i in orders[b]:
@@ -420,7 +429,8 @@ class CommitPolicy:
                 best_n, best_rate = n, rate
         out = {}
         for b, tree in trees.items():
-            self.seqs[b].verified = best_n
+            if b not in calibrated:
+                self.seqs[b].verified = best_n
             keep = orders[b][: best_n - 1]
             out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)
         return out

@@ -155,6 +155,39 @@ def test_root_only_choice_falls_back_and_skips_the_drafter() -> None:
     assert res.plain_steps == res.steps - _Unsure.calls
 
 
+def test_fallback_steps_verify_free_drafts_losslessly() -> None:
+    """While the policy keeps the drafter's model idle, the drafter's free trees are still
+    verified: here the model's drafts are junk (so the sequence falls back) and the free
+    drafts are the true continuation, so fallback steps commit several tokens each."""
+    model = tiny_model("llama", seed=2)
+    target = TargetModel(clone(model, torch.float32))
+    prompts = random_prompts((12,), seed=4)
+    params = GenerationParams(max_new_tokens=40)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+
+    class _FreeRight(_Mixed):
+        free_calls = 0
+
+        def propose(self, inputs, budget):  # the model's drafts: confident junk
+            return super().propose([DraftInput(1, x.context, x.states) for x in inputs], budget)
+
+        def propose_free(self, inputs, budget):
+            type(self).free_calls += len(inputs)
+            trees = super().propose(inputs, budget)  # sequence 0: the true continuation
+            return [DraftTree(t.tokens, t.parents, t.depths, [0.9**d for d in t.depths]) for t in trees]
+
+    drafter = _FreeRight(plain, [12])
+    engine = Engine(target, drafter, TreeBudget(8, 6), policy=PolicyConfig(first_backoff=4))
+    engine.cost_model = lambda: CostModel([1, 8], [0.010, 0.012])
+    res = engine.generate(prompts, params)[0]
+    assert res.token_ids == plain[0]
+    assert res.fallbacks >= 1 and res.plain_steps > 0
+    assert _FreeRight.free_calls == res.plain_steps, "every step with the model idle asks for free drafts"
+    idle = [a for a, n in zip(res.accept_lengths, res.tree_sizes) if n > 1 and a > 1]
+    assert idle, "free drafts of the true continuation must be verified and accepted"
+    assert res.steps < len(res.token_ids), "fewer steps than tokens: free drafts committed several at once"
+
+
 def test_static_policy_grows_a_fixed_beam() -> None:
     from sot.drafters.state import StateDrafter, new_predictor
 

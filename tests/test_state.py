@@ -431,3 +431,38 @@ def test_training_precision_bf16_or_fp32(tiny_run, tmp_path, monkeypatch) -> Non
         assert len(history) == 3 and all(math.isfinite(h["loss"]) for h in history)
     with pytest.raises(ConfigError, match="precision must be one of"):
         fit(dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "bad"), precision="fp16"))
+
+
+def test_lookup_rate_learns_from_committed_tokens_and_free_drafts_use_it() -> None:
+    """The match rate of the prompt-lookup path is measured from what was committed after it
+    (a path the policy pruned counts too); the free drafts are chains with confidence
+    ``rate ** depth``."""
+    from sot.drafters.base import DraftInput
+    from sot.drafters.pld import LookupRate
+
+    rate = LookupRate(decay=1.0)
+    assert rate.rate == 0.5
+    rate.proposed([1, 2, 3], [4, 5, 6])
+    rate.update([1, 2, 3, 4, 5, 9])  # two matched, the third did not
+    assert (rate.hits, rate.tries) == (2, 3)
+    rate.update([1, 2, 3, 4, 5, 9, 7])  # nothing recorded since: no change
+    assert (rate.hits, rate.tries) == (2, 3)
+    rate.proposed([1, 2], [3, 4, 5])
+    rate.update([1, 2, 3])  # only one token committed: one try, one hit
+    assert (rate.hits, rate.tries) == (3, 4)
+    assert rate.rate == pytest.approx(3.5 / 5)
+    chain = rate.chain(7, [8, 9])
+    assert chain.tokens == [7, 8, 9] and chain.parents == [-1, 0, 1]
+    assert chain.draft_probs == pytest.approx([1.0, 0.7, 0.49])
+
+    model = tiny_model("llama", seed=4)
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=2), top_k=2)
+    drafter.reset(2)
+    context = [5, 6, 7, 8, 9, 5, 6]  # "5 6" was followed by "7 8 9" before
+    trees = drafter.propose_free([DraftInput(0, context), DraftInput(1, [1, 2, 3])], TreeBudget(4, 8))
+    assert trees[0].tokens == [6, 7, 8, 9] and trees[0].draft_probs == pytest.approx([1.0, 0.5, 0.25, 0.125])
+    assert trees[1].size == 1, "no match: a root-only tree"
+    # the continuation matched twice, then missed: the sequence's rate rises above 1/2
+    drafter.propose_free([DraftInput(0, context + [7, 8, 4])], TreeBudget(4, 8))
+    assert drafter.rates[0].rate > 0.5
+    assert StateDrafter(new_predictor(model, LAYERS, None, seed=2), lookup=False).propose_free([], TreeBudget()) is None

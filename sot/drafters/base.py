@@ -77,6 +77,14 @@ class Drafter(ABC):
     def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
         """One tree per input, rooted at ``input.context[-1]``."""
 
+    def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree] | None:
+        """Trees that cost no model pass (e.g. prompt-lookup matches), for the steps on which
+        the commit policy keeps the drafter's model idle (warm-up, fallback). Their
+        ``draft_probs`` estimate each node's acceptance as they stand (the policy does not
+        recalibrate them). ``None`` when the drafter has no such trees: those steps are plain.
+        ``input.states`` is left for the next :meth:`propose`."""
+        return None
+
 
 class NoDrafter(Drafter):
     """Proposes nothing: every step verifies the root alone, which is plain decoding."""

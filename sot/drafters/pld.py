@@ -51,3 +51,49 @@ class PromptLookupDrafter(Drafter):
             paths = self.candidates(x.context, budget.max_depth) if budget.max_nodes > 1 else []
             trees.append(tree_from_paths(x.context[-1], paths, budget.max_nodes))
         return trees
+
+
+class LookupRate:
+    """How often one sequence's best prompt-lookup continuation matches what the target
+    really generated, learned from the context alone.
+
+    :meth:`proposed` records the lookup path offered at a step; the next :meth:`update` sees
+    the tokens committed since and counts, per token of the path, whether it matched (the
+    match at depth ``d`` is only tried when depths ``1..d-1`` matched). A path the commit
+    policy pruned away still counts: the committed tokens are what the target generated
+    either way. :attr:`rate` is the smoothed per-token match rate, starting from 1/2.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.hits = 0.0
+        self.tries = 0.0
+        self._path: list[int] = []
+        self._at = 0
+
+    @property
+    def rate(self) -> float:
+        return (self.hits + 0.5) / (self.tries + 1.0)
+
+    def update(self, context: list[int]) -> None:
+        """Score the last recorded path against the tokens committed after it."""
+        if not self._path or len(context) <= self._at:
+            return
+        new = context[self._at :]
+        hits = 0
+        while hits < min(len(self._path), len(new)) and self._path[hits] == new[hits]:
+            hits += 1
+        tries = min(hits + 1, len(self._path), len(new))
+        self.hits = self.decay * self.hits + hits
+        self.tries = self.decay * self.tries + tries
+        self._path = []
+
+    def proposed(self, context: list[int], path: list[int]) -> None:
+        """Remember ``path``, offered after ``context``."""
+        self._path, self._at = list(path), len(context)
+
+    def chain(self, root: int, path: list[int]) -> DraftTree:
+        """``path`` as a chain under ``root``, node ``d`` with confidence ``rate ** d``."""
+        r = self.rate
+        n = len(path)
+        return DraftTree([root] + list(path), list(range(-1, n)), list(range(n + 1)), [r**d for d in range(n + 1)])

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
+from sot.drafters.pld import LookupRate, PromptLookupDrafter
 from sot.errors import ConfigError, DrafterCompatibilityError
 from sot.tree import DraftTree
 
@@ -532,19 +533,20 @@ class StateDrafter(Drafter):
     Args:
         predictor: the loaded predictor.
         top_k: children considered per expanded node, and nodes expanded per depth.
-        lookup: merge the best prompt-lookup continuation into each tree.
-        lookup_confidence: the confidence given to the ``d``-th lookup token is this to the ``d``.
+        lookup: merge the best prompt-lookup continuation into each tree, and offer it alone
+            (:meth:`propose_free`) on the steps the policy keeps the predictor idle.
+        lookup_confidence: the confidence of the ``d``-th lookup token is this to the ``d``;
+            ``None`` (default) uses the sequence's measured lookup match rate
+            (:class:`~sot.drafters.pld.LookupRate`).
         min_confidence: nodes below this cumulative draft probability are not expanded.
     """
 
     kind = DrafterKind.STATE
 
     def __init__(self, predictor: StatePredictor, top_k: int = 8, lookup: bool = True,
-                 lookup_confidence: float = 0.5, min_confidence: float = 0.05) -> None:
+                 lookup_confidence: float | None = None, min_confidence: float = 0.05) -> None:
         if top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {top_k}")
-        from sot.drafters.pld import PromptLookupDrafter
-
         self.lookup = PromptLookupDrafter() if lookup else None
         self.lookup_confidence = lookup_confidence
         self.min_confidence = min_confidence
@@ -553,6 +555,7 @@ class StateDrafter(Drafter):
         self.state_layers = tuple(predictor.config.state_layers)
         self.top_k = top_k
         self.seqs: list[_SeqState] = []
+        self.rates: list[LookupRate] = []
         self.dtype = next(predictor.parameters()).dtype
         self._vocab = predictor.draft_vocab.tolist()
 
@@ -562,9 +565,29 @@ class StateDrafter(Drafter):
 
     def reset(self, batch_size: int) -> None:
         self.seqs = [_SeqState() for _ in range(batch_size)]
+        self.rates = [LookupRate() for _ in range(batch_size)]
 
     def reset_sequence(self, sequence: int) -> None:
         self.seqs[sequence] = _SeqState()
+        self.rates[sequence] = LookupRate()
+
+    def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree] | None:
+        """The best prompt-lookup continuation of each sequence as a chain, node ``d`` with
+        confidence ``rate ** d`` (the sequence's measured match rate); root-only trees where
+        nothing matches. ``None`` without lookup."""
+        if self.lookup is None:
+            return None
+        out = []
+        for x in inputs:
+            rate = self.rates[x.sequence]
+            rate.update(x.context)
+            found = self.lookup.candidates(x.context, min(budget.max_depth, budget.max_nodes - 1))
+            if not found:
+                out.append(DraftTree([x.context[-1]], [-1], [0], [1.0]))
+                continue
+            rate.proposed(x.context, found[0])
+            out.append(rate.chain(x.context[-1], found[0]))
+        return out
 
     @torch.no_grad()
     def _absorb(self, items: list[tuple[_SeqState, torch.Tensor, list[int], int]]) -> None:
@@ -615,16 +638,19 @@ class StateDrafter(Drafter):
                 continue
             tree = self._finish_tree(growths[j], budget)
             if self.lookup is not None and budget.width == 0:
-                tree = self._merge_lookup(tree, x.context, budget)
+                tree = self._merge_lookup(tree, x.context, budget, self.rates[x.sequence])
             out.append(tree)
         return out
 
-    def _merge_lookup(self, tree: DraftTree, context: list[int], budget: TreeBudget) -> DraftTree:
+    def _merge_lookup(self, tree: DraftTree, context: list[int], budget: TreeBudget, rate: LookupRate) -> DraftTree:
         """Merge the best prompt-lookup path into ``tree``; the best ``max_nodes - 1`` nodes of
         both, by confidence, are kept (shared prefixes count once)."""
+        rate.update(context)
         found = self.lookup.candidates(context, budget.max_depth)
         if not found:
             return tree
+        rate.proposed(context, found[0])
+        r = self.lookup_confidence if self.lookup_confidence is not None else rate.rate
         probs = tree.draft_probs or [1.0] * tree.size
         paths: list[tuple[float, tuple[int, ...]]] = []
         node_path: list[tuple[int, ...]] = [()]
@@ -632,7 +658,7 @@ class StateDrafter(Drafter):
             node_path.append(node_path[tree.parents[i]] + (tree.tokens[i],))
             paths.append((probs[i], node_path[i]))
         best = found[0]
-        paths += [(self.lookup_confidence ** d, tuple(best[:d])) for d in range(1, len(best) + 1)]
+        paths += [(r**d, tuple(best[:d])) for d in range(1, len(best) + 1)]
         # a prefix is never less confident than its extension, so this order inserts parents first
         paths.sort(key=lambda x: (-x[0], len(x[1])))
         tokens, parents, depths, conf = [tree.tokens[0]], [-1], [0], [1.0]
