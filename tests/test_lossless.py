@@ -236,6 +236,31 @@ def test_compiled_float32_linear_is_row_stable() -> None:
             kernel.linear_f32(x[:, :-1], panels, n, bias)
 
 
+def test_compiled_float32_rms_norm_is_row_stable() -> None:
+    """The fused float32 RMSNorm: the residual sum is the plain sum, the values are the
+    formula's (to float32 rounding), and a row's bits do not depend on its neighbours."""
+    from sot.models.fast_llama import fused_rms_norm
+
+    norm = fused_rms_norm(torch.float32, torch.device("cpu"))
+    if norm is None:
+        pytest.skip("the compiled kernel is unavailable here")
+    gen = torch.Generator().manual_seed(3)
+    for d in (576, 37):
+        w = torch.randn(d, generator=gen)
+        x = torch.randn(2, 9, d, generator=gen)
+        res = torch.randn(2, 9, d, generator=gen)
+        out, total = norm(x, w, 1e-5, res)
+        assert torch.equal(total, x + res)
+        torch.testing.assert_close(out, w * torch.nn.functional.rms_norm(x + res, (d,), eps=1e-5), rtol=1e-5, atol=1e-6)
+        alone = norm(x, w, 1e-5, None)
+        assert len(alone) == 1
+        flat, flat_res = x.reshape(18, d), res.reshape(18, d)
+        for lo, hi in ((0, 1), (4, 5), (3, 11), (17, 18)):
+            assert torch.equal(norm(flat[lo:hi], w, 1e-5, flat_res[lo:hi])[0], out.reshape(18, d)[lo:hi])
+    with pytest.raises(RuntimeError, match="weight size mismatch"):
+        norm(x, w[:-1], 1e-5, None)
+
+
 def test_weights_stored_as_exact_blocks_give_the_same_bits() -> None:
     """Float32 weights that are exactly GGUF Q4_1 or Q8_0 blocks (as in a model dequantized
     from a GGUF file) are kept in 4 or 8 bits and decoded on the fly; the product has the

@@ -86,8 +86,8 @@ _NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
 
 def use_fused_norms(model: torch.nn.Module) -> None:
-    """In bfloat16 on the CPU, run Llama-style RMSNorm modules through the compiled kernel
-    that the fast path uses, so both paths compute the same bits."""
+    """On the CPU (bfloat16 or float32), run Llama-style RMSNorm modules through the compiled
+    kernel that the fast path uses, so both paths compute the same bits."""
     for module in model.modules():
         if type(module).__name__ in _NORM_CLASSES:
             fused = fused_rms_norm(module.weight.dtype, module.weight.device)

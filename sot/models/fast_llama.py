@@ -21,13 +21,15 @@ FAST_FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def fused_rms_norm(dtype: torch.dtype, device: torch.device):
-    """The compiled bfloat16 RMSNorm (``(x, weight, eps, residual) -> [normed, sum]``), or
-    ``None`` where it does not apply (float32 keeps transformers' own reductions, so that
-    float32 output stays identical to ``generate()``)."""
-    if dtype != torch.bfloat16 or device.type != "cpu":
+    """The compiled RMSNorm for bfloat16 or float32 rows on the CPU
+    (``(x [..., D], weight [D], eps, residual [..., D] | None) -> [normed, x + residual]``),
+    or ``None`` where it does not apply (other dtypes and devices, or no compiler)."""
+    if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
         return None
     kernel = tree_attention_kernel()
-    return None if kernel is None else kernel.rms_norm_bf16
+    if kernel is None:
+        return None
+    return kernel.rms_norm_bf16 if dtype == torch.bfloat16 else kernel.rms_norm_f32
 
 
 def pack_panels(weight: torch.Tensor, width: int = 16) -> torch.Tensor:
@@ -254,9 +256,9 @@ class FastLlama:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``h = h + delta`` (when given), then RMSNorm of ``h``; returns ``(normed, h)``.
 
-        In bfloat16 on the CPU one compiled call does both (the same function replaces the
-        norm modules of the generic path, see :func:`sot.models.adapter.use_fused_norms`);
-        otherwise this is transformers' own formula.
+        On the CPU (bfloat16 or float32) one compiled call does both (the same function
+        replaces the norm modules of the generic path, see
+        :func:`sot.models.adapter.use_fused_norms`); otherwise this is transformers' own formula.
         """
         if self.fused_norm is not None:
             out = self.fused_norm(h, weight, self.eps, delta)
