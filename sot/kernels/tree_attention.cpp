@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #if defined(__AVX2__)
@@ -462,12 +463,45 @@ constexpr int kMaxRows = 6;
 
 #if defined(__AVX2__) && defined(__FMA__)
 template <int MR, int NP>
-inline void linear_tile(const float* x, int64_t K, const float* panel, float* out) {
-  __m256 acc[MR][NP][2];
+__attribute__((always_inline)) inline void zero_tile(__m256 (&acc)[MR][NP][2]) {
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+}
+
+// acc [MR][NP][2] x 8 lanes -> out [MR][NP][16]
+template <int MR, int NP>
+__attribute__((always_inline)) inline void store_acc(const __m256 (&acc)[MR][NP][2], float* out) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      _mm256_storeu_ps(out + (i * NP + j) * kPanel, acc[i][j][0]);
+      _mm256_storeu_ps(out + (i * NP + j) * kPanel + 8, acc[i][j][1]);
+    }
+}
+
+// acc[i][j] += x[i, k] * w[j] for the MR rows and NP panels of a tile: one step of each
+// output's FMA chain over k.
+template <int MR, int NP>
+__attribute__((always_inline)) inline void fma_step(__m256 (&acc)[MR][NP][2], const __m256 (&w)[NP][2],
+                                                    const float* x, int64_t K, int64_t k) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m256 xi = _mm256_broadcast_ss(x + i * K + k);
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      acc[i][j][0] = _mm256_fmadd_ps(xi, w[j][0], acc[i][j][0]);
+      acc[i][j][1] = _mm256_fmadd_ps(xi, w[j][1], acc[i][j][1]);
+    }
+  }
+}
+
+template <int MR, int NP>
+inline void linear_tile(const float* x, int64_t K, const float* panel, float* out) {
+  __m256 acc[MR][NP][2];
+  zero_tile<MR, NP>(acc);
   const int64_t stride = K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
     // With 3 or more rows the tile is compute-bound: fetch the next panel meanwhile.
@@ -478,23 +512,9 @@ inline void linear_tile(const float* x, int64_t K, const float* panel, float* ou
       w[j][0] = _mm256_loadu_ps(panel + j * stride + k * kPanel);
       w[j][1] = _mm256_loadu_ps(panel + j * stride + k * kPanel + 8);
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xi = _mm256_broadcast_ss(x + i * K + k);
-#pragma GCC unroll 2
-      for (int j = 0; j < NP; ++j) {
-        acc[i][j][0] = _mm256_fmadd_ps(xi, w[j][0], acc[i][j][0]);
-        acc[i][j][1] = _mm256_fmadd_ps(xi, w[j][1], acc[i][j][1]);
-      }
-    }
+    fma_step<MR, NP>(acc, w, x, K, k);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j) {
-      _mm256_storeu_ps(out + (i * NP + j) * kPanel, acc[i][j][0]);
-      _mm256_storeu_ps(out + (i * NP + j) * kPanel + 8, acc[i][j][1]);
-    }
+  store_acc<MR, NP>(acc, out);
 }
 #else
 template <int MR, int NP>
@@ -510,13 +530,9 @@ inline void linear_tile(const float* x, int64_t K, const float* panel, float* ou
 }
 #endif
 
-// MR rows (x [MR, K]) times NP consecutive panels (the first is panel p, at `panel`),
-// written to y [MR, N].
+// A tile [MR][NP][16] of products for panels p.. written to y [MR, N] (plus the bias).
 template <int MR, int NP>
-inline void linear_block(const float* x, int64_t K, const float* panel, int64_t p, int64_t N,
-                         const float* bias, float* y) {
-  float tile[MR * NP * kPanel];
-  linear_tile<MR, NP>(x, K, panel, tile);
+inline void store_tile(const float* tile, int64_t p, int64_t N, const float* bias, float* y) {
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NP; ++j) {
       const int64_t n0 = (p + j) * kPanel;
@@ -529,6 +545,16 @@ inline void linear_block(const float* x, int64_t K, const float* panel, int64_t 
         for (int64_t c = 0; c < cols; ++c) dst[c] = a[c];
       }
     }
+}
+
+// MR rows (x [MR, K]) times NP consecutive panels (the first is panel p, at `panel`),
+// written to y [MR, N].
+template <int MR, int NP>
+inline void linear_block(const float* x, int64_t K, const float* panel, int64_t p, int64_t N,
+                         const float* bias, float* y) {
+  float tile[MR * NP * kPanel];
+  linear_tile<MR, NP>(x, K, panel, tile);
+  store_tile<MR, NP>(tile, p, N, bias, y);
 }
 
 template <int NP>
@@ -546,24 +572,34 @@ inline void linear_rows(int64_t rows, const float* x, int64_t K, const float* pa
 
 }  // namespace
 
+// The input made contiguous, the output [M, N] and the bias (float32, or null) of a product.
+struct LinearIO {
+  torch::Tensor x, y, b;
+  const float* xp;
+  float* yp;
+  const float* bp = nullptr;
+  LinearIO(const torch::Tensor& input, int64_t N, const c10::optional<torch::Tensor>& bias)
+      : x(input.contiguous()), y(torch::empty({input.size(0), N}, input.options())) {
+    if (bias.has_value() && bias->defined()) {
+      b = bias->to(torch::kFloat32).contiguous();
+      TORCH_CHECK(b.numel() == N, "bias size mismatch");
+      bp = b.data_ptr<float>();
+    }
+    xp = x.data_ptr<float>();
+    yp = y.data_ptr<float>();
+  }
+};
+
 // The product over every panel, two threads or more splitting the panels. `panel_at(p, np,
 // scratch)` returns np consecutive panels starting at panel p, [np][K][16] floats, either in
 // place or decoded into `scratch` (room for two panels).
 template <typename PanelAt>
 torch::Tensor linear_panels(torch::Tensor x, int64_t P, int64_t N, const c10::optional<torch::Tensor>& bias,
                             PanelAt panel_at) {
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias size mismatch");
-    bp = b.data_ptr<float>();
-  }
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  LinearIO io(x, N, bias);
+  const int64_t M = io.x.size(0), K = io.x.size(1);
+  const float *xp = io.xp, *bp = io.bp;
+  float* yp = io.yp;
   const int64_t np = M <= 2 ? 2 : 1;
   at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
@@ -581,7 +617,7 @@ torch::Tensor linear_panels(torch::Tensor x, int64_t P, int64_t N, const c10::op
       }
     }
   });
-  return y;
+  return io.y;
 }
 
 // x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N; bias: [N] or None. Returns [M, N].
@@ -604,6 +640,13 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
 //   q4: data [P, K/32, 32, 8] uint8, byte j of input k = column j (low nibble) and column
 //       j + 8 (high nibble); scale, min [P, K/32, 16] float32;
 //   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float32; min empty.
+// SOT_NO_FUSED_BLOCKS=1 decodes 1-2 row products through a panel copy too (for comparison).
+// (Read on every call, a few hundred nanoseconds against tens of microseconds per product.)
+inline bool no_fused_blocks() {
+  const char* v = std::getenv("SOT_NO_FUSED_BLOCKS");
+  return v != nullptr && v[0] == '1';
+}
+
 inline void decode_panel(int bits, const uint8_t* data, const float* scale, const float* mins, int64_t K,
                          float* out) {
   const int64_t blocks = K / 32;
@@ -620,8 +663,10 @@ inline void decode_panel(int bits, const uint8_t* data, const float* scale, cons
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + (kb * 32 + k) * 8)));
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_mul_ps(d0, lo), m0));
-        _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_mul_ps(d1, hi), m1));
+        // d * q is exact in float32 (d is a float16 value, 11 significant bits, and q < 16), so
+        // one fused multiply-add rounds exactly as the multiply, then add, of the format.
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(d0, lo, m0));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(d1, hi, m1));
       } else {
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (kb * 32 + k) * 16));
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
@@ -647,6 +692,69 @@ inline void decode_panel(int bits, const uint8_t* data, const float* scale, cons
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// One or two rows over NP panels of blocks, each weight decoded in registers right before its
+// multiply-add (no float32 copy of the panel): the decode (d * q, then + m) and the FMA chain
+// over k are those of decode_panel + linear_tile, so the bits are the same. For the 1-3 row
+// products of plain decoding and small trees, where decoding, not arithmetic, bounds the time.
+template <int MR, int NP, bool Q4>
+inline void fused_block_tile(const float* x, int64_t K, const uint8_t* data, int64_t bytes, const float* scale,
+                             const float* mins, int64_t per, float* out) {
+  __m256 acc[MR][NP][2];
+  zero_tile<MR, NP>(acc);
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
+      __m256 w[NP][2];
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) {
+        const float* d = scale + j * per + kb * kPanel;
+        if (Q4) {
+          const float* m = mins + j * per + kb * kPanel;
+          const __m256i b = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + j * bytes + k * 8)));
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+          w[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(d), lo, _mm256_loadu_ps(m));  // exact: see decode_panel
+          w[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), hi, _mm256_loadu_ps(m + 8));
+        } else {
+          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + j * bytes + k * 16));
+          w[j][0] = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+          w[j][1] = _mm256_mul_ps(_mm256_loadu_ps(d + 8),
+                                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
+        }
+      }
+      fma_step<MR, NP>(acc, w, x, K, k);
+    }
+  }
+  store_acc<MR, NP>(acc, out);
+}
+
+// All M = MR rows over every panel: pairs of panels (32 columns, more independent FMA chains)
+// for 1-2 rows, single panels for 3 rows.
+template <int MR, bool Q4>
+void fused_block_rows(const float* x, int64_t K, int64_t P, int64_t N, const uint8_t* data, int64_t bytes,
+                      const float* scale, const float* mins, int64_t per, const float* bias, float* y) {
+  constexpr int64_t NP = MR <= 2 ? 2 : 1;
+  at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t begin, int64_t end) {
+    float tile[MR * 2 * kPanel];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = NP * t;
+      const uint8_t* dp = data + p * bytes;
+      const float* sp = scale + p * per;
+      const float* mp = Q4 ? mins + p * per : nullptr;
+      if (NP == 2 && p + 1 < P) {
+        fused_block_tile<MR, 2, Q4>(x, K, dp, bytes, sp, mp, per, tile);
+        store_tile<MR, 2>(tile, p, N, bias, y);
+      } else {
+        fused_block_tile<MR, 1, Q4>(x, K, dp, bytes, sp, mp, per, tile);
+        store_tile<MR, 1>(tile, p, N, bias, y);
+      }
+    }
+  });
+}
+#endif
+
 torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tensor scale, torch::Tensor mins,
                                 int64_t N, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
@@ -664,6 +772,25 @@ torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tens
   const float* sp = scale.data_ptr<float>();
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   const int64_t bytes = K * (q4 ? 8 : 16), per = (K / 32) * kPanel;
+#if defined(__AVX2__) && defined(__FMA__)
+  // (Measured: 1-3 rows gain from it; from 4 rows on, decoding a panel once into a float32
+  // copy shared by all row tiles is faster.)
+  if (x.size(0) <= 3 && !no_fused_blocks()) {
+    LinearIO io(x, N, bias);
+    const float *xp = io.xp, *bp = io.bp;
+    float* yp = io.yp;
+#define SOT_FUSED(R) (q4 ? fused_block_rows<R, true>(xp, K, P, N, dp, bytes, sp, mp, per, bp, yp) \
+                         : fused_block_rows<R, false>(xp, K, P, N, dp, bytes, sp, mp, per, bp, yp))
+    switch (io.x.size(0)) {
+      case 1: SOT_FUSED(1); break;
+      case 2: SOT_FUSED(2); break;
+      case 3: SOT_FUSED(3); break;
+      default: break;  // no rows
+    }
+#undef SOT_FUSED
+    return io.y;
+  }
+#endif
   return linear_panels(x, P, N, bias, [&](int64_t p, int64_t count, std::vector<float>& scratch) {
     scratch.resize(2 * K * kPanel);
     for (int64_t j = 0; j < count; ++j)
