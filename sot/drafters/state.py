@@ -121,6 +121,12 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            from sot.models.fast_llama import fused_rms_norm
+
+            fused = fused_rms_norm(x.dtype, x.device)  # the same formula in one compiled call
+            if fused is not None:
+                return fused(x, self.weight, self.eps, None)[0]
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
@@ -188,6 +194,9 @@ class StatePredictor(torch.nn.Module):
         packed = {name: PackedLinear(mod.weight) for name, mod in self.named_children()
                   if isinstance(mod, torch.nn.Linear)}
         packed["head"] = PackedLinear(self.head)
+        # one product for q, k and v, and one for gate and up (each row's outputs unchanged)
+        packed["qkv"] = PackedLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+        packed["gate_up"] = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         self.__dict__["_packed"] = packed
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -213,12 +222,18 @@ class StatePredictor(torch.nn.Module):
         x = states.to(self.fuse.weight.dtype)
         return self._linear("fuse", torch.cat([norm(x[..., i, :]) for i, norm in enumerate(self.in_norms)], dim=-1))
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x [..., H, T, hd]``, ``positions [..., T]``."""
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor,
+              angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x [..., H, T, hd]``, ``positions [..., T]``; ``angles``: :meth:`_rope_angles`
+        of ``positions``, when already computed."""
+        cos, sin = angles or self._rope_angles(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def _rope_angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [..., 1, T, hd]`` for ``positions [..., T]``."""
         ang = positions.to(torch.float32)[..., None] * self.inv_freq
         emb = torch.cat((ang, ang), dim=-1)
-        cos, sin = emb.cos().unsqueeze(-3).to(x.dtype), emb.sin().unsqueeze(-3).to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        return emb.cos().unsqueeze(-3).to(dtype), emb.sin().unsqueeze(-3).to(dtype)
 
     def project(self, state: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """Input projection and attention inputs for rows ``[B, T]``.
@@ -230,10 +245,20 @@ class StatePredictor(torch.nn.Module):
         h = self._linear("inp", torch.cat((self.state_norm(state), self.embed_norm(e)), dim=-1))
         a = self.attn_norm(h)
         b, t = tokens.shape
-        q = self._linear("q_proj", a).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self._linear("k_proj", a).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self._linear("v_proj", a).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        return h, self._rope(q, positions), self._rope(k, positions), v
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if self._fused_ready():
+            q, k, v = self._linear("qkv", a).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = self._linear("q_proj", a), self._linear("k_proj", a), self._linear("v_proj", a)
+        q = q.reshape(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        angles = self._rope_angles(positions, q.dtype)
+        return h, self._rope(q, positions, angles), self._rope(k, positions, angles), v
+
+    def _fused_ready(self) -> bool:
+        """True when the packed q/k/v and gate/up products apply (inference, packed)."""
+        return "_packed" in self.__dict__ and not torch.is_grad_enabled()
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream ``h [B, T, D]`` and attention output ``[B, H, T, hd]`` -> predicted
@@ -241,7 +266,11 @@ class StatePredictor(torch.nn.Module):
         b, _, t, _ = attn.shape
         h = h + self._linear("o_proj", attn.transpose(1, 2).reshape(b, t, -1))
         m = self.mlp_norm(h)
-        return h + self._linear("down_proj", F.silu(self._linear("gate_proj", m)) * self._linear("up_proj", m))
+        if self._fused_ready():
+            gate, up = self._linear("gate_up", m).chunk(2, dim=-1)
+        else:
+            gate, up = self._linear("gate_proj", m), self._linear("up_proj", m)
+        return h + self._linear("down_proj", F.silu(gate) * up)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Predicted states ``[..., D]`` -> draft-vocabulary logits ``[..., V_d]``."""
