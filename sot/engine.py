@@ -315,17 +315,25 @@ class Engine:
         def inputs(group: list[int]) -> list[DraftInput]:
             return [DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in group]
 
-        # sequences decoding plainly skip the drafter's model; their states wait until it next
-        # runs, and they verify what it offers for free (prompt-lookup matches), if anything
+        # What the drafter offers for free (prompt-lookup matches): sequences whose model is
+        # idle verify it, and a drafting sequence takes it instead when it promises more than
+        # drafting has been yielding. Sequences that skip the drafter's model keep their
+        # states until it next runs.
+        free = (self.drafter.propose_free(inputs(active), self.budget) if active and policy.adaptive else None) or []
+        free_trees = dict(zip(active, free))
+        if free_trees:
+            taken = [b for b in drafting if policy.prefers_free(b, free_trees[b])]
+            drafting = [b for b in drafting if b not in taken]
+            plain += taken
+        t_draft = time.perf_counter()
         budget = policy.draft_budget(self.budget, drafting, len(seqs))
         passes = self.drafter.passes
         proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), budget))) if drafting else {}
         if drafting:
-            policy.observe_draft(time.perf_counter() - t0, self.drafter.passes - passes)
+            policy.observe_draft(time.perf_counter() - t_draft, self.drafter.passes - passes)
         for b in drafting:
             seqs[b].states = None
-        free = (self.drafter.propose_free(inputs(plain), self.budget) if plain and policy.adaptive else None) or []
-        proposed.update(zip(plain, free))
+        proposed.update((b, free_trees[b]) for b in plain if b in free_trees)
         proposed = policy.choose_batch(proposed, len(seqs), len(active), calibrated=frozenset(plain))
         for b in plain:
             seqs[b].result.plain_steps += 1
@@ -372,6 +380,8 @@ class Engine:
             if b in drafting:
                 policy.observe(b, tree, acc.path, draft_share + policy_verify(tree.size))
                 seq.result.fallbacks = policy.seqs[b].fallbacks
+            elif b in free_trees:
+                policy.observe_free(b, tree, acc.path)
             if out.states is not None:
                 new = out.states[b, acc.path]
                 seq.states = new if seq.states is None else torch.cat((seq.states, new))

@@ -164,6 +164,9 @@ class SequencePolicyState:
     fallbacks: int = 0
     drafted: int = 0  # drafting steps so far
     verified: int = 0  # rows per sequence of the last verify pass it drafted for (0: none yet)
+    #: speed of the steps with the drafter's model idle (free drafts), relative to plain
+    #: decoding, smoothed; ``None`` until such a step was verified
+    free_speed: float | None = None
 
 
 def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:
@@ -304,6 +307,8 @@ class CommitPolicy:
 
     #: nodes a tree may grow by from one step to the next (see :meth:`draft_budget`)
     SLACK = 2
+    #: fall back when drafting is slower than the free drafts, not only than plain decoding
+    compare_free = True
 
     def __init__(self, config: PolicyConfig, cost: CostModel | None, model: AcceptanceModel | None = None,
                  record: bool = False) -> None:
@@ -463,13 +468,39 @@ class CommitPolicy:
             return
         self._observe_speed(s, accepted, step_seconds)
 
+    def prefers_free(self, b: int, free: DraftTree) -> bool:
+        """True when sequence ``b``'s free draft ``free`` (its ``draft_probs`` estimate
+        acceptance) promises a higher speed, relative to plain decoding, than its recent
+        drafting steps measured: the drafter's model then stays idle for this step."""
+        s = self.seqs[b]
+        if not self.adaptive or not self.compare_free or free.size <= 1 or len(s.speed) < 2:
+            return False
+        probs = free.draft_probs or [1.0] + [0.0] * (free.size - 1)
+        best, gain = 1.0, 1.0
+        for n in range(2, free.size + 1):  # a chain: its first n nodes
+            gain += probs[n - 1]
+            best = max(best, gain * self.cost.verify(1) / self.cost.verify(n))
+        return best >= statistics.fmean(s.speed)
+
+    def observe_free(self, b: int, tree: DraftTree, path: list[int]) -> None:
+        """Update sequence ``b`` after a step with its drafter's model idle, which verified the
+        free draft ``tree`` (root-only: a plain step) and accepted ``path``."""
+        if not self.adaptive:
+            return
+        s = self.seqs[b]
+        speed = len(path) * self.cost.verify(1) / max(self.cost.verify(tree.size), 1e-9)
+        s.free_speed = speed if s.free_speed is None else 0.9 * s.free_speed + 0.1 * speed
+
     def _observe_speed(self, s: SequencePolicyState, accepted: int, step_seconds: float) -> None:
         s.drafted += 1
         if s.drafted == 1:  # the first draft also reads the whole prompt into the drafter: not a step's cost
             return
         s.speed.append((accepted + 1) * self.cost.verify(1) / max(step_seconds, 1e-9))
         del s.speed[: -self.config.window]
-        n, mean, bar = len(s.speed), statistics.fmean(s.speed), self.config.fallback_threshold
+        # drafting must beat what the sequence gets without it: plain decoding, or the free
+        # drafts' measured speed where that is higher
+        base = max(1.0, s.free_speed) if s.free_speed is not None and self.compare_free else 1.0
+        n, mean, bar = len(s.speed), statistics.fmean(s.speed), self.config.fallback_threshold * base
         clearly_slow = mean < 0.8 * bar  # strong evidence needs fewer steps
         if s.probing:
             if n >= 2 or clearly_slow:
