@@ -273,7 +273,7 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
     kernel = tree_attention_kernel()
     if kernel is None:
         pytest.skip("the compiled kernel is unavailable here")
-    monkeypatch.setenv("SOT_NO_FUSED_BLOCKS", "0" if fused else "1")
+    monkeypatch.setenv("SOT_NO_FUSED_BLOCKS", "0" if fused else "1")  # for PackedLinear below
     gen = torch.Generator().manual_seed(8)
     n, k = 100, 96
     scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
@@ -288,10 +288,12 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
         blocks = pack_blocks(w)
         assert blocks is not None and blocks[0].dtype == dtype
         full = kernel.linear_f32(x, pack_panels(w), n, bias)
-        assert torch.equal(kernel.linear_blocks_f32(x, *blocks, n, bias), full)
+        assert torch.equal(kernel.linear_blocks_f32(x, *blocks, n, bias, fused), full)
         for lo, hi in ((0, 1), (4, 6), (3, 6), (5, 9), (1, 6), (0, 6), (2, 9)):
-            assert torch.equal(kernel.linear_blocks_f32(x[lo:hi], *blocks, n, bias), full[lo:hi])
-        assert isinstance(PackedLinear(w, bias).packed, tuple)
+            assert torch.equal(kernel.linear_blocks_f32(x[lo:hi], *blocks, n, bias, fused), full[lo:hi])
+        lin = PackedLinear(w, bias)
+        assert isinstance(lin.packed, tuple) and lin.fused is fused
+        assert torch.equal(lin(x[:3], stable=True), full[:3])
     nearly = (scale * q4 + low).reshape(n, k).clone()
     nearly[5, 7] = torch.nextafter(nearly[5, 7], torch.tensor(1.0))
     assert pack_blocks(nearly) is None and pack_blocks(torch.randn(n, k, generator=gen)) is None

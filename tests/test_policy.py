@@ -63,6 +63,15 @@ def test_ranked_prefixes_are_closed_under_parents() -> None:
         assert all(p < i for i, p in enumerate(sub.parents[1:], start=1))
 
 
+def _plain_run(lengths: tuple[int, ...], new_tokens: int):
+    """A tiny float32 Llama target, prompts of ``lengths``, the generation settings and
+    plain decoding's tokens for each prompt (the reference every policy run must equal)."""
+    target = TargetModel(clone(tiny_model("llama", seed=2), torch.float32))
+    prompts = random_prompts(lengths, seed=4)
+    params = GenerationParams(max_new_tokens=new_tokens)
+    return target, prompts, params, [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+
+
 class _Mixed(Drafter):
     """Sequence 0 gets its true continuation as a confident chain (always accepted);
     sequence 1 gets a confident chain of junk (never accepted)."""
@@ -90,11 +99,7 @@ class _Mixed(Drafter):
 
 
 def test_fallback_is_per_sequence_and_lossless() -> None:
-    model = tiny_model("llama", seed=2)
-    target = TargetModel(clone(model, torch.float32))
-    prompts = random_prompts((12, 20), seed=4)
-    params = GenerationParams(max_new_tokens=60)
-    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    target, prompts, params, plain = _plain_run((12, 20), 60)
     drafter = _Mixed(plain, [len(p) for p in prompts])
     # the tiny model's verify time barely grows with rows, so demand a clear gain to speculate
     policy = PolicyConfig(fallback_threshold=1.2, window=3, first_backoff=2)
@@ -109,11 +114,7 @@ def test_fallback_is_per_sequence_and_lossless() -> None:
 
 
 def test_static_policy_verifies_the_whole_tree_and_warmup_is_plain() -> None:
-    model = tiny_model("llama", seed=2)
-    target = TargetModel(clone(model, torch.float32))
-    prompts = random_prompts((12,), seed=4)
-    params = GenerationParams(max_new_tokens=30)
-    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    target, prompts, params, plain = _plain_run((12,), 30)
     drafter = _Mixed(plain, [12])
     res = Engine(target, drafter, TreeBudget(8, 6), policy=PolicyConfig(kind=PolicyKind.STATIC, warmup=5)).generate(prompts, params)[0]
     assert res.token_ids == plain[0]
@@ -131,11 +132,7 @@ def test_policy_rejects_bad_settings() -> None:
 def test_root_only_choice_falls_back_and_skips_the_drafter() -> None:
     """When no node is worth its verify cost, the sequence falls back: the drafter is not
     called again until the back-off ends."""
-    model = tiny_model("llama", seed=2)
-    target = TargetModel(clone(model, torch.float32))
-    prompts = random_prompts((12,), seed=4)
-    params = GenerationParams(max_new_tokens=40)
-    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    target, prompts, params, plain = _plain_run((12,), 40)
 
     class _Unsure(_Mixed):
         calls = 0
@@ -160,11 +157,7 @@ def test_free_drafts_replace_worse_model_drafts_losslessly() -> None:
     them instead of drafting when they promise more than drafting measured: here the model's
     drafts are junk and the free drafts are the true continuation, so after two drafting
     steps the sequence commits several tokens per step without the model."""
-    model = tiny_model("llama", seed=2)
-    target = TargetModel(clone(model, torch.float32))
-    prompts = random_prompts((12,), seed=4)
-    params = GenerationParams(max_new_tokens=40)
-    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    target, prompts, params, plain = _plain_run((12,), 40)
 
     class _FreeRight(_Mixed):
         free_calls = 0
@@ -202,6 +195,25 @@ def test_free_draft_is_preferred_only_when_it_promises_more_than_drafting() -> N
     assert not policy.prefers_free(0, DraftTree([1], [-1], [0], [1.0]))
     policy.observe_free(0, chain, [0, 1, 2])
     assert policy.seqs[0].free_speed == pytest.approx(3 * 0.010 / 0.013)
+
+
+def test_fallback_needs_drafting_to_beat_the_free_drafts() -> None:
+    """Drafting steps at 1.5x plain keep a sequence drafting, unless its free drafts measured
+    faster: then it falls back (and the free drafts take its steps)."""
+    from sot.policy import CommitPolicy
+
+    def falls_back(free_speed: float | None) -> bool:
+        policy = CommitPolicy(PolicyConfig(window=3), CostModel([1, 8], [0.010, 0.017]))
+        policy.reset(1)
+        policy.seqs[0].free_speed = free_speed
+        tree = DraftTree([1, 2], [-1, 0], [0, 1], [1.0, 0.9])
+        for _ in range(5):  # accepted 1 drafted token in 0.0133 s: 1.5x a plain step's speed
+            policy.observe(0, tree, [0, 1], 2 * 0.010 / 1.5)
+        return policy.seqs[0].fallbacks > 0
+
+    assert not falls_back(None)
+    assert not falls_back(1.2)
+    assert falls_back(2.0)
 
 
 def test_static_policy_grows_a_fixed_beam() -> None:

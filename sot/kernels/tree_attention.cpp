@@ -8,7 +8,6 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 #if defined(__AVX2__)
@@ -640,12 +639,26 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
 //   q4: data [P, K/32, 32, 8] uint8, byte j of input k = column j (low nibble) and column
 //       j + 8 (high nibble); scale, min [P, K/32, 16] float32;
 //   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float32; min empty.
-// SOT_NO_FUSED_BLOCKS=1 decodes 1-2 row products through a panel copy too (for comparison).
-// (Read on every call, a few hundred nanoseconds against tens of microseconds per product.)
-inline bool no_fused_blocks() {
-  const char* v = std::getenv("SOT_NO_FUSED_BLOCKS");
-  return v != nullptr && v[0] == '1';
+#if defined(__AVX2__) && defined(__FMA__)
+// The 16 weights of input k of one panel (``q``: its bytes; ``d``, ``m``: its block's 16
+// scales and mins) as w[0] (columns 0-7) and w[1] (columns 8-15). For 4-bit blocks d * q is
+// exact in float32 (d is a float16 value, 11 significant bits, and q < 16), so one fused
+// multiply-add rounds exactly as the multiply, then add, of the format.
+template <bool Q4>
+__attribute__((always_inline)) inline void decode16(const uint8_t* q, const float* d, const float* m, __m256 (&w)[2]) {
+  if (Q4) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    w[0] = _mm256_fmadd_ps(_mm256_loadu_ps(d), lo, _mm256_loadu_ps(m));
+    w[1] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), hi, _mm256_loadu_ps(m + 8));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    w[0] = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    w[1] = _mm256_mul_ps(_mm256_loadu_ps(d + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+  }
 }
+#endif
 
 inline void decode_panel(int bits, const uint8_t* data, const float* scale, const float* mins, int64_t K,
                          float* out) {
@@ -653,27 +666,16 @@ inline void decode_panel(int bits, const uint8_t* data, const float* scale, cons
   for (int64_t kb = 0; kb < blocks; ++kb) {
     const float* d = scale + kb * kPanel;
     const float* m = mins ? mins + kb * kPanel : nullptr;
-#if defined(__AVX2__)
-    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
-    const __m256 m0 = m ? _mm256_loadu_ps(m) : _mm256_setzero_ps(), m1 = m ? _mm256_loadu_ps(m + 8) : m0;
-    for (int64_t k = 0; k < 32; ++k) {
-      float* o = out + (kb * 32 + k) * kPanel;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
+      __m256 w[2];
       if (bits == 4) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + (kb * 32 + k) * 8)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-        // d * q is exact in float32 (d is a float16 value, 11 significant bits, and q < 16), so
-        // one fused multiply-add rounds exactly as the multiply, then add, of the format.
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(d0, lo, m0));
-        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(d1, hi, m1));
+        decode16<true>(data + k * 8, d, m, w);
       } else {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (kb * 32 + k) * 16));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-        _mm256_storeu_ps(o, _mm256_mul_ps(d0, lo));
-        _mm256_storeu_ps(o + 8, _mm256_mul_ps(d1, hi));
+        decode16<false>(data + k * 16, d, m, w);
       }
+      _mm256_storeu_ps(out + k * kPanel, w[0]);
+      _mm256_storeu_ps(out + k * kPanel + 8, w[1]);
     }
 #else
     for (int64_t k = 0; k < 32; ++k) {
@@ -693,37 +695,22 @@ inline void decode_panel(int bits, const uint8_t* data, const float* scale, cons
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// One or two rows over NP panels of blocks, each weight decoded in registers right before its
-// multiply-add (no float32 copy of the panel): the decode (d * q, then + m) and the FMA chain
-// over k are those of decode_panel + linear_tile, so the bits are the same. For the 1-6 row
+// MR rows over NP panels of blocks, each weight decoded in registers right before its
+// multiply-add (no float32 copy of the panel): the decode (decode16) and the FMA chain over k
+// are those of decode_panel + linear_tile, so the bits are the same. For the 1-6 row
 // products of plain decoding and small trees, where decoding, not arithmetic, bounds the time.
 template <int MR, int NP, bool Q4>
 inline void fused_block_tile(const float* x, int64_t K, const uint8_t* data, int64_t bytes, const float* scale,
                              const float* mins, int64_t per, float* out) {
   __m256 acc[MR][NP][2];
   zero_tile<MR, NP>(acc);
-  const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
     for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
       __m256 w[NP][2];
 #pragma GCC unroll 2
-      for (int j = 0; j < NP; ++j) {
-        const float* d = scale + j * per + kb * kPanel;
-        if (Q4) {
-          const float* m = mins + j * per + kb * kPanel;
-          const __m256i b = _mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + j * bytes + k * 8)));
-          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
-          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-          w[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(d), lo, _mm256_loadu_ps(m));  // exact: see decode_panel
-          w[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), hi, _mm256_loadu_ps(m + 8));
-        } else {
-          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + j * bytes + k * 16));
-          w[j][0] = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-          w[j][1] = _mm256_mul_ps(_mm256_loadu_ps(d + 8),
-                                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
-        }
-      }
+      for (int j = 0; j < NP; ++j)
+        decode16<Q4>(data + j * bytes + k * (Q4 ? 8 : 16), scale + j * per + kb * kPanel,
+                     Q4 ? mins + j * per + kb * kPanel : nullptr, w[j]);
       fma_step<MR, NP>(acc, w, x, K, k);
     }
   }
@@ -755,8 +742,9 @@ void fused_block_rows(const float* x, int64_t K, int64_t P, int64_t N, const uin
 }
 #endif
 
+// fused = false decodes every product through a float32 panel copy (for comparison).
 torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tensor scale, torch::Tensor mins,
-                                int64_t N, c10::optional<torch::Tensor> bias) {
+                                int64_t N, c10::optional<torch::Tensor> bias, bool fused) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
   const int64_t K = x.size(1), P = data.size(0);
   const bool q4 = data.scalar_type() == torch::kUInt8;
@@ -775,7 +763,7 @@ torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tens
 #if defined(__AVX2__) && defined(__FMA__)
   // (Measured: faster for every row count of one tile, 1.4x at 1 row; more rows take several
   // tiles, which share one float32 copy of each decoded panel instead.)
-  if (x.size(0) <= 6 && !no_fused_blocks()) {
+  if (x.size(0) <= kMaxRows && fused) {
     LinearIO io(x, N, bias);
     const float *xp = io.xp, *bp = io.bp;
     float* yp = io.yp;

@@ -118,11 +118,14 @@ class PackedLinear:
     With SoT's kernel, a float32 weight that is exactly a grid of GGUF Q4_1 or Q8_0 blocks (a
     model dequantized from a GGUF file) is kept in that form and decoded on the fly
     (:func:`pack_blocks`; same bits, a sixth of the memory traffic). ``compress=False`` or the
-    environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels.
+    environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels; ``SOT_NO_FUSED_BLOCKS=1``
+    decodes every block product through a float32 panel copy instead of in registers.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compress: bool = True) -> None:
         self.compress = compress and not os.environ.get("SOT_NO_BLOCKS")
+        #: 1-6 row block products decode in registers (else through a float32 panel copy)
+        self.fused = os.environ.get("SOT_NO_FUSED_BLOCKS", "0") != "1"
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach()
         self.packed = None
@@ -178,7 +181,7 @@ class PackedLinear:
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "sot":
             if isinstance(self.packed, tuple):
-                return self.kernel.linear_blocks_f32(x, *self.packed, self.weight.shape[0], self.bias)
+                return self.kernel.linear_blocks_f32(x, *self.packed, self.weight.shape[0], self.bias, self.fused)
             return self.kernel.linear_f32(x, self.packed, self.weight.shape[0], self.bias)
         if self.kind == "mkldnn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
