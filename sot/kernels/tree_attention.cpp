@@ -697,7 +697,7 @@ inline void decode_panel(int bits, const uint8_t* data, const float* scale, cons
 #if defined(__AVX2__) && defined(__FMA__)
 // MR rows over NP panels of blocks, each weight decoded in registers right before its
 // multiply-add (no float32 copy of the panel): the decode (decode16) and the FMA chain over k
-// are those of decode_panel + linear_tile, so the bits are the same. For the 1-6 row
+// are those of decode_panel + linear_tile, so the bits are the same. For the 1-12 row
 // products of plain decoding and small trees, where decoding, not arithmetic, bounds the time.
 template <int MR, int NP, bool Q4>
 inline void fused_block_tile(const float* x, int64_t K, const uint8_t* data, int64_t bytes, const float* scale,
@@ -740,6 +740,46 @@ void fused_block_rows(const float* x, int64_t K, int64_t P, int64_t N, const uin
     }
   });
 }
+
+// 7-12 rows: the rows are split into two near-equal groups (8 rows as 4 + 4) and each panel is
+// decoded in registers once per group, the groups one after another while the panel's bytes
+// are still in cache. Each output is still
+// one FMA chain over k in order, so the bits equal linear_f32's.
+template <int MR, bool Q4>
+inline void fused_block_group(const float* x, int64_t K, int64_t p, int64_t N, const uint8_t* dp, int64_t bytes,
+                              const float* sp, const float* mp, int64_t per, const float* bias, float* y) {
+  float tile[MR * kPanel];
+  fused_block_tile<MR, 1, Q4>(x, K, dp, bytes, sp, mp, per, tile);
+  store_tile<MR, 1>(tile, p, N, bias, y);
+}
+
+template <bool Q4>
+void fused_block_groups(const float* x, int64_t M, int64_t K, int64_t P, int64_t N, const uint8_t* data,
+                        int64_t bytes, const float* scale, const float* mins, int64_t per, const float* bias,
+                        float* y) {
+  const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* dp = data + p * bytes;
+      const float* sp = scale + p * per;
+      const float* mp = Q4 ? mins + p * per : nullptr;
+      for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+        const int64_t rows = base + (g < extra ? 1 : 0);
+        const float* xg = x + m0 * K;
+        float* yg = y + m0 * N;
+        switch (rows) {
+          case 1: fused_block_group<1, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
+          case 2: fused_block_group<2, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
+          case 3: fused_block_group<3, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
+          case 4: fused_block_group<4, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
+          case 5: fused_block_group<5, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
+          default: fused_block_group<kMaxRows, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
+        }
+        m0 += rows;
+      }
+    }
+  });
+}
 #endif
 
 // fused = false decodes every product through a float32 panel copy (for comparison).
@@ -761,9 +801,10 @@ torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tens
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   const int64_t bytes = K * (q4 ? 8 : 16), per = (K / 32) * kPanel;
 #if defined(__AVX2__) && defined(__FMA__)
-  // (Measured: faster for every row count of one tile, 1.4x at 1 row; more rows take several
-  // tiles, which share one float32 copy of each decoded panel instead.)
-  if (x.size(0) <= kMaxRows && fused) {
+  // (Measured, scripts/linear_bench.py: faster for 1-12 rows, 1.4x at 1 row and at 8 rows; about
+  // even at 16 rows, and at 24 or more rows a float32 copy of each decoded panel, shared by the
+  // row tiles, is faster than decoding it once per tile.)
+  if (fused && x.size(0) <= 2 * kMaxRows) {
     LinearIO io(x, N, bias);
     const float *xp = io.xp, *bp = io.bp;
     float* yp = io.yp;
@@ -776,7 +817,10 @@ torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tens
       case 4: SOT_FUSED(4); break;
       case 5: SOT_FUSED(5); break;
       case 6: SOT_FUSED(6); break;
-      default: break;  // no rows
+      case 0: break;
+      default:
+        q4 ? fused_block_groups<true>(xp, io.x.size(0), K, P, N, dp, bytes, sp, mp, per, bp, yp)
+           : fused_block_groups<false>(xp, io.x.size(0), K, P, N, dp, bytes, sp, mp, per, bp, yp);
     }
 #undef SOT_FUSED
     return io.y;
