@@ -697,7 +697,7 @@ inline void decode_panel(int bits, const uint8_t* data, const float* scale, cons
 #if defined(__AVX2__) && defined(__FMA__)
 // MR rows over NP panels of blocks, each weight decoded in registers right before its
 // multiply-add (no float32 copy of the panel): the decode (decode16) and the FMA chain over k
-// are those of decode_panel + linear_tile, so the bits are the same. For the 1-12 row
+// are those of decode_panel + linear_tile, so the bits are the same. For the 1-6 row
 // products of plain decoding and small trees, where decoding, not arithmetic, bounds the time.
 template <int MR, int NP, bool Q4>
 inline void fused_block_tile(const float* x, int64_t K, const uint8_t* data, int64_t bytes, const float* scale,
@@ -741,45 +741,68 @@ void fused_block_rows(const float* x, int64_t K, int64_t P, int64_t N, const uin
   });
 }
 
-// 7-12 rows: the rows are split into two near-equal groups (8 rows as 4 + 4) and each panel is
-// decoded in registers once per group, the groups one after another while the panel's bytes
-// are still in cache. Each output is still
-// one FMA chain over k in order, so the bits equal linear_f32's.
-template <int MR, bool Q4>
-inline void fused_block_group(const float* x, int64_t K, int64_t p, int64_t N, const uint8_t* dp, int64_t bytes,
-                              const float* sp, const float* mp, int64_t per, const float* bias, float* y) {
-  float tile[MR * kPanel];
-  fused_block_tile<MR, 1, Q4>(x, K, dp, bytes, sp, mp, per, tile);
-  store_tile<MR, 1>(tile, p, N, bias, y);
+// More than kMaxRows rows: each panel is decoded once, 32 inputs at a time, into a float32
+// block that stays in L1, and the rows, in near-equal groups of at most kMaxRows (8 rows as
+// 4 + 4), take their multiply-adds from it; a group's accumulators go back to memory between
+// blocks (exact: float32 stores). Each output is still one FMA chain over k in order, so the
+// bits equal linear_f32's.
+
+// acc [MR][16] (in memory) += x [MR rows, 32 inputs from x] times w [32][16] (decoded, in L1).
+template <int MR>
+inline void chunk_tile(const float* x, int64_t K, const float* w, float* acc) {
+  __m256 a[MR][1][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    a[i][0][0] = _mm256_loadu_ps(acc + i * kPanel);
+    a[i][0][1] = _mm256_loadu_ps(acc + i * kPanel + 8);
+  }
+  for (int64_t k = 0; k < 32; ++k) {
+    const __m256 wv[1][2] = {{_mm256_loadu_ps(w + k * kPanel), _mm256_loadu_ps(w + k * kPanel + 8)}};
+    fma_step<MR, 1>(a, wv, x, K, k);
+  }
+  store_acc<MR, 1>(a, acc);
 }
 
 template <bool Q4>
-void fused_block_groups(const float* x, int64_t M, int64_t K, int64_t P, int64_t N, const uint8_t* data,
+void chunked_block_rows(const float* x, int64_t M, int64_t K, int64_t P, int64_t N, const uint8_t* data,
                         int64_t bytes, const float* scale, const float* mins, int64_t per, const float* bias,
                         float* y) {
   const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * kPanel);
+    alignas(32) float w[32 * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* dp = data + p * bytes;
       const float* sp = scale + p * per;
       const float* mp = Q4 ? mins + p * per : nullptr;
-      for (int64_t g = 0, m0 = 0; g < groups; ++g) {
-        const int64_t rows = base + (g < extra ? 1 : 0);
-        const float* xg = x + m0 * K;
-        float* yg = y + m0 * N;
-        switch (rows) {
-          case 1: fused_block_group<1, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
-          case 2: fused_block_group<2, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
-          case 3: fused_block_group<3, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
-          case 4: fused_block_group<4, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
-          case 5: fused_block_group<5, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
-          default: fused_block_group<kMaxRows, Q4>(xg, K, p, N, dp, bytes, sp, mp, per, bias, yg); break;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t kb = 0; kb < K / 32; ++kb) {
+        for (int64_t k = 0; k < 32; ++k) {
+          __m256 v[2];
+          decode16<Q4>(dp + (kb * 32 + k) * (Q4 ? 8 : 16), sp + kb * kPanel, Q4 ? mp + kb * kPanel : nullptr, v);
+          _mm256_store_ps(w + k * kPanel, v[0]);
+          _mm256_store_ps(w + k * kPanel + 8, v[1]);
         }
-        m0 += rows;
+        for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+          const int64_t rows = base + (g < extra ? 1 : 0);
+          const float* xg = x + m0 * K + kb * 32;
+          float* ag = acc.data() + m0 * kPanel;
+          switch (rows) {
+            case 1: chunk_tile<1>(xg, K, w, ag); break;
+            case 2: chunk_tile<2>(xg, K, w, ag); break;
+            case 3: chunk_tile<3>(xg, K, w, ag); break;
+            case 4: chunk_tile<4>(xg, K, w, ag); break;
+            case 5: chunk_tile<5>(xg, K, w, ag); break;
+            default: chunk_tile<kMaxRows>(xg, K, w, ag); break;
+          }
+          m0 += rows;
+        }
       }
+      for (int64_t i = 0; i < M; ++i) store_tile<1, 1>(acc.data() + i * kPanel, p, N, bias, y + i * N);
     }
   });
 }
+
 #endif
 
 // fused = false decodes every product through a float32 panel copy (for comparison).
@@ -801,10 +824,9 @@ torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tens
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   const int64_t bytes = K * (q4 ? 8 : 16), per = (K / 32) * kPanel;
 #if defined(__AVX2__) && defined(__FMA__)
-  // (Measured, scripts/linear_bench.py: faster for 1-12 rows, 1.4x at 1 row and at 8 rows; about
-  // even at 16 rows, and at 24 or more rows a float32 copy of each decoded panel, shared by the
-  // row tiles, is faster than decoding it once per tile.)
-  if (fused && x.size(0) <= 2 * kMaxRows) {
+  // (Measured, scripts/linear_bench.py, against a float32 copy of each decoded panel shared by
+  // the row tiles: 1.4x faster at 1 row, 1.3x at 8 rows, even at 16-32 rows.)
+  if (fused) {
     LinearIO io(x, N, bias);
     const float *xp = io.xp, *bp = io.bp;
     float* yp = io.yp;
@@ -819,8 +841,8 @@ torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tens
       case 6: SOT_FUSED(6); break;
       case 0: break;
       default:
-        q4 ? fused_block_groups<true>(xp, io.x.size(0), K, P, N, dp, bytes, sp, mp, per, bp, yp)
-           : fused_block_groups<false>(xp, io.x.size(0), K, P, N, dp, bytes, sp, mp, per, bp, yp);
+        q4 ? chunked_block_rows<true>(xp, io.x.size(0), K, P, N, dp, bytes, sp, mp, per, bp, yp)
+           : chunked_block_rows<false>(xp, io.x.size(0), K, P, N, dp, bytes, sp, mp, per, bp, yp);
     }
 #undef SOT_FUSED
     return io.y;

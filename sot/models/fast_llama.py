@@ -124,7 +124,7 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compress: bool = True) -> None:
         self.compress = compress and not os.environ.get("SOT_NO_BLOCKS")
-        #: 1-12 row block products decode in registers (else through a float32 panel copy)
+        #: block products decode in registers or small L1 blocks (else through a float32 panel copy)
         self.fused = os.environ.get("SOT_NO_FUSED_BLOCKS", "0") != "1"
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach()
