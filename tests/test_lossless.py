@@ -266,8 +266,8 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
     """Float32 weights that are exactly GGUF Q4_1 or Q8_0 blocks (as in a model dequantized
     from a GGUF file) are kept in 4 or 8 bits and decoded on the fly (in registers for 1-6
     rows, 32 inputs at a time into an L1 block for more, or, with the fused paths off, into a
-    float32 panel copy); the product has the
-    bits of the float32 kernel's, for any rows. Other weights are refused."""
+    float32 panel copy); the product has the bits of the float32 kernel's, for any rows.
+    Other weights are refused."""
     from sot.kernels import tree_attention_kernel
     from sot.models.fast_llama import PackedLinear, pack_blocks, pack_panels
 
@@ -290,7 +290,8 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
         assert blocks is not None and blocks[0].dtype == dtype
         full = kernel.linear_f32(x, pack_panels(w), n, bias)
         assert torch.equal(kernel.linear_blocks_f32(x, *blocks, n, bias, fused), full)
-        for lo, hi in ((0, 1), (4, 6), (3, 6), (5, 9), (1, 6), (0, 6), (2, 9), (0, 8), (1, 11), (0, 12), (4, 17), (0, 20)):
+        slices = ((0, 1), (4, 6), (3, 6), (5, 9), (1, 6), (0, 6), (2, 9), (0, 8), (1, 11), (0, 12), (4, 17), (0, 20))
+        for lo, hi in slices:
             assert torch.equal(kernel.linear_blocks_f32(x[lo:hi], *blocks, n, bias, fused), full[lo:hi])
         lin = PackedLinear(w, bias)
         assert isinstance(lin.packed, tuple) and lin.fused is fused

@@ -825,7 +825,7 @@ torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tens
   const int64_t bytes = K * (q4 ? 8 : 16), per = (K / 32) * kPanel;
 #if defined(__AVX2__) && defined(__FMA__)
   // (Measured, scripts/linear_bench.py, against a float32 copy of each decoded panel shared by
-  // the row tiles: 1.4x faster at 1 row, 1.3x at 8 rows, even at 16-32 rows.)
+  // the row tiles: 1.4x faster at 1 and at 8 rows, 1.1x at 16 and at 32 rows.)
   if (fused) {
     LinearIO io(x, N, bias);
     const float *xp = io.xp, *bp = io.bp;
