@@ -312,8 +312,11 @@ class Engine:
         drafting = [b for b in active if policy.wants_draft(b, len(seqs[b].result.token_ids))]
         plain = [b for b in active if b not in drafting]
 
+        # each sequence's context is built once per step, for the free drafts and the drafter
+        given = {b: DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in active}
+
         def inputs(group: list[int]) -> list[DraftInput]:
-            return [DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in group]
+            return [given[b] for b in group]
 
         # What the drafter offers for free (prompt-lookup matches): sequences whose model is
         # idle verify it, and a drafting sequence takes it instead when it promises more than

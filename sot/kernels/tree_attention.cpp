@@ -777,12 +777,8 @@ void chunked_block_rows(const float* x, int64_t M, int64_t K, int64_t P, int64_t
       const float* mp = Q4 ? mins + p * per : nullptr;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t kb = 0; kb < K / 32; ++kb) {
-        for (int64_t k = 0; k < 32; ++k) {
-          __m256 v[2];
-          decode16<Q4>(dp + (kb * 32 + k) * (Q4 ? 8 : 16), sp + kb * kPanel, Q4 ? mp + kb * kPanel : nullptr, v);
-          _mm256_store_ps(w + k * kPanel, v[0]);
-          _mm256_store_ps(w + k * kPanel + 8, v[1]);
-        }
+        decode_panel(Q4 ? 4 : 8, dp + kb * 32 * (Q4 ? 8 : 16), sp + kb * kPanel, Q4 ? mp + kb * kPanel : nullptr,
+                     32, w);  // this block of 32 inputs
         for (int64_t g = 0, m0 = 0; g < groups; ++g) {
           const int64_t rows = base + (g < extra ? 1 : 0);
           const float* xg = x + m0 * K + kb * 32;
