@@ -466,3 +466,34 @@ def test_lookup_rate_learns_from_committed_tokens_and_free_drafts_use_it() -> No
     drafter.propose_free([DraftInput(0, context + [7, 8, 4])], TreeBudget(4, 8))
     assert drafter.rates[0].rate > 0.5
     assert StateDrafter(new_predictor(model, LAYERS, None, seed=2), lookup=False).propose_free([], TreeBudget()) is None
+
+
+def test_one_lookup_search_per_sequence_and_step() -> None:
+    """On a drafting step the lookup path found for the free drafts is reused when the drafter
+    merges it into its tree (cut to the drafting depth): the n-gram search runs once per
+    sequence and step, and the merged tree equals the one a fresh search gives."""
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2)
+    (ctx, states), = _chain_inputs(model, pred, [12], seed=0)
+    ctx = ctx[:6] + ctx[4:9] + ctx[4:6]  # ends with a repeat: "ctx[4] ctx[5]" was followed before
+    states = torch.cat([states, states])[: len(ctx) - 1]
+    reused, fresh = StateDrafter(pred, top_k=2), StateDrafter(pred, top_k=2)
+    calls = []
+    search = reused.lookup.candidates
+    reused.lookup.candidates = lambda context, depth: calls.append(depth) or search(context, depth)
+    for d in (reused, fresh):
+        d.reset(1)
+    free = reused.propose_free([DraftInput(0, ctx, states)], TreeBudget(8, 6))[0]
+    assert free.size > 1, "the context repeats, so the lookup finds a path"
+    budget = TreeBudget(6, 3)  # the policy drafts with a smaller budget than the free drafts'
+    a = reused.propose([DraftInput(0, ctx, states)], budget)[0]
+    b = fresh.propose([DraftInput(0, ctx, states)], budget)[0]
+    assert calls == [6], "one search, at the free drafts' depth"
+    assert (a.tokens, a.parents) == (b.tokens, b.parents)
+    assert a.draft_probs == pytest.approx(b.draft_probs)
+    assert any(a.tokens[i] == free.tokens[1] and a.depths[i] == 1 for i in range(a.size)), "the lookup path is merged"
+    # the next step (a longer context) searches again
+    reused.propose_free([DraftInput(0, ctx + [free.tokens[1]], None)], TreeBudget(8, 6))
+    assert calls == [6, 6]

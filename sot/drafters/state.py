@@ -585,6 +585,9 @@ class StateDrafter(Drafter):
         self.top_k = top_k
         self.seqs: list[_SeqState] = []
         self.rates: list[LookupRate] = []
+        # per sequence: (context length, best lookup continuation, whether it reached the
+        # context's end) of this step's search
+        self._found: dict[int, tuple[int, list[int], bool]] = {}
         self.dtype = next(predictor.parameters()).dtype
         self._vocab = predictor.draft_vocab.tolist()
 
@@ -595,10 +598,32 @@ class StateDrafter(Drafter):
     def reset(self, batch_size: int) -> None:
         self.seqs = [_SeqState() for _ in range(batch_size)]
         self.rates = [LookupRate() for _ in range(batch_size)]
+        self._found.clear()
 
     def reset_sequence(self, sequence: int) -> None:
         self.seqs[sequence] = _SeqState()
         self.rates[sequence] = LookupRate()
+        self._found.pop(sequence, None)
+
+    def _lookup(self, x: DraftInput, depth: int) -> list[int]:
+        """The best prompt-lookup continuation of ``x.context``, at most ``depth`` tokens (empty
+        when nothing matches), recorded with the sequence's :class:`LookupRate`. A step searches
+        once per sequence: a second call on the same context (the drafter merging the path
+        that :meth:`propose_free` found) reuses the first search, cut to ``depth``; the best
+        match is the same, since it is the most recent occurrence of the longest n-gram."""
+        rate = self.rates[x.sequence]
+        rate.update(x.context)
+        known = self._found.get(x.sequence)
+        if known is not None and known[0] == len(x.context) and (len(known[1]) >= depth or known[2]):
+            best = known[1][:depth]
+        else:
+            found = self.lookup.candidates(x.context, depth)
+            best = found[0] if found else []
+            # a continuation shorter than asked for ends at the context's end: it is complete
+            self._found[x.sequence] = (len(x.context), best, len(best) < depth)
+        if best:
+            rate.proposed(x.context, best)
+        return best
 
     def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree] | None:
         """The best prompt-lookup continuation of each sequence as a chain, node ``d`` with
@@ -608,14 +633,9 @@ class StateDrafter(Drafter):
             return None
         out = []
         for x in inputs:
-            rate = self.rates[x.sequence]
-            rate.update(x.context)
-            found = self.lookup.candidates(x.context, min(budget.max_depth, budget.max_nodes - 1))
-            if not found:
-                out.append(DraftTree([x.context[-1]], [-1], [0], [1.0]))
-                continue
-            rate.proposed(x.context, found[0])
-            out.append(rate.chain(x.context[-1], found[0]))
+            best = self._lookup(x, min(budget.max_depth, budget.max_nodes - 1))
+            root = x.context[-1]
+            out.append(self.rates[x.sequence].chain(root, best) if best else DraftTree([root], [-1], [0], [1.0]))
         return out
 
     @torch.no_grad()
@@ -667,26 +687,23 @@ class StateDrafter(Drafter):
                 continue
             tree = self._finish_tree(growths[j], budget)
             if self.lookup is not None and budget.width == 0:
-                tree = self._merge_lookup(tree, x.context, budget, self.rates[x.sequence])
+                tree = self._merge_lookup(tree, x, budget)
             out.append(tree)
         return out
 
-    def _merge_lookup(self, tree: DraftTree, context: list[int], budget: TreeBudget, rate: LookupRate) -> DraftTree:
+    def _merge_lookup(self, tree: DraftTree, x: DraftInput, budget: TreeBudget) -> DraftTree:
         """Merge the best prompt-lookup path into ``tree``; the best ``max_nodes - 1`` nodes of
         both, by confidence, are kept (shared prefixes count once)."""
-        rate.update(context)
-        found = self.lookup.candidates(context, budget.max_depth)
-        if not found:
+        best = self._lookup(x, budget.max_depth)
+        if not best:
             return tree
-        rate.proposed(context, found[0])
-        r = self.lookup_confidence if self.lookup_confidence is not None else rate.rate
+        r = self.lookup_confidence if self.lookup_confidence is not None else self.rates[x.sequence].rate
         probs = tree.draft_probs or [1.0] * tree.size
         paths: list[tuple[float, tuple[int, ...]]] = []
         node_path: list[tuple[int, ...]] = [()]
         for i in range(1, tree.size):
             node_path.append(node_path[tree.parents[i]] + (tree.tokens[i],))
             paths.append((probs[i], node_path[i]))
-        best = found[0]
         paths += [(r**d, tuple(best[:d])) for d in range(1, len(best) + 1)]
         # a prefix is never less confident than its extension, so this order inserts parents first
         paths.sort(key=lambda x: (-x[0], len(x[1])))
