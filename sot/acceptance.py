@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sot.sampling import SamplingParams, gumbel_noise, processed_logits, target_probs
+from sot.sampling import SamplingParams, draw, gumbel_noise, processed_logits, target_probs
 from sot.tree import DraftTree
 
 
@@ -79,13 +79,15 @@ def accept_rejection(
     renormalised. When no child is accepted, the bonus token is drawn from the residual.
     The committed tokens are therefore distributed exactly as the target's samples.
 
+    Only the nodes on the walked path need their distribution, so it is computed per node as
+    the walk reaches it (a tree's other rows cost nothing here).
+
     Args:
         logits: ``[N, V]`` target logits at each tree node.
     """
-    probs = target_probs(logits[: tree.size], params)  # [N, V] float64
 
     def choose(node: int, children: list[int]) -> tuple[int | None, int]:
-        residual = probs[node].clone()
+        residual = target_probs(logits[node : node + 1], params)[0]  # [V] float64
         for c in children:
             tok = tree.tokens[c]
             mass = residual[tok].item()
@@ -96,8 +98,7 @@ def accept_rejection(
             if total <= 0:
                 break
             residual /= total
-        bonus = int(torch.multinomial(residual, 1, generator=generator).item())
-        return None, bonus
+        return None, draw(residual, generator)
 
     return _walk(tree, choose)
 
@@ -115,14 +116,13 @@ def accept_coupled(
         logits: ``[N, V]`` target logits at each tree node.
         root_position: position of the root token.
     """
-    scores = torch.log_softmax(processed_logits(logits[: tree.size], params).double(), dim=-1)
-    noise: dict[int, torch.Tensor] = {}
+    assert logits.dim() == 2 and logits.shape[0] >= tree.size
 
     def choose(node: int, children: list[int]) -> tuple[int | None, int]:
-        depth = tree.depths[node]
-        if depth not in noise:
-            noise[depth] = gumbel_noise(params.seed, sequence, root_position + depth + 1, scores.shape[-1])
-        want = int((scores[node] + noise[depth]).argmax().item())
+        # one node per depth is walked: its scores and that position's noise, nothing else
+        scores = torch.log_softmax(processed_logits(logits[node : node + 1], params).double(), dim=-1)[0]
+        noise = gumbel_noise(params.seed, sequence, root_position + tree.depths[node] + 1, scores.shape[-1])
+        want = int((scores + noise).argmax().item())
         for c in children:
             if tree.tokens[c] == want:
                 return c, want

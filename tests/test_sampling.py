@@ -163,3 +163,20 @@ def test_engine_rejection_sampling_distribution(drafter_kind: str) -> None:
     obs = np.append(counts[keep], counts[~keep].sum())
     exp = np.append(expected[keep], expected[~keep].sum())
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_draw_is_exact_and_skips_zero_weights(monkeypatch) -> None:
+    """``draw`` samples an index in proportion to unnormalised weights (chi-square), never one
+    of zero weight, and a uniform number that rounds up to the total picks the last index that
+    has weight."""
+    from sot.sampling import draw
+
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 2.0, 0.0, 0.0], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    counts = np.bincount([draw(weights, gen) for _ in range(6000)], minlength=weights.numel())
+    assert counts[weights.numpy() == 0].sum() == 0
+    keep = weights.numpy() > 0
+    expected = weights.numpy()[keep] / weights.sum().item() * counts.sum()
+    assert chisquare(counts[keep], expected).pvalue > 1e-3
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
+    assert draw(weights, gen) == 5
