@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the shipped state predictor for SmolLM2-135M-Instruct
-# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in five stages:
+# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in six stages:
 #   1. ShareGPT: 1.5M tokens of cached target states, about 730 steps (66 minutes).
 #   2. Self-distillation: the target's own greedy answers to 1,520 ShareGPT training prompts
 #      (about 30 minutes to generate), then 400 fine-tuning steps on them (25 minutes).
@@ -9,6 +9,10 @@
 #      (it is listed twice), about 90 minutes.
 #   5. 2,480 more self-distilled answers (35 minutes), then 1,500 steps on ShareGPT and all
 #      4,000 answers, drawn twice as often (about 2 hours).
+#   7. (stage 6 was tried and not shipped; see the training report) code: the target's answers
+#      to 1,027 standard-library function-completion requests and 450 ShareGPT coding prompts
+#      plus 200 chat answers (about 75 minutes to generate, 25 to cache), with 200k tokens of
+#      ShareGPT, then 225 steps of a 600-step schedule (about 27 minutes on the AVX2 machine).
 # Each command resumes where it stopped: gen-data skips answered prompts, prepare must be re-run
 # from scratch if it was interrupted, fit continues from the run folder's checkpoint.pt.
 set -euo pipefail
@@ -50,5 +54,27 @@ $PY -m sot.cli train gen-data --out runs/selfdistill2/answers.jsonl --limit 4000
 $PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill2,runs/data/selfdistill2 --out runs/sd-5 \
   --steps 1500 --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-xl/predictor.safetensors \
   --eval-every 150 --save-every 25
+# stage 7: code answers, mixed with chat; the held-out curve is ShareGPT's (the first cache's)
+CODE='\b(python|javascript|typescript|java|c\+\+|c#|rust|golang|sql|regex|function|code|script|class|bash|html|css|react|api|json|algorithm|program)\b'
+mkdir -p runs/stdlib runs/general runs/code
+[ -f runs/stdlib/prompts.jsonl ] || $PY -m sot.cli train code-prompts --out runs/stdlib/prompts.jsonl --limit 1027
+gen() { $PY -m sot.cli train gen-data --max-new-tokens 256 --batch-size 16 --drafter none "$@"; }
+gen --out runs/stdlib/answers.jsonl --prompts runs/stdlib/prompts.jsonl --limit 600
+gen --out runs/general/answers.jsonl --limit 200
+[ -f runs/data/stdlib/prepare.json ] || \
+  $PY -m sot.cli train prepare --data runs/stdlib/answers.jsonl --out runs/data/stdlib --tokens 3000000 --eval-conversations 32
+[ -f runs/data/general/prepare.json ] || \
+  $PY -m sot.cli train prepare --data runs/general/answers.jsonl --out runs/data/general --tokens 3000000 --eval-conversations 16
+gen --out runs/stdlib/answers.jsonl --prompts runs/stdlib/prompts.jsonl --limit 1027
+gen --out runs/code/answers.jsonl --limit 450 --match "$CODE"
+# the standard-library answers the first cache did not read, and the coding answers
+{ tail -n +601 runs/stdlib/answers.jsonl; cat runs/code/answers.jsonl; } > runs/code/new.jsonl
+[ -f runs/data/code7/prepare.json ] || \
+  $PY -m sot.cli train prepare --data runs/code/new.jsonl --out runs/data/code7 --tokens 2000000 --eval-conversations 16
+[ -f runs/data/sharegpt-sub/prepare.json ] || \
+  $PY -m sot.cli train prepare --out runs/data/sharegpt-sub --tokens 200000 --eval-conversations 16
+$PY -m sot.cli train fit --data runs/data/stdlib,runs/data/code7,runs/data/general,runs/data/sharegpt-sub --out runs/sd-7 \
+  --steps 600 --stop-after 225 --tokens-per-step 2048 --lr 2e-4 --warmup 10 --unroll 3 \
+  --init-from runs/sd-5/predictor.safetensors --eval-every 100 --save-every 25
 mkdir -p sot/assets
-cp runs/sd-5/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
+cp runs/sd-7/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors

@@ -497,3 +497,36 @@ def test_one_lookup_search_per_sequence_and_step() -> None:
     # the next step (a longer context) searches again
     reused.propose_free([DraftInput(0, ctx + [free.tokens[1]], None)], TreeBudget(8, 6))
     assert calls == [6, 6]
+
+
+def test_evaluation_data_is_held_out(tmp_path) -> None:
+    """``prepare --eval-data FILE`` evaluates on the first conversations of FILE; a missing
+    file, or one that shares a conversation with the training data, is a clear error."""
+    from sot.train.data import evaluation_conversations
+
+    convs = _conversations(6)
+    for i, c in enumerate(convs):
+        c["id"] = f"c{i}"
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(c) + "\n" for c in convs[4:]) + "\n")
+    got = evaluation_conversations(held, 1, training=convs[:4])
+    assert [c["id"] for c in got] == ["c4"]
+    assert len(evaluation_conversations(held, 10, training=convs[:4])) == 2
+    with pytest.raises(ConfigError, match=r"shares 1 conversation\(s\) with the training data \(e.g. id 'c5'\)"):
+        evaluation_conversations(held, 10, training=convs[5:])
+    with pytest.raises(ConfigError, match="evaluation data file .* does not exist"):
+        evaluation_conversations(tmp_path / "missing.jsonl", 4)
+
+
+def test_stop_after_keeps_the_planned_schedule(tiny_run, tmp_path) -> None:
+    """``stop_after`` ends a run early with a checkpoint and a predictor file, while the
+    learning rate still follows the schedule planned over ``steps``."""
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "early"), steps=30, stop_after=8, eval_every=100,
+                              save_every=100)
+    path = fit(cfg)
+    ckpt = torch.load(tmp_path / "early" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 8 and len(ckpt["history"]) == 8 and path.is_file()
+    # cosine over 30 steps is still near its peak at step 8 (an 8-step schedule would be at its end)
+    assert ckpt["history"][-1]["lr"] > 0.8 * cfg.lr
+    with pytest.raises(ConfigError, match="--stop-after must be a step number >= 0"):
+        fit(dataclasses.replace(cfg, out=str(tmp_path / "bad"), stop_after=-1))

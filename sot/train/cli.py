@@ -62,7 +62,10 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     prep.add_argument("--out", required=True, help="folder for the state cache")
     prep.add_argument("--data", default=None, help="JSONL from gen-data (default: packaged ShareGPT)")
     prep.add_argument("--tokens", type=positive_int, default=1_000_000, help="training tokens to cache")
-    prep.add_argument("--eval-conversations", type=positive_int, default=48, help="held-out conversations for evaluation")
+    prep.add_argument("--eval-conversations", type=positive_int, default=48, help="conversations cached for held-out evaluation (the first of --eval-data)")
+    prep.add_argument("--eval-data", default=None,
+                      help="JSONL of held-out conversations, e.g. gen-data answers to prompts kept out of "
+                           "--data (default: the sharegpt-heldout split, whatever --data is)")
     prep.add_argument("--seq-len", type=positive_int, default=1024)
     prep.add_argument("--layers", default=None, help="hidden-state layers, e.g. 2,15,27 (default: 2, L/2, L-3)")
     prep.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -88,6 +91,9 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     fit.add_argument("--save-every", type=positive_int, default=100)
     fit.add_argument("--seed", type=int, default=0)
     fit.add_argument("--max-seconds", type=float, default=0.0, help="stop (with a checkpoint) after this long")
+    fit.add_argument("--stop-after", type=int, default=0, metavar="STEP",
+                     help="stop (with a checkpoint) after this step; the learning-rate schedule is still "
+                          "planned over --steps (0: run all --steps)")
     fit.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                      help="compute precision (auto: bf16 autocast where the hardware computes bf16 natively, "
                           "else float32; master weights and losses are float32 either way)")
@@ -125,17 +131,17 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from sot.models.loading import dtype_name, load_model, resolve_dtype
-    from sot.train.data import build_state_cache, heldout_conversations, training_conversations
+    from sot.train.data import build_state_cache, evaluation_conversations, training_conversations
 
+    convs = training_conversations(args.data)
+    held_out = evaluation_conversations(args.eval_data, args.eval_conversations, convs)  # checked before loading
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
     layers = parse_layers(args.layers, loaded.model.config.num_hidden_layers)
     out = Path(args.out)
-    convs = training_conversations(args.data)
     meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, args.seq_len)
-    ev = build_state_cache(loaded.model, loaded.tokenizer, heldout_conversations(args.eval_conversations),
-                           out / "eval", layers, None, args.seq_len)
-    info = {"model": args.model, "data": args.data or "sharegpt", "dtype": dtype_name(loaded.model.dtype),
-            "train": meta, "eval": ev}
+    ev = build_state_cache(loaded.model, loaded.tokenizer, held_out, out / "eval", layers, None, args.seq_len)
+    info = {"model": args.model, "data": args.data or "sharegpt", "eval_data": args.eval_data or "sharegpt-heldout",
+            "dtype": dtype_name(loaded.model.dtype), "train": meta, "eval": ev}
     (out / "prepare.json").write_text(json.dumps(info, indent=2))
     print(f"cached {meta['tokens']:,} training tokens ({meta['bytes'] / 2**30:.2f} GiB) and "
           f"{ev['tokens']:,} held-out tokens ({ev['bytes'] / 2**20:.0f} MiB) in {out}", file=sys.stderr)
@@ -149,7 +155,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
         lr=args.lr, warmup=args.warmup, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init,
         init_from=args.init_from, eval_every=args.eval_every,
-        save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, precision=args.precision,
+        save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, stop_after=args.stop_after, precision=args.precision,
     )
     fit(cfg)
     return 0

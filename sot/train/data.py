@@ -91,6 +91,25 @@ def training_conversations(source: str | Path | None = None, seed: int = 0) -> l
     return convs
 
 
+def evaluation_conversations(source: str | Path | None, limit: int, training: list[dict] | None = None) -> list[dict]:
+    """Conversations for held-out evaluation: the first ``limit`` records of the JSONL file
+    ``source`` (e.g. the target's answers to prompts kept out of training), or with ``None``
+    the ``sharegpt-heldout`` split (:func:`heldout_conversations`). A file that shares a
+    conversation id with the ``training`` conversations is refused."""
+    if source is None:
+        return heldout_conversations(limit)
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"evaluation data file {path} does not exist")
+    convs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
+    seen = {str(c.get("id", "")) for c in training or []}
+    shared = [str(c.get("id", "")) for c in convs if str(c.get("id", "")) in seen]
+    if shared:
+        raise ConfigError(f"--eval-data {path} shares {len(shared)} conversation(s) with the training data "
+                          f"(e.g. id {shared[0]!r}); held-out evaluation needs conversations kept out of training")
+    return convs
+
+
 def heldout_conversations(limit: int) -> list[dict]:
     """Held-out conversations (for evaluation only), in id-hash order."""
     convs = [c for c in load_conversations() if is_heldout(str(c.get("id", "")))]

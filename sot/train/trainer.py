@@ -62,6 +62,8 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
     max_seconds: float = 0.0
+    #: stop (with a checkpoint) after this step, the schedule still planned over ``steps`` (0: never)
+    stop_after: int = 0
     grad_clip: float = 1.0
     precision: str = "auto"  # compute: "bf16" autocast, "fp32", or "auto" (bf16 where native)
 
@@ -273,6 +275,8 @@ def fit(cfg: TrainConfig) -> Path:
 
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
+    if cfg.stop_after < 0:
+        raise ConfigError(f"--stop-after must be a step number >= 0, got {cfg.stop_after}")
     rank, world, device = _dist_setup()
     out = Path(cfg.out)
     data_dirs = [Path(d) for d in cfg.data.split(",") if d]
@@ -387,7 +391,8 @@ def fit(cfg: TrainConfig) -> Path:
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc0']:.2f}", kl0=f"{record['kl0']:.2f}")
         seconds = elapsed_before + time.perf_counter() - t0
-        stop = torch.tensor([1.0 if cfg.max_seconds and seconds >= cfg.max_seconds else 0.0])
+        stop = torch.tensor([1.0 if (cfg.max_seconds and seconds >= cfg.max_seconds)
+                             or (cfg.stop_after and step >= cfg.stop_after) else 0.0])
         if world > 1:
             dist.broadcast(stop, 0)
         if step % cfg.eval_every == 0 or step == cfg.steps or stop.item():
@@ -396,7 +401,8 @@ def fit(cfg: TrainConfig) -> Path:
             save(step, seconds)
         if stop.item():
             if rank == 0:
-                tqdm.write(f"stopping after {seconds:.0f}s at step {step} (--max-seconds)")
+                why = "--stop-after" if cfg.stop_after and step >= cfg.stop_after else "--max-seconds"
+                tqdm.write(f"stopping after {seconds:.0f}s at step {step} ({why})")
             break
     bar.close()
     if rank == 0:
