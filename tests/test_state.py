@@ -514,8 +514,11 @@ def test_evaluation_data_is_held_out(tmp_path) -> None:
     assert len(evaluation_conversations(held, 10, training=convs[:4])) == 2
     with pytest.raises(ConfigError, match=r"shares 1 conversation\(s\) with the training data \(e.g. id 'c5'\)"):
         evaluation_conversations(held, 10, training=convs[5:])
-    with pytest.raises(ConfigError, match="evaluation data file .* does not exist"):
+    with pytest.raises(ConfigError, match="evaluation data file does not exist: .*missing.jsonl"):
         evaluation_conversations(tmp_path / "missing.jsonl", 4)
+    held.write_text(json.dumps(convs[4]) + "\nnot json\n")
+    with pytest.raises(ConfigError, match=r"held.jsonl:2: not valid JSON"):
+        evaluation_conversations(held, 4)
 
 
 def test_stop_after_keeps_the_planned_schedule(tiny_run, tmp_path) -> None:

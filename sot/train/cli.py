@@ -62,7 +62,8 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     prep.add_argument("--out", required=True, help="folder for the state cache")
     prep.add_argument("--data", default=None, help="JSONL from gen-data (default: packaged ShareGPT)")
     prep.add_argument("--tokens", type=positive_int, default=1_000_000, help="training tokens to cache")
-    prep.add_argument("--eval-conversations", type=positive_int, default=48, help="conversations cached for held-out evaluation (the first of --eval-data)")
+    prep.add_argument("--eval-conversations", type=positive_int, default=48,
+                      help="conversations cached for held-out evaluation (the first of --eval-data)")
     prep.add_argument("--eval-data", default=None,
                       help="JSONL of held-out conversations, e.g. gen-data answers to prompts kept out of "
                            "--data (default: the sharegpt-heldout split, whatever --data is)")
@@ -155,7 +156,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
         lr=args.lr, warmup=args.warmup, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init,
         init_from=args.init_from, eval_every=args.eval_every,
-        save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, stop_after=args.stop_after, precision=args.precision,
+        save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, stop_after=args.stop_after,
+        precision=args.precision,
     )
     fit(cfg)
     return 0

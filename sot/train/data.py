@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from sot.data.sharegpt import is_heldout, load_conversations
 from sot.errors import ConfigError
+from sot.prompts import json_lines
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
             "assistant": "assistant", "system": "system"}
@@ -80,10 +81,7 @@ def training_conversations(source: str | Path | None = None, seed: int = 0) -> l
     if source is None:
         convs = [c for c in load_conversations() if not is_heldout(str(c.get("id", "")))]
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"training data file {path} does not exist")
-        convs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        convs = [c for _, c in json_lines(source, "training data file does not exist")]
         convs = [c for c in convs if not is_heldout(str(c.get("id", "")))]
     rng = random.Random(seed)
     convs = list(convs)
@@ -98,14 +96,11 @@ def evaluation_conversations(source: str | Path | None, limit: int, training: li
     conversation id with the ``training`` conversations is refused."""
     if source is None:
         return heldout_conversations(limit)
-    path = Path(source)
-    if not path.is_file():
-        raise ConfigError(f"evaluation data file {path} does not exist")
-    convs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
-    seen = {str(c.get("id", "")) for c in training or []}
+    convs = [c for _, c in json_lines(source, "evaluation data file does not exist")][:limit]
+    seen = {str(c.get("id", "")) for c in training or []} - {""}
     shared = [str(c.get("id", "")) for c in convs if str(c.get("id", "")) in seen]
     if shared:
-        raise ConfigError(f"--eval-data {path} shares {len(shared)} conversation(s) with the training data "
+        raise ConfigError(f"--eval-data {source} shares {len(shared)} conversation(s) with the training data "
                           f"(e.g. id {shared[0]!r}); held-out evaluation needs conversations kept out of training")
     return convs
 
