@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the shipped state predictor for SmolLM2-135M-Instruct
-# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in six stages:
+# (sot/assets/smollm2-135m-instruct.state.safetensors) on a 2-core CPU, in seven stages:
 #   1. ShareGPT: 1.5M tokens of cached target states, about 730 steps (66 minutes).
 #   2. Self-distillation: the target's own greedy answers to 1,520 ShareGPT training prompts
 #      (about 30 minutes to generate), then 400 fine-tuning steps on them (25 minutes).
@@ -13,6 +13,10 @@
 #      to 1,027 standard-library function-completion requests and 450 ShareGPT coding prompts
 #      plus 200 chat answers (about 75 minutes to generate, 25 to cache), with 200k tokens of
 #      ShareGPT, then 225 steps of a 600-step schedule (about 27 minutes on the AVX2 machine).
+#   8. code: the target's answers to 1,104 function-completion requests built from the installed
+#      packages (about 50 minutes to generate, 16 to cache), then 300 steps of a 600-step
+#      schedule on them and stage 7's caches (about 37 minutes). The prompts depend on what is
+#      installed: this run's environment was the one scripts/setup.sh makes, on Python 3.11.
 # Each command resumes where it stopped: gen-data skips answered prompts, prepare must be re-run
 # from scratch if it was interrupted, fit continues from the run folder's checkpoint.pt.
 set -euo pipefail
@@ -76,5 +80,19 @@ gen --out runs/code/answers.jsonl --limit 450 --match "$CODE"
 $PY -m sot.cli train fit --data runs/data/stdlib,runs/data/code7,runs/data/general,runs/data/sharegpt-sub --out runs/sd-7 \
   --steps 600 --stop-after 225 --tokens-per-step 2048 --lr 2e-4 --warmup 10 --unroll 3 \
   --init-from runs/sd-5/predictor.safetensors --eval-every 100 --save-every 25
+# stage 8: function-completion requests from the installed packages; the last 48 answers are held out
+SITE=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p runs/code8
+[ -f runs/code8/prompts.jsonl ] || \
+  $PY -m sot.cli train code-prompts --source "$SITE" --per-package 60 --limit 1400 --out runs/code8/prompts.jsonl
+gen --out runs/code8/answers.jsonl --prompts runs/code8/prompts.jsonl --limit 1104
+head -n 1056 runs/code8/answers.jsonl > runs/code8/train.jsonl
+tail -n 48 runs/code8/answers.jsonl > runs/code8/eval.jsonl
+[ -f runs/data/code8/prepare.json ] || \
+  $PY -m sot.cli train prepare --data runs/code8/train.jsonl --eval-data runs/code8/eval.jsonl --eval-conversations 48 \
+    --out runs/data/code8 --tokens 2000000
+$PY -m sot.cli train fit --data runs/data/code8,runs/data/code7,runs/data/stdlib,runs/data/general,runs/data/sharegpt-sub \
+  --out runs/sd-8 --steps 600 --stop-after 300 --tokens-per-step 2048 --lr 2e-4 --warmup 10 --unroll 3 \
+  --init-from runs/sd-7/predictor.safetensors --eval-every 100 --save-every 25
 mkdir -p sot/assets
-cp runs/sd-7/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
+cp runs/sd-8/predictor.safetensors sot/assets/smollm2-135m-instruct.state.safetensors
