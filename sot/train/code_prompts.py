@@ -16,6 +16,7 @@ import ast
 import json
 import random
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,12 +85,12 @@ def write_code_prompts(out: str | Path, limit: int, seed: int = 0, root: str | P
         raise ConfigError(f"no documented public functions found under {root or 'the standard library'}")
     random.Random(seed).shuffle(stubs)
     if per_package is not None:
-        taken: dict[str, int] = {}
+        taken: Counter[str] = Counter()
         kept = []
         for cid, stub in stubs:
-            package = cid.split(":", 1)[1].split(".", 1)[0]
-            if taken.get(package, 0) < per_package:
-                taken[package] = taken.get(package, 0) + 1
+            package = cid.split(":", 1)[1].split(".", 1)[0]  # "code:pkg.mod.fn" -> "pkg"
+            taken[package] += 1
+            if taken[package] <= per_package:
                 kept.append((cid, stub))
         stubs = kept
     path = Path(out)
