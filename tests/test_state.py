@@ -132,6 +132,61 @@ def test_init_from_a_predictor_file(tiny_run, tmp_path) -> None:
     assert state["evals"][0]["chain_tau"] == pytest.approx(trained["evals"][-1]["chain_tau"], abs=0.15)
 
 
+def test_init_from_grows_decoder_layers(tiny_run, tmp_path) -> None:
+    """``decoder_layers`` above the file's adds layers that start as the identity: the first
+    evaluation equals the file's, exactly; fewer layers than the file's are refused."""
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "grown"), steps=2, decoder_layers=2,
+                              init_from=str(tiny_run["predictor"]))
+    fit(cfg)
+    grown = read_predictor_config(tmp_path / "grown" / "predictor.safetensors")
+    assert grown.decoder_layers == 2
+    state = torch.load(tmp_path / "grown" / "checkpoint.pt", weights_only=False)
+    same = dataclasses.replace(cfg, out=str(tmp_path / "same"), decoder_layers=1)
+    fit(same)
+    reference = torch.load(tmp_path / "same" / "checkpoint.pt", weights_only=False)
+    assert state["evals"][0]["chain_tau"] == reference["evals"][0]["chain_tau"]
+    assert state["evals"][0]["reach"] == reference["evals"][0]["reach"]
+    fewer = dataclasses.replace(cfg, out=str(tmp_path / "fewer"), decoder_layers=1,
+                                init_from=str(tmp_path / "grown" / "predictor.safetensors"))
+    with pytest.raises(ConfigError, match="2 decoder layers"):
+        fit(fewer)
+
+
+def _two_layer_predictor(model, seed: int):
+    """A two-layer predictor whose second layer is not the identity (random output weights)."""
+    pred = new_predictor(model, LAYERS, None, seed=seed, decoder_layers=2)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for w in (pred.upper[0].o_proj.weight, pred.upper[0].down_proj.weight):
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.05)
+    return pred
+
+
+def test_a_grown_predictor_drafts_what_the_file_did() -> None:
+    """A one-layer predictor's weights in a two-layer predictor (second layer fresh, the
+    identity) give the same predictions bit for bit, and the same trees."""
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("llama", seed=4)
+    one = new_predictor(model, LAYERS, None, seed=2)
+    two = new_predictor(model, LAYERS, None, seed=7, decoder_layers=2)
+    missing, unexpected = two.load_state_dict(one.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith("upper.0.") for k in missing)
+    states = torch.randn(2, 14, len(LAYERS), 64, generator=torch.Generator().manual_seed(0))
+    toks = torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for a, b in zip(one.forward_unrolled(states, toks, 3), two.forward_unrolled(states, toks, 3)):
+            assert torch.equal(a, b)
+    (ctx, st), = _chain_inputs(model, one, [15], seed=3)
+    trees = []
+    for pred in (one, two):
+        drafter = StateDrafter(pred, top_k=3, lookup=False)
+        drafter.reset(1)
+        trees.append(drafter.propose([DraftInput(0, ctx, st)], TreeBudget(10, 4))[0])
+    assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+    assert trees[0].draft_probs == trees[1].draft_probs
+
+
 def test_checkpoint_round_trip(tiny_run, tmp_path) -> None:
     model = load_model(str(tiny_run["model_dir"])).model
     pred = load_predictor(tiny_run["predictor"], model)
@@ -146,6 +201,13 @@ def test_checkpoint_round_trip(tiny_run, tmp_path) -> None:
         assert torch.equal(pred.forward_unrolled(states, toks, 2)[1], back.forward_unrolled(states, toks, 2)[1])
     cfg = read_predictor_config(again)
     assert cfg.state_layers == LAYERS and cfg.target["hidden_size"] == 64
+    assert cfg.decoder_layers == 1
+    two = _two_layer_predictor(model, seed=3)
+    save_predictor(two, tmp_path / "two.safetensors", dtype=torch.float32)
+    back = load_predictor(tmp_path / "two.safetensors", model)
+    assert back.config.decoder_layers == 2 and len(back.upper) == 1
+    for k, a in two.state_dict().items():
+        assert torch.equal(a, back.state_dict()[k]), k
 
 
 def test_mismatched_target_is_refused(tiny_run, tmp_path) -> None:
@@ -218,6 +280,9 @@ def test_untrained_state_drafter_is_lossless(arch: str, dtype: torch.dtype) -> N
     drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
     batch = [r.token_ids for r in Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params)]
     assert batch == plain
+    if arch == "llama":  # a two-layer predictor through the same engine
+        two = StateDrafter(_two_layer_predictor(model, seed=1), top_k=3)
+        assert [r.token_ids for r in Engine(target, two, TreeBudget(16, 6)).generate(prompts, params)] == plain
     alone = [Engine(target, drafter, TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
     assert alone == plain
 
@@ -235,14 +300,18 @@ def _chain_inputs(model, pred, lengths, seed):
     return out
 
 
-def test_drafted_chain_matches_the_training_unroll() -> None:
+@pytest.mark.parametrize("decoder_layers", [1, 2])
+def test_drafted_chain_matches_the_training_unroll(decoder_layers: int) -> None:
     """A top-1 chain drafted at inference follows the training unroll step for step: the depth
-    ``d`` node's prediction is ``forward_unrolled`` step ``d`` at its row."""
+    ``d`` node's prediction is ``forward_unrolled`` step ``d`` at its row (with one decoder
+    layer, and with two, each attending to its own cache)."""
+    import copy
+
     from sot.drafters.base import DraftInput
 
     model = tiny_model("llama", seed=4)
-    pred = new_predictor(model, LAYERS, None, seed=2)
-    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=2), top_k=1, lookup=False, min_confidence=0.0)
+    pred = new_predictor(model, LAYERS, None, seed=2) if decoder_layers == 1 else _two_layer_predictor(model, 2)
+    drafter = StateDrafter(copy.deepcopy(pred), top_k=1, lookup=False, min_confidence=0.0)
     (ctx, states), = _chain_inputs(model, pred, [12], seed=0)
     drafter.reset(1)
     depth = 4
@@ -262,13 +331,14 @@ def test_drafted_chain_matches_the_training_unroll() -> None:
             assert tree.draft_probs[d] == pytest.approx(math.exp(cum), rel=1e-4)
 
 
-def test_batched_drafting_equals_drafting_alone() -> None:
+@pytest.mark.parametrize("decoder_layers", [1, 2])
+def test_batched_drafting_equals_drafting_alone(decoder_layers: int) -> None:
     """Sequences drafted together (one predictor pass per depth) get the trees they get alone,
     across several steps, with states arriving in chunks of different sizes."""
     from sot.drafters.base import DraftInput
 
     model = tiny_model("llama", seed=4)
-    pred = new_predictor(model, LAYERS, None, seed=2)
+    pred = new_predictor(model, LAYERS, None, seed=2) if decoder_layers == 1 else _two_layer_predictor(model, 2)
     seqs = _chain_inputs(model, pred, [9, 17, 30], seed=1)
     budget = TreeBudget(10, 5)
     together = StateDrafter(pred, top_k=3)

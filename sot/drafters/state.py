@@ -1,11 +1,13 @@
-"""The state predictor: a one-layer model that predicts the target's next hidden states.
+"""The state predictor: a small model (one decoder layer by default) that predicts the target's
+next hidden states.
 
 Inputs and outputs, for a row at position ``t`` (``D`` = target hidden size, ``S`` = input layers)::
 
     target states f_t [S, D] (layers low, mid, high)  --fuse-->  s_t [D]
     or, when rolling forward, its own previous output  ------>  s_t [D]
-    [state_norm(s_t), embed_norm(E[x_{t+1}])] --inp--> one decoder layer (Llama-style, the
-    target's width, heads and rope) --> g_t [D]: the predicted state of position t + 1
+    [state_norm(s_t), embed_norm(E[x_{t+1}])] --inp--> decoder layer(s) (Llama-style, the
+    target's width, heads and rope; ``decoder_layers``, default 1) --> g_t [D]: the
+    predicted state of position t + 1
     out_norm(g_t) @ H[draft_vocab]^T --> logits [V_d] over x_{t+2}
 
 ``E`` and ``H`` are the target's own input embeddings and LM head, shared and frozen; only the
@@ -82,9 +84,12 @@ class StatePredictorConfig:
     draft_vocab_size: int
     target: dict = field(default_factory=dict)
     format: str = FORMAT
+    #: decoder layers in the predictor's body (files written before this field have one)
+    decoder_layers: int = 1
 
     @classmethod
-    def for_target(cls, model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab_size: int) -> "StatePredictorConfig":
+    def for_target(cls, model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab_size: int,
+                   decoder_layers: int = 1) -> "StatePredictorConfig":
         cfg = model.config
         d = int(model.get_input_embeddings().weight.shape[1])
         heads = int(getattr(cfg, "num_attention_heads", max(1, d // 64)))
@@ -98,8 +103,11 @@ class StatePredictorConfig:
         inter = int(getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * d)
         eps = float(getattr(cfg, "rms_norm_eps", None) or 1e-6)
         vocab = int(model.get_input_embeddings().weight.shape[0])
+        if decoder_layers < 1:
+            raise ConfigError(f"a state predictor needs at least one decoder layer, got {decoder_layers}")
         return cls(d, heads, kv, head_dim, inter, eps, _rope_theta(cfg), tuple(int(x) for x in state_layers),
-                   min(draft_vocab_size, vocab) if draft_vocab_size > 0 else 0, target_fingerprint(model))
+                   min(draft_vocab_size, vocab) if draft_vocab_size > 0 else 0, target_fingerprint(model),
+                   decoder_layers=int(decoder_layers))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -110,7 +118,10 @@ class StatePredictorConfig:
         if data.get("format") != FORMAT:
             raise DrafterCompatibilityError(f"not a SoT state predictor checkpoint (format {data.get('format')!r})")
         data["state_layers"] = tuple(data["state_layers"])
-        return cls(**data)
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a field this version does not know
+            raise DrafterCompatibilityError(f"state predictor config not understood by this SoT version: {exc}") from None
 
 
 # ---------------------------------------------------------------------------- model
@@ -130,6 +141,33 @@ class RMSNorm(torch.nn.Module):
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
+
+
+class DecoderLayer(torch.nn.Module):
+    """The modules of one Llama-style decoder layer of the predictor (norms, attention
+    projections, gated MLP), at the target's width. The first layer's modules sit directly on
+    :class:`StatePredictor` (the file layout of one-layer predictors); further layers are
+    ``StatePredictor.upper[i]``."""
+
+    def __init__(self, c: "StatePredictorConfig") -> None:
+        super().__init__()
+        add_layer_modules(self, c)
+
+
+def add_layer_modules(owner: torch.nn.Module, c: "StatePredictorConfig") -> None:
+    """Register one decoder layer's modules on ``owner``: ``attn_norm``, ``q/k/v/o_proj``,
+    ``mlp_norm``, ``gate/up/down_proj`` (no biases)."""
+    d = c.hidden_size
+    lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+    owner.attn_norm = RMSNorm(d, c.rms_eps)
+    owner.q_proj = lin(d, c.num_heads * c.head_dim)
+    owner.k_proj = lin(d, c.num_kv_heads * c.head_dim)
+    owner.v_proj = lin(d, c.num_kv_heads * c.head_dim)
+    owner.o_proj = lin(c.num_heads * c.head_dim, d)
+    owner.mlp_norm = RMSNorm(d, c.rms_eps)
+    owner.gate_proj = lin(d, c.intermediate_size)
+    owner.up_proj = lin(d, c.intermediate_size)
+    owner.down_proj = lin(c.intermediate_size, d)
 
 
 def _add_noise(states: torch.Tensor, relative: float) -> torch.Tensor:
@@ -167,16 +205,10 @@ class StatePredictor(torch.nn.Module):
         self.state_norm = RMSNorm(d, c.rms_eps)
         self.embed_norm = RMSNorm(d, c.rms_eps)
         self.inp = lin(2 * d, d)
-        self.attn_norm = RMSNorm(d, c.rms_eps)
-        self.q_proj = lin(d, c.num_heads * c.head_dim)
-        self.k_proj = lin(d, c.num_kv_heads * c.head_dim)
-        self.v_proj = lin(d, c.num_kv_heads * c.head_dim)
-        self.o_proj = lin(c.num_heads * c.head_dim, d)
-        self.mlp_norm = RMSNorm(d, c.rms_eps)
-        self.gate_proj = lin(d, c.intermediate_size)
-        self.up_proj = lin(d, c.intermediate_size)
-        self.down_proj = lin(c.intermediate_size, d)
+        add_layer_modules(self, c)  # the first decoder layer (the file layout of one-layer predictors)
         self.out_norm = RMSNorm(d, c.rms_eps)
+        # decoder layers after the first (none in the default one-layer predictor)
+        self.upper = torch.nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers - 1))
         if draft_vocab is None:
             draft_vocab = torch.arange(embed.shape[0])
         self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=True)
@@ -191,20 +223,27 @@ class StatePredictor(torch.nn.Module):
         seen, so call it again after changing the weights."""
         from sot.models.fast_llama import PackedLinear
 
-        packed = {name: PackedLinear(mod.weight) for name, mod in self.named_children()
+        packed = {name: PackedLinear(mod.weight) for name, mod in self.named_modules()
                   if isinstance(mod, torch.nn.Linear)}
         packed["head"] = PackedLinear(self.head)
         # one product for q, k and v, and one for gate and up (each row's outputs unchanged)
-        packed["qkv"] = PackedLinear(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
-        packed["gate_up"] = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        for i in range(self.config.decoder_layers):
+            layer, prefix = self._layer(i)
+            packed[prefix + "qkv"] = PackedLinear(
+                torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]))
+            packed[prefix + "gate_up"] = PackedLinear(torch.cat([layer.gate_proj.weight, layer.up_proj.weight]))
         self.__dict__["_packed"] = packed
+
+    def _layer(self, i: int) -> tuple[torch.nn.Module, str]:
+        """Decoder layer ``i`` (the module holding its weights) and its name prefix."""
+        return (self, "") if i == 0 else (self.upper[i - 1], f"upper.{i - 1}.")
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` through the linear layer ``name`` (or the head), packed when
         :meth:`pack_for_inference` was called and no gradient is needed."""
         packed = self.__dict__.get("_packed")
         if packed is None or torch.is_grad_enabled():
-            return (x @ self.head.to(x.dtype).T) if name == "head" else getattr(self, name)(x)
+            return (x @ self.head.to(x.dtype).T) if name == "head" else self.get_submodule(name)(x)
         lin = packed[name]
         return lin._block(x.reshape(-1, x.shape[-1]).to(lin.weight.dtype)).view(*x.shape[:-1], -1)
 
@@ -236,41 +275,50 @@ class StatePredictor(torch.nn.Module):
         return emb.cos().unsqueeze(-3).to(dtype), emb.sin().unsqueeze(-3).to(dtype)
 
     def project(self, state: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """Input projection and attention inputs for rows ``[B, T]``.
+        """Input projection and the first layer's attention inputs for rows ``[B, T]``.
 
         Returns ``h [B, T, D]`` (the residual stream), ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]``.
         """
-        c = self.config
         e = self.embed[tokens].to(state.dtype)
         h = self._linear("inp", torch.cat((self.state_norm(state), self.embed_norm(e)), dim=-1))
-        a = self.attn_norm(h)
-        b, t = tokens.shape
+        return (h, *self.layer_qkv(0, h, positions))
+
+    def layer_qkv(self, i: int, h: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention inputs of decoder layer ``i`` for the residual stream ``h [B, T, D]`` at
+        ``positions [B, T]``: ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]`` (rope applied)."""
+        c = self.config
+        layer, prefix = self._layer(i)
+        a = layer.attn_norm(h)
+        b, t = positions.shape
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self._fused_ready():
-            q, k, v = self._linear("qkv", a).split([nq, nkv, nkv], dim=-1)
+            q, k, v = self._linear(prefix + "qkv", a).split([nq, nkv, nkv], dim=-1)
         else:
-            q, k, v = self._linear("q_proj", a), self._linear("k_proj", a), self._linear("v_proj", a)
+            q, k, v = (self._linear(prefix + n, a) for n in ("q_proj", "k_proj", "v_proj"))
         q = q.reshape(b, t, c.num_heads, c.head_dim).transpose(1, 2)
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         angles = self._rope_angles(positions, q.dtype)
-        return h, self._rope(q, positions, angles), self._rope(k, positions, angles), v
+        return self._rope(q, positions, angles), self._rope(k, positions, angles), v
 
     def _fused_ready(self) -> bool:
         """True when the packed q/k/v and gate/up products apply (inference, packed)."""
         return "_packed" in self.__dict__ and not torch.is_grad_enabled()
 
-    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual stream ``h [B, T, D]`` and attention output ``[B, H, T, hd]`` -> predicted
-        state ``g [B, T, D]``."""
+    def finish(self, h: torch.Tensor, attn: torch.Tensor, i: int = 0) -> torch.Tensor:
+        """Residual stream ``h [B, T, D]`` and decoder layer ``i``'s attention output
+        ``[B, H, T, hd]`` -> the stream after the layer ``[B, T, D]`` (after the last layer:
+        the predicted state ``g``)."""
+        layer, prefix = self._layer(i)
         b, _, t, _ = attn.shape
-        h = h + self._linear("o_proj", attn.transpose(1, 2).reshape(b, t, -1))
-        m = self.mlp_norm(h)
+        h = h + self._linear(prefix + "o_proj", attn.transpose(1, 2).reshape(b, t, -1))
+        m = layer.mlp_norm(h)
         if self._fused_ready():
-            gate, up = self._linear("gate_up", m).chunk(2, dim=-1)
+            gate, up = self._linear(prefix + "gate_up", m).chunk(2, dim=-1)
         else:
-            gate, up = self._linear("gate_proj", m), self._linear("up_proj", m)
-        return h + self._linear("down_proj", F.silu(gate) * up)
+            gate, up = self._linear(prefix + "gate_proj", m), self._linear(prefix + "up_proj", m)
+        return h + self._linear(prefix + "down_proj", F.silu(gate) * up)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Predicted states ``[..., D]`` -> draft-vocabulary logits ``[..., V_d]``."""
@@ -312,34 +360,39 @@ class StatePredictor(torch.nn.Module):
         scale = 1.0 / math.sqrt(self.config.head_dim)
         g_rep = self._groups()
         causal = torch.ones(t, t, dtype=torch.bool, device=next_tokens.device).tril()
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        # per decoder layer, the keys and values of every step so far
+        keys: list[list[torch.Tensor]] = [[] for _ in range(self.config.decoder_layers)]
+        values: list[list[torch.Tensor]] = [[] for _ in range(self.config.decoder_layers)]
         outs: list[torch.Tensor] = []
         x = self.fuse_states(states)
         for k in range(steps):
             if k > 0:
                 x = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # row t takes row t-1's prediction
             h, q, kk, vv = self.project(x, next_tokens, positions)
-            keys.append(kk.repeat_interleave(g_rep, dim=1))
-            values.append(vv.repeat_interleave(g_rep, dim=1))
-            s0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, H, T, T]
             allowed = causal if k == 0 else torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-k)
-            s0 = s0.float().masked_fill(~allowed, float("-inf"))
-            diag, vals = [], []
-            for j in range(1, k + 1):
-                shift = k - j
-                kj = F.pad(keys[j][:, :, : t - shift], (0, 0, shift, 0)) if shift else keys[j]
-                vj = F.pad(values[j][:, :, : t - shift], (0, 0, shift, 0)) if shift else values[j]
-                diag.append(((q * kj).sum(-1, keepdim=True) * scale).float())
-                vals.append(vj)
-            scores = torch.cat([s0] + diag, dim=-1)
-            # rows with no allowed real key (t < k) still have their own chain entry, so the
-            # softmax is finite everywhere
-            p = torch.softmax(scores, dim=-1).to(q.dtype)
-            attn = p[..., :t] @ values[0]
-            for j, vj in enumerate(vals):
-                attn = attn + p[..., t + j : t + j + 1] * vj
-            outs.append(self.finish(h, attn))
+            for i, (ks, vs) in enumerate(zip(keys, values)):
+                if i > 0:
+                    q, kk, vv = self.layer_qkv(i, h, positions)
+                ks.append(kk.repeat_interleave(g_rep, dim=1))
+                vs.append(vv.repeat_interleave(g_rep, dim=1))
+                s0 = (q @ ks[0].transpose(-1, -2)) * scale  # [B, H, T, T]
+                s0 = s0.float().masked_fill(~allowed, float("-inf"))
+                diag, vals = [], []
+                for j in range(1, k + 1):
+                    shift = k - j
+                    kj = F.pad(ks[j][:, :, : t - shift], (0, 0, shift, 0)) if shift else ks[j]
+                    vj = F.pad(vs[j][:, :, : t - shift], (0, 0, shift, 0)) if shift else vs[j]
+                    diag.append(((q * kj).sum(-1, keepdim=True) * scale).float())
+                    vals.append(vj)
+                scores = torch.cat([s0] + diag, dim=-1)
+                # rows with no allowed real key (t < k) still have their own chain entry, so
+                # the softmax is finite everywhere
+                p = torch.softmax(scores, dim=-1).to(q.dtype)
+                attn = p[..., :t] @ vs[0]
+                for j, vj in enumerate(vals):
+                    attn = attn + p[..., t + j : t + j + 1] * vj
+                h = self.finish(h, attn, i)
+            outs.append(h)
         return outs
 
 
@@ -410,7 +463,7 @@ def _last_decoder_layer(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _init_from_target(pred: StatePredictor, model: torch.nn.Module) -> bool:
-    """Start the predictor's layer from the target's last decoder layer where the shapes
+    """Start the predictor's first layer from the target's last decoder layer where the shapes
     match (Llama-style families), the fuse from the highest input layer, and the input
     projection from the state path. Returns whether the layer weights were copied."""
     d = pred.config.hidden_size
@@ -418,6 +471,24 @@ def _init_from_target(pred: StatePredictor, model: torch.nn.Module) -> bool:
     with torch.no_grad():
         pred.fuse.weight[:, (s - 1) * d :] += torch.eye(d)
         pred.inp.weight[:, :d] += torch.eye(d)
+    return _copy_last_layer(pred, model)
+
+
+def _start_as_identity(layer: DecoderLayer, model: torch.nn.Module | None) -> None:
+    """A further decoder layer starts as the identity: its attention and MLP outputs are
+    zero (``o_proj`` and ``down_proj``), so a predictor grown by a layer first predicts what
+    it did before; its other weights come from the target's last layer where they fit."""
+    if model is not None:
+        _copy_last_layer(layer, model)
+    with torch.no_grad():
+        layer.o_proj.weight.zero_()
+        layer.down_proj.weight.zero_()
+
+
+def _copy_last_layer(ours: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Copy the target's last decoder layer into ``ours`` (a module with the
+    :class:`DecoderLayer` attributes) where every shape matches."""
+    with torch.no_grad():
         layer = _last_decoder_layer(model)
         if layer is None:
             return False
@@ -432,26 +503,27 @@ def _init_from_target(pred: StatePredictor, model: torch.nn.Module) -> bool:
             "attn_norm": getattr(layer, "input_layernorm", None),
             "mlp_norm": getattr(layer, "post_attention_layernorm", None),
         }
-        ours = {k: getattr(pred, k) for k in pairs}
-        if any(src is None or getattr(src, "weight", None) is None or src.weight.shape != ours[k].weight.shape
+        mods = {k: getattr(ours, k) for k in pairs}
+        if any(src is None or getattr(src, "weight", None) is None or src.weight.shape != mods[k].weight.shape
                or getattr(src, "bias", None) is not None for k, src in pairs.items()):
             return False
         for k, src in pairs.items():
-            ours[k].weight.copy_(src.weight.float())
+            mods[k].weight.copy_(src.weight.float())
     return True
 
 
 def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab: torch.Tensor | None,
-                  seed: int = 0, init: str = "target") -> StatePredictor:
+                  seed: int = 0, init: str = "target", decoder_layers: int = 1) -> StatePredictor:
     """A freshly initialised predictor for ``model`` (fp32 weights).
 
-    ``init="target"`` starts the decoder layer from the target's last layer when the family
-    allows it (the rest small random); ``init="random"`` uses small random weights only.
+    ``init="target"`` starts the first decoder layer from the target's last layer when the
+    family allows it (the rest small random) and every further layer as the identity
+    (:func:`_start_as_identity`); ``init="random"`` uses small random weights only.
     """
     if init not in ("target", "random"):
         raise ConfigError(f"init must be 'target' or 'random', got {init!r}")
     size = 0 if draft_vocab is None else int(draft_vocab.numel())
-    cfg = StatePredictorConfig.for_target(model, state_layers, size)
+    cfg = StatePredictorConfig.for_target(model, state_layers, size, decoder_layers)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         pred = StatePredictor(cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight, draft_vocab)
@@ -467,6 +539,8 @@ def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_v
                 norm.weight.data.copy_(src.float())
         if init == "target":
             _init_from_target(pred, model)
+            for layer in pred.upper:
+                _start_as_identity(layer, model)
     return pred.float()
 
 
@@ -495,37 +569,43 @@ class _SeqState:
     space for the draft tree being grown and are overwritten by the next tree.
     """
 
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None  # [Hkv, cap, hd]
-        self.v: torch.Tensor | None = None
+    def __init__(self, layers: int = 1) -> None:
+        self.layers = layers
+        self.k: list[torch.Tensor] = []  # per decoder layer [Hkv, cap, hd]
+        self.v: list[torch.Tensor] = []
         self.length = 0
         self.last: torch.Tensor | None = None  # [D] prediction for the root's position
 
-    def reserve(self, n: int, like: torch.Tensor) -> None:
-        """Make room for ``n`` rows after ``length`` (``like``: a ``[Hkv, *, hd]`` tensor)."""
-        if self.k is not None and self.length + n <= self.k.shape[1]:
+    def reserve(self, n: int, like: torch.Tensor | None = None) -> None:
+        """Make room for ``n`` rows after ``length`` in every layer's cache (``like``: a
+        ``[Hkv, *, hd]`` tensor, needed before the first rows)."""
+        if self.k and self.length + n <= self.k[0].shape[1]:
             return
+        like = like if like is not None else self.k[0]
         cap = max(256, 2 * (self.length + n))
-        nk = like.new_zeros(like.shape[0], cap, like.shape[2])
-        nv = like.new_zeros(like.shape[0], cap, like.shape[2])
-        if self.k is not None:
-            nk[:, : self.length] = self.k[:, : self.length]
-            nv[:, : self.length] = self.v[:, : self.length]
-        self.k, self.v = nk, nv
+        for store in (self.k, self.v):
+            for i in range(self.layers):
+                grown = like.new_zeros(like.shape[0], cap, like.shape[2])
+                if i < len(store):
+                    grown[:, : self.length] = store[i][:, : self.length]
+                    store[i] = grown
+                else:
+                    store.append(grown)
 
-    def write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store rows ``k, v [Hkv, n, hd]`` at ``length + at`` (reserved beforehand)."""
+    def write(self, layer: int, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store decoder layer ``layer``'s rows ``k, v [Hkv, n, hd]`` at ``length + at``
+        (reserved beforehand)."""
         n = k.shape[1]
-        self.k[:, self.length + at : self.length + at + n] = k
-        self.v[:, self.length + at : self.length + at + n] = v
+        self.k[layer][:, self.length + at : self.length + at + n] = k
+        self.v[layer][:, self.length + at : self.length + at + n] = v
 
-    def attend(self, q: torch.Tensor, extra: int, mask: torch.Tensor) -> torch.Tensor:
-        """``q [H, m, hd]`` over every real row plus the first ``extra`` scratch rows, which
-        are visible per ``mask [m, extra]``. Returns ``[H, m, hd]``."""
+    def attend(self, layer: int, q: torch.Tensor, extra: int, mask: torch.Tensor) -> torch.Tensor:
+        """Decoder layer ``layer``'s ``q [H, m, hd]`` over every real row plus the first
+        ``extra`` scratch rows, which are visible per ``mask [m, extra]``. Returns ``[H, m, hd]``."""
         n = self.length + extra
         full = torch.ones(q.shape[1], n, dtype=torch.bool, device=q.device)
         full[:, self.length :] = mask
-        return F.scaled_dot_product_attention(q.unsqueeze(0), self.k[None, :, :n], self.v[None, :, :n],
+        return F.scaled_dot_product_attention(q.unsqueeze(0), self.k[layer][None, :, :n], self.v[layer][None, :, :n],
                                               attn_mask=full, enable_gqa=True).squeeze(0)
 
 
@@ -582,6 +662,7 @@ class StateDrafter(Drafter):
         self.predictor = predictor.eval()
         self.predictor.pack_for_inference()
         self.state_layers = tuple(predictor.config.state_layers)
+        self.layers = predictor.config.decoder_layers
         self.top_k = top_k
         self.seqs: list[_SeqState] = []
         self.rates: list[LookupRate] = []
@@ -596,12 +677,12 @@ class StateDrafter(Drafter):
         return self.top_k
 
     def reset(self, batch_size: int) -> None:
-        self.seqs = [_SeqState() for _ in range(batch_size)]
+        self.seqs = [_SeqState(self.layers) for _ in range(batch_size)]
         self.rates = [LookupRate() for _ in range(batch_size)]
         self._found.clear()
 
     def reset_sequence(self, sequence: int) -> None:
-        self.seqs[sequence] = _SeqState()
+        self.seqs[sequence] = _SeqState(self.layers)
         self.rates[sequence] = LookupRate()
         self._found.pop(sequence, None)
 
@@ -648,18 +729,21 @@ class StateDrafter(Drafter):
         tokens = torch.tensor([[t for it in items for t in it[2]]])
         pos = torch.tensor([[it[3] + i for it in items for i in range(it[1].shape[0])]])
         h, q, k, v = p.project(x, tokens, pos)
-        outs, at = [], 0
+        for i in range(self.layers):
+            if i > 0:
+                q, k, v = p.layer_qkv(i, h, pos)
+            outs, at = [], 0
+            for seq, states, _, _ in items:
+                n = states.shape[0]
+                seq.reserve(n, k[0])
+                seq.write(i, 0, k[0, :, at : at + n], v[0, :, at : at + n])
+                causal = torch.ones(n, n, dtype=torch.bool).tril()
+                outs.append(seq.attend(i, q[0, :, at : at + n], n, causal))
+                at += n
+            h = p.finish(h, torch.cat(outs, dim=1).unsqueeze(0), i)
+        g, at = h[0], 0
         for seq, states, _, _ in items:
-            n = states.shape[0]
-            seq.reserve(n, k[0])
-            seq.write(0, k[0, :, at : at + n], v[0, :, at : at + n])
-            causal = torch.ones(n, n, dtype=torch.bool).tril()
-            outs.append(seq.attend(q[0, :, at : at + n], n, causal))
-            seq.length += n
-            at += n
-        g = p.finish(h, torch.cat(outs, dim=1).unsqueeze(0))[0]
-        at = 0
-        for seq, states, _, _ in items:
+            seq.length += states.shape[0]
             at += states.shape[0]
             seq.last = g[at - 1]
 
@@ -739,7 +823,7 @@ class StateDrafter(Drafter):
         val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
         for gr, vs, ids in zip(growths, val.tolist(), idx.tolist()):
             gr.frontier = gr.add(-1, 1, 0.0, vs, ids, self._vocab)
-            gr.seq.reserve(k_top * budget.max_depth, gr.seq.k)
+            gr.seq.reserve(k_top * budget.max_depth)
         for depth in range(1, budget.max_depth):
             live = []
             for gr in growths:
@@ -759,8 +843,9 @@ class StateDrafter(Drafter):
                     tokens.append(gr.tok[n])
                     positions.append(gr.root_pos - 1 + depth)
             self.passes += 1
-            h, q, k, v = p.project(torch.stack(states).unsqueeze(0), torch.tensor([tokens]), torch.tensor([positions]))
-            outs, at = [], 0
+            pos = torch.tensor([positions])
+            h, q, k, v = p.project(torch.stack(states).unsqueeze(0), torch.tensor([tokens]), pos)
+            masks = []  # per live tree: (first scratch row, visibility [m, base + m])
             for gr in live:
                 m = len(gr.frontier)
                 base = len(gr.anc_rows)
@@ -768,13 +853,21 @@ class StateDrafter(Drafter):
                     parent_rows = gr.anc_rows[gr.row_of[gr.par[n]]] if gr.par[n] in gr.row_of else []
                     gr.anc_rows.append(parent_rows + [base + j])
                     gr.row_of[n] = base + j
-                gr.seq.write(base, k[0, :, at : at + m], v[0, :, at : at + m])
                 mask = torch.zeros(m, base + m, dtype=torch.bool)
                 for j in range(m):
                     mask[j, gr.anc_rows[base + j]] = True
-                outs.append(gr.seq.attend(q[0, :, at : at + m], base + m, mask))
-                at += m
-            g = p.finish(h, torch.cat(outs, dim=1).unsqueeze(0))[0]  # [M, D]
+                masks.append((base, mask))
+            for i in range(self.layers):
+                if i > 0:
+                    q, k, v = p.layer_qkv(i, h, pos)
+                outs, at = [], 0
+                for gr, (base, mask) in zip(live, masks):
+                    m = mask.shape[0]
+                    gr.seq.write(i, base, k[0, :, at : at + m], v[0, :, at : at + m])
+                    outs.append(gr.seq.attend(i, q[0, :, at : at + m], base + m, mask))
+                    at += m
+                h = p.finish(h, torch.cat(outs, dim=1).unsqueeze(0), i)
+            g = h[0]  # [M, D]
             logp = torch.log_softmax(p.logits(g).float(), dim=-1)
             val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
             vals, ids = val.tolist(), idx.tolist()

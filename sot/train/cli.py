@@ -92,6 +92,9 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     fit.add_argument("--init", choices=["target", "random"], default="target",
                      help="start the layer from the target's last layer (target) or from scratch (random)")
     fit.add_argument("--init-from", default="", help="start from this predictor file (e.g. to continue training)")
+    fit.add_argument("--decoder-layers", type=positive_int, default=1,
+                     help="decoder layers in the predictor (default 1); with --init-from, layers beyond the "
+                          "file's start as the identity, so training continues from what the file predicts")
     fit.add_argument("--eval-every", type=positive_int, default=200)
     fit.add_argument("--save-every", type=positive_int, default=100)
     fit.add_argument("--seed", type=int, default=0)
@@ -160,7 +163,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
         lr=args.lr, warmup=args.warmup, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init,
-        init_from=args.init_from, eval_every=args.eval_every,
+        init_from=args.init_from, decoder_layers=args.decoder_layers, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, stop_after=args.stop_after,
         precision=args.precision,
     )

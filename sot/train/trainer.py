@@ -56,6 +56,8 @@ class TrainConfig:
     draft_vocab: int = 16384
     init: str = "target"
     init_from: str = ""
+    #: decoder layers of the predictor; with ``init_from``, at least the file's (added layers start as the identity)
+    decoder_layers: int = 1
     eval_every: int = 200
     eval_sequences: int = 32
     eval_depth: int = 8
@@ -295,12 +297,19 @@ def fit(cfg: TrainConfig) -> Path:
         start_from = load_predictor(cfg.init_from, target)
         if tuple(start_from.config.state_layers) != tuple(train.layers):
             raise ConfigError(f"{cfg.init_from} uses layers {start_from.config.state_layers}, the data {train.layers}")
-        pred = new_predictor(target, train.layers, start_from.draft_vocab.clone(), cfg.seed, cfg.init)
-        pred.load_state_dict(start_from.state_dict())
+        if cfg.decoder_layers < start_from.config.decoder_layers:
+            raise ConfigError(f"{cfg.init_from} has {start_from.config.decoder_layers} decoder layers; "
+                              f"--decoder-layers {cfg.decoder_layers} cannot drop any")
+        pred = new_predictor(target, train.layers, start_from.draft_vocab.clone(), cfg.seed, cfg.init,
+                             cfg.decoder_layers)
+        # layers beyond the file's keep their fresh start (the identity, with init "target")
+        missing, _ = pred.load_state_dict(start_from.state_dict(), strict=False)
+        if any(not k.startswith("upper.") for k in missing):
+            raise ConfigError(f"{cfg.init_from} lacks predictor weights {missing}")
         pred = pred.float().to(device)
     else:
         pred = new_predictor(target, train.layers, draft_vocabulary(train, vocab_size, cfg.draft_vocab), cfg.seed,
-                             cfg.init).to(device)
+                             cfg.init, cfg.decoder_layers).to(device)
     full_head = target.get_output_embeddings().weight.detach().float().to(device)
     model: torch.nn.Module = pred
     if world > 1:
