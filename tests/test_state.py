@@ -141,6 +141,9 @@ def test_init_from_grows_decoder_layers(tiny_run, tmp_path) -> None:
     grown = read_predictor_config(tmp_path / "grown" / "predictor.safetensors")
     assert grown.decoder_layers == 2
     state = torch.load(tmp_path / "grown" / "checkpoint.pt", weights_only=False)
+    groups = state["optimizer"]["param_groups"]  # the added layer (9 tensors) learns 10x faster
+    assert [g["scale"] for g in groups] == [1.0, 10.0] and len(groups[1]["params"]) == 9
+    assert groups[1]["lr"] == pytest.approx(10 * groups[0]["lr"])
     same = dataclasses.replace(cfg, out=str(tmp_path / "same"), decoder_layers=1)
     fit(same)
     reference = torch.load(tmp_path / "same" / "checkpoint.pt", weights_only=False)

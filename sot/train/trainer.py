@@ -58,6 +58,8 @@ class TrainConfig:
     init_from: str = ""
     #: decoder layers of the predictor; with ``init_from``, at least the file's (added layers start as the identity)
     decoder_layers: int = 1
+    #: learning rate of layers added to an ``init_from`` file, as a multiple of ``lr`` (they start from zero output)
+    added_lr_scale: float = 10.0
     eval_every: int = 200
     eval_sequences: int = 32
     eval_depth: int = 8
@@ -306,16 +308,22 @@ def fit(cfg: TrainConfig) -> Path:
         missing, _ = pred.load_state_dict(start_from.state_dict(), strict=False)
         if any(not k.startswith("upper.") for k in missing):
             raise ConfigError(f"{cfg.init_from} lacks predictor weights {missing}")
+        added = set(missing)
         pred = pred.float().to(device)
     else:
         pred = new_predictor(target, train.layers, draft_vocabulary(train, vocab_size, cfg.draft_vocab), cfg.seed,
                              cfg.init, cfg.decoder_layers).to(device)
+        added = set()
     full_head = target.get_output_embeddings().weight.detach().float().to(device)
     model: torch.nn.Module = pred
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(pred)
-    params = [p for p in pred.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    named = [(n, p) for n, p in pred.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    # layers added to an --init-from file learn faster: their outputs start at zero
+    groups = [{"params": [p for n, p in named if n not in added], "scale": 1.0},
+              {"params": [p for n, p in named if n in added], "scale": cfg.added_lr_scale}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     def lr_at(step: int) -> float:
         if step < cfg.warmup:
@@ -366,7 +374,7 @@ def fit(cfg: TrainConfig) -> Path:
         run_eval(0)
     while step < cfg.steps:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step) * group.get("scale", 1.0)
         opt.zero_grad(set_to_none=True)
         batch, ntok = [], 0
         while ntok < cfg.tokens_per_step // world:
