@@ -224,6 +224,12 @@ def test_mismatched_target_is_refused(tiny_run, tmp_path) -> None:
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(DrafterCompatibilityError):
         read_predictor_config(junk)
+    from safetensors.torch import save_file
+
+    newer = json.loads(read_predictor_config(tiny_run["predictor"]).to_json()) | {"layer_kind": "moe"}
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "newer.safetensors"), metadata={"sot_config": json.dumps(newer)})
+    with pytest.raises(DrafterCompatibilityError, match="not understood by this SoT version"):
+        read_predictor_config(tmp_path / "newer.safetensors")
     other_dir = tiny_model_dir(tmp_path / "other", arch="qwen2")
     proc = subprocess.run(
         [sys.executable, "-m", "sot.cli", "generate", "hello", "--model", str(other_dir), "--drafter", "state",
