@@ -223,15 +223,17 @@ class StatePredictor(torch.nn.Module):
         seen, so call it again after changing the weights."""
         from sot.models.fast_llama import PackedLinear
 
-        packed = {name: PackedLinear(mod.weight) for name, mod in self.named_modules()
-                  if isinstance(mod, torch.nn.Linear)}
-        packed["head"] = PackedLinear(self.head)
-        # one product for q, k and v, and one for gate and up (each row's outputs unchanged)
+        packed = {"fuse": PackedLinear(self.fuse.weight), "inp": PackedLinear(self.inp.weight),
+                  "head": PackedLinear(self.head)}
+        # per layer, one product for q, k and v and one for gate and up (each row's outputs
+        # unchanged); the separate projections are only used with gradients, never packed
         for i in range(self.config.decoder_layers):
             layer, prefix = self._layer(i)
             packed[prefix + "qkv"] = PackedLinear(
                 torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]))
             packed[prefix + "gate_up"] = PackedLinear(torch.cat([layer.gate_proj.weight, layer.up_proj.weight]))
+            packed[prefix + "o_proj"] = PackedLinear(layer.o_proj.weight)
+            packed[prefix + "down_proj"] = PackedLinear(layer.down_proj.weight)
         self.__dict__["_packed"] = packed
 
     def _layer(self, i: int) -> tuple[torch.nn.Module, str]:
