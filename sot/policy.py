@@ -115,15 +115,19 @@ class CostModel:
         return s[-1] + slope * (rows - r[-1])
 
     @classmethod
-    def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5) -> "CostModel":
+    def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5,
+                sizes: list[int] | None = None) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
         after a ``context``-token prefill: one warm-up round, then ``repeats`` rounds in which
         every size takes its turn; each size keeps its fastest pass. In a batch, a pass over
-        ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``."""
+        ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``. ``sizes``: the row counts
+        to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to ``max_rows``, and
+        ``max_rows``); the others are interpolated."""
         from sot.attention import build_tree_layout
         from sot.tree import ancestor_table, tree_from_parents
 
-        sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_rows + 1)) | {max_rows})
+        if sizes is None:
+            sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_rows + 1)) | {max_rows})
         unit = target.row_multiple
         cache = target.new_cache(1, context + max(sizes) + unit + 16)
         gen = torch.Generator().manual_seed(0)

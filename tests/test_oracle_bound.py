@@ -1,22 +1,14 @@
 """The oracle tree search behind ``scripts/oracle_bound.py``, checked by brute force."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-from helpers import tiny_model
+from helpers import load_script, tiny_model
 from sot.sampling import SamplingParams, target_probs
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "oracle_bound.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("oracle_bound", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("oracle_bound")
 
 
 @torch.no_grad()

@@ -1,18 +1,13 @@
 """The chain bookkeeping behind ``scripts/walk_acceptance.py``, checked by hand and by brute force."""
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "walk_acceptance.py"
+from helpers import load_script
 
 
 def _chain_runs():
-    spec = importlib.util.spec_from_file_location("walk_acceptance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.chain_runs
+    return load_script("walk_acceptance").chain_runs
 
 
 def test_walk_accepts_runs_and_adds_the_bonus_token() -> None:
