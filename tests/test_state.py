@@ -155,6 +155,25 @@ def test_init_from_grows_decoder_layers(tiny_run, tmp_path) -> None:
         fit(fewer)
 
 
+def test_init_from_recounts_the_draft_vocabulary(tiny_run, tmp_path) -> None:
+    """``recount_vocab`` gives a file-started run the ``draft_vocab`` most frequent reply tokens
+    of its data (here the file proposes from the whole vocabulary) and keeps the file's
+    weights; without ``init_from`` it is refused."""
+    target = load_model(str(tiny_run["model_dir"])).model
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "recount"), steps=1, lr=1e-9, warmup=1,
+                              draft_vocab=12, recount_vocab=True, init_from=str(tiny_run["predictor"]))
+    fit(cfg)
+    recounted = load_predictor(tmp_path / "recount" / "predictor.safetensors", target)
+    counts = StateDataset(tiny_run["data"] / "train").token_counts(target.config.vocab_size)
+    assert recounted.draft_vocab.tolist() == counts.topk(12).indices.sort().values.tolist()
+    assert recounted.config.draft_vocab_size == 12
+    original = load_predictor(tiny_run["predictor"], target)
+    assert original.draft_vocab.numel() == target.config.vocab_size
+    assert torch.allclose(recounted.fuse.weight, original.fuse.weight, atol=1e-3)  # one step at lr 1e-9
+    with pytest.raises(ConfigError, match="--recount-vocab applies to --init-from"):
+        fit(dataclasses.replace(cfg, init_from="", out=str(tmp_path / "fresh")))
+
+
 def _two_layer_predictor(model, seed: int):
     """A two-layer predictor whose second layer is not the identity (random output weights)."""
     pred = new_predictor(model, LAYERS, None, seed=seed, decoder_layers=2)

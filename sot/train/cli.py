@@ -98,6 +98,9 @@ def add_train_parser(sub, positive_int, positive_float) -> None:
     fit.add_argument("--added-lr-scale", type=positive_float, default=10.0,
                      help="learning rate of the layers added to an --init-from file, as a multiple of --lr "
                           "(their outputs start at zero)")
+    fit.add_argument("--recount-vocab", action="store_true",
+                     help="with --init-from: count the draft vocabulary (--draft-vocab tokens) anew on --data "
+                          "instead of keeping the file's")
     fit.add_argument("--eval-every", type=positive_int, default=200)
     fit.add_argument("--save-every", type=positive_int, default=100)
     fit.add_argument("--seed", type=int, default=0)
@@ -167,7 +170,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
         lr=args.lr, warmup=args.warmup, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init,
         init_from=args.init_from, decoder_layers=args.decoder_layers,
-        added_lr_scale=args.added_lr_scale, eval_every=args.eval_every,
+        added_lr_scale=args.added_lr_scale, recount_vocab=args.recount_vocab, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, stop_after=args.stop_after,
         precision=args.precision,
     )

@@ -60,6 +60,9 @@ class TrainConfig:
     decoder_layers: int = 1
     #: learning rate of layers added to an ``init_from`` file, as a multiple of ``lr`` (they start from zero output)
     added_lr_scale: float = 10.0
+    #: with ``init_from``: count the draft vocabulary (``draft_vocab`` tokens) anew on ``data`` instead
+    #: of keeping the file's (the weights carry over: the head rows are the target's)
+    recount_vocab: bool = False
     eval_every: int = 200
     eval_sequences: int = 32
     eval_depth: int = 8
@@ -281,6 +284,8 @@ def fit(cfg: TrainConfig) -> Path:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.stop_after < 0:
         raise ConfigError(f"--stop-after must be a step number >= 0, got {cfg.stop_after}")
+    if cfg.recount_vocab and not cfg.init_from:
+        raise ConfigError("--recount-vocab applies to --init-from (a new predictor always counts its vocabulary)")
     rank, world, device = _dist_setup()
     out = Path(cfg.out)
     data_dirs = [Path(d) for d in cfg.data.split(",") if d]
@@ -302,13 +307,15 @@ def fit(cfg: TrainConfig) -> Path:
         if cfg.decoder_layers < start_from.config.decoder_layers:
             raise ConfigError(f"{cfg.init_from} has {start_from.config.decoder_layers} decoder layers; "
                               f"--decoder-layers {cfg.decoder_layers} cannot drop any")
-        pred = new_predictor(target, train.layers, start_from.draft_vocab.clone(), cfg.seed, cfg.init,
+        vocab = draft_vocabulary(train, vocab_size, cfg.draft_vocab) if cfg.recount_vocab else start_from.draft_vocab
+        pred = new_predictor(target, train.layers, None if vocab is None else vocab.clone(), cfg.seed, cfg.init,
                              cfg.decoder_layers)
         # layers beyond the file's keep their fresh start (the identity, with init "target")
-        missing, _ = pred.load_state_dict(start_from.state_dict(), strict=False)
-        if any(not k.startswith("upper.") for k in missing):
+        weights = {k: v for k, v in start_from.state_dict().items() if k != "draft_vocab"}
+        missing, _ = pred.load_state_dict(weights, strict=False)
+        if any(not k.startswith("upper.") and k != "draft_vocab" for k in missing):
             raise ConfigError(f"{cfg.init_from} lacks predictor weights {missing}")
-        added = set(missing)
+        added = {k for k in missing if k.startswith("upper.")}
         pred = pred.float().to(device)
     else:
         pred = new_predictor(target, train.layers, draft_vocabulary(train, vocab_size, cfg.draft_vocab), cfg.seed,
