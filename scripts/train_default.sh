@@ -17,8 +17,9 @@
 #      packages (about 50 minutes to generate, 16 to cache), then 300 steps of a 600-step
 #      schedule on them and stage 7's caches (about 37 minutes). The prompts depend on what is
 #      installed: this run's environment was the one scripts/setup.sh makes, on Python 3.11.
-#   (stage 9, 600 more chat and 480 more code answers, and stage 10, a second decoder layer,
-#   were tried and not shipped; see the report)
+#   (stage 9, 600 more chat and 480 more code answers, stage 10, a second decoder layer, and
+#   stage 11, the draft vocabulary counted anew on that data, were tried and not shipped; see the
+#   report)
 # Each command resumes where it stopped: gen-data skips answered prompts, prepare must be re-run
 # from scratch if it was interrupted, fit continues from the run folder's checkpoint.pt.
 set -euo pipefail
