@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--speeds", default="1.5,2.0", help="target speed-ups over plain decoding")
     args = ap.parse_args()
+    if args.max_new_tokens < 2 or args.limit < 1:
+        ap.error("--max-new-tokens must be >= 2 (the first token is the prompt's) and --limit >= 1")
 
     from sot import SoT
     from sot.bench.prompts import load_prompt_set

@@ -53,6 +53,14 @@ def test_cost_model_measure_times_every_size_in_turn_and_keeps_the_fastest(monke
     assert cost.seconds == pytest.approx([0.3] * len(sizes))
 
 
+def test_cost_model_measure_times_the_sizes_asked_for() -> None:
+    """``sizes`` replaces the default row counts (``scripts/break_even.py`` times every count)."""
+    target = TargetModel(clone(tiny_model("llama", seed=2), torch.float32))
+    cost = CostModel.measure(target, 16, context=32, repeats=1, sizes=[1, 3, 5, 6])
+    assert cost.rows == [1, 3, 5, 6]
+    assert all(s > 0 for s in cost.seconds)
+
+
 def test_ranked_prefixes_are_closed_under_parents() -> None:
     tree = tree_from_parents([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 3, 1], draft_probs=[1, 0.5, 0.4, 0.45, 0.3, 0.1])
     order = ranked_nodes(tree)
