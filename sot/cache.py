@@ -120,5 +120,46 @@ class KVCache:
             raise ValueError(f"length {length} exceeds cache capacity {self.capacity}")
         self.lengths[b] = length
 
+    def narrow(self, n: int) -> "KVCache":
+        """The first ``n`` sequences as a cache of batch ``n`` over the same storage (a verify
+        pass over the live sequences only). It shares this cache's ``lengths`` list, so its
+        commits are this cache's; only entries ``[0, n)`` are its own."""
+        if not 0 < n <= self.batch_size:
+            raise ValueError(f"cannot narrow a cache of {self.batch_size} sequences to {n}")
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = self.keys[:, :n], self.values[:, :n]
+        view.transposed_keys = self.transposed_keys
+        view.lengths = self.lengths
+        return view
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy sequence ``src``'s committed slots into sequence ``dst`` (which is overwritten)
+        and give it ``src``'s length; ``src`` keeps its data until it is reused."""
+        n = self.lengths[src]
+        if src != dst and n:
+            self.values[:, dst, :, :n] = self.values[:, src, :, :n]
+            if self.transposed_keys:
+                self.keys[:, dst, :, :, :n] = self.keys[:, src, :, :, :n]
+            else:
+                self.keys[:, dst, :, :n] = self.keys[:, src, :, :n]
+        self.lengths[dst] = n
+
+    def resized(self, batch_size: int, capacity: int) -> "KVCache":
+        """A cache of ``batch_size`` sequences and ``capacity`` slots (each at least this
+        one's) holding this one's sequences and lengths."""
+        if batch_size < self.batch_size or capacity < self.capacity:
+            raise ValueError("a resized cache must not be smaller than the original")
+        num_layers, _, kv_heads, _, head_dim = self.values.shape
+        out = KVCache(num_layers, batch_size, kv_heads, head_dim, capacity, self.values.device, self.values.dtype,
+                      self.transposed_keys)
+        old_b, old_s = self.batch_size, self.capacity
+        out.values[:, :old_b, :, :old_s] = self.values
+        if self.transposed_keys:
+            out.keys[:, :old_b, :, :, :old_s] = self.keys
+        else:
+            out.keys[:, :old_b, :, :old_s] = self.keys
+        out.lengths[:old_b] = self.lengths[:old_b]
+        return out
+
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()

@@ -1,12 +1,21 @@
-"""The decoding loop: draft -> verify -> accept -> commit, for a batch of sequences.
+"""The step-level engine: requests join and leave between steps, and each step runs
+plan -> draft -> verify -> accept -> commit over the live sequences.
 
-Every sequence keeps its own cache length, tree, acceptance and stopping state. Finished
-sequences stay in the batch with a root-only tree whose result is ignored, so the rows of
-the others are unaffected (every row is computed independently of its neighbours).
+Requests are added with :meth:`Engine.add_request` (each with its own settings), cancelled
+with :meth:`Engine.abort`, and advanced by :meth:`Engine.step`, which returns the tokens
+committed in that step. :meth:`Engine.generate` and :meth:`Engine.stream` are loops over it,
+and so is the server: the offline and served paths are one code path.
+
+Every live sequence keeps its own cache length, tree, acceptance and stopping state, and
+every row of a verify pass is computed independently of the others, so a request's output
+does not depend on what else shares its steps. The live sequences occupy cache slots
+``[0, n)``: when one leaves, the last one moves into its slot, so finished sequences never
+take rows in the verify pass.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -14,22 +23,23 @@ from typing import Callable, Iterator
 import torch
 
 from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
-from sot.attention import MAX_TREE_DEPTH, build_tree_layout
+from sot.attention import MAX_TREE_DEPTH, TreeLayout, build_tree_layout
+from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
-from sot.errors import ConfigError, PromptTooLongError
-from sot.models.adapter import TargetModel
+from sot.errors import ConfigError, PromptTooLongError, SoTError
+from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT
-from sot.policy import AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind
+from sot.policy import AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace
 from sot.sampling import SamplingMode, SamplingParams, sequence_generator
 from sot.tree import DraftTree, ancestor_table
 
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """Per-call generation settings.
+    """Per-request generation settings.
 
     Attributes:
-        max_new_tokens: upper bound on generated tokens per sequence.
+        max_new_tokens: upper bound on generated tokens.
         sampling: temperature / top-k / top-p / seed / mode (temperature 0 is greedy).
         stop: strings that end a sequence when they appear in its text.
         eos_token_ids: tokens that end a sequence (included in ``token_ids``).
@@ -43,7 +53,7 @@ class GenerationParams:
 
 @dataclass
 class SequenceResult:
-    """The output of one sequence, with its statistics.
+    """The output of one request, with its statistics.
 
     ``accept_lengths[i]`` is the number of tokens committed at verify step ``i``
     (accepted drafted tokens plus the bonus token); its mean is tau.
@@ -52,6 +62,7 @@ class SequenceResult:
     index: int
     token_ids: list[int]
     text: str = ""
+    #: ``length``, ``eos``, ``stop`` or ``abort``
     finish_reason: str = "length"
     accept_lengths: list[int] = field(default_factory=list)
     depth_attempts: list[int] = field(default_factory=list)
@@ -66,6 +77,9 @@ class SequenceResult:
     fallbacks: int = 0
     #: with ``Engine(trace=True)``: the logits row ``[V]`` that decided each committed token.
     logit_trace: list[torch.Tensor] = field(default_factory=list)
+    #: the request's id in its engine
+    request_id: int = -1
+    prompt_tokens: int = 0
 
     @property
     def new_tokens(self) -> int:
@@ -96,22 +110,74 @@ class PhaseTimes:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """Tokens committed to one sequence at one step (for streaming)."""
+    """Tokens committed to one request at one step (for streaming).
+
+    Attributes:
+        sequence: the request's index (its prompt's position in a :meth:`Engine.generate`
+            call, or the index given to :meth:`Engine.add_request`).
+        token_ids: the tokens committed (empty for an abort).
+        finished: the request is complete; ``finish_reason`` says why.
+        request_id: the request's id.
+        finish_reason: ``length``, ``eos``, ``stop`` or ``abort`` once finished, else ``None``.
+        drafted: nodes of the verified tree beyond the root (0 for a plain step or the
+            prompt's first token); ``accepted``: how many of them were accepted.
+    """
 
     sequence: int
     token_ids: list[int]
     finished: bool
+    request_id: int = -1
+    finish_reason: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last :meth:`Engine.step` did: sequences in its verify pass, drafted and
+    accepted tokens per sequence (by draft position), and how many sequences fell back."""
+
+    batch: int = 0
+    drafted: tuple[int, ...] = ()
+    accepted_per_pos: tuple[int, ...] = ()
+    admitted: int = 0
 
 
 @dataclass
 class _Seq:
+    """A request the engine holds."""
+
+    id: int
     prompt: list[int]
+    params: GenerationParams
     result: SequenceResult
     generator: torch.Generator | None
+    arrived: float  # when the request was added
+    started: float = 0.0  # when it was admitted: its clocks (seconds, first token) run from here
     #: ``[n, S, D]`` target states of the rows committed since the drafter last saw this sequence
     states: torch.Tensor | None = None
     done: bool = False
-    start: float = 0.0  # when the sequence entered the batch (its prefill began)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.result.token_ids
+
+
+@dataclass(frozen=True)
+class _VerifyInput:
+    """One verify pass over ``B`` live sequences with ``T`` rows each.
+
+    Attributes:
+        trees: ``[B]`` the verified trees, in slot order.
+        ids: ``[B, T]`` token of each row (padding rows repeat the root).
+        positions: ``[B, T]`` position of each row.
+        layout: the attention layout of the pass.
+    """
+
+    trees: list[DraftTree]
+    ids: torch.Tensor
+    positions: torch.Tensor
+    layout: TreeLayout
 
 
 def _fitting_acceptance_model(config: PolicyConfig, drafter: Drafter, target: TargetModel) -> AcceptanceModel | None:
@@ -128,8 +194,21 @@ def _fitting_acceptance_model(config: PolicyConfig, drafter: Drafter, target: Ta
         return None
 
 
+def check_request(prompt: list[int], params: GenerationParams, max_positions: int | None) -> None:
+    """Raise a :class:`~sot.errors.SoTError` naming what is wrong with one request."""
+    if not prompt:
+        raise ConfigError("the prompt is empty")
+    if params.max_new_tokens < 1:
+        raise ConfigError("max_new_tokens must be at least 1")
+    if max_positions and len(prompt) + params.max_new_tokens > max_positions:
+        raise PromptTooLongError(
+            f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
+            f"the model's context of {max_positions} tokens"
+        )
+
+
 class Engine:
-    """Tree-speculative decoding over a :class:`TargetModel`.
+    """Tree-speculative decoding over a :class:`TargetModel`, one step at a time.
 
     Args:
         target: the wrapped target model.
@@ -144,6 +223,8 @@ class Engine:
             ``policy.model_path``, or the one shipped for the default model).
         record_policy: verify every tree whole and log the commit policy's features and the
             outcome of every node in ``self.policy_trace`` (training data of ``learned``).
+        max_batch: sequences decoded together at most (``None``: every request admitted at
+            once); the others wait, first come first served.
     """
 
     def __init__(
@@ -156,11 +237,14 @@ class Engine:
         policy: PolicyConfig | None = None,
         acceptance_model: AcceptanceModel | None = None,
         record_policy: bool = False,
+        max_batch: int | None = None,
     ) -> None:
         if budget.max_nodes < 1 or budget.max_depth < 0:
             raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
         if budget.max_depth > MAX_TREE_DEPTH:
             raise ConfigError(f"max depth {budget.max_depth} exceeds the supported {MAX_TREE_DEPTH}")
+        if max_batch is not None and max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         missing = set(drafter.state_layers) - set(target.state_layers)
         if missing:
             raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
@@ -179,13 +263,19 @@ class Engine:
         self.times = PhaseTimes()
         self.trace = trace
         self.record_policy = record_policy
-        self.policy_trace = None
+        self.max_batch = max_batch
         self.acceptance_model = acceptance_model
         if (self.policy_config.kind is PolicyKind.LEARNED and acceptance_model is None and not record_policy
                 and drafter.kind is not DrafterKind.NONE):
             from sot.policy import load_acceptance_model
 
             self.acceptance_model = load_acceptance_model(self.policy_config.model_path, target.model)
+        self._ids = itertools.count()
+        self._waiting: list[_Seq] = []
+        self._running: list[_Seq] = []  # running[b] holds cache slot b
+        self._cache: KVCache | None = None
+        self._policy: CommitPolicy | None = None
+        self.last_step = StepStats()
 
     def cost_model(self) -> CostModel:
         """Verify time by row count on this machine, measured once per target and tree size."""
@@ -197,208 +287,275 @@ class Engine:
             self.target._sot_costs = cached
         return cached[key]
 
-    # ----------------------------------------------------------------- public API
-    def generate(self, prompts: list[list[int]], params: GenerationParams,
-                 batch_size: int | None = None) -> list[SequenceResult]:
-        """Generate for every prompt (token ids); returns one result per prompt, in order.
+    @property
+    def policy(self) -> CommitPolicy:
+        """The commit policy of this engine's steps (built, and the cost model measured, on
+        first use)."""
+        if self._policy is None:
+            needs_cost = self.drafter.kind is not DrafterKind.NONE and self.policy_config.kind is not PolicyKind.STATIC
+            self._policy = CommitPolicy(self.policy_config, self.cost_model() if needs_cost else None,
+                                        self.acceptance_model, record=self.record_policy)
+        return self._policy
 
-        At most ``batch_size`` sequences (default: all) decode together. The batch is
-        continuous: when a sequence finishes, the next waiting prompt takes its place at
-        the next step, so a slow sequence never leaves the others' slots idle.
+    @property
+    def policy_trace(self):
+        """The commit policy's logged decisions (with ``record_policy``)."""
+        return self.policy.trace
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: list[int], params: GenerationParams, index: int = 0) -> int:
+        """Queue a request; it is admitted at a coming :meth:`step`. Returns its id.
+
+        Args:
+            prompt: the prompt's token ids.
+            params: its settings (sampling, limits, stop conditions).
+            index: the caller's label, reported in its events and results; it also keys the
+                noise of ``coupled`` sampling, so equal (prompt, params, index) give equal output.
         """
-        results: list[SequenceResult] = []
-        for event in self._run(prompts, params, results, batch_size):
-            del event
-        return results
+        check_request(prompt, params, self.target.max_positions)
+        _ = self.policy  # the cost model is measured before the first request's clock starts
+        seq = _Seq(
+            id=next(self._ids),
+            prompt=list(prompt),
+            params=params,
+            result=SequenceResult(index=index, token_ids=[], prompt_tokens=len(prompt)),
+            generator=None if params.sampling.greedy else sequence_generator(params.sampling.seed, index),
+            arrived=time.perf_counter(),
+        )
+        seq.result.request_id = seq.id
+        self._waiting.append(seq)
+        return seq.id
 
-    def stream(
-        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult] | None = None,
-        batch_size: int | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Like :meth:`generate`, yielding tokens as they are committed; ``results``, when
-        given, receives the per-sequence results (complete once the stream is exhausted)."""
-        yield from self._run(prompts, params, [] if results is None else results, batch_size)
+    def abort(self, request_id: int) -> bool:
+        """Cancel a request, waiting or running; its slot is free for the next step. Returns
+        False when the engine does not hold it (finished, or never added)."""
+        for i, seq in enumerate(self._waiting):
+            if seq.id == request_id:
+                del self._waiting[i]
+                self._finish(seq, "abort")
+                return True
+        for b, seq in enumerate(self._running):
+            if seq.id == request_id:
+                self._finish(seq, "abort")
+                self._leave(b)
+                return True
+        return False
 
-    # ----------------------------------------------------------------- the loop
-    def _check(self, prompts: list[list[int]], params: GenerationParams) -> None:
-        if not prompts:
-            raise ConfigError("no prompts given")
-        if params.max_new_tokens < 1:
-            raise ConfigError("max_new_tokens must be at least 1")
-        limit = self.target.max_positions
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ConfigError(f"prompt {i} is empty")
-            if limit and len(p) + params.max_new_tokens > limit:
-                raise PromptTooLongError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
-                    f"the model's context of {limit} tokens"
-                )
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
 
-    def _run(
-        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult],
-        batch_size: int | None = None,
-    ) -> Iterator[TokenEvent]:
-        self._check(prompts, params)
-        if batch_size is not None and batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        sp = params.sampling
-        seqs = [
-            _Seq(
-                prompt=list(p),
-                result=SequenceResult(index=i, token_ids=[]),
-                generator=sequence_generator(sp.seed, i) if not sp.greedy else None,
-            )
-            for i, p in enumerate(prompts)
-        ]
-        results.extend(s.result for s in seqs)
-        width = min(len(seqs), batch_size or len(seqs))
-        self.drafter.reset(width)
-        needs_cost = self.drafter.kind is not DrafterKind.NONE and self.policy_config.kind is not PolicyKind.STATIC
-        self._policy = CommitPolicy(self.policy_config, self.cost_model() if needs_cost else None,
-                                    self.acceptance_model, record=self.record_policy)
-        self._policy.reset(width, 0.0 if sp.greedy else sp.temperature)
-        self.policy_trace = self._policy.trace
-        start = time.perf_counter()  # after the one-time cost model: the clocks time generation
-        # Committed tokens, the accepted rows of a last step that overshoots max_new_tokens
-        # (kept in the cache of a finished sequence), and the scratch rows of one pass.
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def result(self, request_id: int) -> SequenceResult | None:
+        """The (growing) result of a request the engine holds."""
+        for seq in itertools.chain(self._running, self._waiting):
+            if seq.id == request_id:
+                return seq.result
+        return None
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[TokenEvent]:
+        """Admit waiting requests into free slots (their prompts are read and their first
+        token committed), then run one speculative step over every live sequence. Returns the
+        tokens committed, one event per request that got any (or finished)."""
+        events = self._admit_waiting()
+        admitted = len(events)
+        self.last_step = StepStats(admitted=admitted)
+        if self._running:
+            events += self._decode_step()
+        self._release_finished()
+        return events
+
+    def _admit_waiting(self) -> list[TokenEvent]:
+        room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self._running)
+        admitted, self._waiting = self._waiting[: max(0, room)], self._waiting[max(0, room):]
+        if not admitted:
+            return []
         scratch = -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT
-        capacity = max(len(p) for p in prompts) + params.max_new_tokens + self.budget.max_depth + scratch
-        cache = self.target.new_cache(width, capacity)
+        need = max(len(s.prompt) + s.params.max_new_tokens for s in self._running + admitted)
+        self._ensure_cache(len(self._running) + len(admitted), need + self.budget.max_depth + scratch)
+        since = time.perf_counter()  # the clocks of a step's admissions start together
+        return [self._admit(seq, since) for seq in admitted]
 
-        slots = seqs[:width]  # slot b of the cache, the drafter and the policy holds slots[b]
-        waiting = iter(seqs[width:])
-        for b, seq in enumerate(slots):  # the first batch's clocks all start with the call
-            yield from self._admit(b, seq, cache, params, start)
-        while True:
-            for b in range(width):
-                while slots[b].done:  # a finished sequence's slot goes to the next prompt
-                    seq = next(waiting, None)
-                    if seq is None:
-                        break
-                    slots[b] = seq
-                    self.drafter.reset_sequence(b)
-                    self._policy.reset_sequence(b)
-                    yield from self._admit(b, seq, cache, params, time.perf_counter())
-            if all(s.done for s in slots):
-                break
-            yield from self._step(slots, cache, params)
-        for seq in seqs:
-            seq.result.text = self.decode(seq.result.token_ids)
+    def _ensure_cache(self, batch: int, capacity: int) -> None:
+        cache = self._cache
+        if cache is None:
+            self._cache = self.target.new_cache(batch, capacity)
+        elif cache.batch_size < batch or cache.capacity < capacity:
+            # grow by at least half, so a long-running server reallocates rarely
+            grown = cache.capacity if cache.capacity >= capacity else max(capacity, cache.capacity * 3 // 2)
+            self._cache = cache.resized(max(batch, cache.batch_size), grown)
 
-    def _admit(self, b: int, seq: _Seq, cache, params: GenerationParams, since: float) -> Iterator[TokenEvent]:
-        """Prefill ``seq``'s prompt into cache slot ``b`` and commit its first token; the
-        sequence's clock (first-token time, seconds) runs from ``since``."""
-        seq.start = since
+    def _admit(self, seq: _Seq, since: float) -> TokenEvent:
+        """Prefill ``seq``'s prompt into the next free slot, commit its first token and read
+        its prompt into the drafter; the sequence's clock runs from ``since``."""
         t0 = time.perf_counter()
-        out = self.target.prefill(cache, b, torch.tensor(seq.prompt))
-        cache.set_length(b, len(seq.prompt))
+        seq.started = since
+        b = len(self._running)
+        self._running.append(seq)
+        self.policy.add_sequence(seq.id, seq.params.sampling.temperature)
+        out = self.target.prefill(self._cache, b, torch.tensor(seq.prompt))
+        self._cache.set_length(b, len(seq.prompt))
         root = DraftTree([seq.prompt[-1]], [-1], [0])
-        acc = self._accept(root, out.logits[0, -1:], params.sampling, seq.result.index, len(seq.prompt) - 1,
-                           seq.generator)
-        seq.states = out.states[0] if out.states is not None else None
+        acc = self._accept_one(seq, root, out.logits[0, -1:], len(seq.prompt) - 1)
         if self.trace:
             seq.result.logit_trace.append(out.logits[0, -1].clone())
         now = time.perf_counter()
-        seq.result.first_token_seconds = now - seq.start
-        yield from self._commit(seq, acc.tokens, params, now)
+        seq.result.first_token_seconds = now - seq.started
+        event = self._commit(seq, acc.tokens, now, step=False)
+        if out.states is not None and not seq.done:
+            self.drafter.prepare([self._draft_input(seq, out.states[0])])
         self.times.prefill += time.perf_counter() - t0
+        return event
 
-    def _step(self, seqs: list[_Seq], cache, params: GenerationParams) -> Iterator[TokenEvent]:
-        sp = params.sampling
+    def _decode_step(self) -> list[TokenEvent]:
+        """plan -> draft -> verify -> accept -> commit over the running sequences."""
+        seqs = self._running
         t0 = time.perf_counter()
-        active = [b for b, s in enumerate(seqs) if not s.done]
-        policy = self._policy
-        drafting = [b for b in active if policy.wants_draft(b, len(seqs[b].result.token_ids))]
-        plain = [b for b in active if b not in drafting]
-
-        # each sequence's context is built once per step, for the free drafts and the drafter
-        given = {b: DraftInput(b, seqs[b].prompt + seqs[b].result.token_ids, seqs[b].states) for b in active}
-
-        def inputs(group: list[int]) -> list[DraftInput]:
-            return [given[b] for b in group]
-
-        # What the drafter offers for free (prompt-lookup matches): sequences whose model is
-        # idle verify it, and a drafting sequence takes it instead when it promises more than
-        # drafting has been yielding. Sequences that skip the drafter's model keep their
-        # states until it next runs.
-        free = (self.drafter.propose_free(inputs(active), self.budget) if active and policy.adaptive else None) or []
-        free_trees = dict(zip(active, free))
-        if free_trees:
-            taken = [b for b in drafting if policy.prefers_free(b, free_trees[b])]
-            drafting = [b for b in drafting if b not in taken]
-            plain += taken
-        t_draft = time.perf_counter()
-        budget = policy.draft_budget(self.budget, drafting, len(seqs))
         passes = self.drafter.passes
-        proposed = dict(zip(drafting, self.drafter.propose(inputs(drafting), budget))) if drafting else {}
-        if drafting:
-            policy.observe_draft(time.perf_counter() - t_draft, self.drafter.passes - passes)
-        for b in drafting:
-            seqs[b].states = None
-        proposed.update((b, free_trees[b]) for b in plain if b in free_trees)
-        proposed = policy.choose_batch(proposed, len(seqs), len(active), calibrated=frozenset(plain))
-        for b in plain:
-            seqs[b].result.plain_steps += 1
+        plan, trees = self._plan_and_draft(seqs)
         t1 = time.perf_counter()
-        draft_share = (t1 - t0) / max(1, len(drafting))
+        batch = self._pack(seqs, trees)
+        t2 = time.perf_counter()
+        out = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
+        t3 = time.perf_counter()
+        accepted = self._accept_all(seqs, batch.trees, out)
+        self.policy.observe_step(plan, StepOutcome(
+            trees={s.id: t for s, t in zip(seqs, batch.trees)},
+            paths={s.id: a.path for s, a in zip(seqs, accepted)},
+            draft_seconds=t1 - t0, draft_passes=self.drafter.passes - passes,
+            verify_seconds=t3 - t2, rows=batch.ids.shape[1],
+        ))
+        events = self._commit_all(seqs, batch.trees, accepted, plan)
+        t4 = time.perf_counter()
+        self.times.draft += t1 - t0
+        self.times.verify += t3 - t2
+        self.times.bookkeeping += (t2 - t1) + (t4 - t3)
+        return events
 
-        trees: list[DraftTree] = []
-        for b, seq in enumerate(seqs):
-            root = (seq.result.token_ids or seq.prompt)[-1]
-            tree = proposed.get(b) or DraftTree([root], [-1], [0])
+    # ----------------------------------------------------------------- stages
+    def _draft_input(self, seq: _Seq, states: torch.Tensor | None) -> DraftInput:
+        return DraftInput(seq.id, seq.context, states, seq.result.index)
+
+    def _plan_and_draft(self, seqs: list[_Seq]) -> tuple[StepPlan, list[DraftTree]]:
+        """The policy plans the step, the drafter proposes, the policy selects what to
+        verify. Returns the plan and ``[B]`` trees in slot order."""
+        policy = self.policy
+        given = {s.id: self._draft_input(s, s.states) for s in seqs}
+        # What the drafter offers for free (prompt-lookup matches) lets the policy keep its
+        # model idle for a step; sequences that skip the model keep their states until it runs.
+        free = self.drafter.propose_free(list(given.values()), self.budget) if policy.adaptive else None
+        plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), self.budget)
+        proposed: dict[int, DraftTree] = {}
+        if plan.drafting:
+            drafted = self.drafter.propose([given[k] for k in plan.drafting], plan.budget)
+            proposed = dict(zip(plan.drafting, drafted))
+        chosen = policy.select(plan, proposed)
+        drafting = set(plan.drafting)
+        trees = []
+        for seq in seqs:
+            if seq.id in drafting:
+                seq.states = None
+            else:
+                seq.result.plain_steps += 1
+            root = seq.context[-1]
+            tree = chosen.get(seq.id) or DraftTree([root], [-1], [0])
             if tree.tokens[0] != root or tree.size > self.budget.max_nodes or tree.max_depth > self.budget.max_depth:
                 raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
             trees.append(tree)
+        return plan, trees
+
+    def _pack(self, seqs: list[_Seq], trees: list[DraftTree]) -> _VerifyInput:
+        """Pack the trees into one pass: every sequence gets ``T`` rows (its largest tree,
+        rounded up to the target's row multiple); rows past a tree repeat its root.
+
+        Example: trees of 3 and 5 nodes, row multiple 4 -> ``T = 8``; sequence 0's rows are
+        its 3 nodes then 5 copies of its root, at positions ``length + depth``.
+        """
+        cache = self._cache
         unit = self.target.row_multiple
         rows = -(-max(t.size for t in trees) // unit) * unit
         width = max(t.max_depth for t in trees) + 1
         ids = torch.zeros(len(seqs), rows, dtype=torch.long)
         pos = torch.zeros(len(seqs), rows, dtype=torch.long)
         ancestors = []
+        lengths = cache.lengths[: len(seqs)]
         for b, tree in enumerate(trees):
-            length = cache.lengths[b]
             ids[b] = tree.tokens[0]
             ids[b, : tree.size] = torch.tensor(tree.tokens)
-            pos[b] = length
-            pos[b, : tree.size] = torch.tensor(tree.depths) + length
+            pos[b] = lengths[b]
+            pos[b, : tree.size] = torch.tensor(tree.depths) + lengths[b]
             ancestors.append(ancestor_table(tree, width))
-        layout = build_tree_layout(cache.lengths, ancestors, rows, cache)
-        t2 = time.perf_counter()
-        out = self.target.verify(cache, ids, pos, layout)
-        t3 = time.perf_counter()
+        layout = build_tree_layout(lengths, ancestors, rows, cache.narrow(len(seqs)))
+        return _VerifyInput(trees, ids, pos, layout)
 
-        keep: list[list[int]] = []
-        commits: list[tuple[int, Acceptance]] = []
-        policy_verify = policy.cost.verify if policy.cost is not None else (lambda rows: 0.0)
+    def _accept_all(self, seqs: list[_Seq], trees: list[DraftTree], out: ForwardOutput) -> list[Acceptance]:
+        """Acceptance per sequence; the cache keeps the accepted rows and the target states of
+        the accepted path wait for the drafter."""
+        lengths = self._cache.lengths
+        accepted, keep = [], []
         for b, (seq, tree) in enumerate(zip(seqs, trees)):
-            if seq.done:
-                keep.append([])
-                continue
-            length = cache.lengths[b]
-            acc = self._accept(tree, out.logits[b], sp, seq.result.index, length, seq.generator)
-            keep.append([length + i for i in acc.path])
-            commits.append((b, acc))
-            seq.result.tree_sizes.append(tree.size)
-            if b in drafting:
-                policy.observe(b, tree, acc.path, draft_share + policy_verify(tree.size))
-                seq.result.fallbacks = policy.seqs[b].fallbacks
-            elif b in free_trees:
-                policy.observe_free(b, tree, acc.path)
+            acc = self._accept_one(seq, tree, out.logits[b], lengths[b])
+            accepted.append(acc)
+            keep.append([lengths[b] + i for i in acc.path])
             if out.states is not None:
                 new = out.states[b, acc.path]
                 seq.states = new if seq.states is None else torch.cat((seq.states, new))
             if self.trace:
                 seq.result.logit_trace.extend(out.logits[b, i].clone() for i in acc.path)
-            self._record_depths(seq.result, tree, acc)
-        cache.keep_rows(keep)
+        self._cache.narrow(len(seqs)).keep_rows(keep)
+        return accepted
+
+    def _commit_all(self, seqs: list[_Seq], trees: list[DraftTree], accepted: list[Acceptance],
+                    plan: StepPlan) -> list[TokenEvent]:
         now = time.perf_counter()
-        for b, acc in commits:
-            yield from self._commit(seqs[b], acc.tokens, params, now, step=True)
-        t4 = time.perf_counter()
-        self.times.draft += t1 - t0
-        self.times.verify += t3 - t2
-        self.times.bookkeeping += (t2 - t1) + (t4 - t3)
+        events = []
+        per_pos = [0] * (self.budget.max_depth + 1)
+        drafted = []
+        for seq, tree, acc in zip(seqs, trees, accepted):
+            seq.result.tree_sizes.append(tree.size)
+            seq.result.fallbacks = self.policy.fallbacks(seq.id)
+            self._record_depths(seq.result, tree, acc)
+            drafted.append(tree.size - 1)
+            for d in range(acc.num_accepted):
+                per_pos[d] += 1
+            events.append(self._commit(seq, acc.tokens, now, step=True, drafted=tree.size - 1,
+                                       accepted=acc.num_accepted))
+        self.last_step = StepStats(batch=len(seqs), drafted=tuple(drafted), accepted_per_pos=tuple(per_pos),
+                                   admitted=self.last_step.admitted)
+        return events
+
+    # ----------------------------------------------------------------- leaving
+    def _release_finished(self) -> None:
+        b = 0
+        while b < len(self._running):
+            if self._running[b].done:
+                self._leave(b)  # the last sequence moves into slot b: look at b again
+            else:
+                b += 1
+
+    def _leave(self, b: int) -> None:
+        """Sequence in slot ``b`` leaves; the last running sequence takes its slot."""
+        seq = self._running[b]
+        last = len(self._running) - 1
+        if b != last:
+            self._cache.move(last, b)
+            self._running[b] = self._running[last]
+        self._running.pop()
+        self._cache.lengths[last] = 0
+        self.drafter.release(seq.id)
+        self.policy.drop_sequence(seq.id)
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        seq.done = True
+        seq.result.finish_reason = reason
+        seq.result.text = self.decode(seq.result.token_ids)
 
     # ----------------------------------------------------------------- helpers
     @staticmethod
@@ -416,44 +573,87 @@ class Engine:
                     result.depth_accepts[d - 1] += 1
 
     @staticmethod
-    def _accept(
-        tree: DraftTree,
-        logits: torch.Tensor,
-        sp: SamplingParams,
-        sequence: int,
-        root_position: int,
-        generator: torch.Generator | None,
-    ) -> Acceptance:
+    def _accept_one(seq: _Seq, tree: DraftTree, logits: torch.Tensor, root_position: int) -> Acceptance:
+        """Acceptance of ``tree`` under ``logits [T, V]`` with the request's sampling settings."""
+        sp = seq.params.sampling
         if sp.greedy:
             return accept_greedy(tree, logits)
         if sp.mode is SamplingMode.COUPLED:
-            return accept_coupled(tree, logits, sp, sequence, root_position)
-        assert generator is not None
-        return accept_rejection(tree, logits, sp, generator)
+            return accept_coupled(tree, logits, sp, seq.result.index, root_position)
+        assert seq.generator is not None
+        return accept_rejection(tree, logits, sp, seq.generator)
 
-    def _commit(
-        self, seq: _Seq, tokens: list[int], params: GenerationParams, now: float, step: bool = False
-    ) -> Iterator[TokenEvent]:
+    def _commit(self, seq: _Seq, tokens: list[int], now: float, step: bool, drafted: int = 0,
+                accepted: int = 0) -> TokenEvent:
         """Append tokens up to a stop condition; ``step`` records the count as an accepted length."""
-        res = seq.result
+        res, params = seq.result, seq.params
         taken: list[int] = []
+        reason = None
         for tok in tokens:
             taken.append(tok)
             res.token_ids.append(tok)
             if tok in params.eos_token_ids:
-                res.finish_reason = "eos"
-                seq.done = True
+                reason = "eos"
                 break
             if len(res.token_ids) >= params.max_new_tokens:
-                res.finish_reason = "length"
-                seq.done = True
+                reason = "length"
                 break
         if step:
             res.accept_lengths.append(len(taken))
-        if params.stop and not seq.done:
+        if params.stop and reason is None:
             text = self.decode(res.token_ids)
             if any(s in text for s in params.stop):
-                res.finish_reason = "stop"
-                seq.done = True
-        res.seconds = now - seq.start
-        yield TokenEvent(sequence=res.index, token_ids=taken, finished=seq.done)
+                reason = "stop"
+        res.seconds = now - seq.started
+        if reason is not None:
+            self._finish(seq, reason)
+        return TokenEvent(sequence=res.index, token_ids=taken, finished=seq.done, request_id=seq.id,
+                          finish_reason=reason, drafted=drafted, accepted=accepted)
+
+    # ----------------------------------------------------------------- offline loops
+    def generate(self, prompts: list[list[int]], params: GenerationParams,
+                 batch_size: int | None = None) -> list[SequenceResult]:
+        """Generate for every prompt (token ids); returns one result per prompt, in order.
+
+        At most ``batch_size`` sequences (default: all) decode together. The batch is
+        continuous: when a sequence finishes, the next waiting prompt takes its place at
+        the next step, so a slow sequence never leaves the others' slots idle.
+        """
+        results: list[SequenceResult] = []
+        for _ in self.stream(prompts, params, results, batch_size):
+            pass
+        return results
+
+    def stream(
+        self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult] | None = None,
+        batch_size: int | None = None,
+    ) -> Iterator[TokenEvent]:
+        """Like :meth:`generate`, yielding tokens as they are committed; ``results``, when
+        given, receives the per-sequence results (complete once the stream is exhausted).
+        Prompt ``i`` is the request of index ``i``."""
+        if not prompts:
+            raise ConfigError("no prompts given")
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if self.has_unfinished():
+            raise ConfigError("the engine is serving other requests; use add_request and step")
+        for i, p in enumerate(prompts):
+            try:
+                check_request(p, params, self.target.max_positions)
+            except SoTError as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from None
+        saved = self.max_batch
+        self.max_batch = batch_size
+        self.drafter.reset(min(len(prompts), batch_size or len(prompts)))
+        self.policy.trace = Trace()  # a recording run logs this call's decisions
+        try:
+            ids = [self.add_request(p, params, index=i) for i, p in enumerate(prompts)]
+            out = [self.result(r) for r in ids]
+            if results is not None:
+                results.extend(out)
+            while self.has_unfinished():
+                yield from self.step()
+        finally:
+            self.max_batch = saved
+            for r in list(self._waiting) + list(self._running):  # a stream closed early
+                self.abort(r.id)

@@ -114,6 +114,29 @@ class CostModel:
         slope = (s[-1] - s[-2]) / (r[-1] - r[-2]) if len(r) > 1 else 0.0
         return s[-1] + slope * (rows - r[-1])
 
+    def observe(self, rows: int, seconds: float, rate: float = 0.1) -> None:
+        """Refine the curve with a pass of ``rows`` rows that took ``seconds`` (a step's own
+        timing): the two measured points around ``rows`` move toward it by ``rate``, each in
+        proportion to its share of the interpolation, so the model follows the machine's load
+        in a long-running server. A single pass moves them by at most a factor of 2 ** rate."""
+        predicted = self.verify(rows)
+        if predicted <= 0 or seconds <= 0:
+            return
+        ratio = min(2.0, max(0.5, seconds / predicted))
+        r = self.rows
+        if rows <= r[0] or len(r) == 1:
+            weights = {0: 1.0}
+        elif rows >= r[-1]:
+            weights = {len(r) - 1: 1.0}
+        else:
+            i = next(i for i in range(1, len(r)) if rows <= r[i])
+            f = (rows - r[i - 1]) / (r[i] - r[i - 1])
+            weights = {i - 1: 1.0 - f, i: f}
+        for i, w in weights.items():
+            self.seconds[i] *= ratio ** (rate * w)
+        for i in range(1, len(self.seconds)):  # keep the curve non-decreasing
+            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
+
     @classmethod
     def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5,
                 sizes: list[int] | None = None) -> "CostModel":
@@ -176,6 +199,7 @@ class SequencePolicyState:
     #: speed of the steps with the drafter's model idle (free drafts), relative to plain
     #: decoding, smoothed; ``None`` until such a step was verified
     free_speed: float | None = None
+    temperature: float = 0.0  # the sequence's sampling temperature (0: greedy)
 
 
 def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:
@@ -304,8 +328,61 @@ class Trace:
     accepted: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """The commit policy's decisions for one step, taken before drafting (keys are the
+    engine's sequence keys; ``n`` sequences are in the step).
+
+    Attributes:
+        drafting: ``[n_draft]`` keys of the sequences whose drafter model runs.
+        plain: ``[n - n_draft]`` keys of the sequences that keep the model idle (warm-up,
+            fallback, or a free draft that promises more): they verify their free tree, if
+            any, else decode plainly.
+        free: key -> the free draft (no model pass) such a sequence verifies.
+        budget: the tree budget the drafter grows this step's trees with.
+        batch_rows: ``n``, sequences in the verify pass.
+    """
+
+    drafting: tuple[int, ...]
+    plain: tuple[int, ...]
+    free: dict[int, DraftTree]
+    budget: "TreeBudget"
+    batch_rows: int
+
+    @classmethod
+    def make_dummy(cls, keys: list[int], budget: "TreeBudget") -> "StepPlan":
+        """Every sequence drafts with ``budget`` (for tests)."""
+        return cls(tuple(keys), (), {}, budget, len(keys))
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step's verify pass found, for :meth:`CommitPolicy.observe_step`.
+
+    Attributes:
+        trees: key -> the tree verified (root first), as :meth:`CommitPolicy.select` chose it.
+        paths: key -> tree indices of the accepted nodes, root first.
+        draft_seconds: wall time of planning, free drafts, drafting and selection.
+        draft_passes: predictor passes drafting ran.
+        verify_seconds: wall time of the verify pass.
+        rows: rows per sequence of the verify pass (trees padded to one size).
+    """
+
+    trees: dict[int, DraftTree]
+    paths: dict[int, list[int]]
+    draft_seconds: float
+    draft_passes: int
+    verify_seconds: float
+    rows: int
+
+
 class CommitPolicy:
-    """Per-sequence decisions of one generation call (see the module docstring).
+    """Per-sequence decisions of the engine's steps (see the module docstring).
+
+    The engine talks to it through three calls a step: :meth:`plan` (who drafts, with what
+    budget), :meth:`select` (how much of each proposed tree to verify) and
+    :meth:`observe_step` (what the verify pass found). Sequences join with
+    :meth:`add_sequence` and leave with :meth:`drop_sequence`.
 
     Args:
         config: the settings.
@@ -328,8 +405,7 @@ class CommitPolicy:
         self.model = model
         self.record = record
         self.trace = Trace()
-        self.temperature = 0.0
-        self.seqs: list[SequencePolicyState] = []
+        self.seqs: dict[int, SequencePolicyState] = {}  # by sequence key (the engine's request id)
         self.pass_seconds: list[float] = []  # recent drafting time per predictor pass
 
     @property
@@ -337,13 +413,63 @@ class CommitPolicy:
         return self.config.kind is not PolicyKind.STATIC and self.cost is not None and not self.record
 
     def reset(self, batch_size: int, temperature: float = 0.0) -> None:
-        self.temperature = temperature
-        self.seqs = [SequencePolicyState(backoff=self.config.first_backoff) for _ in range(batch_size)]
+        """Forget every sequence and start ``batch_size`` new ones, keyed ``0 .. batch_size - 1``."""
+        self.seqs = {}
+        for b in range(batch_size):
+            self.add_sequence(b, temperature)
 
-    def reset_sequence(self, b: int) -> None:
-        """A new sequence takes slot ``b``: forget what was learned about the last one."""
-        self.seqs[b] = SequencePolicyState(backoff=self.config.first_backoff)
+    def add_sequence(self, key: int, temperature: float = 0.0) -> None:
+        """A new sequence joins (``temperature``: its sampling temperature, 0 for greedy)."""
+        self.seqs[key] = SequencePolicyState(backoff=self.config.first_backoff, temperature=temperature)
 
+    def drop_sequence(self, key: int) -> None:
+        """Sequence ``key`` left (finished or aborted)."""
+        self.seqs.pop(key, None)
+
+    def fallbacks(self, key: int) -> int:
+        """Fallbacks sequence ``key`` has taken so far."""
+        return self.seqs[key].fallbacks
+
+    # ------------------------------------------------------------ the engine's three calls
+    def plan(self, generated: dict[int, int], free: dict[int, DraftTree], budget: "TreeBudget") -> StepPlan:
+        """Decide one step: ``generated`` maps each live sequence's key to its tokens so far;
+        ``free`` holds the free drafts the drafter offered (see :meth:`prefers_free`)."""
+        drafting = [b for b, n in generated.items() if self.wants_draft(b, n)]
+        taken = [b for b in drafting if b in free and self.prefers_free(b, free[b])]
+        drafting = [b for b in drafting if b not in taken]
+        plain = [b for b in generated if b not in drafting]
+        return StepPlan(
+            drafting=tuple(drafting),
+            plain=tuple(plain),
+            free={b: free[b] for b in plain if b in free},
+            budget=self.draft_budget(budget, drafting, len(generated)),
+            batch_rows=len(generated),
+        )
+
+    def select(self, plan: StepPlan, proposed: dict[int, DraftTree]) -> dict[int, DraftTree]:
+        """The trees to verify: the drafted trees of ``proposed`` pruned together with the
+        plan's free drafts (:meth:`choose_batch`); sequences without a tree are absent."""
+        trees = dict(proposed)
+        trees.update(plan.free)
+        return self.choose_batch(trees, plan.batch_rows, calibrated=frozenset(plan.plain))
+
+    def observe_step(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Learn from one step: drafting time per pass, the verify cost (refined online),
+        and per sequence its calibration, speed and fallback."""
+        if plan.drafting:
+            self.observe_draft(outcome.draft_seconds, outcome.draft_passes)
+        if self.cost is not None and outcome.verify_seconds > 0 and not self.record:
+            self.cost.observe(plan.batch_rows * outcome.rows, outcome.verify_seconds)
+        share = outcome.draft_seconds / max(1, len(plan.drafting))
+        for b in plan.drafting:
+            tree = outcome.trees.get(b) or DraftTree([0], [-1], [0])
+            verify = self.cost.verify(tree.size) if self.cost is not None else 0.0
+            self.observe(b, tree, outcome.paths[b], share + verify)
+        for b, tree in plan.free.items():
+            verified = outcome.trees.get(b, tree)
+            self.observe_free(b, verified, outcome.paths[b])
+
+    # ------------------------------------------------------------ the decisions behind them
     def wants_draft(self, b: int, generated: int) -> bool:
         """False when sequence ``b`` decodes plainly this step (warm-up or fallback)."""
         if generated < self.config.warmup:
@@ -401,7 +527,7 @@ class CommitPolicy:
         s = self.seqs[b]
         if self.config.kind is PolicyKind.LEARNED and self.model is not None:
             with torch.no_grad():
-                est = [1.0] + self.model(node_features(tree, s, self.temperature)).tolist()
+                est = [1.0] + self.model(node_features(tree, s, s.temperature)).tolist()
             for i in range(1, tree.size):  # a node is never likelier than its parent
                 est[i] = min(est[i], est[tree.parents[i]])
             return est
@@ -462,7 +588,7 @@ class CommitPolicy:
                 self._observe_speed(s, accepted, step_seconds)
             return
         if self.record:
-            feats = node_features(tree, s, self.temperature)
+            feats = node_features(tree, s, s.temperature)
             label = torch.zeros(tree.size - 1)
             label[[i - 1 for i in path[1:]]] = 1.0
             self.trace.features.append(feats)

@@ -90,8 +90,8 @@ class RandomTreeDrafter(Drafter):
     def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
         trees = []
         for x in inputs:
-            done = len(x.context) - self.prompt_lengths[x.sequence]
-            ref = self.references[x.sequence][done:]
+            done = len(x.context) - self.prompt_lengths[x.index]
+            ref = self.references[x.index][done:]
             tokens, parents = [x.context[-1]], [-1]
             frontier = [(0, 0)]  # (node, depth)
             while frontier and len(tokens) < budget.max_nodes:

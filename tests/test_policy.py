@@ -95,7 +95,7 @@ class _Mixed(Drafter):
         for x in inputs:
             if budget.max_nodes < 2:
                 out.append(DraftTree([x.context[-1]], [-1], [0]))
-            elif x.sequence == 0:
+            elif x.index == 0:
                 done = len(x.context) - self.prompt_lengths[0]
                 toks = self.references[0][done : done + min(budget.max_depth, budget.max_nodes - 1)]
                 out.append(tree_from_parents([x.context[-1], *toks], [-1, *range(len(toks))], [1.0] * (len(toks) + 1)))
@@ -171,7 +171,7 @@ def test_free_drafts_replace_worse_model_drafts_losslessly() -> None:
         free_calls = 0
 
         def propose(self, inputs, budget):  # the model's drafts: confident junk
-            return super().propose([DraftInput(1, x.context, x.states) for x in inputs], budget)
+            return super().propose([DraftInput(x.sequence, x.context, x.states, index=1) for x in inputs], budget)
 
         def propose_free(self, inputs, budget):
             type(self).free_calls += len(inputs)

@@ -37,8 +37,10 @@ class DraftInput:
     """What a drafter sees of one sequence at one step.
 
     Attributes:
-        sequence: the sequence's slot in the batch (a slot is reused by the next prompt
-            once its sequence finishes; :meth:`Drafter.reset_sequence` marks the change).
+        sequence: the sequence's key, unique among the sequences the engine holds (its
+            request id); :meth:`Drafter.release` forgets it when the sequence leaves.
+        index: the caller's label of the sequence (its prompt's index in a
+            :meth:`~sot.engine.Engine.generate` call; 0 for a served request).
         context: every token so far (prompt, then generated); the last one is the root.
         states: ``[n, S, D]`` target hidden states of the rows committed since the drafter
             last saw this sequence (``S`` layers as listed by :attr:`Drafter.state_layers`;
@@ -48,13 +50,14 @@ class DraftInput:
     sequence: int
     context: list[int]
     states: torch.Tensor | None = None
+    index: int = 0
 
 
 class Drafter(ABC):
     """Proposes one draft tree per sequence per step.
 
-    A drafter keeps per-sequence memory only through :meth:`reset`; it never touches the
-    target model or the KV cache.
+    A drafter keeps per-sequence memory keyed by :attr:`DraftInput.sequence`, which
+    :meth:`release` and :meth:`reset` drop; it never touches the target model or the KV cache.
     """
 
     kind: DrafterKind
@@ -67,11 +70,15 @@ class Drafter(ABC):
     #: the commit policy times drafting per pass from it
     passes: int = 0
 
-    def reset(self, batch_size: int) -> None:
-        """Forget all sequences; a new batch of ``batch_size`` starts."""
+    def reset(self, batch_size: int = 0) -> None:
+        """Forget all sequences (``batch_size`` is a hint of how many come next)."""
 
-    def reset_sequence(self, sequence: int) -> None:
-        """Forget sequence ``sequence`` only: a new prompt takes its slot in the batch."""
+    def release(self, sequence: int) -> None:
+        """Forget sequence ``sequence`` only: it finished or was aborted."""
+
+    def prepare(self, inputs: list[DraftInput]) -> None:
+        """Read the states of newly admitted sequences (their prompts) now, so that the cost
+        is paid at admission and not by the next drafting step of the whole batch."""
 
     @abstractmethod
     def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:

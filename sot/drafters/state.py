@@ -666,8 +666,8 @@ class StateDrafter(Drafter):
         self.state_layers = tuple(predictor.config.state_layers)
         self.layers = predictor.config.decoder_layers
         self.top_k = top_k
-        self.seqs: list[_SeqState] = []
-        self.rates: list[LookupRate] = []
+        self.seqs: dict[int, _SeqState] = {}  # by DraftInput.sequence
+        self.rates: dict[int, LookupRate] = {}
         # per sequence: (context length, best lookup continuation, whether it reached the
         # context's end) of this step's search
         self._found: dict[int, tuple[int, list[int], bool]] = {}
@@ -678,15 +678,29 @@ class StateDrafter(Drafter):
     def static_width(self) -> int:  # the static policy's beam: top_k nodes per depth
         return self.top_k
 
-    def reset(self, batch_size: int) -> None:
-        self.seqs = [_SeqState(self.layers) for _ in range(batch_size)]
-        self.rates = [LookupRate() for _ in range(batch_size)]
+    def reset(self, batch_size: int = 0) -> None:
+        self.seqs.clear()
+        self.rates.clear()
         self._found.clear()
 
-    def reset_sequence(self, sequence: int) -> None:
-        self.seqs[sequence] = _SeqState(self.layers)
-        self.rates[sequence] = LookupRate()
+    def release(self, sequence: int) -> None:
+        self.seqs.pop(sequence, None)
+        self.rates.pop(sequence, None)
         self._found.pop(sequence, None)
+
+    def _seq(self, sequence: int) -> _SeqState:
+        if sequence not in self.seqs:
+            self.seqs[sequence] = _SeqState(self.layers)
+        return self.seqs[sequence]
+
+    def _rate(self, sequence: int) -> LookupRate:
+        if sequence not in self.rates:
+            self.rates[sequence] = LookupRate()
+        return self.rates[sequence]
+
+    def prepare(self, inputs: list[DraftInput]) -> None:
+        """Absorb the given states (a new sequence's prompt) into the predictor caches."""
+        self._absorb_inputs(inputs)
 
     def _lookup(self, x: DraftInput, depth: int) -> list[int]:
         """The best prompt-lookup continuation of ``x.context``, at most ``depth`` tokens (empty
@@ -694,7 +708,7 @@ class StateDrafter(Drafter):
         once per sequence: a second call on the same context (the drafter merging the path
         that :meth:`propose_free` found) reuses the first search, cut to ``depth``; the best
         match is the same, since it is the most recent occurrence of the longest n-gram."""
-        rate = self.rates[x.sequence]
+        rate = self._rate(x.sequence)
         rate.update(x.context)
         known = self._found.get(x.sequence)
         if known is not None and known[0] == len(x.context) and (len(known[1]) >= depth or known[2]):
@@ -718,7 +732,7 @@ class StateDrafter(Drafter):
         for x in inputs:
             best = self._lookup(x, min(budget.max_depth, budget.max_nodes - 1))
             root = x.context[-1]
-            out.append(self.rates[x.sequence].chain(root, best) if best else DraftTree([root], [-1], [0], [1.0]))
+            out.append(self._rate(x.sequence).chain(root, best) if best else DraftTree([root], [-1], [0], [1.0]))
         return out
 
     @torch.no_grad()
@@ -749,19 +763,23 @@ class StateDrafter(Drafter):
             at += states.shape[0]
             seq.last = g[at - 1]
 
-    @torch.no_grad()
-    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+    def _absorb_inputs(self, inputs: list[DraftInput]) -> None:
+        """Absorb the states the inputs carry, all sequences in one pass."""
         fresh = []
         for x in inputs:
             if x.states is not None and x.states.shape[0] > 0:
                 n = x.states.shape[0]
                 first = len(x.context) - 1 - n
-                fresh.append((self.seqs[x.sequence], x.states, x.context[first + 1 :], first))
+                fresh.append((self._seq(x.sequence), x.states, x.context[first + 1 :], first))
         if fresh:
             self._absorb(fresh)
+
+    @torch.no_grad()
+    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        self._absorb_inputs(inputs)
         growths: dict[int, _Growth] = {}
         for j, x in enumerate(inputs):
-            seq = self.seqs[x.sequence]
+            seq = self._seq(x.sequence)
             if seq.last is not None and budget.max_nodes >= 2 and budget.max_depth >= 1:
                 growths[j] = _Growth(seq, x.context[-1], len(x.context) - 1)
         if growths:
@@ -783,7 +801,7 @@ class StateDrafter(Drafter):
         best = self._lookup(x, budget.max_depth)
         if not best:
             return tree
-        r = self.lookup_confidence if self.lookup_confidence is not None else self.rates[x.sequence].rate
+        r = self.lookup_confidence if self.lookup_confidence is not None else self._rate(x.sequence).rate
         probs = tree.draft_probs or [1.0] * tree.size
         paths: list[tuple[float, tuple[int, ...]]] = []
         node_path: list[tuple[int, ...]] = [()]

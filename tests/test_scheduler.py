@@ -1,0 +1,84 @@
+"""The step-level engine: requests join and leave between steps, each with its own
+settings, and a request's output never depends on what else shares its steps."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from helpers import clone, random_prompts, tiny_model
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.drafters.state import StateDrafter, new_predictor
+from sot.engine import Engine, GenerationParams
+from sot.models.adapter import TargetModel
+from sot.sampling import SamplingMode, SamplingParams
+
+LAYERS = (0, 1, 2)
+
+
+def _alone(target, prompt, params) -> list[int]:
+    return Engine(target, NoDrafter()).generate([prompt], params)[0].token_ids
+
+
+def test_requests_arriving_between_steps_equal_decoding_alone() -> None:
+    """Requests with their own settings join a running engine at random steps and one is
+    aborted; every other request's tokens equal its plain decoding alone."""
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.bfloat16), state_layers=LAYERS)
+    prompts = random_prompts((7, 30, 12, 51, 19, 9), seed=3)
+    greedy = GenerationParams(max_new_tokens=20)
+    coupled = GenerationParams(max_new_tokens=14, sampling=SamplingParams(
+        temperature=0.8, top_p=0.9, seed=11, mode=SamplingMode.COUPLED))
+    settings = [greedy, coupled, GenerationParams(max_new_tokens=5), greedy, coupled, greedy]
+    expected = [_alone(target, p, s) for p, s in zip(prompts, settings)]
+    engine = Engine(target, StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3), TreeBudget(10, 4),
+                    max_batch=3)
+    rng = random.Random(0)
+    pending = list(enumerate(zip(prompts, settings)))
+    ids, tokens, finished = {}, {}, {}
+    victim = None
+    while pending or engine.has_unfinished():
+        while pending and rng.random() < 0.5:
+            i, (p, s) = pending.pop(0)
+            ids[engine.add_request(p, s)] = i
+        if victim is None and engine.num_running == 3:
+            victim = next(r for r in ids if r not in finished)
+            assert engine.abort(victim)
+            assert not engine.abort(victim), "an aborted request is gone"
+        for ev in engine.step():
+            assert engine.num_running <= 3
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finished:
+                finished[ev.request_id] = ev.finish_reason
+    assert victim is not None
+    for r, i in ids.items():
+        if r == victim:
+            assert r not in finished
+            continue
+        assert tokens[r] == expected[i], f"request {i} changed with its company"
+        assert finished[r] == "length"
+    assert not engine.drafter.seqs and not engine.policy.seqs, "nothing is kept of finished requests"
+    assert engine.num_running == 0 and engine.num_waiting == 0
+
+
+def test_finished_sequences_leave_the_verify_pass() -> None:
+    """The verify pass holds the live sequences only: after a short request finishes, the
+    passes have one sequence fewer."""
+    target = TargetModel(clone(tiny_model("llama", seed=2), torch.float32))
+    prompts = random_prompts((10, 14), seed=1)
+    batches = []
+    verify = target.verify
+
+    def counted(cache, ids, pos, layout):
+        batches.append(ids.shape[0])
+        return verify(cache, ids, pos, layout)
+
+    target.verify = counted
+    engine = Engine(target, PromptLookupDrafter(), TreeBudget(6, 4))
+    engine.add_request(prompts[0], GenerationParams(max_new_tokens=3))
+    engine.add_request(prompts[1], GenerationParams(max_new_tokens=12))
+    batches.clear()  # the cost model's passes, timed at the first request
+    while engine.has_unfinished():
+        engine.step()
+    assert batches[0] == 2 and batches[-1] == 1
+    assert batches == sorted(batches, reverse=True)
