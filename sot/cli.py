@@ -1,4 +1,4 @@
-"""The ``sot`` command line: ``generate``, ``chat``, ``bench``, ``train``."""
+"""The ``sot`` command line: ``generate``, ``chat``, ``serve``, ``bench``, ``bench-serve``, ``train``."""
 from __future__ import annotations
 
 import argparse
@@ -117,7 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
 
     from sot.bench.cli import add_bench_parser
+    from sot.server.cli import add_serve_parser
 
+    add_serve_parser(sub, add_model_args, _positive_int, _non_negative_float)
+    from sot.server.bench import add_bench_serve_parser
+
+    add_bench_serve_parser(sub, _positive_int)
     add_bench_parser(sub)
     from sot.train.cli import add_train_parser
 
@@ -226,6 +231,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from sot.bench.cli import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "serve":
+            from sot.server.cli import cmd_serve
+
+            return cmd_serve(args, _load)
+        if args.command == "bench-serve":
+            from sot.server.bench import cmd_bench_serve
+
+            return cmd_bench_serve(args)
         if args.command == "train":
             from sot.train.cli import cmd_train
 

@@ -130,6 +130,8 @@ class TokenEvent:
     finish_reason: str | None = None
     drafted: int = 0
     accepted: int = 0
+    #: the request's result, on its last event (the engine forgets the request after it)
+    result: SequenceResult | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -608,7 +610,8 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason)
         return TokenEvent(sequence=res.index, token_ids=taken, finished=seq.done, request_id=seq.id,
-                          finish_reason=reason, drafted=drafted, accepted=accepted)
+                          finish_reason=reason, drafted=drafted, accepted=accepted,
+                          result=res if seq.done else None)
 
     # ----------------------------------------------------------------- offline loops
     def generate(self, prompts: list[list[int]], params: GenerationParams,

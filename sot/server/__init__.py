@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``sot serve``) and its load generator (``sot bench-serve``)."""

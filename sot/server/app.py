@@ -1,0 +1,373 @@
+"""``sot serve``: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` (503 while the model loads or the server drains, 200 when ready) and
+``GET /metrics`` (Prometheus text). Every error is an OpenAI-style JSON body with its status;
+a full queue answers 429 with ``Retry-After``. A client that disconnects aborts its request.
+On SIGTERM the server stops accepting requests, lets running ones finish for
+``shutdown_timeout`` seconds, ends the rest with a final ``abort`` event, and exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sot.engine import GenerationParams, SequenceResult
+from sot.sampling import SamplingMode, SamplingParams
+from sot.server.metrics import ServerMetrics
+from sot.server.protocol import (
+    FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, TextAssembler, _GenerationRequest,
+    validation_message,
+)
+from sot.server.worker import EngineWorker, Update
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one server (the CLI's ``sot serve`` flags).
+
+    Attributes:
+        model_name: the id served in ``/v1/models`` and required in requests.
+        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
+        max_batch: sequences decoded together.
+        max_queue: requests waiting for a slot beyond ``max_batch``; more are answered 429.
+        shutdown_timeout: seconds running requests get to finish after SIGTERM.
+    """
+
+    model_name: str | None = None
+    api_key: str | None = None
+    max_batch: int = 8
+    max_queue: int = 64
+    shutdown_timeout: float = 30.0
+
+
+class ServerState:
+    """What the routes share: the loaded model, the worker, the request count, the phase."""
+
+    def __init__(self, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.sot = None  # sot.api.SoT once loaded
+        self.worker: EngineWorker | None = None
+        self.model_name = config.model_name
+        self.load_error: str | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.created = int(time.time())
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None and self.worker.alive and not self.draining
+
+    @property
+    def context(self) -> int | None:
+        return self.sot.target.max_positions if self.sot is not None else None
+
+
+def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
+    """The app; ``load()`` returns a :class:`sot.api.SoT` and runs on a thread after start-up,
+    so ``/health`` answers 503 while it works."""
+    metrics = ServerMetrics()
+    state = ServerState(config, metrics)
+
+    def load_in_background() -> None:
+        try:
+            sot = load()
+            sot.engine.max_batch = config.max_batch
+            _ = sot.engine.policy  # measure the verify cost model before serving
+            state.sot = sot
+            state.model_name = config.model_name or sot.name
+            worker = EngineWorker(sot.engine, metrics)
+            worker.start()
+            state.worker = worker
+        except Exception as exc:  # noqa: BLE001 - /health reports it
+            state.load_error = f"{type(exc).__name__}: {exc}"
+
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=load_in_background, name="sot-load", daemon=True).start()
+        yield
+        if state.worker is not None:
+            state.worker.stop()
+
+    app = FastAPI(title="SoT", lifespan=lifespan)
+    app.state.sot_state = state
+
+    # ------------------------------------------------------------ errors
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        if exc.status in (400, 404):
+            metrics.finished("invalid")
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    @app.exception_handler(ValidationError)
+    async def invalid(_: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
+        message, param = validation_message(exc.errors())
+        metrics.finished("invalid")
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        metrics.finished("error")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
+    # ------------------------------------------------------------ plain routes
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.load_error:
+            return JSONResponse({"status": "error", "detail": state.load_error}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _check_key(request, config)
+        _check_ready(state)
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "sot",
+             "max_model_len": state.context}]})
+
+    # ------------------------------------------------------------ generation
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        _check_key(request, config)
+        body = ChatCompletionRequest.model_validate(await _json(request))
+        _check_ready(state)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        sot = state.sot
+        prompt = sot.encode({"messages": messages}, chat=sot.is_chat_model)
+        return await _generate(request, state, body, prompt, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _check_key(request, config)
+        body = CompletionRequest.model_validate(await _json(request))
+        _check_ready(state)
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            if len(body.prompt) != 1:
+                raise APIError(400, "one prompt per request is supported", param="prompt")
+            text: str | None = body.prompt[0]
+        else:
+            text = body.prompt if isinstance(body.prompt, str) else None
+        if text is not None:
+            prompt = state.sot.encode({"prompt": text}, chat=False)
+        else:
+            prompt = list(body.prompt)
+            vocab = state.sot.target.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return await _generate(request, state, body, prompt, chat=False)
+
+    return app
+
+
+# ---------------------------------------------------------------------------- helpers
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+
+
+def _check_key(request: Request, config: ServerConfig) -> None:
+    if config.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
+        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+
+
+def _check_ready(state: ServerState) -> None:
+    if state.draining:
+        raise APIError(503, "the server is shutting down")
+    if state.load_error:
+        raise APIError(503, f"the model failed to load: {state.load_error}")
+    if not state.ready:
+        raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "1"})
+
+
+def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> GenerationParams:
+    """Validated generation settings of one request."""
+    if body.model != state.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    if body.n != 1:
+        raise APIError(400, "n must be 1 (one choice per request)", param="n")
+    context = state.context
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if context and len(prompt) >= context:
+        raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {context} tokens",
+                       param="messages", code="context_length_exceeded")
+    limit = body.token_limit()
+    if limit is None:
+        limit = context - len(prompt) if context else 256
+    if limit < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {limit}", param="max_tokens")
+    if context and len(prompt) + limit > context:
+        raise APIError(400, f"the prompt's {len(prompt)} tokens plus max_tokens={limit} exceed this model's context "
+                       f"of {context} tokens", param="max_tokens", code="context_length_exceeded")
+    seed = body.seed if body.seed is not None else random.getrandbits(63)
+    sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), seed=seed,
+                              mode=SamplingMode(body.sampling_mode))
+    eos = () if body.ignore_eos else state.sot.eos_ids()
+    return GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos)
+
+
+def _admit(state: ServerState) -> None:
+    limit = state.config.max_batch + state.config.max_queue
+    if state.in_flight >= limit:
+        state.metrics.finished("rejected")
+        raise APIError(429, f"the server is at capacity ({state.in_flight} requests in flight); retry later",
+                       headers={"Retry-After": "1"})
+
+
+def _usage(prompt: list[int], result: SequenceResult | None, tokens: int) -> dict:
+    completion = result.new_tokens if result is not None else tokens
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+
+
+def _extension(result: SequenceResult | None) -> dict | None:
+    """SoT's figures of one request: mean accepted length (tau), steps, plain steps."""
+    if result is None:
+        return None
+    drafted = sum(s - 1 for s in result.tree_sizes)
+    accepted = sum(a - 1 for a in result.accept_lengths)
+    return {"mean_accept_len": round(result.mean_accept_len, 4), "steps": result.steps,
+            "drafted_tokens": drafted, "accepted_tokens": accepted, "plain_steps": result.plain_steps}
+
+
+async def _generate(request: Request, state: ServerState, body: _GenerationRequest, prompt: list[int], chat: bool):
+    params = _params(state, body, prompt)
+    _admit(state)
+    state.in_flight += 1
+    try:
+        ticket, updates = state.worker.submit(prompt, params)
+    except BaseException:
+        state.in_flight -= 1
+        raise
+    text = TextAssembler(state.sot.tokenizer, params.stop)
+    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(state, ticket, updates, text, rid, body.model, chat, prompt, include_usage,
+                                         body.return_token_ids),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        final = await _collect(request, state, ticket, updates, text)
+    finally:
+        state.in_flight -= 1
+    if final.error:
+        raise APIError(500, final.error)
+    reason = FINISH_REASONS.get(final.finish_reason or "length", final.finish_reason)
+    content = text.final_text()
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+               "finish_reason": reason} if chat else
+              {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
+    response = {
+        "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+        "model": body.model, "choices": [choice], "usage": _usage(prompt, final.result, len(text.ids)),
+        "sot": _extension(final.result),
+    }
+    if body.return_token_ids:
+        choice["token_ids"] = list(text.ids)
+        response["prompt_token_ids"] = prompt
+    return JSONResponse(response)
+
+
+async def _collect(request: Request, state: ServerState, ticket: int, updates: asyncio.Queue,
+                   text: TextAssembler) -> Update:
+    """Wait for a request's last update; abort it if the client disconnects meanwhile."""
+    while True:
+        try:
+            update: Update = await asyncio.wait_for(updates.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.worker.abort(ticket)
+                return Update([], finish_reason="abort")
+            continue
+        if update.error or update.finish_reason is not None:
+            text.add(update.token_ids, final=True)
+            return update
+        text.add(update.token_ids, final=False)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text: TextAssembler, rid: str,
+                  model: str, chat: bool, prompt: list[int], include_usage: bool,
+                  token_ids: bool = False) -> AsyncIterator[str]:
+    """Server-sent events of one request; if the client goes away the generator is closed
+    and the request aborted."""
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, reason: str | None = None, role: bool = False, extra: dict | None = None,
+              ids: list[int] | None = None) -> str:
+        if chat:
+            d: dict = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+        if token_ids and not role:
+            choice["token_ids"] = ids or []
+        payload = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        payload.update(extra or {})
+        return _sse(payload)
+
+    finished = False
+    try:
+        if chat:
+            yield chunk(None, role=True)
+        while True:
+            update: Update = await updates.get()
+            if update.error:
+                finished = True
+                yield _sse(APIError(500, update.error).body())
+                break
+            last = update.finish_reason is not None
+            delta = text.add(update.token_ids, final=last)
+            if delta or (token_ids and update.token_ids):
+                yield chunk(delta, ids=update.token_ids)
+            if last:
+                finished = True
+                reason = FINISH_REASONS.get(update.finish_reason, update.finish_reason)
+                yield chunk(None, reason, extra={"sot": _extension(update.result)})
+                if include_usage:
+                    yield _sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                                "usage": _usage(prompt, update.result, len(text.ids))})
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        state.in_flight -= 1
+        if not finished:
+            state.worker.abort(ticket)

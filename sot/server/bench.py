@@ -1,0 +1,258 @@
+"""``sot bench-serve``: a load generator for any OpenAI-compatible server.
+
+It streams chat completions at fixed concurrency levels (or at a Poisson request rate) and
+measures, per server and level: throughput (generated tokens/s over the run), time to first
+token, time per output token after the first (TPOT, the per-request inter-token latency:
+``(end - first token) / (tokens - 1)``), and SoT's per-request mean accepted length when
+the server reports it. Several servers (``--url`` repeated) are measured in alternating
+rounds on the same prompts, so a busy moment of the machine slows each of them alike.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sot.errors import ConfigError
+
+
+def add_bench_serve_parser(sub, positive_int) -> None:
+    p = sub.add_parser("bench-serve", help="load-test OpenAI-compatible servers side by side")
+    p.add_argument("--url", action="append", required=True,
+                   help="server base URL, e.g. http://127.0.0.1:8000 (repeat to compare servers)")
+    p.add_argument("--label", action="append", default=None, help="a name per --url (default: the URL)")
+    p.add_argument("--model", default=None, help="model id to request (default: the server's first model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--prompts", default="sharegpt-heldout",
+                   help="a bench prompt set (sharegpt-heldout, humaneval, ...) or a .jsonl file")
+    p.add_argument("--num-prompts", type=positive_int, default=16, help="requests per level and server")
+    p.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="send requests at this Poisson rate (per second) instead of fixed concurrency")
+    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly --max-tokens tokens (the 'ignore_eos' extension of SoT and vLLM)")
+    p.add_argument("--rounds", type=positive_int, default=1, help="alternating rounds per level")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--out", default=None, help="folder for results.json and bench-serve.png")
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it (seconds from its start)."""
+
+    ok: bool
+    tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    tau: float | None = None
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.latency - self.ttft) / (self.tokens - 1) if self.ok and self.tokens > 1 else None
+
+
+@dataclass
+class LevelResult:
+    """One server at one load level (all its rounds)."""
+
+    label: str
+    level: str
+    wall_seconds: float = 0.0
+    requests: list[RequestRecord] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        ok = [r for r in self.requests if r.ok]
+        tokens = sum(r.tokens for r in ok)
+        ttft = sorted(r.ttft for r in ok)
+        tpot = sorted(t for r in ok if (t := r.tpot) is not None)
+        taus = [r.tau for r in ok if r.tau is not None]
+        return {
+            "label": self.label, "level": self.level, "requests": len(self.requests), "ok": len(ok),
+            "tokens": tokens, "wall_seconds": round(self.wall_seconds, 3),
+            "throughput_tok_s": round(tokens / self.wall_seconds, 2) if self.wall_seconds else 0.0,
+            "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
+            "mean_tau": round(statistics.fmean(taus), 3) if taus else None,
+        }
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+
+    def pick(q: float) -> float:
+        return round(values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))], 4)
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+async def one_request(client, url: str, body: dict, headers: dict) -> RequestRecord:
+    """Stream one chat completion and time it."""
+    t0 = time.perf_counter()
+    rec = RequestRecord(ok=False)
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    rec.error = str(event["error"])
+                    return rec
+                if event.get("usage"):
+                    rec.tokens = event["usage"]["completion_tokens"]
+                if event.get("sot"):
+                    rec.tau = event["sot"].get("mean_accept_len")
+                for choice in event.get("choices", []):
+                    if choice.get("delta", {}).get("content") and rec.ttft == 0.0:
+                        rec.ttft = time.perf_counter() - t0
+        rec.latency = time.perf_counter() - t0
+        rec.ok = rec.tokens > 0
+        if rec.ok and rec.ttft == 0.0:
+            rec.ttft = rec.latency
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+        rec.error = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+async def run_level(url: str, bodies: list[dict], headers: dict, concurrency: int | None, rate: float | None,
+                    timeout: float) -> tuple[float, list[RequestRecord]]:
+    """Send every body, ``concurrency`` at a time or at a Poisson ``rate``; returns wall time and records."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=max(concurrency or 0, 64))
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter()
+        if rate is not None:
+            rng = random.Random(0)
+            tasks = []
+            for body in bodies:
+                tasks.append(asyncio.create_task(one_request(client, url, body, headers)))
+                await asyncio.sleep(rng.expovariate(rate))
+            records = list(await asyncio.gather(*tasks))
+        else:
+            queue = list(enumerate(bodies))
+            records: list[RequestRecord | None] = [None] * len(bodies)
+
+            async def user() -> None:
+                while queue:
+                    i, body = queue.pop(0)
+                    records[i] = await one_request(client, url, body, headers)
+
+            await asyncio.gather(*(user() for _ in range(concurrency or 1)))
+        return time.perf_counter() - t0, records
+
+
+def _model_id(url: str, headers: dict) -> str:
+    import httpx
+
+    resp = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    if resp.status_code != 200:
+        raise ConfigError(f"{url}/v1/models answered {resp.status_code}: {resp.text[:200]}")
+    return resp.json()["data"][0]["id"]
+
+
+def _bodies(args: argparse.Namespace, model: str) -> list[dict]:
+    from sot.bench.prompts import load_prompt_set
+    from sot.prompts import to_messages
+
+    records = load_prompt_set(args.prompts, limit=args.num_prompts)
+    if not records:
+        raise ConfigError(f"prompt set {args.prompts!r} is empty")
+    bodies = []
+    for i in range(args.num_prompts):
+        body = {"model": model, "messages": to_messages(records[i % len(records)]), "max_tokens": args.max_tokens,
+                "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+        if args.ignore_eos:
+            body["ignore_eos"] = True
+        bodies.append(body)
+    return bodies
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    urls = [u.rstrip("/") for u in args.url]
+    labels = args.label or urls
+    if len(labels) != len(urls):
+        raise ConfigError("give one --label per --url")
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")] if args.request_rate is None else [None]
+    except ValueError:
+        raise ConfigError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    if any(c is not None and c < 1 for c in levels):
+        raise ConfigError("concurrency levels must be >= 1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    models = {u: args.model or _model_id(u, headers) for u in urls}
+    results: dict[tuple[str, str], LevelResult] = {}
+    runs = [(lvl, r, u, lab) for lvl in levels for r in range(args.rounds) for u, lab in zip(urls, labels)]
+    for level, _, url, label in tqdm(runs, desc="bench-serve", unit="run"):
+        name = f"rate {args.request_rate}/s" if level is None else f"concurrency {level}"
+        wall, records = asyncio.run(run_level(url, _bodies(args, models[url]), headers, level, args.request_rate,
+                                              args.timeout))
+        res = results.setdefault((label, name), LevelResult(label, name))
+        res.wall_seconds += wall
+        res.requests += records
+    summaries = [r.summary() for r in results.values()]
+    _print_table(summaries)
+    failed = sum(s["requests"] - s["ok"] for s in summaries)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        payload = {"command": " ".join(sys.argv), "settings": {k: v for k, v in vars(args).items() if k != "api_key"},
+                   "results": summaries,
+                   "requests": {f"{k[0]} / {k[1]}": [asdict(r) for r in v.requests] for k, v in results.items()}}
+        (out / "results.json").write_text(json.dumps(payload, indent=1))
+        _plot(summaries, out / "bench-serve.png")
+        print(f"wrote {out / 'results.json'} and {out / 'bench-serve.png'}", file=sys.stderr)
+    if failed:
+        print(f"bench-serve: {failed} requests failed (see results.json)", file=sys.stderr)
+    return 0
+
+
+def _print_table(summaries: list[dict]) -> None:
+    print("| server | load | tok/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) | tau | ok |")
+    print("|---|---|---|---|---|---|---|")
+    for s in summaries:
+        t, p = s["ttft_s"], s["tpot_s"]
+        ms = [f"{v * 1000:.1f}" if v is not None else "-" for v in (p["p50"], p["p90"], p["p99"])]
+        tau = f"{s['mean_tau']:.2f}" if s["mean_tau"] is not None else "-"
+        print(f"| {s['label']} | {s['level']} | {s['throughput_tok_s']:.1f} | {t['p50']} / {t['p90']} / {t['p99']} | "
+              f"{' / '.join(ms)} | {tau} | {s['ok']}/{s['requests']} |")
+
+
+def _plot(summaries: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(s["label"] for s in summaries))
+    levels = list(dict.fromkeys(s["level"] for s in summaries))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        rows = {s["level"]: s for s in summaries if s["label"] == label}
+        xs = [i + j * width for i in range(len(levels))]
+        axes[0].bar(xs, [rows[lv]["throughput_tok_s"] if lv in rows else 0 for lv in levels], width, label=label)
+        axes[1].bar(xs, [(rows[lv]["tpot_s"]["p50"] or 0) * 1000 if lv in rows else 0 for lv in levels], width,
+                    label=label)
+    for ax, title in zip(axes, ("throughput (generated tokens/s)", "median time per output token (ms)")):
+        ax.set_xticks([i + width * (len(labels) - 1) / 2 for i in range(len(levels))], levels)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

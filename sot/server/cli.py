@@ -1,0 +1,73 @@
+"""``sot serve`` and ``sot bench-serve``: their flags and entry points."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import threading
+
+from sot.errors import ConfigError
+
+
+def add_serve_parser(sub, add_model_args, positive_int, non_negative_float) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions, streaming, metrics)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    p.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
+                   help="auto: the state predictor when one fits the model, else pld; none: plain decoding")
+    p.add_argument("--max-batch", type=positive_int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queue", type=positive_int, default=64,
+                   help="requests that may wait for a slot; beyond that the server answers 429")
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM before they are ended")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_model_args(p)
+
+
+def cmd_serve(args: argparse.Namespace, load) -> int:
+    """Run the server until SIGTERM or Ctrl-C; returns 0 after a graceful shutdown."""
+    import uvicorn
+
+    from sot.server.app import ServerConfig, create_app
+
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
+                          max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+    app = create_app(lambda: load(args), config)
+    state = app.state.sot_state
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGTERM / SIGINT
+            if not state.draining:
+                state.draining = True  # new requests get 503; running ones may finish
+                print("sot serve: shutting down; running requests may finish "
+                      f"(at most {config.shutdown_timeout:g} s)", file=sys.stderr)
+
+                def end_the_rest() -> None:
+                    if state.worker is not None:
+                        state.worker.abort_all()
+
+                timer = threading.Timer(config.shutdown_timeout, end_the_rest)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                # uvicorn re-raises the signal after its shutdown; a graceful stop exits 0
+                self._captured_signals.clear()
+
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=config.shutdown_timeout + 5))
+    print(f"sot serve: listening on http://{args.host}:{args.port} (the model loads in the background; "
+          "GET /health answers 200 when ready)", file=sys.stderr)
+    server.run()
+    if state.load_error:
+        print(f"sot serve: error: the model failed to load: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,73 @@
+"""The server's Prometheus metrics, named like vLLM's with the ``sot:`` prefix.
+
+Counters are exposed with prometheus_client's ``_total`` suffix, e.g.
+``sot:spec_decode_num_drafts_total``.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from sot.engine import SequenceResult
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    """All metrics of one server, in their own registry."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # no '_created' series beside every counter
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("sot:requests", "Requests by final status: stop, length, eos, abort (client left "
+                                "or shutdown), rejected (queue full), invalid (bad input), error", ["status"],
+                                registry=r)
+        self.running = Gauge("sot:num_requests_running", "Sequences in the engine's batch", registry=r)
+        self.waiting = Gauge("sot:num_requests_waiting", "Requests queued for a slot", registry=r)
+        self.ttft = Histogram("sot:time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("sot:inter_token_latency_seconds", "Time per generated token after the first "
+                             "(a step's gap shared by the tokens it committed)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.generated = Counter("sot:generation_tokens", "Generated tokens", registry=r)
+        self.prompt = Counter("sot:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.drafts = Counter("sot:spec_decode_num_drafts", "Verify steps of a sequence with at least one "
+                              "drafted token", registry=r)
+        self.draft_tokens = Counter("sot:spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r)
+        self.accepted = Counter("sot:spec_decode_num_accepted_tokens", "Drafted tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("sot:spec_decode_num_accepted_tokens_per_pos",
+                                        "Drafted tokens accepted, by position in the accepted path (0 first)",
+                                        ["position"], registry=r)
+        self.fallbacks = Counter("sot:fallbacks", "Times a sequence fell back to plain decoding", registry=r)
+
+    # ------------------------------------------------------------ updates
+    def set_load(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        for _ in range(tokens):
+            self.itl.observe(seconds / tokens)
+
+    def tokens(self, n: int) -> None:
+        self.generated.inc(n)
+
+    def step(self, drafted: tuple[int, ...], accepted_per_pos: tuple[int, ...]) -> None:
+        """One verify step: ``drafted[b]`` tokens drafted for sequence ``b``; ``accepted_per_pos[d]``
+        sequences whose accepted path reached draft position ``d``."""
+        self.drafts.inc(sum(1 for d in drafted if d > 0))
+        self.draft_tokens.inc(sum(drafted))
+        self.accepted.inc(sum(accepted_per_pos))
+        for pos, n in enumerate(accepted_per_pos):
+            if n:
+                self.accepted_per_pos.labels(position=str(pos)).inc(n)
+
+    def finished(self, status: str, result: SequenceResult | None = None) -> None:
+        self.requests.labels(status=status).inc()
+        if result is not None:
+            self.prompt.inc(result.prompt_tokens)
+            self.fallbacks.inc(result.fallbacks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

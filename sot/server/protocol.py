@@ -1,0 +1,166 @@
+"""Request bodies of the OpenAI-compatible API, OpenAI-style errors, and the text that a
+stream of tokens turns into (stop strings cut, incomplete characters held back)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by chat and text completions (OpenAI's, plus ``top_k``,
+    ``sampling_mode`` and ``ignore_eos`` as in vLLM-style extensions)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    #: ``rejection`` (exact in distribution) or ``coupled`` (a seeded sample equals plain decoding's)
+    sampling_mode: Literal["rejection", "coupled"] = "rejection"
+    ignore_eos: bool = False
+    #: add the generated ``token_ids`` to each choice (and ``prompt_token_ids`` to the response)
+    return_token_ids: bool = False
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stops) > 4:
+            raise APIError(400, "at most 4 stop sequences are allowed", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "stop sequences must not be empty", param="stop")
+        return stops
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)",
+                               param="messages")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str]
+
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter from pydantic's errors."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
+        return "the request body must be a JSON object", None
+    return (f"{param}: {msg}" if param else msg), param
+
+
+class TextAssembler:
+    """Turns a request's committed tokens into text deltas.
+
+    The whole text is decoded again at every update (a few hundred tokens at most), which
+    keeps multi-token characters and tokenizer spacing exact. A stop string ends the text
+    before it; while the request runs, text that might begin a stop string and an incomplete
+    character at the end are held back until the next tokens decide them.
+    """
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.text = ""
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        """The new text after ``token_ids``; ``final`` releases everything held back."""
+        self.ids.extend(token_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = len(text)
+        stopped = False
+        for s in self.stop:
+            i = text.find(s)
+            if 0 <= i < cut:
+                cut, stopped = i, True
+        if not final and not stopped:
+            if text[:cut].endswith("\ufffd"):
+                cut -= 1
+            for s in self.stop:  # the longest tail that could still grow into a stop string
+                for k in range(min(len(s) - 1, cut), 0, -1):
+                    if text[cut - k : cut] == s[:k]:
+                        cut -= k
+                        break
+        self.text = text[:cut] if (final or stopped) else text
+        delta = text[self.sent : cut] if cut > self.sent else ""
+        self.sent = max(self.sent, cut)
+        return delta
+
+    def final_text(self) -> str:
+        return self.text[: self.sent] if self.sent <= len(self.text) else self.text

@@ -1,0 +1,196 @@
+"""The engine behind the server: one thread steps the :class:`~sot.engine.Engine`, the HTTP
+handlers talk to it through a command queue and receive their tokens on asyncio queues.
+
+The engine is not thread-safe, so only the worker thread touches it. Handlers call
+:meth:`EngineWorker.submit` and :meth:`EngineWorker.abort` from the event loop; the worker
+applies those commands between steps, and hands each request's :class:`Update` back to the
+loop that submitted it (``call_soon_threadsafe``).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sot.engine import Engine, GenerationParams, SequenceResult
+from sot.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class Update:
+    """New tokens of one request; ``finish_reason`` is set on its last update, ``error``
+    when the engine refused or lost it."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    result: SequenceResult | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Ticket:
+    """What the worker keeps for one submitted request."""
+
+    prompt: list[int]
+    params: GenerationParams
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue
+    submitted: float = field(default_factory=time.perf_counter)
+    engine_id: int | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class EngineWorker:
+    """Runs ``engine`` on a daemon thread until :meth:`stop`.
+
+    Args:
+        engine: the engine to step (nobody else may touch it while the worker runs).
+        metrics: counters and gauges updated as requests move.
+    """
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tickets: dict[int, _Ticket] = {}  # by ticket number
+        self._by_engine_id: dict[int, int] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sot-engine", daemon=True)
+        self.error: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left and end the thread."""
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------ called from the event loop
+    def submit(self, prompt: list[int], params: GenerationParams) -> tuple[int, asyncio.Queue]:
+        """Queue a request; returns its ticket and the queue its :class:`Update` s arrive on."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            ticket = self._next
+            self._next += 1
+        updates: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("add", (ticket, _Ticket(prompt, params, loop, updates))))
+        return ticket, updates
+
+    def abort(self, ticket: int) -> None:
+        """Cancel a request (a client went away); its slot is free by the next step."""
+        self._commands.put(("abort", ticket))
+
+    def abort_all(self) -> None:
+        """Cancel every request (shutdown after the grace period)."""
+        self._commands.put(("abort_all", None))
+
+    # ------------------------------------------------------------ the worker thread
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            self._apply_commands(block=not engine.has_unfinished())
+            if not engine.has_unfinished():
+                continue
+            try:
+                events = engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step must not hang the clients
+                self.error = f"{type(exc).__name__}: {exc}"
+                self._fail_all(f"the engine failed: {self.error}")
+                continue
+            now = time.perf_counter()
+            self._record_step(now)
+            for ev in events:
+                self._deliver(ev, now)
+            self.metrics.set_load(engine.num_running, engine.num_waiting)
+        self._fail_all("the server is shutting down")
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self.metrics.set_load(self.engine.num_running, self.engine.num_waiting)
+
+    def _apply(self, kind: str, arg) -> None:
+        if kind == "add":
+            ticket, t = arg
+            try:
+                t.engine_id = self.engine.add_request(t.prompt, t.params)
+            except Exception as exc:  # noqa: BLE001 - the handler validated; report anything else
+                self._send(t, Update([], error=str(exc)))
+                return
+            self._tickets[ticket] = t
+            self._by_engine_id[t.engine_id] = ticket
+        elif kind == "abort":
+            t = self._tickets.pop(arg, None)
+            if t is not None:
+                self._by_engine_id.pop(t.engine_id, None)
+                self.engine.abort(t.engine_id)
+                self.metrics.finished("abort")
+        elif kind == "abort_all":
+            for ticket in list(self._tickets):
+                t = self._tickets.pop(ticket)
+                self._by_engine_id.pop(t.engine_id, None)
+                result = self.engine.result(t.engine_id)
+                self.engine.abort(t.engine_id)
+                self.metrics.finished("abort")
+                self._send(t, Update([], finish_reason="abort", result=result))
+
+    def _record_step(self, now: float) -> None:
+        stats = self.engine.last_step
+        if stats.batch:
+            self.metrics.step(stats.drafted, stats.accepted_per_pos)
+
+    def _deliver(self, ev, now: float) -> None:
+        ticket = self._by_engine_id.get(ev.request_id)
+        if ticket is None:
+            return
+        t = self._tickets[ticket]
+        if ev.token_ids:
+            if t.first_token_at is None:
+                t.first_token_at = now
+                self.metrics.first_token(now - t.submitted)
+            elif t.last_token_at is not None:
+                self.metrics.inter_token(now - t.last_token_at, len(ev.token_ids))
+            t.last_token_at = now
+            self.metrics.tokens(len(ev.token_ids))
+        result = None
+        if ev.finished:
+            del self._tickets[ticket]
+            del self._by_engine_id[ev.request_id]
+            result = ev.result
+            self.metrics.finished(ev.finish_reason or "length", result)
+        self._send(t, Update(list(ev.token_ids), ev.finish_reason if ev.finished else None, result))
+
+    def _fail_all(self, message: str) -> None:
+        for ticket in list(self._tickets):
+            t = self._tickets.pop(ticket)
+            if t.engine_id is not None:
+                self.engine.abort(t.engine_id)
+            self.metrics.finished("error")
+            self._send(t, Update([], error=message))
+        self._by_engine_id.clear()
+
+    @staticmethod
+    def _send(t: _Ticket, update: Update) -> None:
+        try:
+            t.loop.call_soon_threadsafe(t.updates.put_nowait, update)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass

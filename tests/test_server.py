@@ -1,0 +1,340 @@
+"""``sot serve`` as a real subprocess on 127.0.0.1: the OpenAI client, identity with offline
+``sot generate`` under concurrent load, bad input, disconnects, bursts, a bounded soak and
+graceful shutdown. Load loops are bounded in count and time."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from helpers import tiny_model_dir
+from server_helpers import REPO, ServerProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+TINY = "tiny"
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    """The default model with its state predictor, 4 sequences at a time."""
+    server = ServerProcess("--max-batch", "4", log=tmp_path_factory.mktemp("serve") / "default.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", max_positions=512)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dir, tmp_path_factory):
+    """A tiny random model (character tokenizer, 512-token context), prompt-lookup drafts."""
+    server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, "--max-batch", "8",
+                           "--max-queue", "64", "--api-key", "sekrit", log=tmp_path_factory.mktemp("serve") / "tiny.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+AUTH = {"Authorization": "Bearer sekrit"}
+
+
+def _chat(content: str, **kw) -> dict:
+    return {"model": TINY, "messages": [{"role": "user", "content": content}], **kw}
+
+
+# ---------------------------------------------------------------------------- the default model
+def test_openai_client_chat_completions_and_models(default_server) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused")
+    assert default_server.saw_loading, "/health answered 503 while the model loaded"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                          max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens <= 12 and chat.usage.prompt_tokens > 0
+    pieces, reasons, usage = [], [], None
+    for event in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                                max_tokens=12, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
+        if event.usage:
+            usage = event.usage
+        for c in event.choices:
+            pieces.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert "".join(pieces) == chat.choices[0].message.content, "streamed text equals the whole answer"
+    assert reasons[-1] == chat.choices[0].finish_reason and usage.completion_tokens == chat.usage.completion_tokens
+    text = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=10, temperature=0)
+    assert text.choices[0].text and text.usage.completion_tokens == 10
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="def add(a, b):", max_tokens=10, temperature=0, stream=True) if c.choices)
+    assert streamed == text.choices[0].text
+
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What is the capital of France?",
+    "Explain recursion to a child in two sentences.",
+    "List three uses of a paperclip.",
+    "Translate 'good morning' into Spanish and German.",
+    "Write a haiku about autumn rain.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    "Summarise the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+    "Give me a regular expression that matches an email address.",
+    "What does HTTP status 429 mean?",
+    "Write a SQL query that counts rows per day.",
+]
+
+
+def _offline(prompts: list[str], tmp_path, *flags: str) -> list[list[int]]:
+    """``sot generate --json`` token ids of each prompt (one call, prompt i has index i)."""
+    path = tmp_path / f"prompts-{len(list(tmp_path.iterdir()))}.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    out = subprocess.run([sys.executable, "-m", "sot.cli", "generate", "--prompts", str(path), "--json", *flags],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line)["token_ids"] for line in out.stdout.splitlines()]
+
+
+async def _served_tokens(url: str, body: dict, delay: float) -> list[int]:
+    await asyncio.sleep(delay)
+    async with httpx.AsyncClient(timeout=300) as client:
+        tokens = []
+        async with client.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        tokens += c.get("token_ids", [])
+        return tokens
+
+
+def test_concurrent_requests_equal_offline_generate(default_server, tmp_path) -> None:
+    """12 greedy requests of mixed lengths, started at random offsets, each equal
+    ``sot generate`` token for token (a greedy answer cut at k tokens is the first k tokens
+    of a longer one); two seeded ``coupled`` requests equal their offline seeded samples."""
+    rng = random.Random(3)
+    limits = [rng.choice([8, 16, 24, 40, 56]) for _ in PROMPTS]
+    reference = _offline(PROMPTS, tmp_path, "--max-new-tokens", str(max(limits)))
+    coupled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--sampling", "coupled",
+               "--max-new-tokens", "24"]
+    coupled_ref = [_offline([p], tmp_path, *coupled)[0] for p in PROMPTS[:2]]
+
+    def body(prompt: str, **kw) -> dict:
+        return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "return_token_ids": True, **kw}
+
+    bodies = [body(p, max_tokens=n, temperature=0) for p, n in zip(PROMPTS, limits)]
+    bodies += [body(p, max_tokens=24, temperature=0.9, top_p=0.95, seed=7, sampling_mode="coupled")
+               for p in PROMPTS[:2]]
+    delays = [rng.uniform(0, 1.5) for _ in bodies]
+
+    async def run_all():
+        return await asyncio.gather(*(_served_tokens(default_server.url, b, d) for b, d in zip(bodies, delays)))
+
+    served = asyncio.run(run_all())
+    for i, (ref, n) in enumerate(zip(reference, limits)):
+        assert served[i] == ref[:n], f"request {i} differs from sot generate"
+    assert served[len(PROMPTS):] == coupled_ref, "seeded coupled samples differ from sot generate"
+
+
+# ---------------------------------------------------------------------------- the tiny model
+BAD = [
+    ("malformed JSON", b"{not json", 400),
+    ("not an object", b"[1, 2]", 400),
+    ("no messages", json.dumps({"model": TINY}).encode(), 400),
+    ("empty messages", json.dumps({"model": TINY, "messages": []}).encode(), 400),
+    ("messages of the wrong type", json.dumps({"model": TINY, "messages": "hi"}).encode(), 400),
+    ("max_tokens of the wrong type", json.dumps(_chat("hi", max_tokens="ten")).encode(), 400),
+    ("unknown model", json.dumps({**_chat("hi"), "model": "gpt-9"}).encode(), 404),
+    ("max_tokens 0", json.dumps(_chat("hi", max_tokens=0)).encode(), 400),
+    ("max_tokens above the context", json.dumps(_chat("hi", max_tokens=600)).encode(), 400),
+    ("prompt longer than the context", json.dumps(_chat("x" * 700, max_tokens=4)).encode(), 400),
+    ("n > 1", json.dumps(_chat("hi", n=2)).encode(), 400),
+    ("temperature out of range", json.dumps(_chat("hi", temperature=2.5)).encode(), 400),
+    ("negative temperature", json.dumps(_chat("hi", temperature=-1)).encode(), 400),
+]
+
+
+@pytest.mark.parametrize("name,payload,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_json_error(tiny_server, name, payload, status) -> None:
+    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=payload,
+                      headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"] and "Traceback" not in resp.text
+
+
+def test_api_key_is_required(tiny_server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=_chat("hi", max_tokens=2), headers=headers)
+        assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{tiny_server.url}/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200, "health needs no key"
+
+
+def test_stop_strings_end_the_text_before_them(tiny_server) -> None:
+    free = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": TINY, "prompt": "abcabc", "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    text = free.json()["choices"][0]["text"]
+    stop = text[5:7]
+    cut = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                     json={"model": TINY, "prompt": "abcabc", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+                           "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
+
+
+def _running(server) -> float:
+    return server.metric("sot:num_requests_running")
+
+
+def test_a_disconnect_frees_the_slot(default_server) -> None:
+    """(On the default model, whose 1,000 tokens take several seconds.)"""
+    server = default_server
+    aborted = server.metric('sot:requests_total{status="abort"}')
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break  # the stream is running
+            assert _running(server) == 1
+    deadline = time.monotonic() + 10
+    while _running(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(server) == 0, "the disconnected request still holds its slot"
+    assert server.metric('sot:requests_total{status="abort"}') == aborted + 1
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: dict) -> httpx.Response:
+    return await client.post(f"{url}/v1/chat/completions", json=body, headers=AUTH)
+
+
+def test_a_burst_beyond_the_queue_gets_429_and_the_rest_complete(tiny_dir, tmp_path) -> None:
+    server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, "--max-batch", "2",
+                           "--max-queue", "2", "--api-key", "sekrit", log=tmp_path / "burst.log")
+    try:
+        server.wait_ready()
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(_post(client, server.url, _chat(f"burst {i}", max_tokens=60,
+                                                                           ignore_eos=True, temperature=0))
+                                              for i in range(12)))
+
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
+        assert 429 in codes and set(codes) <= {200, 429}
+        assert codes.count(200) >= 4, "the batch and the queue were served"
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["Retry-After"] and r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 60
+    finally:
+        server.stop()
+
+
+def test_bounded_soak_loses_no_request(tiny_server) -> None:
+    """300 requests at concurrency 8, 10% bad and 10% disconnecting: every accepted request
+    gets its whole answer or its own error, /health stays 200, RSS grows < 100 MB."""
+    rng = random.Random(11)
+    plan = []
+    for i in range(300):
+        kind = rng.choices(["good", "bad", "leave"], [8, 1, 1])[0]
+        plan.append((kind, rng.randint(2, 24), rng.random() < 0.5))
+    proc = psutil.Process(tiny_server.proc.pid)
+    rss_start = proc.memory_info().rss
+    outcomes: list[str] = []
+    health: list[int] = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        kind, n, stream = plan[i]
+        body = _chat(f"request {i}: " + "abc" * (i % 7), max_tokens=n, temperature=0.7 * (i % 2), ignore_eos=True,
+                     stream=stream or kind == "leave")
+        if kind == "bad":
+            body["max_tokens"] = -n
+            r = await _post(client, tiny_server.url, body)
+            outcomes.append("bad-ok" if r.status_code == 400 and "error" in r.json() else f"bad-{r.status_code}")
+            return
+        if kind == "leave":
+            async with client.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=body, headers=AUTH) as r:
+                async for _ in r.aiter_lines():
+                    break
+            outcomes.append("left")
+            return
+        if not stream:
+            r = await _post(client, tiny_server.url, body)
+            done = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == n
+            outcomes.append("ok" if done else f"lost-{r.status_code}")
+            return
+        chunks, finished = 0, False
+        async with client.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=body, headers=AUTH) as r:
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    finished = True
+                elif line.startswith("data: {"):
+                    chunks += 1
+        outcomes.append("ok" if finished and chunks >= 2 else "lost-stream")
+
+    async def main() -> None:
+        queue = list(range(len(plan)))
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def user() -> None:
+                while queue:
+                    await one(client, queue.pop(0))
+
+            async def watch() -> None:
+                while queue:
+                    health.append((await client.get(f"{tiny_server.url}/health")).status_code)
+                    await asyncio.sleep(0.25)
+
+            await asyncio.wait_for(asyncio.gather(watch(), *(user() for _ in range(8))), timeout=400)
+
+    asyncio.run(main())
+    assert len(outcomes) == 300
+    lost = [o for o in outcomes if o not in ("ok", "bad-ok", "left")]
+    assert not lost, f"lost or wrong: {lost[:10]}"
+    assert health and set(health) == {200}
+    deadline = time.monotonic() + 10
+    while _running(tiny_server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(tiny_server) == 0
+    growth = (proc.memory_info().rss - rss_start) / 2**20
+    assert growth < 100, f"RSS grew by {growth:.0f} MB"
+
+
+def test_sigterm_finishes_streams_and_exits_0(tiny_dir, tmp_path) -> None:
+    server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, "--shutdown-timeout", "1",
+                           log=tmp_path / "term.log")
+    try:
+        server.wait_ready()
+        lines = []
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{server.url}/v1/chat/completions",
+                               json=_chat("go on", max_tokens=450, ignore_eos=True, temperature=0, stream=True)) as r:
+                it = r.iter_lines()
+                lines.append(next(it))
+                server.proc.terminate()
+                lines.extend(it)
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" or (lines[-2:] and "data: [DONE]" in lines[-2:])
+        assert events[-1]["choices"][0]["finish_reason"] in ("length", "abort")
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
