@@ -68,6 +68,8 @@ class LevelResult:
     level: str
     wall_seconds: float = 0.0
     requests: list[RequestRecord] = field(default_factory=list)
+    #: the server's resident memory after the level (its /metrics), when it reports it
+    rss_mb: float | None = None
 
     def summary(self) -> dict:
         ok = [r for r in self.requests if r.ok]
@@ -81,6 +83,7 @@ class LevelResult:
             "throughput_tok_s": round(tokens / self.wall_seconds, 2) if self.wall_seconds else 0.0,
             "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
             "mean_tau": round(statistics.fmean(taus), 3) if taus else None,
+            "server_rss_mb": self.rss_mb,
         }
 
 
@@ -155,6 +158,20 @@ async def run_level(url: str, bodies: list[dict], headers: dict, concurrency: in
         return time.perf_counter() - t0, records
 
 
+def server_rss_mb(url: str) -> float | None:
+    """``process_resident_memory_bytes`` from the server's ``/metrics``, in MiB (None if absent)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("process_resident_memory_bytes "):
+            return round(float(line.split()[-1]) / 2**20, 1)
+    return None
+
+
 def _model_id(url: str, headers: dict) -> str:
     import httpx
 
@@ -205,6 +222,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         res = results.setdefault((label, name), LevelResult(label, name))
         res.wall_seconds += wall
         res.requests += records
+        res.rss_mb = server_rss_mb(url)
     summaries = [r.summary() for r in results.values()]
     _print_table(summaries)
     failed = sum(s["requests"] - s["ok"] for s in summaries)
@@ -223,14 +241,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _print_table(summaries: list[dict]) -> None:
-    print("| server | load | tok/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) | tau | ok |")
-    print("|---|---|---|---|---|---|---|")
+    print("| server | load | tok/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) | tau | RSS (MiB) | ok |")
+    print("|---|---|---|---|---|---|---|---|")
     for s in summaries:
         t, p = s["ttft_s"], s["tpot_s"]
         ms = [f"{v * 1000:.1f}" if v is not None else "-" for v in (p["p50"], p["p90"], p["p99"])]
         tau = f"{s['mean_tau']:.2f}" if s["mean_tau"] is not None else "-"
         print(f"| {s['label']} | {s['level']} | {s['throughput_tok_s']:.1f} | {t['p50']} / {t['p90']} / {t['p99']} | "
-              f"{' / '.join(ms)} | {tau} | {s['ok']}/{s['requests']} |")
+              f"{' / '.join(ms)} | {tau} | {s['server_rss_mb'] or '-'} | {s['ok']}/{s['requests']} |")
 
 
 def _plot(summaries: list[dict], path: Path) -> None:

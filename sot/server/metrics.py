@@ -5,7 +5,9 @@ Counters are exposed with prometheus_client's ``_total`` suffix, e.g.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics, generate_latest,
+)
 
 from sot.engine import SequenceResult
 
@@ -18,6 +20,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         disable_created_metrics()  # no '_created' series beside every counter
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux)
         self.requests = Counter("sot:requests", "Requests by final status: stop, length, eos, abort (client left "
                                 "or shutdown), rejected (queue full), invalid (bad input), error", ["status"],
                                 registry=r)

@@ -1,0 +1,48 @@
+"""Pieces of the server that need no process: streamed text with stop strings, and the
+worker's metrics bookkeeping."""
+from __future__ import annotations
+
+from sot.server.metrics import ServerMetrics
+from sot.server.protocol import TextAssembler, validation_message
+
+
+class _CharTokenizer:
+    """Token i is chr(i); 0xFFFD stands for half of a multi-token character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_streamed_deltas_join_to_the_text_cut_at_the_stop_string() -> None:
+    text = TextAssembler(_CharTokenizer(), ("END",))
+    deltas = [text.add(_ids(piece), final=False) for piece in ("hello E", "N", "x wor", "ld E", "ND more")]
+    assert deltas == ["hello ", "", "ENx wor", "ld ", ""], "a possible stop prefix is held back, then released"
+    assert "".join(deltas) == "hello ENx world "
+    assert text.add([], final=True) == "" and text.final_text() == "hello ENx world "
+
+
+def test_an_incomplete_character_waits_for_its_last_token() -> None:
+    text = TextAssembler(_CharTokenizer(), ())
+    assert text.add(_ids("ab") + [0xFFFD], final=False) == "ab"
+    assert text.add(_ids("c"), final=True) == "\ufffdc"
+
+
+def test_validation_messages_name_the_parameter() -> None:
+    msg, param = validation_message([{"loc": ("body", "temperature"), "msg": "must be <= 2", "type": "x"}])
+    assert param == "temperature" and msg == "temperature: must be <= 2"
+    assert validation_message([{"loc": (), "msg": "bad", "type": "json_invalid"}])[0] == "the request body is not valid JSON"
+
+
+def test_step_metrics_count_drafts_and_accepted_positions() -> None:
+    m = ServerMetrics()
+    m.step(drafted=(5, 0, 3), accepted_per_pos=(2, 1, 0))
+    text = m.render().decode()
+    assert "sot:spec_decode_num_drafts_total 2.0" in text
+    assert "sot:spec_decode_num_draft_tokens_total 8.0" in text
+    assert "sot:spec_decode_num_accepted_tokens_total 3.0" in text
+    assert 'sot:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 2.0' in text
+    assert 'sot:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
