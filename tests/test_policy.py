@@ -358,3 +358,40 @@ def test_draft_budget_follows_the_verified_trees() -> None:
     static = CommitPolicy(PolicyConfig(kind=PolicyKind.STATIC), None)
     static.reset(1)
     assert static.draft_budget(full, [0]) == full
+
+
+def test_cost_model_follows_the_steps_timings() -> None:
+    """Observed passes move the two measured points around their row count toward the
+    observation, in proportion to their share, and the curve stays non-decreasing."""
+    cost = CostModel([1, 8, 16], [0.010, 0.014, 0.020])
+    for _ in range(60):  # the machine got twice as slow for 8-row passes
+        cost.observe(8, 0.028)
+    assert cost.verify(8) == pytest.approx(0.028, rel=0.02)
+    assert cost.seconds[0] == 0.010, "a point outside the observation's interval stays"
+    assert cost.seconds == sorted(cost.seconds)
+    before = list(cost.seconds)
+    cost.observe(12, 1.0)  # one wild pass moves the curve a little only
+    assert all(a <= b <= a * 2 ** 0.1 + 1e-12 for a, b in zip(before, cost.seconds))
+
+
+def test_policy_plans_selects_and_observes_a_step() -> None:
+    """The engine's three calls: a sequence in warm-up decodes plainly, the others draft;
+    the selected trees fit the cost model; the outcome updates the drafting sequence."""
+    from sot.policy import CommitPolicy, StepOutcome
+
+    policy = CommitPolicy(PolicyConfig(warmup=4), CostModel([1, 16], [0.010, 0.012]))
+    policy.add_sequence(10)
+    policy.add_sequence(11)
+    plan = policy.plan({10: 8, 11: 2}, {}, TreeBudget(8, 4))
+    assert plan.drafting == (10,) and plan.plain == (11,) and plan.batch_rows == 2
+    tree = tree_from_parents([5, 6, 7], [-1, 0, 1], draft_probs=[1.0, 0.9, 0.8])
+    chosen = policy.select(plan, {10: tree})
+    assert chosen[10].size == 3, "cheap rows: the whole confident chain is verified"
+    calibration = policy.seqs[10].calibration
+    policy.observe_step(plan, StepOutcome(trees={10: chosen[10], 11: DraftTree([9], [-1], [0])},
+                                          paths={10: [0, 1, 2], 11: [0]}, draft_seconds=0.002, draft_passes=2,
+                                          verify_seconds=0.011, rows=16))
+    assert policy.seqs[10].calibration > calibration, "both drafted tokens were accepted"
+    assert policy.pass_seconds == [0.001]
+    policy.drop_sequence(10)
+    assert list(policy.seqs) == [11]
