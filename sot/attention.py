@@ -74,6 +74,14 @@ class TreeLayout:
         tail_index: ``[B * Hkv * n * TAIL]`` row of each tail key in the layer's K/V storage
             viewed as ``[B * Hkv * S, D]``, in position order per (sequence, head, row).
         tail_bias: ``[B, 1, n, 1, TAIL]`` 0 for a real tail key, -inf for padding.
+        flat_index: ``[R]`` with flat packing, the row ``b * T + t`` of the ``[B, T]`` grid
+            behind each of the pass's ``R`` computed rows: the products run over these rows
+            only, and attention scatters them back onto the grid. Sequence ``b``'s real rows
+            come in order, sequences one after the other; entries past ``flat_rows`` pad
+            ``R`` to the target's row multiple (they repeat row 0 and are dropped).
+            Example: trees of 3 and 1 nodes, ``T = 4``: ``flat_index = [0, 1, 2, 4]``,
+            ``flat_offsets = (0, 3, 4)``.
+        flat_offsets: ``[B + 1]`` sequence ``b``'s rows are ``flat_offsets[b] .. flat_offsets[b + 1]``.
     """
 
     write_slots: torch.Tensor
@@ -83,6 +91,24 @@ class TreeLayout:
     tail_index: torch.Tensor | None = None
     tail_bias: torch.Tensor | None = None
     kernel: KernelInputs | None = None
+    flat_index: torch.Tensor | None = None
+    flat_offsets: tuple[int, ...] | None = None
+
+    @property
+    def flat_rows(self) -> int:
+        """Real rows of a flat-packed pass."""
+        return self.flat_offsets[-1] if self.flat_offsets else 0
+
+
+def flat_packing(sizes: list[int], rows: int, multiple: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``flat_index [R]`` and ``flat_offsets [B + 1]`` of trees of ``sizes`` nodes on a
+    ``[B, rows]`` grid, ``R`` rounded up to ``multiple`` (see :class:`TreeLayout`)."""
+    index = [b * rows + t for b, n in enumerate(sizes) for t in range(n)]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    index += [0] * (-len(index) % multiple)
+    return torch.tensor(index), tuple(offsets)
 
 
 @dataclass(frozen=True)

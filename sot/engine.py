@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
-from sot.attention import MAX_TREE_DEPTH, TreeLayout, build_tree_layout
+from sot.attention import MAX_TREE_DEPTH, TreeLayout, build_tree_layout, flat_packing
 from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError, PromptTooLongError, SoTError
@@ -181,6 +181,12 @@ class _VerifyInput:
     positions: torch.Tensor
     layout: TreeLayout
 
+    @property
+    def rows(self) -> int:
+        """Rows the pass computes: ``R`` flat-packed, else ``B * T``."""
+        index = self.layout.flat_index
+        return int(index.numel()) if index is not None else self.ids.numel()
+
 
 def _fitting_acceptance_model(config: PolicyConfig, drafter: Drafter, target: TargetModel) -> AcceptanceModel | None:
     """The learned policy's model when one is available for this target and drafter."""
@@ -281,7 +287,7 @@ class Engine:
 
     def cost_model(self) -> CostModel:
         """Verify time by row count on this machine, measured once per target and tree size."""
-        rows = max(64, self.budget.max_nodes)  # batches are costed by their total rows
+        rows = max(96, self.budget.max_nodes)  # batches are costed by their total rows
         key = ("sot_cost_model", rows)
         cached = getattr(self.target, "_sot_costs", {})
         if key not in cached:
@@ -389,6 +395,7 @@ class Engine:
         cache = self._cache
         if cache is None:
             self._cache = self.target.new_cache(batch, capacity)
+            self.policy.flat = self.target.packs_flat(self._cache)
         elif cache.batch_size < batch or cache.capacity < capacity:
             # grow by at least half, so a long-running server reallocates rarely
             grown = cache.capacity if cache.capacity >= capacity else max(capacity, cache.capacity * 3 // 2)
@@ -432,7 +439,7 @@ class Engine:
             trees={s.id: t for s, t in zip(seqs, batch.trees)},
             paths={s.id: a.path for s, a in zip(seqs, accepted)},
             draft_seconds=t1 - t0, draft_passes=self.drafter.passes - passes,
-            verify_seconds=t3 - t2, rows=batch.ids.shape[1],
+            verify_seconds=t3 - t2, rows=batch.rows,
         ))
         events = self._commit_all(seqs, batch.trees, accepted, plan)
         t4 = time.perf_counter()
@@ -474,11 +481,14 @@ class Engine:
         return plan, trees
 
     def _pack(self, seqs: list[_Seq], trees: list[DraftTree]) -> _VerifyInput:
-        """Pack the trees into one pass: every sequence gets ``T`` rows (its largest tree,
-        rounded up to the target's row multiple); rows past a tree repeat its root.
+        """Pack the trees into one pass on a ``[B, T]`` grid (``T``: the largest tree,
+        rounded up to the target's row multiple; rows past a tree repeat its root). Where the
+        target packs flat, the products run over the trees' real rows only (the sum of the
+        tree sizes); otherwise over the whole grid.
 
         Example: trees of 3 and 5 nodes, row multiple 4 -> ``T = 8``; sequence 0's rows are
-        its 3 nodes then 5 copies of its root, at positions ``length + depth``.
+        its 3 nodes then 5 copies of its root, at positions ``length + depth``; flat, the pass
+        computes 8 rows instead of 16.
         """
         cache = self._cache
         unit = self.target.row_multiple
@@ -494,7 +504,11 @@ class Engine:
             pos[b] = lengths[b]
             pos[b, : tree.size] = torch.tensor(tree.depths) + lengths[b]
             ancestors.append(ancestor_table(tree, width))
-        layout = build_tree_layout(lengths, ancestors, rows, cache.narrow(len(seqs)))
+        view = cache.narrow(len(seqs))
+        layout = build_tree_layout(lengths, ancestors, rows, view)
+        if self.target.packs_flat(view):  # the products run over the trees' real rows only
+            index, offsets = flat_packing([t.size for t in trees], rows, self.target.row_multiple)
+            layout = dataclasses.replace(layout, flat_index=index, flat_offsets=offsets)
         return _VerifyInput(trees, ids, pos, layout)
 
     def _accept_all(self, seqs: list[_Seq], trees: list[DraftTree], out: ForwardOutput) -> list[Acceptance]:
@@ -503,14 +517,15 @@ class Engine:
         lengths = self._cache.lengths
         accepted, keep = [], []
         for b, (seq, tree) in enumerate(zip(seqs, trees)):
-            acc = self._accept_one(seq, tree, out.logits[b], lengths[b])
+            logits = out.seq_logits(b)
+            acc = self._accept_one(seq, tree, logits, lengths[b])
             accepted.append(acc)
             keep.append([lengths[b] + i for i in acc.path])
             if out.states is not None:
-                new = out.states[b, acc.path]
+                new = out.seq_states(b)[acc.path]
                 seq.states = new if seq.states is None else torch.cat((seq.states, new))
             if self.trace:
-                seq.result.logit_trace.extend(out.logits[b, i].clone() for i in acc.path)
+                seq.result.logit_trace.extend(logits[i].clone() for i in acc.path)
         self._cache.narrow(len(seqs)).keep_rows(keep)
         return accepted
 

@@ -33,10 +33,12 @@ stopping (a root-only choice) and fallback then work as for ``heuristic``.
 from __future__ import annotations
 
 import enum
+import heapq
 import json
 import math
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -145,12 +147,13 @@ class CostModel:
         every size takes its turn; each size keeps its fastest pass. In a batch, a pass over
         ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``. ``sizes``: the row counts
         to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to ``max_rows``, and
-        ``max_rows``); the others are interpolated."""
+        ``max_rows``, plus the first row count past each multiple of 16); the others are interpolated."""
         from sot.attention import build_tree_layout
         from sot.tree import ancestor_table, tree_from_parents
 
-        if sizes is None:
-            sizes = sorted({1, 2, 4, 8, 12, 16, 24, 32, 48, 64} & set(range(1, max_rows + 1)) | {max_rows})
+        if sizes is None:  # (17, 33, ...: a product of ROW_UNIT-row blocks costs a block more there)
+            points = {1, 2, 4, 8, 12, 16, 17, 24, 32, 33, 48, 49, 64, 65, 80, 96, 97, 128}
+            sizes = sorted(points & set(range(1, max_rows + 1)) | {max_rows})
         unit = target.row_multiple
         cache = target.new_cache(1, context + max(sizes) + unit + 16)
         gen = torch.Generator().manual_seed(0)
@@ -200,6 +203,7 @@ class SequencePolicyState:
     #: decoding, smoothed; ``None`` until such a step was verified
     free_speed: float | None = None
     temperature: float = 0.0  # the sequence's sampling temperature (0: greedy)
+    idle: int = 0  # steps the batch planner has kept it from drafting in a row
 
 
 def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:
@@ -365,7 +369,7 @@ class StepOutcome:
         draft_seconds: wall time of planning, free drafts, drafting and selection.
         draft_passes: predictor passes drafting ran.
         verify_seconds: wall time of the verify pass.
-        rows: rows per sequence of the verify pass (trees padded to one size).
+        rows: rows the verify pass computed, all sequences together.
     """
 
     trees: dict[int, DraftTree]
@@ -407,6 +411,10 @@ class CommitPolicy:
         self.trace = Trace()
         self.seqs: dict[int, SequencePolicyState] = {}  # by sequence key (the engine's request id)
         self.pass_seconds: list[float] = []  # recent drafting time per predictor pass
+        self.passes_per_call = 3.0  # predictor passes per drafting call, smoothed
+        #: verify passes compute only the trees' real rows (flat packing) rather than padding
+        #: every sequence to the largest tree; the engine sets it from its target and cache
+        self.flat = False
 
     @property
     def adaptive(self) -> bool:
@@ -436,7 +444,7 @@ class CommitPolicy:
         ``free`` holds the free drafts the drafter offered (see :meth:`prefers_free`)."""
         drafting = [b for b, n in generated.items() if self.wants_draft(b, n)]
         taken = [b for b in drafting if b in free and self.prefers_free(b, free[b])]
-        drafting = [b for b in drafting if b not in taken]
+        drafting = self.worth_drafting([b for b in drafting if b not in taken], len(generated))
         plain = [b for b in generated if b not in drafting]
         return StepPlan(
             drafting=tuple(drafting),
@@ -459,7 +467,7 @@ class CommitPolicy:
         if plan.drafting:
             self.observe_draft(outcome.draft_seconds, outcome.draft_passes)
         if self.cost is not None and outcome.verify_seconds > 0 and not self.record:
-            self.cost.observe(plan.batch_rows * outcome.rows, outcome.verify_seconds)
+            self.cost.observe(outcome.rows, outcome.verify_seconds)
         share = outcome.draft_seconds / max(1, len(plan.drafting))
         for b in plan.drafting:
             tree = outcome.trees.get(b) or DraftTree([0], [-1], [0])
@@ -470,6 +478,56 @@ class CommitPolicy:
             self.observe_free(b, verified, outcome.paths[b])
 
     # ------------------------------------------------------------ the decisions behind them
+    #: a sequence the batch planner kept idle this many steps in a row drafts once, so its
+    #: estimates stay current
+    PROBE_EVERY = 16
+
+    def pass_cost(self, rows: list[int]) -> float:
+        """Modelled seconds of a verify pass whose sequences verify ``rows[b]`` rows each:
+        their sum when packed flat, else every sequence padded to the largest."""
+        if self.flat:
+            return self.cost.verify(sum(rows))
+        return self.cost.verify(len(rows) * max(rows))
+
+    def worth_drafting(self, drafting: list[int], batch_rows: int) -> list[int]:
+        """Batch-level planning: the sequences of ``drafting`` whose drafts are expected to
+        pay for their verify rows and the predictor's passes in this batch of ``batch_rows``.
+
+        Each sequence is scored by its recent drafting steps: ``tau - 1`` extra tokens for the
+        ``verified - 1`` extra rows it last verified. Sequences are added best ratio first
+        while the batch's expected tokens per second, ``(B + sum gains) / (pass(rows) +
+        drafting time)``, rises; drafting time is one drafting call's predictor passes, shared.
+        The rest cost nothing beyond their root row this step; one kept idle ``PROBE_EVERY``
+        steps drafts once. Until the predictor's pass time is measured, everyone drafts, and
+        with ``fallback_threshold`` 0 (speculate whatever it costs) always."""
+        if (not drafting or not self.adaptive or len(self.pass_seconds) < 3
+                or self.config.fallback_threshold <= 0):
+            return drafting
+        draft_time = statistics.median(self.pass_seconds) * self.passes_per_call
+        scored = []
+        for b in drafting:
+            s = self.seqs[b]
+            extra = max(1, (s.verified or 4) - 1)
+            gain = max(0.0, s.tau - 1.0)
+            scored.append((gain / extra, b, gain, extra))
+        scored.sort(key=lambda x: (-x[0], x[1]))
+        best, best_rate = 0, batch_rows / self.pass_cost([1] * batch_rows)
+        tokens, rows = float(batch_rows), [1] * batch_rows
+        for k, (_, _, gain, extra) in enumerate(scored):
+            tokens += gain
+            rows[k] = 1 + extra
+            rate = tokens / (self.pass_cost(rows) + draft_time)
+            if rate > best_rate:
+                best, best_rate = k + 1, rate
+        chosen = {b for _, b, _, _ in scored[:best]}
+        for b in drafting:
+            s = self.seqs[b]
+            s.idle = 0 if b in chosen else s.idle + 1
+            if s.idle >= self.PROBE_EVERY:
+                chosen.add(b)
+                s.idle = 0
+        return [b for b in drafting if b in chosen]
+
     def wants_draft(self, b: int, generated: int) -> bool:
         """False when sequence ``b`` decodes plainly this step (warm-up or fallback)."""
         if generated < self.config.warmup:
@@ -521,6 +579,7 @@ class CommitPolicy:
         if passes > 0:
             self.pass_seconds.append(seconds / passes)
             del self.pass_seconds[:-16]
+            self.passes_per_call = 0.8 * self.passes_per_call + 0.2 * passes
 
     def acceptance(self, b: int, tree: DraftTree) -> list[float]:
         """``[N]`` estimated probability that each node is accepted (root: 1)."""
@@ -547,7 +606,7 @@ class CommitPolicy:
         ``draft_probs`` and are taken as they are."""
         if not self.adaptive or not trees:
             return trees
-        orders, gains = {}, {}
+        orders, gains, ests = {}, {}, {}
         for b, tree in trees.items():
             if tree.size <= 1:
                 est = [1.0]
@@ -555,12 +614,15 @@ class CommitPolicy:
                 est = list(tree.draft_probs or [1.0] + [0.0] * (tree.size - 1))
             else:
                 est = self.acceptance(b, tree)
+            ests[b] = est
             orders[b] = ranked_nodes(tree, est)
             cum = [0.0]
             for i in orders[b]:
                 cum.append(cum[-1] + est[i])
             gains[b] = cum
         base = batch_rows if live is None else live  # every live sequence commits at least one token
+        if self.flat:
+            return self._choose_flat(trees, orders, ests, batch_rows, base, calibrated)
         best_n, best_rate = 1, base / self.cost.verify(batch_rows)
         for n in range(2, max(t.size for t in trees.values()) + 1):
             expected = base + sum(g[min(n - 1, len(g) - 1)] for g in gains.values())
@@ -572,6 +634,32 @@ class CommitPolicy:
             if b not in calibrated:
                 self.seqs[b].verified = best_n
             keep = orders[b][: best_n - 1]
+            out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)
+        return out
+
+    def _choose_flat(self, trees: dict[int, DraftTree], orders: dict[int, list[int]], ests: dict[int, list[float]],
+                     batch_rows: int, base: int, calibrated: frozenset[int]) -> dict[int, DraftTree]:
+        """Flat packing: every node costs one row whichever tree it is in, so the nodes of all
+        trees are ranked together by estimated acceptance (each tree's own order kept, so
+        every tree stays closed under parents) and the best ``k`` are verified, ``k``
+        maximising ``(base + their estimates) / verify(batch_rows + k)``.
+
+        Example: estimates ``{0: [.9, .5], 1: [.8]}`` merge as ``.9 (0), .8 (1), .5 (0)``;
+        ``k = 2`` keeps one node of each tree."""
+        ranked = list(heapq.merge(*[[(-ests[b][i], b) for i in orders[b]] for b in orders]))
+        best_k, best_rate = 0, base / self.cost.verify(batch_rows)
+        tokens = float(base)
+        for k, (neg, _) in enumerate(ranked, start=1):
+            tokens -= neg
+            rate = tokens / self.cost.verify(batch_rows + k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        kept = Counter(b for _, b in ranked[:best_k])
+        out = {}
+        for b, tree in trees.items():
+            keep = orders[b][: kept.get(b, 0)]
+            if b not in calibrated:
+                self.seqs[b].verified = 1 + len(keep)
             out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)
         return out
 

@@ -116,7 +116,8 @@ def test_fallback_is_per_sequence_and_lossless() -> None:
     good, bad = res
     assert good.fallbacks == 0 and good.mean_accept_len > 3
     assert bad.fallbacks >= 2, "junk drafts should send the sequence to plain decoding, repeatedly"
-    assert bad.plain_steps > 0 and bad.tree_sizes.count(1) == bad.plain_steps
+    # (a drafting step may also verify its root only: flat packing prices each tree alone)
+    assert bad.plain_steps > 0 and bad.tree_sizes.count(1) >= bad.plain_steps
     # exponential back-off: later fallbacks last longer, so plain steps outnumber probe steps
     assert bad.plain_steps > sum(1 for n in bad.tree_sizes if n > 1)
 

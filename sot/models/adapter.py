@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention
+from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention, use_kernel
 from sot.cache import KVCache
 from sot.errors import UnsupportedModelError
 from sot.kernels import tree_attention_kernel
@@ -147,12 +147,23 @@ class ForwardOutput:
     """Logits and chosen hidden states of one forward.
 
     Attributes:
-        logits: ``[B, T, V]`` in the model dtype.
-        states: ``[B, T, S, D]`` hidden states of the ``S`` requested layers, or ``None``.
+        logits: ``[B, T, V]`` in the model dtype, or ``[R, V]`` for a flat-packed pass.
+        states: ``[B, T, S, D]`` hidden states of the ``S`` requested layers (``[R, S, D]``
+            flat), or ``None``.
+        offsets: for a flat-packed pass, sequence ``b``'s rows are ``offsets[b] .. offsets[b + 1]``.
     """
 
     logits: torch.Tensor
     states: torch.Tensor | None
+    offsets: tuple[int, ...] | None = None
+
+    def seq_logits(self, b: int) -> torch.Tensor:
+        """``[T_b, V]`` the logits rows of sequence ``b`` (its tree's nodes first)."""
+        return self.logits[b] if self.offsets is None else self.logits[self.offsets[b] : self.offsets[b + 1]]
+
+    def seq_states(self, b: int) -> torch.Tensor:
+        """``[T_b, S, D]`` the requested states of sequence ``b``'s rows."""
+        return self.states[b] if self.offsets is None else self.states[self.offsets[b] : self.offsets[b + 1]]
 
 
 class TargetModel:
@@ -196,6 +207,12 @@ class TargetModel:
         #: a verify pass's rows per sequence must be a multiple of this
         self.row_multiple = self.fast.row_multiple if self.fast is not None else ROW_UNIT
 
+    def packs_flat(self, cache: KVCache) -> bool:
+        """Whether verify passes against ``cache`` compute only the trees' real rows (flat
+        packing, :class:`~sot.attention.TreeLayout`); otherwise every sequence's rows are
+        padded to the largest tree of the pass."""
+        return self.fast is not None and use_kernel(cache)
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
         # With the compiled CPU kernel the cache is float32 with transposed keys (its layout);
@@ -215,7 +232,8 @@ class TargetModel:
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> ForwardOutput:
         if self.fast is not None:
             logits, states = self.fast.forward(input_ids, positions, context.cache, context.layout, self.state_layers)
-            return ForwardOutput(logits=logits, states=states)
+            flat = isinstance(context.layout, TreeLayout) and self.fast.flattens(context.layout, context.cache)
+            return ForwardOutput(logits=logits, states=states, offsets=context.layout.flat_offsets if flat else None)
         want_states = bool(self.state_layers)
         out = self.model(
             input_ids=input_ids,

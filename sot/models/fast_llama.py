@@ -276,6 +276,11 @@ class FastLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
 
+    def flattens(self, layout: TreeLayout | PrefillLayout, cache) -> bool:
+        """Whether :meth:`forward` runs ``layout`` flat-packed (the compiled kernel's path)."""
+        return (isinstance(layout, TreeLayout) and layout.flat_index is not None and cache.transposed_keys
+                and self.kernel is not None)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -284,7 +289,10 @@ class FastLlama:
         layout: TreeLayout | PrefillLayout,
         state_layers: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``input_ids, positions [B, T]`` -> logits ``[B, T, V]`` and states ``[B, T, S, D]``."""
+        """``input_ids, positions [B, T]`` -> logits ``[B, T, V]`` and states ``[B, T, S, D]``;
+        flat-packed (:meth:`flattens`): logits ``[R, V]`` and states ``[R, S, D]`` of the real rows."""
+        if self.flattens(layout, cache):
+            return self._forward_flat(input_ids, positions, cache, layout, state_layers)
         batch, rows = input_ids.shape
         stable = isinstance(layout, TreeLayout)
         h = F.embedding(input_ids, self.embed)  # [B, T, D]
@@ -324,4 +332,43 @@ class FastLlama:
             states.append(last)
         logits = self.lm_head(h.reshape(batch * rows, -1), stable).view(batch, rows, -1)
         stacked = torch.stack(states, dim=2) if state_layers else None
+        return logits, stacked
+
+    def _forward_flat(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache, layout: TreeLayout,
+        state_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The products over the ``R`` rows of ``layout.flat_index`` only; attention (rope, the
+        K/V writes and the kernel) on the ``[B, T]`` grid, whose padding rows stay zero and
+        unattended. Every row is computed as in a padded pass: the products are row-stable
+        and attention is per row."""
+        batch, rows = input_ids.shape
+        flat = layout.flat_index  # [R]
+        real = layout.flat_rows
+        h = F.embedding(input_ids.reshape(-1).index_select(0, flat), self.embed)  # [R, D]
+        cos3, sin3 = self.rotary(h, positions)  # [B, T, hd]
+        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        states = [h] if 0 in state_layers else []
+        delta = None
+        grid_index = flat[:real]
+        for idx, layer in enumerate(self.layers):
+            x, h = self._add_rms(h, delta, layer.ln1)
+            if idx in state_layers and idx > 0:
+                states.append(h)
+            qkv = layer.qkv(x, True)  # [R, (nq + 2 nkv) hd]
+            grid = qkv.new_zeros(batch * rows, qkv.shape[1]).index_copy_(0, grid_index, qkv[:real])
+            keys, values = cache.layer(idx)
+            q = self.kernel.rope_write(grid.view(batch, rows, nq + 2 * nkv, hd), cos3, sin3, keys, values,
+                                       layout.write_slots, nq)
+            att = tree_attention(q, cache, idx, layout, self.scaling)  # [B, T, H, hd]
+            att = att.to(h.dtype).reshape(batch * rows, nq * hd).index_select(0, flat)
+            x, h = self._add_rms(h, layer.o(att, True), layer.ln2)
+            gu = layer.gate_up(x, True)
+            gate, up = gu[:, : self.inter], gu[:, self.inter :]
+            delta = layer.down(F.silu(gate) * up, True)
+        h, last = self._add_rms(h, delta, self.norm)
+        if len(self.layers) in state_layers:
+            states.append(last)
+        logits = self.lm_head(h, True)[:real]
+        stacked = torch.stack(states, dim=1)[:real] if state_layers else None
         return logits, stacked
