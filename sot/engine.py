@@ -419,7 +419,10 @@ class Engine:
         seq.result.first_token_seconds = now - seq.started
         event = self._commit(seq, acc.tokens, now, step=False)
         if out.states is not None and not seq.done:
-            self.drafter.prepare([self._draft_input(seq, out.states[0])])
+            if self.policy.expects_drafting():  # read now, not in the batch's next drafting step
+                self.drafter.prepare([self._draft_input(seq, out.states[0])])
+            else:  # large batches that rarely draft: read when this sequence first drafts
+                seq.states = out.states[0]
         self.times.prefill += time.perf_counter() - t0
         return event
 

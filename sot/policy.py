@@ -118,26 +118,15 @@ class CostModel:
 
     def observe(self, rows: int, seconds: float, rate: float = 0.1) -> None:
         """Refine the curve with a pass of ``rows`` rows that took ``seconds`` (a step's own
-        timing): the two measured points around ``rows`` move toward it by ``rate``, each in
-        proportion to its share of the interpolation, so the model follows the machine's load
-        in a long-running server. A single pass moves them by at most a factor of 2 ** rate."""
+        timing): the whole curve is scaled toward it by ``rate``, so the model follows the
+        machine's load in a long-running server, and the cost that a batch of many sequences
+        adds over the one-sequence passes timed at start-up. A single pass moves the curve by at
+        most a factor of 2 ** rate."""
         predicted = self.verify(rows)
         if predicted <= 0 or seconds <= 0:
             return
-        ratio = min(2.0, max(0.5, seconds / predicted))
-        r = self.rows
-        if rows <= r[0] or len(r) == 1:
-            weights = {0: 1.0}
-        elif rows >= r[-1]:
-            weights = {len(r) - 1: 1.0}
-        else:
-            i = next(i for i in range(1, len(r)) if rows <= r[i])
-            f = (rows - r[i - 1]) / (r[i] - r[i - 1])
-            weights = {i - 1: 1.0 - f, i: f}
-        for i, w in weights.items():
-            self.seconds[i] *= ratio ** (rate * w)
-        for i in range(1, len(self.seconds)):  # keep the curve non-decreasing
-            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
+        factor = min(2.0, max(0.5, seconds / predicted)) ** rate
+        self.seconds = [t * factor for t in self.seconds]
 
     @classmethod
     def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5,
@@ -415,6 +404,12 @@ class CommitPolicy:
         #: verify passes compute only the trees' real rows (flat packing) rather than padding
         #: every sequence to the largest tree; the engine sets it from its target and cache
         self.flat = False
+        #: accepted / expected drafted tokens over the nodes the flat selection verified, all
+        #: sequences and free drafts together, smoothed: it corrects the estimates' optimism
+        self.gain_scale = 1.0
+        self._expected: dict[int, float] = {}  # per sequence: expected tokens of the kept nodes
+        #: share of the live sequences that drafted, over recent steps
+        self.drafting_share = 1.0
 
     @property
     def adaptive(self) -> bool:
@@ -446,6 +441,8 @@ class CommitPolicy:
         taken = [b for b in drafting if b in free and self.prefers_free(b, free[b])]
         drafting = self.worth_drafting([b for b in drafting if b not in taken], len(generated))
         plain = [b for b in generated if b not in drafting]
+        if generated:
+            self.drafting_share = 0.9 * self.drafting_share + 0.1 * len(drafting) / len(generated)
         return StepPlan(
             drafting=tuple(drafting),
             plain=tuple(plain),
@@ -453,6 +450,12 @@ class CommitPolicy:
             budget=self.draft_budget(budget, drafting, len(generated)),
             batch_rows=len(generated),
         )
+
+    def expects_drafting(self) -> bool:
+        """Whether a sequence joining now is likely to draft soon (recent steps drafted for at
+        least a tenth of the batch): the engine then reads its prompt into the drafter at
+        admission, else on its first drafting step."""
+        return not self.adaptive or self.drafting_share >= 0.1
 
     def select(self, plan: StepPlan, proposed: dict[int, DraftTree]) -> dict[int, DraftTree]:
         """The trees to verify: the drafted trees of ``proposed`` pruned together with the
@@ -468,6 +471,8 @@ class CommitPolicy:
             self.observe_draft(outcome.draft_seconds, outcome.draft_passes)
         if self.cost is not None and outcome.verify_seconds > 0 and not self.record:
             self.cost.observe(outcome.rows, outcome.verify_seconds)
+        if self.flat:
+            self._observe_gains(outcome.paths)
         share = outcome.draft_seconds / max(1, len(plan.drafting))
         for b in plan.drafting:
             tree = outcome.trees.get(b) or DraftTree([0], [-1], [0])
@@ -478,10 +483,6 @@ class CommitPolicy:
             self.observe_free(b, verified, outcome.paths[b])
 
     # ------------------------------------------------------------ the decisions behind them
-    #: a sequence the batch planner kept idle this many steps in a row drafts once, so its
-    #: estimates stay current
-    PROBE_EVERY = 16
-
     def pass_cost(self, rows: list[int]) -> float:
         """Modelled seconds of a verify pass whose sequences verify ``rows[b]`` rows each:
         their sum when packed flat, else every sequence padded to the largest."""
@@ -497,9 +498,10 @@ class CommitPolicy:
         ``verified - 1`` extra rows it last verified. Sequences are added best ratio first
         while the batch's expected tokens per second, ``(B + sum gains) / (pass(rows) +
         drafting time)``, rises; drafting time is one drafting call's predictor passes, shared.
-        The rest cost nothing beyond their root row this step; one kept idle ``PROBE_EVERY``
-        steps drafts once. Until the predictor's pass time is measured, everyone drafts, and
-        with ``fallback_threshold`` 0 (speculate whatever it costs) always."""
+        The rest cost nothing beyond their root row this step (their estimates wait, like the
+        target states the predictor will read when they draft again). Until the predictor's
+        pass time is measured, everyone drafts, and with ``fallback_threshold`` 0 (speculate
+        whatever it costs) always."""
         if (not drafting or not self.adaptive or len(self.pass_seconds) < 3
                 or self.config.fallback_threshold <= 0):
             return drafting
@@ -523,9 +525,6 @@ class CommitPolicy:
         for b in drafting:
             s = self.seqs[b]
             s.idle = 0 if b in chosen else s.idle + 1
-            if s.idle >= self.PROBE_EVERY:
-                chosen.add(b)
-                s.idle = 0
         return [b for b in drafting if b in chosen]
 
     def wants_draft(self, b: int, generated: int) -> bool:
@@ -650,11 +649,14 @@ class CommitPolicy:
         best_k, best_rate = 0, base / self.cost.verify(batch_rows)
         tokens = float(base)
         for k, (neg, _) in enumerate(ranked, start=1):
-            tokens -= neg
+            tokens -= neg * self.gain_scale
             rate = tokens / self.cost.verify(batch_rows + k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         kept = Counter(b for _, b in ranked[:best_k])
+        self._expected = Counter()
+        for neg, b in ranked[:best_k]:
+            self._expected[b] -= neg
         out = {}
         for b, tree in trees.items():
             keep = orders[b][: kept.get(b, 0)]
@@ -662,6 +664,15 @@ class CommitPolicy:
                 self.seqs[b].verified = 1 + len(keep)
             out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)
         return out
+
+    def _observe_gains(self, paths: dict[int, list[int]]) -> None:
+        """Compare the flat selection's expected tokens with the accepted ones."""
+        expected = sum(self._expected.values())
+        if expected >= 0.5:
+            accepted = sum(len(paths[b]) - 1 for b in self._expected if b in paths)
+            ratio = min(2.0, accepted / expected)
+            self.gain_scale = min(1.5, max(0.2, 0.9 * self.gain_scale + 0.1 * ratio))
+        self._expected = {}
 
     def observe(self, b: int, tree: DraftTree, path: list[int], step_seconds: float) -> None:
         """Update sequence ``b`` after a step that verified ``tree`` and accepted the nodes of

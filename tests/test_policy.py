@@ -362,14 +362,13 @@ def test_draft_budget_follows_the_verified_trees() -> None:
 
 
 def test_cost_model_follows_the_steps_timings() -> None:
-    """Observed passes move the two measured points around their row count toward the
-    observation, in proportion to their share, and the curve stays non-decreasing."""
+    """Observed passes scale the curve toward them (a busy machine, or the extra cost of a
+    batch of many sequences over the one-sequence passes timed at start-up)."""
     cost = CostModel([1, 8, 16], [0.010, 0.014, 0.020])
-    for _ in range(60):  # the machine got twice as slow for 8-row passes
+    for _ in range(60):  # the machine got twice as slow
         cost.observe(8, 0.028)
     assert cost.verify(8) == pytest.approx(0.028, rel=0.02)
-    assert cost.seconds[0] == 0.010, "a point outside the observation's interval stays"
-    assert cost.seconds == sorted(cost.seconds)
+    assert cost.seconds == pytest.approx([0.020, 0.028, 0.040], rel=0.02), "the whole curve follows"
     before = list(cost.seconds)
     cost.observe(12, 1.0)  # one wild pass moves the curve a little only
     assert all(a <= b <= a * 2 ** 0.1 + 1e-12 for a, b in zip(before, cost.seconds))

@@ -213,6 +213,9 @@ def test_a_disconnect_frees_the_slot(default_server) -> None:
             for line in r.iter_lines():
                 if '"content":"' in line and '"content":""' not in line:
                     break  # the stream is running
+            deadline = time.monotonic() + 5
+            while _running(server) != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
             assert _running(server) == 1
     deadline = time.monotonic() + 10
     while _running(server) != 0 and time.monotonic() < deadline:

@@ -110,9 +110,9 @@ class EngineWorker:
                 continue
             now = time.perf_counter()
             self._record_step(now)
+            self.metrics.set_load(engine.num_running, engine.num_waiting)  # before clients hear of the step
             for ev in events:
                 self._deliver(ev, now)
-            self.metrics.set_load(engine.num_running, engine.num_waiting)
         self._fail_all("the server is shutting down")
 
     def _apply_commands(self, block: bool) -> None:

@@ -1,0 +1,105 @@
+"""Speculation in batches: flat-packed verify passes, the batch planner, and an idle
+predictor that costs nothing."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import clone, random_prompts, tiny_model
+from sot.attention import build_tree_layout, flat_packing
+from sot.drafters import TreeBudget
+from sot.drafters.state import StateDrafter, new_predictor
+from sot.engine import Engine, GenerationParams
+from sot.models.adapter import TargetModel
+from sot.policy import CommitPolicy, CostModel, PolicyConfig
+from sot.tree import DraftTree, ancestor_table, tree_from_parents
+
+LAYERS = (0, 1, 2)
+
+
+def _verify(target: TargetModel, prompts: list[list[int]], trees: list[DraftTree], flat: bool) -> list[torch.Tensor]:
+    """Logits rows ``[size, V]`` of each tree, verified together in one pass."""
+    cache = target.new_cache(len(prompts), 256)
+    for b, p in enumerate(prompts):
+        target.prefill(cache, b, torch.tensor(p))
+        cache.set_length(b, len(p))
+    unit = target.row_multiple
+    rows = -(-max(t.size for t in trees) // unit) * unit
+    width = max(t.max_depth for t in trees) + 1
+    ids = torch.zeros(len(trees), rows, dtype=torch.long)
+    pos = torch.zeros(len(trees), rows, dtype=torch.long)
+    for b, t in enumerate(trees):
+        ids[b], pos[b] = t.tokens[0], cache.lengths[b]
+        ids[b, : t.size] = torch.tensor(t.tokens)
+        pos[b, : t.size] = torch.tensor(t.depths) + cache.lengths[b]
+    layout = build_tree_layout(cache.lengths, [ancestor_table(t, width) for t in trees], rows, cache)
+    if flat:
+        index, offsets = flat_packing([t.size for t in trees], rows, unit)
+        layout = dataclasses.replace(layout, flat_index=index, flat_offsets=offsets)
+    out = target.verify(cache, ids, pos, layout)
+    assert (out.offsets is not None) == flat
+    return [out.seq_logits(b)[: t.size] for b, t in enumerate(trees)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flat_packed_pass_equals_each_tree_alone(dtype: torch.dtype) -> None:
+    target = TargetModel(clone(tiny_model("llama", seed=3), dtype))
+    prompts = random_prompts((9, 21, 14), seed=2)
+    trees = [tree_from_parents([p[-1], 5, 6, 7, 8], [-1, 0, 1, 1, 0]) for p in prompts[:1]]
+    trees += [DraftTree([prompts[1][-1]], [-1], [0]), tree_from_parents([prompts[2][-1], 9, 10], [-1, 0, 1])]
+    together = _verify(target, prompts, trees, flat=True)
+    padded = _verify(target, prompts, trees, flat=False)
+    for b in range(3):
+        alone = _verify(target, [prompts[b]], [trees[b]], flat=False)[0]
+        assert torch.equal(together[b], alone), f"sequence {b}: flat rows differ from its tree alone"
+        assert torch.equal(padded[b], alone)
+
+
+def _policy(verify: list[float], tau: float) -> CommitPolicy:
+    policy = CommitPolicy(PolicyConfig(), CostModel([1, 4, 8, 16], verify))
+    policy.flat = True
+    for b in range(4):
+        policy.add_sequence(b)
+        policy.seqs[b].tau, policy.seqs[b].verified = tau, 4
+    for _ in range(3):
+        policy.observe_draft(0.006, 3)  # 2 ms a predictor pass, 3 passes a call
+    return policy
+
+
+def test_planner_drafts_nothing_when_a_root_only_step_is_fastest() -> None:
+    # rows are dear (a 4-sequence pass with 3 extra rows each costs 3.5x a plain one) and
+    # each draft wins half a token: nobody drafts
+    dear = _policy([0.010, 0.020, 0.035, 0.060], tau=1.5)
+    assert dear.worth_drafting([0, 1, 2, 3], 4) == []
+    assert all(s.idle == 1 for s in dear.seqs.values())
+    # rows are almost free and drafts win two tokens: everybody drafts
+    cheap = _policy([0.010, 0.0105, 0.011, 0.012], tau=3.0)
+    assert cheap.worth_drafting([0, 1, 2, 3], 4) == [0, 1, 2, 3]
+    assert cheap.worth_drafting([0], 1) == [0], "alone as in a batch"
+
+
+def test_flat_selection_ranks_the_nodes_of_all_trees_together() -> None:
+    policy = _policy([0.010, 0.011, 0.014, 0.030], tau=2.0)
+    sure = tree_from_parents([1, 2, 3, 4], [-1, 0, 1, 2], draft_probs=[1.0, 0.95, 0.9, 0.85])
+    unsure = tree_from_parents([1, 2, 3, 4], [-1, 0, 1, 2], draft_probs=[1.0, 0.05, 0.02, 0.01])
+    policy.seqs[0].calibration = policy.seqs[1].calibration = 1.0
+    chosen = policy.choose_batch({0: sure, 1: unsure}, 4)
+    assert chosen[0].size == 4 and chosen[1].size == 1, "rows go to the tree that will use them"
+    assert policy.seqs[0].verified == 4 and policy.seqs[1].verified == 1
+    dear = _policy([0.010, 0.040, 0.080, 0.160], tau=2.0)
+    dear.seqs[0].calibration = 1.0
+    assert dear.choose_batch({0: sure}, 4)[0].size == 1, "no node is worth a row this dear"
+
+
+def test_an_idle_sequence_runs_no_predictor_pass() -> None:
+    """While no sequence drafts (warm-up here), the predictor runs only to read each prompt
+    at admission: one pass per request, however many steps."""
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.float32), state_layers=LAYERS)
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+    engine = Engine(target, drafter, TreeBudget(8, 4), policy=PolicyConfig(warmup=100))
+    res = engine.generate(random_prompts((8, 12, 17), seed=4), GenerationParams(max_new_tokens=20), batch_size=2)
+    assert all(r.steps > 5 and r.plain_steps == r.steps for r in res), "no step drafted"
+    assert drafter.passes == 3
