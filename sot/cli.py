@@ -59,13 +59,16 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_non_negative_int, default=0, help="tokens decoded plainly at the start of a sequence")
     p.add_argument("--fallback-threshold", type=_non_negative_float, default=1.0,
                    help="fall back to plain decoding when recent speed / plain speed drops below this")
+    p.add_argument("--disable-above", type=_non_negative_int, default=0,
+                   help="a fixed rule instead of batch planning: no speculation while more than N sequences "
+                        "run (0: off, the default)")
 
 
 def policy_from_args(args: argparse.Namespace):
     from sot.policy import PolicyConfig, PolicyKind
 
     return PolicyConfig(kind=PolicyKind(args.policy), warmup=args.warmup, fallback_threshold=args.fallback_threshold,
-                        model_path=args.policy_model)
+                        model_path=args.policy_model, disable_above=args.disable_above)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -83,12 +83,17 @@ class PolicyConfig:
     max_backoff: int = 128
     #: the acceptance model of ``learned`` (default: the one shipped for the default model)
     model_path: str | None = None
+    #: a fixed rule instead of batch planning, as vLLM's ``speculative_disable_by_batch_size``:
+    #: no speculation at all while more than this many sequences run (0: off)
+    disable_above: int = 0
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.window < 1 or self.first_backoff < 1 or self.max_backoff < self.first_backoff:
             raise ConfigError("policy needs warmup >= 0, window >= 1 and 1 <= first_backoff <= max_backoff")
         if self.fallback_threshold < 0:
             raise ConfigError(f"fallback threshold must be >= 0, got {self.fallback_threshold}")
+        if self.disable_above < 0:
+            raise ConfigError(f"disable_above must be >= 0, got {self.disable_above}")
 
 
 class CostModel:
@@ -437,6 +442,8 @@ class CommitPolicy:
     def plan(self, generated: dict[int, int], free: dict[int, DraftTree], budget: "TreeBudget") -> StepPlan:
         """Decide one step: ``generated`` maps each live sequence's key to its tokens so far;
         ``free`` holds the free drafts the drafter offered (see :meth:`prefers_free`)."""
+        if self.config.disable_above and len(generated) > self.config.disable_above:
+            return StepPlan((), tuple(generated), {}, budget, len(generated))  # the fixed rule: all plain
         drafting = [b for b, n in generated.items() if self.wants_draft(b, n)]
         taken = [b for b in drafting if b in free and self.prefers_free(b, free[b])]
         drafting = self.worth_drafting([b for b in drafting if b not in taken], len(generated))

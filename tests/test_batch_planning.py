@@ -103,3 +103,13 @@ def test_an_idle_sequence_runs_no_predictor_pass() -> None:
     res = engine.generate(random_prompts((8, 12, 17), seed=4), GenerationParams(max_new_tokens=20), batch_size=2)
     assert all(r.steps > 5 and r.plain_steps == r.steps for r in res), "no step drafted"
     assert drafter.passes == 3
+
+
+def test_the_fixed_rule_turns_speculation_off_above_its_batch_size() -> None:
+    policy = _policy([0.010, 0.0105, 0.011, 0.012], tau=3.0)
+    policy.config = PolicyConfig(disable_above=3)
+    free = {0: tree_from_parents([1, 2], [-1, 0], draft_probs=[1.0, 0.9])}
+    plan = policy.plan({b: 10 for b in range(4)}, free, TreeBudget(8, 4))
+    assert plan.drafting == () and plan.free == {} and plan.plain == (0, 1, 2, 3)
+    policy.drop_sequence(3)
+    assert policy.plan({b: 10 for b in range(3)}, free, TreeBudget(8, 4)).drafting == (0, 1, 2)

@@ -39,7 +39,7 @@ from sot.sampling import SamplingMode, SamplingParams
 
 SCHEMA = "sot-bench/1"
 SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "top-k": "draft_top_k",
-             "warmup": "warmup"}
+             "warmup": "warmup", "batch-size": "batch_size"}
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,8 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
     if target is None or spec is None:
         raise ConfigError("--sweep needs an engine method to sweep (pld or state) in --methods")
     plain = EngineMethod("plain", target, make_drafter(DrafterKind.NONE), _budget(cfg))
+    if name == "batch-size":
+        return _batch_sweep(cfg, spec, plain, target, prompts, params, values, out)
     variants = []
     drafter = _drafter(cfg, spec, target.model)
     for v in values:
@@ -305,6 +307,28 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
                      "mean_tree_size": agg["mean_tree_size"]})
     sweep_plot(name, rows, out)
     return {"name": name, "method": spec, "rows": rows}
+
+
+def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: TargetModel, prompts: list[list[int]],
+                 params: GenerationParams, values: tuple[int, ...], out: Path) -> dict:
+    """Plain and the speculative method on all prompts as continuous batches of each size,
+    alternating per size; per size: tokens/s against plain, tau, the verified rows per
+    sequence and step, the share of sequence steps that drafted, the drafting time's share."""
+    method = EngineMethod(spec, target, _drafter(cfg, spec, target.model), _budget(cfg), cfg.policy)
+    rows = []
+    for v in tqdm(values, desc="sweep batch-size", unit="size"):
+        base = _run_batch(plain, prompts, params, 0, [str(i) for i in range(len(prompts))], v)
+        runs = _run_batch(method, prompts, params, 0, [str(i) for i in range(len(prompts))], v)
+        agg = aggregate(runs + base, [spec, "plain"], 0, greedy=True)
+        a, p = agg[spec], agg["plain"]
+        rows.append({"value": v, "tokens_per_s": a["tokens_per_s"], "plain_tokens_per_s": p["tokens_per_s"],
+                     "tokens_per_s_vs_plain": a["tokens_per_s"] / max(1e-9, p["tokens_per_s"]),
+                     "mean_accept_len": a["mean_accept_len"], "identical_to_plain": a["identical_to_plain"],
+                     "mean_tree_size": a["mean_tree_size"],
+                     "drafting_share": 1.0 - (a["plain_step_share"] or 0.0),
+                     "draft_time_share": a["phase_share"].get("draft", 0.0)})
+    sweep_plot("batch size", rows, out)
+    return {"name": "batch-size", "method": spec, "rows": rows}
 
 
 def _write(result: dict, runs: list[RunRecord], names: list[str], records: list, out: Path) -> None:
@@ -342,10 +366,15 @@ def _write(result: dict, runs: list[RunRecord], names: list[str], records: list,
                   "| value | tok/s | total vs plain | tau | per-prompt speedup vs plain (median) | tree size | identical |",
                   "|---|---|---|---|---|---|---|"]
         for row in sw["rows"]:
-            s = row["speedup_vs_plain"]
+            s = row.get("speedup_vs_plain")
             lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain', 0):.2f}x | "
                          f"{row['mean_accept_len']:.2f} | {(s or {}).get('median', 0):.2f}x | "
                          f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain']} |")
+        if sw["name"] == "batch-size":
+            lines += ["", "| batch | plain tok/s | drafting share of sequence steps | draft time share |",
+                      "|---|---|---|---|"]
+            lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {100 * r['drafting_share']:.0f}% | "
+                      f"{100 * r['draft_time_share']:.0f}% |" for r in sw["rows"]]
     written = plots(result["methods"], out)
     lines += ["", *[f"![{w}]({w})" for w in written]]
     (out / "report.md").write_text("\n".join(lines) + "\n")
