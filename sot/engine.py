@@ -389,7 +389,8 @@ class Engine:
         need = max(len(s.prompt) + s.params.max_new_tokens for s in self._running + admitted)
         self._ensure_cache(len(self._running) + len(admitted), need + self.budget.max_depth + scratch)
         since = time.perf_counter()  # the clocks of a step's admissions start together
-        return [self._admit(seq, since) for seq in admitted]
+        read_now = self.policy.expects_drafting(len(self._running))
+        return [self._admit(seq, since, read_now) for seq in admitted]
 
     def _ensure_cache(self, batch: int, capacity: int) -> None:
         cache = self._cache
@@ -401,9 +402,10 @@ class Engine:
             grown = cache.capacity if cache.capacity >= capacity else max(capacity, cache.capacity * 3 // 2)
             self._cache = cache.resized(max(batch, cache.batch_size), grown)
 
-    def _admit(self, seq: _Seq, since: float) -> TokenEvent:
-        """Prefill ``seq``'s prompt into the next free slot, commit its first token and read
-        its prompt into the drafter; the sequence's clock runs from ``since``."""
+    def _admit(self, seq: _Seq, since: float, read_now: bool) -> TokenEvent:
+        """Prefill ``seq``'s prompt into the next free slot and commit its first token; with
+        ``read_now`` the drafter reads the prompt now, else on the sequence's first drafting
+        step. The sequence's clock runs from ``since``."""
         t0 = time.perf_counter()
         seq.started = since
         b = len(self._running)
@@ -419,9 +421,9 @@ class Engine:
         seq.result.first_token_seconds = now - seq.started
         event = self._commit(seq, acc.tokens, now, step=False)
         if out.states is not None and not seq.done:
-            if self.policy.expects_drafting():  # read now, not in the batch's next drafting step
+            if read_now:  # not in the running batch's next drafting step
                 self.drafter.prepare([self._draft_input(seq, out.states[0])])
-            else:  # large batches that rarely draft: read when this sequence first drafts
+            else:
                 seq.states = out.states[0]
         self.times.prefill += time.perf_counter() - t0
         return event

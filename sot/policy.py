@@ -458,11 +458,12 @@ class CommitPolicy:
             batch_rows=len(generated),
         )
 
-    def expects_drafting(self) -> bool:
-        """Whether a sequence joining now is likely to draft soon (recent steps drafted for at
-        least a tenth of the batch): the engine then reads its prompt into the drafter at
-        admission, else on its first drafting step."""
-        return not self.adaptive or self.drafting_share >= 0.1
+    def expects_drafting(self, decoding: int) -> bool:
+        """Whether to read a joining sequence's prompt into the drafter at admission, so that
+        the batch's next drafting step does not pay for it: when ``decoding`` sequences were
+        already decoding and recent steps drafted for at least a tenth of the batch. Otherwise
+        the prompt is read on the sequence's first drafting step, if it ever drafts."""
+        return decoding > 0 and (not self.adaptive or self.drafting_share >= 0.1)
 
     def select(self, plan: StepPlan, proposed: dict[int, DraftTree]) -> dict[int, DraftTree]:
         """The trees to verify: the drafted trees of ``proposed`` pruned together with the

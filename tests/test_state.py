@@ -594,10 +594,11 @@ def test_one_lookup_search_per_sequence_and_step() -> None:
     states = torch.cat([states, states])[: len(ctx) - 1]
     reused, fresh = StateDrafter(pred, top_k=2), StateDrafter(pred, top_k=2)
     calls = []
-    search = reused.lookup.candidates
-    reused.lookup.candidates = lambda context, depth: calls.append(depth) or search(context, depth)
     for d in (reused, fresh):
         d.reset(1)
+    index = reused._index(0)  # the sequence's n-gram index, whose searches are counted
+    search = index.best
+    index.best = lambda context, depth: calls.append(depth) or search(context, depth)
     free = reused.propose_free([DraftInput(0, ctx, states)], TreeBudget(8, 6))[0]
     assert free.size > 1, "the context repeats, so the lookup finds a path"
     budget = TreeBudget(6, 3)  # the policy drafts with a smaller budget than the free drafts'

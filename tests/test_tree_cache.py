@@ -62,3 +62,21 @@ def test_cache_keep_rows_moves_accepted_rows_per_sequence() -> None:
     with pytest.raises(ValueError):
         cache.truncate(0, 7)
     assert cache.capacity % 64 == 0
+
+
+def test_ngram_index_finds_what_a_full_scan_ranks_first() -> None:
+    """The incremental n-gram index of a growing context gives, at every length, the
+    continuation that prompt lookup's full scan ranks first."""
+    import random
+
+    from sot.drafters.pld import NgramIndex, PromptLookupDrafter
+
+    rng = random.Random(4)
+    scan = PromptLookupDrafter()
+    for trial in range(20):
+        context = [rng.randrange(6) for _ in range(3)]
+        index = NgramIndex()
+        for _ in range(60):
+            context += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+            found = scan.candidates(context, 5)
+            assert index.best(context, 5) == (found[0] if found else [])

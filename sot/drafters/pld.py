@@ -53,6 +53,44 @@ class PromptLookupDrafter(Drafter):
         return trees
 
 
+class NgramIndex:
+    """The most recent start of every n-gram (``min_ngram <= n <= max_ngram``) of one growing
+    context, updated with the tokens appended since the last call, so a step's lookup costs
+    a few dictionary reads instead of a scan of the whole context.
+
+    :meth:`best` gives what :meth:`PromptLookupDrafter.candidates` ranks first: the tokens
+    that followed the most recent earlier occurrence of the longest matching suffix.
+    Example: context ``a b c a b``: the suffix ``a b`` occurred at 0, so ``best`` is ``c a b``
+    (up to ``depth`` tokens).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.next = {n: 0 for n in self.sizes}  # per size: the first window start not yet indexed
+        self.seen = 0  # length of the context at the last call
+
+    def best(self, context: list[int], depth: int) -> list[int]:
+        """The best continuation of ``context`` (which only grew since the last call), at most
+        ``depth`` tokens; empty when nothing matches."""
+        if len(context) < self.seen:
+            raise ValueError("an n-gram index follows one growing context")
+        self.seen = len(context)
+        end = len(context) - 1  # windows end before the last token, the suffix's own end
+        for n in self.sizes:
+            table = self.last[n]
+            for start in range(self.next[n], end - n + 1):
+                table[tuple(context[start : start + n])] = start
+            self.next[n] = max(self.next[n], end - n + 1)
+        for n in self.sizes:
+            if n > end:
+                continue
+            start = self.last[n].get(tuple(context[-n:]))
+            if start is not None:
+                return context[start + n : start + n + depth]
+        return []
+
+
 class LookupRate:
     """How often one sequence's best prompt-lookup continuation matches what the target
     really generated, learned from the context alone.

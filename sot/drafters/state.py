@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
-from sot.drafters.pld import LookupRate, PromptLookupDrafter
+from sot.drafters.pld import LookupRate, NgramIndex, PromptLookupDrafter
 from sot.errors import ConfigError, DrafterCompatibilityError
 from sot.tree import DraftTree
 
@@ -668,6 +668,7 @@ class StateDrafter(Drafter):
         self.top_k = top_k
         self.seqs: dict[int, _SeqState] = {}  # by DraftInput.sequence
         self.rates: dict[int, LookupRate] = {}
+        self.indexes: dict[int, NgramIndex] = {}  # each sequence's n-grams, for the lookup
         # per sequence: (context length, best lookup continuation, whether it reached the
         # context's end) of this step's search
         self._found: dict[int, tuple[int, list[int], bool]] = {}
@@ -681,17 +682,24 @@ class StateDrafter(Drafter):
     def reset(self, batch_size: int = 0) -> None:
         self.seqs.clear()
         self.rates.clear()
+        self.indexes.clear()
         self._found.clear()
 
     def release(self, sequence: int) -> None:
         self.seqs.pop(sequence, None)
         self.rates.pop(sequence, None)
+        self.indexes.pop(sequence, None)
         self._found.pop(sequence, None)
 
     def _seq(self, sequence: int) -> _SeqState:
         if sequence not in self.seqs:
             self.seqs[sequence] = _SeqState(self.layers)
         return self.seqs[sequence]
+
+    def _index(self, sequence: int) -> NgramIndex:
+        if sequence not in self.indexes:
+            self.indexes[sequence] = NgramIndex(self.lookup.max_ngram, self.lookup.min_ngram)
+        return self.indexes[sequence]
 
     def _rate(self, sequence: int) -> LookupRate:
         if sequence not in self.rates:
@@ -714,8 +722,7 @@ class StateDrafter(Drafter):
         if known is not None and known[0] == len(x.context) and (len(known[1]) >= depth or known[2]):
             best = known[1][:depth]
         else:
-            found = self.lookup.candidates(x.context, depth)
-            best = found[0] if found else []
+            best = self._index(x.sequence).best(x.context, depth)
             # a continuation shorter than asked for ends at the context's end: it is complete
             self._found[x.sequence] = (len(x.context), best, len(best) < depth)
         if best:
