@@ -285,6 +285,9 @@ class Engine:
         self._policy: CommitPolicy | None = None
         self.last_step = StepStats()
 
+    #: tokens of room the cache grows by, past the longest sequence (at least; it grows by half)
+    GROW_STEP = 256
+
     def cost_model(self) -> CostModel:
         """Verify time by row count on this machine, measured once per target and tree size."""
         rows = max(96, self.budget.max_nodes)  # batches are costed by their total rows
@@ -385,9 +388,9 @@ class Engine:
         admitted, self._waiting = self._waiting[: max(0, room)], self._waiting[max(0, room):]
         if not admitted:
             return []
-        scratch = -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT
-        need = max(len(s.prompt) + s.params.max_new_tokens for s in self._running + admitted)
-        self._ensure_cache(len(self._running) + len(admitted), need + self.budget.max_depth + scratch)
+        # room for each prompt and its first steps; the cache grows as answers do (_decode_step)
+        need = max(len(s.context) + min(s.params.max_new_tokens, self.GROW_STEP) for s in self._running + admitted)
+        self._ensure_cache(len(self._running) + len(admitted), need + self._headroom())
         since = time.perf_counter()  # the clocks of a step's admissions start together
         read_now = self.policy.expects_drafting(len(self._running))
         return [self._admit(seq, since, read_now) for seq in admitted]
@@ -428,9 +431,17 @@ class Engine:
         self.times.prefill += time.perf_counter() - t0
         return event
 
+    def _headroom(self) -> int:
+        """Slots past a sequence's length that one step may write: its tree (scratch rows,
+        rounded up) and the accepted path."""
+        return -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT + self.budget.max_depth + 1
+
     def _decode_step(self) -> list[TokenEvent]:
         """plan -> draft -> verify -> accept -> commit over the running sequences."""
         seqs = self._running
+        longest = max(len(s.context) for s in seqs)
+        if longest + self._headroom() > self._cache.capacity:  # answers grew: room for GROW_STEP more
+            self._ensure_cache(len(seqs), longest + self.GROW_STEP + self._headroom())
         t0 = time.perf_counter()
         passes = self.drafter.passes
         plan, trees = self._plan_and_draft(seqs)

@@ -82,3 +82,27 @@ def test_finished_sequences_leave_the_verify_pass() -> None:
         engine.step()
     assert batches[0] == 2 and batches[-1] == 1
     assert batches == sorted(batches, reverse=True)
+
+
+def test_the_cache_grows_with_the_answers() -> None:
+    """The cache holds room for the first tokens only and grows while sequences decode; the
+    tokens are those of an engine that never had to grow."""
+    model = tiny_model("llama", seed=7)
+    target = TargetModel(clone(model, torch.bfloat16), state_layers=LAYERS)
+    prompts = random_prompts((9, 40, 17), seed=5)
+    params = GenerationParams(max_new_tokens=150)
+    roomy = Engine(target, PromptLookupDrafter(), TreeBudget(8, 4))
+    expected = [r.token_ids for r in roomy.generate(prompts, params)]
+    tight = Engine(target, StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3), TreeBudget(8, 4))
+    tight.GROW_STEP = 4
+    capacities = []
+    step = tight._decode_step
+
+    def watched():
+        out = step()
+        capacities.append(tight._cache.capacity)
+        return out
+
+    tight._decode_step = watched
+    assert [r.token_ids for r in tight.generate(prompts, params)] == expected
+    assert len(set(capacities)) >= 2, "the cache grew during decoding"
