@@ -175,7 +175,10 @@ def server_rss_mb(url: str) -> float | None:
 def _model_id(url: str, headers: dict) -> str:
     import httpx
 
-    resp = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    try:
+        resp = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"cannot reach {url}: {exc} (is the server running?)") from None
     if resp.status_code != 200:
         raise ConfigError(f"{url}/v1/models answered {resp.status_code}: {resp.text[:200]}")
     return resp.json()["data"][0]["id"]

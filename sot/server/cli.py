@@ -64,7 +64,7 @@ def cmd_serve(args: argparse.Namespace, load) -> int:
 
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=config.shutdown_timeout + 5))
-    print(f"sot serve: listening on http://{args.host}:{args.port} (the model loads in the background; "
+    print(f"sot serve: starting on http://{args.host}:{args.port} (the model loads in the background; "
           "GET /health answers 200 when ready)", file=sys.stderr)
     server.run()
     if state.load_error:
