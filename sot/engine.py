@@ -119,8 +119,6 @@ class TokenEvent:
         finished: the request is complete; ``finish_reason`` says why.
         request_id: the request's id.
         finish_reason: ``length``, ``eos``, ``stop`` or ``abort`` once finished, else ``None``.
-        drafted: nodes of the verified tree beyond the root (0 for a plain step or the
-            prompt's first token); ``accepted``: how many of them were accepted.
     """
 
     sequence: int
@@ -128,21 +126,19 @@ class TokenEvent:
     finished: bool
     request_id: int = -1
     finish_reason: str | None = None
-    drafted: int = 0
-    accepted: int = 0
     #: the request's result, on its last event (the engine forgets the request after it)
     result: SequenceResult | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
 class StepStats:
-    """What the last :meth:`Engine.step` did: sequences in its verify pass, drafted and
-    accepted tokens per sequence (by draft position), and how many sequences fell back."""
+    """What the last :meth:`Engine.step`'s verify pass did: ``batch`` sequences in it,
+    ``drafted[b]`` nodes verified beyond sequence ``b``'s root, and ``accepted_per_pos[d]``
+    sequences whose accepted path reached draft position ``d``."""
 
     batch: int = 0
     drafted: tuple[int, ...] = ()
     accepted_per_pos: tuple[int, ...] = ()
-    admitted: int = 0
 
 
 @dataclass
@@ -163,6 +159,16 @@ class _Seq:
     @property
     def context(self) -> list[int]:
         return self.prompt + self.result.token_ids
+
+    @property
+    def length(self) -> int:
+        """``len(context)``, without building it."""
+        return len(self.prompt) + len(self.result.token_ids)
+
+    @property
+    def root(self) -> int:
+        """The last token: the root of the next tree."""
+        return self.result.token_ids[-1] if self.result.token_ids else self.prompt[-1]
 
 
 @dataclass(frozen=True)
@@ -376,8 +382,7 @@ class Engine:
         token committed), then run one speculative step over every live sequence. Returns the
         tokens committed, one event per request that got any (or finished)."""
         events = self._admit_waiting()
-        admitted = len(events)
-        self.last_step = StepStats(admitted=admitted)
+        self.last_step = StepStats()
         if self._running:
             events += self._decode_step()
         self._release_finished()
@@ -389,7 +394,7 @@ class Engine:
         if not admitted:
             return []
         # room for each prompt and its first steps; the cache grows as answers do (_decode_step)
-        need = max(len(s.context) + min(s.params.max_new_tokens, self.GROW_STEP) for s in self._running + admitted)
+        need = max(s.length + min(s.params.max_new_tokens, self.GROW_STEP) for s in self._running + admitted)
         self._ensure_cache(len(self._running) + len(admitted), need + self._headroom())
         since = time.perf_counter()  # the clocks of a step's admissions start together
         read_now = self.policy.expects_drafting(len(self._running))
@@ -439,7 +444,7 @@ class Engine:
     def _decode_step(self) -> list[TokenEvent]:
         """plan -> draft -> verify -> accept -> commit over the running sequences."""
         seqs = self._running
-        longest = max(len(s.context) for s in seqs)
+        longest = max(s.length for s in seqs)
         if longest + self._headroom() > self._cache.capacity:  # answers grew: room for GROW_STEP more
             self._ensure_cache(len(seqs), longest + self.GROW_STEP + self._headroom())
         t0 = time.perf_counter()
@@ -489,7 +494,7 @@ class Engine:
                 seq.states = None
             else:
                 seq.result.plain_steps += 1
-            root = seq.context[-1]
+            root = seq.root
             tree = chosen.get(seq.id) or DraftTree([root], [-1], [0])
             if tree.tokens[0] != root or tree.size > self.budget.max_nodes or tree.max_depth > self.budget.max_depth:
                 raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
@@ -558,10 +563,8 @@ class Engine:
             drafted.append(tree.size - 1)
             for d in range(acc.num_accepted):
                 per_pos[d] += 1
-            events.append(self._commit(seq, acc.tokens, now, step=True, drafted=tree.size - 1,
-                                       accepted=acc.num_accepted))
-        self.last_step = StepStats(batch=len(seqs), drafted=tuple(drafted), accepted_per_pos=tuple(per_pos),
-                                   admitted=self.last_step.admitted)
+            events.append(self._commit(seq, acc.tokens, now, step=True))
+        self.last_step = StepStats(batch=len(seqs), drafted=tuple(drafted), accepted_per_pos=tuple(per_pos))
         return events
 
     # ----------------------------------------------------------------- leaving
@@ -616,8 +619,7 @@ class Engine:
         assert seq.generator is not None
         return accept_rejection(tree, logits, sp, seq.generator)
 
-    def _commit(self, seq: _Seq, tokens: list[int], now: float, step: bool, drafted: int = 0,
-                accepted: int = 0) -> TokenEvent:
+    def _commit(self, seq: _Seq, tokens: list[int], now: float, step: bool) -> TokenEvent:
         """Append tokens up to a stop condition; ``step`` records the count as an accepted length."""
         res, params = seq.result, seq.params
         taken: list[int] = []
@@ -641,7 +643,7 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason)
         return TokenEvent(sequence=res.index, token_ids=taken, finished=seq.done, request_id=seq.id,
-                          finish_reason=reason, drafted=drafted, accepted=accepted,
+                          finish_reason=reason,
                           result=res if seq.done else None)
 
     # ----------------------------------------------------------------- offline loops

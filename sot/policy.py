@@ -197,7 +197,6 @@ class SequencePolicyState:
     #: decoding, smoothed; ``None`` until such a step was verified
     free_speed: float | None = None
     temperature: float = 0.0  # the sequence's sampling temperature (0: greedy)
-    idle: int = 0  # steps the batch planner has kept it from drafting in a row
 
 
 def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:
@@ -530,9 +529,6 @@ class CommitPolicy:
             if rate > best_rate:
                 best, best_rate = k + 1, rate
         chosen = {b for _, b, _, _ in scored[:best]}
-        for b in drafting:
-            s = self.seqs[b]
-            s.idle = 0 if b in chosen else s.idle + 1
         return [b for b in drafting if b in chosen]
 
     def wants_draft(self, b: int, generated: int) -> bool:

@@ -13,7 +13,7 @@ from sot.drafters import TreeBudget
 from sot.drafters.state import StateDrafter, new_predictor
 from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
-from sot.policy import CommitPolicy, CostModel, PolicyConfig
+from sot.policy import CommitPolicy, CostModel, PolicyConfig, StepPlan
 from sot.tree import DraftTree, ancestor_table, tree_from_parents
 
 LAYERS = (0, 1, 2)
@@ -73,7 +73,6 @@ def test_planner_drafts_nothing_when_a_root_only_step_is_fastest() -> None:
     # each draft wins half a token: nobody drafts
     dear = _policy([0.010, 0.020, 0.035, 0.060], tau=1.5)
     assert dear.worth_drafting([0, 1, 2, 3], 4) == []
-    assert all(s.idle == 1 for s in dear.seqs.values())
     # rows are almost free and drafts win two tokens: everybody drafts
     cheap = _policy([0.010, 0.0105, 0.011, 0.012], tau=3.0)
     assert cheap.worth_drafting([0, 1, 2, 3], 4) == [0, 1, 2, 3]
@@ -85,7 +84,7 @@ def test_flat_selection_ranks_the_nodes_of_all_trees_together() -> None:
     sure = tree_from_parents([1, 2, 3, 4], [-1, 0, 1, 2], draft_probs=[1.0, 0.95, 0.9, 0.85])
     unsure = tree_from_parents([1, 2, 3, 4], [-1, 0, 1, 2], draft_probs=[1.0, 0.05, 0.02, 0.01])
     policy.seqs[0].calibration = policy.seqs[1].calibration = 1.0
-    chosen = policy.choose_batch({0: sure, 1: unsure}, 4)
+    chosen = policy.select(StepPlan.make_dummy([0, 1, 2, 3], TreeBudget(8, 4)), {0: sure, 1: unsure})
     assert chosen[0].size == 4 and chosen[1].size == 1, "rows go to the tree that will use them"
     assert policy.seqs[0].verified == 4 and policy.seqs[1].verified == 1
     dear = _policy([0.010, 0.040, 0.080, 0.160], tau=2.0)
@@ -121,3 +120,21 @@ def test_the_fixed_rule_turns_speculation_off_above_its_batch_size() -> None:
     assert plan.drafting == () and plan.free == {} and plan.plain == (0, 1, 2, 3)
     policy.drop_sequence(3)
     assert policy.plan({b: 10 for b in range(3)}, free, TreeBudget(8, 4)).drafting == (0, 1, 2)
+
+
+def test_the_joint_selection_learns_how_optimistic_its_estimates_are() -> None:
+    """Nodes verified and never accepted lower the scale on the estimates; fewer rows follow."""
+    from sot.policy import StepOutcome
+
+    policy = _policy([0.010, 0.011, 0.014, 0.030], tau=2.0)
+    policy.seqs[0].calibration = 1.0
+    tree = tree_from_parents([1, 2, 3, 4], [-1, 0, 1, 2], draft_probs=[1.0, 0.9, 0.8, 0.7])
+    plan = StepPlan.make_dummy([0], TreeBudget(8, 4))
+    first = policy.select(plan, {0: tree})[0]
+    assert first.size == 4
+    for _ in range(30):
+        chosen = policy.select(plan, {0: tree})
+        policy.observe_step(plan, StepOutcome(trees=chosen, paths={0: [0]}, draft_seconds=0.0, draft_passes=0,
+                                              verify_seconds=0.0, rows=chosen[0].size))
+    assert policy.gain_scale < 0.5
+    assert policy.select(plan, {0: tree})[0].size < first.size

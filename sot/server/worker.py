@@ -109,7 +109,7 @@ class EngineWorker:
                 self._fail_all(f"the engine failed: {self.error}")
                 continue
             now = time.perf_counter()
-            self._record_step(now)
+            self._record_step()
             self.metrics.set_load(engine.num_running, engine.num_waiting)  # before clients hear of the step
             for ev in events:
                 self._deliver(ev, now)
@@ -153,7 +153,7 @@ class EngineWorker:
                 self.metrics.finished("abort")
                 self._send(t, Update([], finish_reason="abort", result=result))
 
-    def _record_step(self, now: float) -> None:
+    def _record_step(self) -> None:
         stats = self.engine.last_step
         if stats.batch:
             self.metrics.step(stats.drafted, stats.accepted_per_pos)
