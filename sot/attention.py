@@ -74,6 +74,8 @@ class TreeLayout:
         tail_index: ``[B * Hkv * n * TAIL]`` row of each tail key in the layer's K/V storage
             viewed as ``[B * Hkv * S, D]``, in position order per (sequence, head, row).
         tail_bias: ``[B, 1, n, 1, TAIL]`` 0 for a real tail key, -inf for padding.
+        row_positions: ``[B, n]`` position of each attended row (for sliding windows).
+        tail_positions: ``[B, n, TAIL]`` position of each tail key.
         flat_index: ``[R]`` with flat packing, the row ``b * T + t`` of the ``[B, T]`` grid
             behind each of the pass's ``R`` computed rows: the products run over these rows
             only, and attention scatters them back onto the grid. Sequence ``b``'s real rows
@@ -90,6 +92,8 @@ class TreeLayout:
     far_bias: torch.Tensor | None = None
     tail_index: torch.Tensor | None = None
     tail_bias: torch.Tensor | None = None
+    row_positions: torch.Tensor | None = None
+    tail_positions: torch.Tensor | None = None
     kernel: KernelInputs | None = None
     flat_index: torch.Tensor | None = None
     flat_offsets: tuple[int, ...] | None = None
@@ -119,8 +123,10 @@ class PrefillLayout:
     start: int
 
 
-def _tail_slots(length: int, depths: torch.Tensor, ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tail key slots ``[n, TAIL]`` and validity for one sequence.
+def _tail_slots(
+    length: int, depths: torch.Tensor, ancestors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tail key slots ``[n, TAIL]``, validity and key positions for one sequence.
 
     Worked example: length 100 (root at position 100), a node at depth 2 (position 102,
     ancestors ``[0, 3, 5]``): ``far_end(102) == 32``, so its tail is positions 32..102:
@@ -133,7 +139,7 @@ def _tail_slots(length: int, depths: torch.Tensor, ancestors: torch.Tensor) -> t
     depth_index = (virtual - length).clamp(0, ancestors.shape[1] - 1)
     from_tree = length + ancestors.gather(1, depth_index)
     slots = torch.where(virtual < length, virtual, from_tree)
-    return torch.where(valid, slots, torch.zeros_like(slots)), valid
+    return torch.where(valid, slots, torch.zeros_like(slots)), valid, virtual
 
 
 def build_tree_layout(
@@ -165,12 +171,15 @@ def build_tree_layout(
     far_ends = torch.zeros(batch, n, dtype=torch.long)
     tail_slots = torch.zeros(batch, n, TAIL, dtype=torch.long)
     tail_valid = torch.zeros(batch, n, TAIL, dtype=torch.bool)
+    tail_positions = torch.zeros(batch, n, TAIL, dtype=torch.long)
+    row_positions = torch.zeros(batch, n, dtype=torch.long)
     for b, (length, anc) in enumerate(zip(lengths, ancestors)):
         # Rows past the tree are padding: they repeat the root, attend like it, and are ignored.
         table = torch.tensor(anc + [anc[0]] * (n - len(anc)), dtype=torch.long)[:n]
         depths = (table >= 0).sum(dim=1) - 1
         far_ends[b] = torch.clamp((length + depths - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN, min=0)
-        tail_slots[b], tail_valid[b] = _tail_slots(length, depths, table.clamp(min=0))
+        tail_slots[b], tail_valid[b], tail_positions[b] = _tail_slots(length, depths, table.clamp(min=0))
+        row_positions[b] = length + depths
     far_len = max(FAR_ALIGN, int(far_ends.max()))
     neg = float("-inf")
     far_bias = torch.zeros(batch, n, far_len).masked_fill_(torch.arange(far_len) >= far_ends[..., None], neg)
@@ -187,16 +196,34 @@ def build_tree_layout(
         far_bias=far_bias[:, None, None].to(device),
         tail_index=tail_index.reshape(-1).to(device),
         tail_bias=tail_bias[:, None, :, None].to(device),
+        row_positions=row_positions.to(device),
+        tail_positions=tail_positions.to(device),
     )
 
 
+def _soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(scores / cap)`` in place (Gemma 2's attention-logit soft cap), or as is."""
+    return scores.div_(cap).tanh_().mul_(cap) if cap else scores
+
+
+def _window_bias(key_positions: torch.Tensor, row_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """0 where a key at ``key_positions`` lies in the window ``(row - window, row]`` of the
+    row at ``row_positions`` (broadcast together), else -inf."""
+    outside = key_positions <= row_positions - window
+    return torch.zeros(outside.shape, device=outside.device).masked_fill_(outside, float("-inf"))
+
+
 def tree_attention(
-    query: torch.Tensor, cache: KVCache, layer: int, layout: TreeLayout, scaling: float
+    query: torch.Tensor, cache: KVCache, layer: int, layout: TreeLayout, scaling: float,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of tree rows against the cache (the rows' own K/V already written).
 
     Args:
         query: ``[B, H, T, D]`` after rotary embedding.
+        window: sliding window of the layer: a row at position ``p`` sees the keys at
+            positions ``p - window + 1 .. p`` only (``None``: all keys).
+        softcap: attention-logit soft cap, ``cap * tanh(score / cap)`` (``None``: none).
     Returns:
         ``[B, T, H, D]``, float32 from the PyTorch path, the cache dtype from the kernel;
         rows past the tree are zero.
@@ -205,7 +232,7 @@ def tree_attention(
         k = layout.kernel
         keys, values = cache.layer(layer)
         return tree_attention_kernel().tree_attention_exact(
-            query.to(keys.dtype), keys, values, k.lengths, k.ancestors, k.rows, scaling
+            query.to(keys.dtype), keys, values, k.lengths, k.ancestors, k.rows, scaling, window or 0, softcap or 0.0
         )
     batch, heads, rows, dim = query.shape
     n = layout.rows
@@ -220,7 +247,13 @@ def tree_attention(
     far_k = keys[:, :, : layout.far_len].float()
     far_v = values[:, :, : layout.far_len].float()
     far_scores = torch.matmul(q.reshape(batch, kv_heads, group * n, dim), far_k.transpose(-1, -2))
-    far_scores = far_scores.view(batch, kv_heads, group, n, -1).mul_(scaling).add_(layout.far_bias)
+    far_bias, tail_bias = layout.far_bias, layout.tail_bias
+    if window:
+        rows_at = layout.row_positions  # [B, n]
+        slots = torch.arange(layout.far_len, device=rows_at.device)
+        far_bias = far_bias + _window_bias(slots, rows_at[..., None], window)[:, None, None]
+        tail_bias = tail_bias + _window_bias(layout.tail_positions, rows_at[..., None], window)[:, None, :, None]
+    far_scores = _soft_cap(far_scores.view(batch, kv_heads, group, n, -1).mul_(scaling), softcap).add_(far_bias)
     far_max = far_scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)  # empty far part: weights 0
     far_weights = far_scores.sub_(far_max).exp_()
     far_sum = far_weights.sum(dim=-1, keepdim=True)
@@ -233,7 +266,7 @@ def tree_attention(
     tail_k = keys.reshape(-1, dim).index_select(0, layout.tail_index).view(batch, kv_heads, n, TAIL, dim).float()
     tail_v = values.reshape(-1, dim).index_select(0, layout.tail_index).view(batch, kv_heads, n, TAIL, dim).float()
     q_rows = q.transpose(2, 3)  # [B, Hkv, n, g, D]
-    tail_scores = torch.matmul(q_rows, tail_k.transpose(-1, -2)).mul_(scaling).add_(layout.tail_bias)
+    tail_scores = _soft_cap(torch.matmul(q_rows, tail_k.transpose(-1, -2)).mul_(scaling), softcap).add_(tail_bias)
     tail_max = tail_scores.amax(dim=-1, keepdim=True)
     tail_weights = tail_scores.sub_(tail_max).exp_()
     tail_sum = tail_weights.sum(dim=-1, keepdim=True)
@@ -251,12 +284,14 @@ def tree_attention(
 
 
 def prefill_attention(
-    query: torch.Tensor, cache: KVCache, layer: int, layout: PrefillLayout, scaling: float
+    query: torch.Tensor, cache: KVCache, layer: int, layout: PrefillLayout, scaling: float,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's prompt chunk over its cache (chunk K/V written).
 
     Args:
         query: ``[1, H, T, D]``.
+        window, softcap: as for :func:`tree_attention`.
     Returns:
         ``[1, T, H, D]`` float32.
     """
@@ -269,6 +304,13 @@ def prefill_attention(
     k = k.repeat_interleave(group, dim=0)[None]
     v = v.repeat_interleave(group, dim=0)[None]
     positions = torch.arange(layout.start, end, device=query.device)
-    mask = torch.arange(end, device=query.device)[None, :] <= positions[:, None]  # [T, end]
+    slots = torch.arange(end, device=query.device)[None, :]
+    mask = slots <= positions[:, None]  # [T, end]
+    if window:
+        mask &= slots > positions[:, None] - window
+    if softcap:  # SDPA has no soft cap: the same attention, written out
+        scores = _soft_cap(torch.matmul(query.float(), k.transpose(-1, -2)).mul_(scaling), softcap)
+        weights = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+        return torch.matmul(weights, v).transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2)

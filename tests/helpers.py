@@ -18,16 +18,30 @@ VOCAB = 96
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
+    # Windows shorter than the prompts plus answers of the tests, so that they cut.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=12)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=4, pad_token_id=0)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict()),
+    # q/k norms; the second layer slides (layers from max_window_layers on)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+                                                      sliding_window=10, max_window_layers=1)),
+    # a sliding and a global layer, attention-logit and final-logit soft caps (small enough to
+    # change the tokens of this tiny model), (1 + w) norms
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+        attn_logit_softcapping=0.5, final_logit_softcapping=8.0,
+        layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=1, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"])),
 }
 
 
-def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A 2-layer random causal LM of the given family, in eval mode."""
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: object) -> torch.nn.Module:
+    """A 2-layer random causal LM of the given family, in eval mode (``overrides``: config
+    fields that replace the family's test defaults)."""
     cfg_name, model_name, extra = ARCHS[arch]
     kwargs = dict(
         vocab_size=VOCAB,
@@ -41,6 +55,7 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
         tie_word_embeddings=False,
     )
     kwargs.update(extra)
+    kwargs.update(overrides)
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_name)(**kwargs)
     model = getattr(transformers, model_name)(config).eval()

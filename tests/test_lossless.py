@@ -53,7 +53,7 @@ def test_speculative_equals_plain(arch: str, dtype: torch.dtype) -> None:
         assert plain_batch == reference, "plain decoding differs from transformers generate()"
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma", "gemma2", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_logits_are_bit_identical(arch: str, dtype: torch.dtype) -> None:
     """Stronger than token equality: every logits row behind a committed token is the same
@@ -116,7 +116,7 @@ def test_fast_path_matches_generic_path_bit_for_bit() -> None:
             assert torch.equal(logits[0][1], logits[1][1]), (arch, dtype)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2", "mistral"])
 def test_pytorch_attention_path_is_lossless(arch: str, monkeypatch) -> None:
     """Without the compiled kernel (no compiler, or another device) the PyTorch attention
     path must be exact on its own terms too."""
@@ -300,3 +300,33 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
     nearly[5, 7] = torch.nextafter(nearly[5, 7], torch.tensor(1.0))
     assert pack_blocks(nearly) is None and pack_blocks(torch.randn(n, k, generator=gen)) is None
     assert not isinstance(PackedLinear(nearly).packed, tuple)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_sliding_window_is_honoured(arch: str) -> None:
+    """With every layer sliding (window W, two layers), a row at position p sees tokens
+    p - 2(W - 1) .. p only. Changing a token before that leaves every logits row of the
+    answer bit-identical, through prefill and through tree verification; widening the
+    window lets the change through. (Mistral runs the fast path, Qwen3 the generic one.)"""
+    every_layer = {"max_window_layers": 0} if arch == "qwen3" else {}
+    window = 12
+    prompt = random_prompts((30,), seed=8)[0]
+    changed = list(prompt)
+    changed[3] = (changed[3] + 1) % 90 + 3
+    assert 3 < 30 - 1 - 2 * (window - 1), "the change must lie outside every answer row's reach"
+
+    def answers(size: int) -> list[list[torch.Tensor]]:
+        model = tiny_model(arch, seed=7, sliding_window=size, **every_layer)
+        target = TargetModel(model)
+        out = []
+        for p in (prompt, changed):
+            plain = traced(target, NoDrafter(), [p])[0]
+            drafter = RandomTreeDrafter([plain.argmax(-1).tolist()], [len(p)], hit=0.8, seed=1)
+            out.append([plain, traced(target, drafter, [p])[0]])
+        return out
+
+    (plain, spec), (plain_changed, spec_changed) = answers(window)
+    assert torch.equal(plain, plain_changed) and torch.equal(spec, spec_changed)
+    assert torch.equal(plain, spec)
+    (plain, spec), (plain_changed, spec_changed) = answers(40)
+    assert not torch.equal(plain, plain_changed) and not torch.equal(spec, spec_changed)

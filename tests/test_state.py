@@ -297,7 +297,7 @@ def test_ddp_two_processes(tiny_run, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma", "gemma3"])
 def test_untrained_state_drafter_is_lossless(arch: str, dtype: torch.dtype) -> None:
     """The core losslessness matrix, with the state drafter: batches of mixed prompt lengths."""
     model = clone(tiny_model(arch), dtype)
@@ -328,17 +328,19 @@ def _chain_inputs(model, pred, lengths, seed):
     return out
 
 
-@pytest.mark.parametrize("decoder_layers", [1, 2])
-def test_drafted_chain_matches_the_training_unroll(decoder_layers: int) -> None:
+@pytest.mark.parametrize("decoder_layers,window", [(1, 0), (2, 0), (1, 5), (2, 5)])
+def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: int) -> None:
     """A top-1 chain drafted at inference follows the training unroll step for step: the depth
     ``d`` node's prediction is ``forward_unrolled`` step ``d`` at its row (with one decoder
-    layer, and with two, each attending to its own cache)."""
+    layer, and with two, each attending to its own cache; and with a sliding window, which
+    the predictor takes from the target's last layer)."""
     import copy
 
     from sot.drafters.base import DraftInput
 
-    model = tiny_model("llama", seed=4)
+    model = tiny_model("mistral", seed=4, sliding_window=window) if window else tiny_model("llama", seed=4)
     pred = new_predictor(model, LAYERS, None, seed=2) if decoder_layers == 1 else _two_layer_predictor(model, 2)
+    assert pred.config.window == window
     drafter = StateDrafter(copy.deepcopy(pred), top_k=1, lookup=False, min_confidence=0.0)
     (ctx, states), = _chain_inputs(model, pred, [12], seed=0)
     drafter.reset(1)

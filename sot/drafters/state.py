@@ -43,10 +43,26 @@ FORMAT = "sot-state-predictor/1"
 
 # ---------------------------------------------------------------------------- config
 def _rope_theta(config: Any) -> float:
+    """The rope base of the target's last layer (the layer the predictor mirrors); models
+    with sliding layers (Gemma 3) keep one set of rope parameters per layer type."""
     params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        types = getattr(config, "layer_types", None) or []
+        params = params.get(types[-1] if types else "", next(iter(params.values())))
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
     return float(getattr(config, "rope_theta", None) or 10000.0)
+
+
+def _last_layer_window(model: torch.nn.Module) -> int:
+    """The sliding window of the target's last decoder layer (0: full attention)."""
+    from sot.models.fast_llama import layer_window
+
+    layer = _last_decoder_layer(model)
+    attention = getattr(layer, "self_attn", None)
+    if attention is None:
+        return 0
+    return int(layer_window(attention, model.config) or 0)
 
 
 def embedding_hash(weight: torch.Tensor) -> str:
@@ -86,6 +102,8 @@ class StatePredictorConfig:
     format: str = FORMAT
     #: decoder layers in the predictor's body (files written before this field have one)
     decoder_layers: int = 1
+    #: sliding window of the predictor's attention, the target's last layer's (0: none)
+    window: int = 0
 
     @classmethod
     def for_target(cls, model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab_size: int,
@@ -107,7 +125,7 @@ class StatePredictorConfig:
             raise ConfigError(f"a state predictor needs at least one decoder layer, got {decoder_layers}")
         return cls(d, heads, kv, head_dim, inter, eps, _rope_theta(cfg), tuple(int(x) for x in state_layers),
                    min(draft_vocab_size, vocab) if draft_vocab_size > 0 else 0, target_fingerprint(model),
-                   decoder_layers=int(decoder_layers))
+                   decoder_layers=int(decoder_layers), window=_last_layer_window(model))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -362,6 +380,8 @@ class StatePredictor(torch.nn.Module):
         scale = 1.0 / math.sqrt(self.config.head_dim)
         g_rep = self._groups()
         causal = torch.ones(t, t, dtype=torch.bool, device=next_tokens.device).tril()
+        if self.config.window:  # row t sees real rows after t - window only
+            causal = causal & torch.ones_like(causal).triu(1 - self.config.window)
         # per decoder layer, the keys and values of every step so far
         keys: list[list[torch.Tensor]] = [[] for _ in range(self.config.decoder_layers)]
         values: list[list[torch.Tensor]] = [[] for _ in range(self.config.decoder_layers)]
@@ -371,7 +391,7 @@ class StatePredictor(torch.nn.Module):
             if k > 0:
                 x = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # row t takes row t-1's prediction
             h, q, kk, vv = self.project(x, next_tokens, positions)
-            allowed = causal if k == 0 else torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-k)
+            allowed = causal if k == 0 else causal.tril(-k)
             for i, (ks, vs) in enumerate(zip(keys, values)):
                 if i > 0:
                     q, kk, vv = self.layer_qkv(i, h, positions)
@@ -601,12 +621,16 @@ class _SeqState:
         self.k[layer][:, self.length + at : self.length + at + n] = k
         self.v[layer][:, self.length + at : self.length + at + n] = v
 
-    def attend(self, layer: int, q: torch.Tensor, extra: int, mask: torch.Tensor) -> torch.Tensor:
-        """Decoder layer ``layer``'s ``q [H, m, hd]`` over every real row plus the first
-        ``extra`` scratch rows, which are visible per ``mask [m, extra]``. Returns ``[H, m, hd]``."""
+    def attend(self, layer: int, q: torch.Tensor, extra: int, mask: torch.Tensor,
+               first: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder layer ``layer``'s ``q [H, m, hd]`` over the real rows plus the first
+        ``extra`` scratch rows, which are visible per ``mask [m, extra]``. Real rows are all
+        visible, or (a sliding window) from ``first [m]`` on per query. Returns ``[H, m, hd]``."""
         n = self.length + extra
         full = torch.ones(q.shape[1], n, dtype=torch.bool, device=q.device)
         full[:, self.length :] = mask
+        if first is not None:
+            full[:, : self.length] = torch.arange(self.length, device=q.device) >= first[:, None]
         return F.scaled_dot_product_attention(q.unsqueeze(0), self.k[layer][None, :, :n], self.v[layer][None, :, :n],
                                               attn_mask=full, enable_gqa=True).squeeze(0)
 
@@ -752,6 +776,7 @@ class StateDrafter(Drafter):
         tokens = torch.tensor([[t for it in items for t in it[2]]])
         pos = torch.tensor([[it[3] + i for it in items for i in range(it[1].shape[0])]])
         h, q, k, v = p.project(x, tokens, pos)
+        window = p.config.window
         for i in range(self.layers):
             if i > 0:
                 q, k, v = p.layer_qkv(i, h, pos)
@@ -761,7 +786,11 @@ class StateDrafter(Drafter):
                 seq.reserve(n, k[0])
                 seq.write(i, 0, k[0, :, at : at + n], v[0, :, at : at + n])
                 causal = torch.ones(n, n, dtype=torch.bool).tril()
-                outs.append(seq.attend(i, q[0, :, at : at + n], n, causal))
+                first = None
+                if window:  # row at position r sees rows after r - window, new ones included
+                    causal &= torch.ones(n, n, dtype=torch.bool).triu(1 - window)
+                    first = pos[0, at : at + n] - window + 1
+                outs.append(seq.attend(i, q[0, :, at : at + n], n, causal, first))
                 at += n
             h = p.finish(h, torch.cat(outs, dim=1).unsqueeze(0), i)
         g, at = h[0], 0
@@ -891,7 +920,8 @@ class StateDrafter(Drafter):
                 for gr, (base, mask) in zip(live, masks):
                     m = mask.shape[0]
                     gr.seq.write(i, base, k[0, :, at : at + m], v[0, :, at : at + m])
-                    outs.append(gr.seq.attend(i, q[0, :, at : at + m], base + m, mask))
+                    first = pos[0, at : at + m] - p.config.window + 1 if p.config.window else None
+                    outs.append(gr.seq.attend(i, q[0, :, at : at + m], base + m, mask, first))
                     at += m
                 h = p.finish(h, torch.cat(outs, dim=1).unsqueeze(0), i)
             g = h[0]  # [M, D]

@@ -152,7 +152,7 @@ inline void weighted_values(int64_t group, const float* weights, int64_t stride,
 template <typename T, int G>
 void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
          const torch::Tensor& lengths, const torch::Tensor& ancestors, const torch::Tensor& rows,
-         float scale, torch::Tensor& out) {
+         float scale, int64_t window, float softcap, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
   const int64_t Hkv = keys.size(1), S = keys.size(3), W = ancestors.size(2);
   const int64_t group = H / Hkv;
@@ -181,21 +181,30 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
         }
         continue;
       }
-      const float* kt = kp + (b * Hkv + kvh) * D * S;    // [D][S]
-      const float* vbase = vp + (b * Hkv + kvh) * S * D;  // [S][D]
       for (int64_t j = 0; j < group; ++j) {
         const T* qsrc = qp + b * qs0 + (kvh * group + j) * qs1 + r * qs2;
         for (int64_t d = 0; d < D; ++d) qrows[j * D + d] = static_cast<float>(qsrc[d]);
       }
-      const int64_t committed = lp[b];
       const int64_t* anc = ap + (b * R + r) * W;
+      int64_t depth = -1;
+      while (depth + 1 < W && anc[depth + 1] >= 0) ++depth;
+      // The row sits at position lp[b] + depth. With a sliding window it sees the keys at
+      // positions first .. position only: the window's first key depends on the row's own
+      // position, so a tree row and plain decoding of the same token see the same keys.
+      // Keys are then counted from `first` (k = 0 is position first) on both paths.
+      const int64_t position = lp[b] + depth;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+      const int64_t lo = std::min(first, lp[b]);  // first committed slot read
+      const float* kt = kp + (b * Hkv + kvh) * D * S + lo;      // [D][S], from slot lo
+      const float* vbase = vp + ((b * Hkv + kvh) * S + lo) * D;  // [S][D], from slot lo
+      const int64_t committed = lp[b] - lo;
       slots.clear();
-      for (int64_t w = 0; w < W && anc[w] >= 0; ++w) slots.push_back(anc[w]);
+      for (int64_t w = std::max<int64_t>(0, first - lp[b]); w <= depth; ++w) slots.push_back(anc[w] - lo);
       const int64_t total = committed + static_cast<int64_t>(slots.size());
       // Whole 16-key blocks over the committed keys; the last block may run into scratch
       // slots (finite values), whose scores are then overwritten by the scalar loop.
       int64_t blocks = (committed + kLanes - 1) / kLanes * kLanes;
-      if (blocks > S) blocks = committed / kLanes * kLanes;
+      if (blocks > S - lo) blocks = committed / kLanes * kLanes;
       const int64_t stride = (std::max(total, blocks) + kLanes - 1) / kLanes * kLanes;
       scores.resize(group * stride);
       // Scores: each lane sums q[d] * k[d] over d in order, the same operations as the
@@ -217,6 +226,12 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
           scores[j * stride + k] = sc * scale;
         }
       }
+      if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), before the softmax
+        for (int64_t j = 0; j < group; ++j)
+          for (int64_t k = 0; k < total; ++k) {
+            float& s = scores[j * stride + k];
+            s = std::tanh(s / softcap) * softcap;
+          }
       float sums[kMaxGroup];
       for (int64_t j = 0; j < group; ++j) {
         float* sc = scores.data() + j * stride;
@@ -253,31 +268,33 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
 
 // q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, D, S] and
 // values: [B, Hkv, S, D], float32, contiguous; lengths: [B] int64; ancestors: [B, R, W] int64
-// cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence.
+// cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence; window:
+// keys per row under a sliding window (0: all); softcap: attention-logit soft cap (0: none).
 // Returns [B, R, H, D] in q's dtype, accumulated in float32 (zeros past rows[b]).
 torch::Tensor tree_attention_exact(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                    torch::Tensor lengths, torch::Tensor ancestors,
-                                   torch::Tensor rows, double scaling) {
+                                   torch::Tensor rows, double scaling, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rank mismatch");
   TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32,
               "the cache must be float32");
   TORCH_CHECK(q.stride(3) == 1, "q's last dim must be contiguous");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
-  const float scale = static_cast<float>(scaling);
+  const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 only");
   const bool f32 = q.scalar_type() == torch::kFloat32;
   switch (q.size(1) / keys.size(1)) {  // query heads per KV head
-    case 1: f32 ? run<float, 1>(q, keys, values, lengths, ancestors, rows, scale, out)
-                : run<at::BFloat16, 1>(q, keys, values, lengths, ancestors, rows, scale, out); break;
-    case 2: f32 ? run<float, 2>(q, keys, values, lengths, ancestors, rows, scale, out)
-                : run<at::BFloat16, 2>(q, keys, values, lengths, ancestors, rows, scale, out); break;
-    case 3: f32 ? run<float, 3>(q, keys, values, lengths, ancestors, rows, scale, out)
-                : run<at::BFloat16, 3>(q, keys, values, lengths, ancestors, rows, scale, out); break;
-    case 4: f32 ? run<float, 4>(q, keys, values, lengths, ancestors, rows, scale, out)
-                : run<at::BFloat16, 4>(q, keys, values, lengths, ancestors, rows, scale, out); break;
-    default: f32 ? run<float, 0>(q, keys, values, lengths, ancestors, rows, scale, out)
-                 : run<at::BFloat16, 0>(q, keys, values, lengths, ancestors, rows, scale, out); break;
+    case 1: f32 ? run<float, 1>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                : run<at::BFloat16, 1>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 2: f32 ? run<float, 2>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                : run<at::BFloat16, 2>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 3: f32 ? run<float, 3>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                : run<at::BFloat16, 3>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 4: f32 ? run<float, 4>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                : run<at::BFloat16, 4>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    default: f32 ? run<float, 0>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                 : run<at::BFloat16, 0>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
   }
   return out;
 }

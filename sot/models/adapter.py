@@ -121,17 +121,19 @@ def sot_attention(
     """
     if sot_context is None:
         raise RuntimeError("the 'sot' attention implementation needs a ForwardContext (run through SoT's engine)")
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise UnsupportedModelError("sliding-window and soft-capped attention are not supported yet")
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # transformers passes a layer's window (Mistral, Qwen2/3, Gemma 2/3 sliding layers) and
+    # its attention-logit soft cap (Gemma 2) as keyword arguments.
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
     cache, layout = sot_context.cache, sot_context.layout
     if isinstance(layout, TreeLayout):
         cache.write(layer, layout.write_slots, key, value)
-        out = tree_attention(query, cache, layer, layout, scale)
+        out = tree_attention(query, cache, layer, layout, scale, window, softcap)
     else:
         cache.write_sequence(layer, layout.batch_index, layout.start, key[0], value[0])
-        out = prefill_attention(query, cache, layer, layout, scale)
+        out = prefill_attention(query, cache, layer, layout, scale, window, softcap)
     return out.to(query.dtype), None
 
 

@@ -206,6 +206,15 @@ class PackedLinear:
         return out[:rows] if pad else out
 
 
+def layer_window(attention: torch.nn.Module, config: object) -> int | None:
+    """The sliding window a transformers attention module applies (``None``: full
+    attention): its own ``sliding_window`` where the family sets one per layer (Qwen2/3,
+    Gemma 2/3, from the config's ``layer_types``), else the config's (Mistral, every layer)."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window or None
+    return getattr(config, "sliding_window", None) or None
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor
@@ -214,6 +223,7 @@ class _Layer:
     o: PackedLinear
     gate_up: PackedLinear
     down: PackedLinear
+    window: int | None = None
 
 
 class FastLlama:
@@ -245,6 +255,7 @@ class FastLlama:
                     o=PackedLinear(att.o_proj.weight),
                     gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
                     down=PackedLinear(mlp.down_proj.weight),
+                    window=layer_window(att, cfg),
                 )
             )
         self.scaling = self.head_dim**-0.5
@@ -311,17 +322,17 @@ class FastLlama:
                 # One compiled call: rope on q and k, K/V into their cache slots.
                 keys, values = cache.layer(idx)
                 q = self.kernel.rope_write(qkv, cos3, sin3, keys, values, layout.write_slots, nq)
-                att = tree_attention(q, cache, idx, layout, self.scaling)
+                att = tree_attention(q, cache, idx, layout, self.scaling, layer.window)
             else:
                 qk = self._rope(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)  # q and k heads at once
                 q, k = qk[:, :nq], qk[:, nq:]
                 v = qkv[:, :, nq + nkv :].transpose(1, 2)
                 if stable:
                     cache.write(idx, layout.write_slots, k, v)
-                    att = tree_attention(q, cache, idx, layout, self.scaling)
+                    att = tree_attention(q, cache, idx, layout, self.scaling, layer.window)
                 else:
                     cache.write_sequence(idx, layout.batch_index, layout.start, k[0], v[0])
-                    att = prefill_attention(q, cache, idx, layout, self.scaling)
+                    att = prefill_attention(q, cache, idx, layout, self.scaling, layer.window)
             att = att.to(h.dtype).reshape(batch * rows, nq * hd)
             x, h = self._add_rms(h, layer.o(att, stable).view(batch, rows, -1), layer.ln2)
             gu = layer.gate_up(x.reshape(batch * rows, -1), stable)
@@ -360,7 +371,7 @@ class FastLlama:
             keys, values = cache.layer(idx)
             q = self.kernel.rope_write(grid.view(batch, rows, nq + 2 * nkv, hd), cos3, sin3, keys, values,
                                        layout.write_slots, nq)
-            att = tree_attention(q, cache, idx, layout, self.scaling)  # [B, T, H, hd]
+            att = tree_attention(q, cache, idx, layout, self.scaling, layer.window)  # [B, T, H, hd]
             att = att.to(h.dtype).reshape(batch * rows, nq * hd).index_select(0, flat)
             x, h = self._add_rms(h, layer.o(att, True), layer.ln2)
             gu = layer.gate_up(x, True)
