@@ -24,6 +24,12 @@ ARCHS = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=4, pad_token_id=0)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict()),
+    # Llama 3.x rope scaling (its long-context frequency bands start inside the tests'
+    # lengths) and tied embeddings
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=32))),
     # q/k norms; the second layer slides (layers from max_window_layers on)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, use_sliding_window=True,
                                                       sliding_window=10, max_window_layers=1)),

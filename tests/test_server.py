@@ -211,7 +211,9 @@ def test_a_disconnect_frees_the_slot(default_server) -> None:
             "temperature": 1.0, "seed": 1, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
-            for line in r.iter_lines():
+            # (a named iterator: a discarded one is closed on the spot, and with it the connection)
+            lines = r.iter_lines()
+            for line in lines:
                 if '"content":"' in line and '"content":""' not in line:
                     break  # the stream is running
             deadline = time.monotonic() + 5

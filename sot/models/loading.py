@@ -113,6 +113,41 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
+#: layer counts of the 27B Gemma 2 and Gemma 3 models, the only ones whose queries are scaled
+#: by ``hidden_size / num_heads`` rather than ``head_dim`` (llama.cpp's rule, as no file says it)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62, "gemma3": 62}
+
+
+def _gguf_metadata(gguf_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
+    """The scalar values of ``keys`` that the GGUF file sets."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    found = {}
+    for key in keys:
+        field = reader.get_field(key)
+        if field is not None:
+            found[key] = float(field.parts[field.data[0]][0])
+    return found
+
+
+def complete_gguf_config(gguf_path: Path, config: object) -> None:
+    """Set what transformers' GGUF reader leaves at its defaults for the Gemma families:
+    the attention-logit and final-logit soft caps that llama.cpp writes for Gemma 2, and the
+    query scale (``query_pre_attn_scalar``) that llama.cpp derives from the model size."""
+    family = getattr(config, "model_type", "")
+    if family not in _GEMMA_27B_LAYERS:
+        return
+    arch = "gemma2" if family == "gemma2" else "gemma3"
+    caps = _gguf_metadata(gguf_path, (f"{arch}.attn_logit_softcapping", f"{arch}.final_logit_softcapping"))
+    for key, value in caps.items():
+        setattr(config, key.split(".", 1)[1], value)
+    if config.num_hidden_layers == _GEMMA_27B_LAYERS[family]:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+
+
 def convert_gguf(gguf_path: Path) -> Path:
     """Dequantize a GGUF file into a cached safetensors folder once; return the folder."""
     out = cache_root() / "models" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
@@ -129,6 +164,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         source = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - report any parse failure as a load error
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
+    complete_gguf_config(gguf_path, config)
     # A GGUF-loaded model refuses save_pretrained, so rebuild it from its config.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(source.state_dict(), strict=False)

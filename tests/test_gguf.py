@@ -1,0 +1,103 @@
+"""GGUF files of the Gemma 2 and 3 families load like the default model's and decode exactly.
+
+No Gemma 2 file is small enough to ship, so the tests write tiny ones the way llama.cpp's
+converter lays them out (tensor names, norms stored as ``1 + w``, the family's metadata and a
+sentencepiece vocabulary) and load them through SoT's GGUF path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import RandomTreeDrafter, clone, hf_greedy, random_prompts, tiny_model
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.engine import Engine, GenerationParams
+from sot.models.adapter import TargetModel
+
+gguf = pytest.importorskip("gguf")
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def write_gguf(model: torch.nn.Module, path: Path) -> None:
+    """Write ``model`` (a tiny Gemma 2 or Gemma 3 text model) as a float32 GGUF file."""
+    cfg = model.config
+    family = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2 if family == "gemma2" else gguf.MODEL_ARCH.GEMMA3,
+                                     cfg.num_hidden_layers)
+    out = gguf.GGUFWriter(str(path), family)
+    out.add_context_length(cfg.max_position_embeddings)
+    out.add_embedding_length(cfg.hidden_size)
+    out.add_block_count(cfg.num_hidden_layers)
+    out.add_feed_forward_length(cfg.intermediate_size)
+    out.add_head_count(cfg.num_attention_heads)
+    out.add_head_count_kv(cfg.num_key_value_heads)
+    out.add_key_length(cfg.head_dim)
+    out.add_value_length(cfg.head_dim)
+    out.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    out.add_sliding_window(cfg.sliding_window)
+    if family == "gemma2":
+        out.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        out.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        out.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    else:
+        out.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    tokens = SPECIALS + ["\u2581"] + [chr(c) for c in range(33, 33 + cfg.vocab_size - len(SPECIALS) - 1)]
+    out.add_tokenizer_model("llama")
+    out.add_token_list(tokens)
+    out.add_token_scores([0.0] * len(tokens))
+    out.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))  # 3: control
+    out.add_bos_token_id(2)
+    out.add_eos_token_id(1)
+    out.add_unk_token_id(3)
+    out.add_pad_token_id(0)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":  # tied to the embeddings, as in Gemma files
+            continue
+        base = names.get_name(name.removesuffix(".weight"))
+        assert base is not None, name
+        data = tensor.float().numpy()
+        if name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp stores Gemma's (1 + w) norm weights
+        out.add_tensor(base + ".weight", data)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_loads_and_decodes_exactly(arch: str, tmp_path: Path, monkeypatch) -> None:
+    from sot.models.loading import load_model
+
+    monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
+    head_dim = 16  # a file says nothing of query_pre_attn_scalar: llama.cpp uses head_dim
+    # Gemma 3 files carry no layer pattern: readers assume the family's (five sliding
+    # layers, then a global one), so the model has six layers
+    shape = {"num_hidden_layers": 6, "layer_types": None} if arch == "gemma3" else {}
+    source = tiny_model(arch, seed=3, tie_word_embeddings=True, query_pre_attn_scalar=head_dim, **shape)
+    assert "full_attention" in source.config.layer_types and "sliding_attention" in source.config.layer_types
+    write_gguf(source, tmp_path / f"tiny-{arch}.gguf")
+    loaded = load_model(str(tmp_path / f"tiny-{arch}.gguf"))
+    model, cfg = loaded.model, loaded.model.config
+    for field in ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                  "final_logit_softcapping", "tie_word_embeddings"):
+        assert getattr(cfg, field) == getattr(source.config, field), field
+    state = model.state_dict()
+    for name, tensor in source.state_dict().items():
+        assert torch.allclose(state[name], tensor, atol=1e-6), name
+    assert loaded.tokenizer("a")["input_ids"][0] == 2, "the file's BOS is prepended"
+
+    prompts = random_prompts((7, 40), seed=2)
+    reference = [hf_greedy(source, p, 30) for p in prompts]
+    params = GenerationParams(max_new_tokens=30)
+    for dtype in (torch.float32, torch.bfloat16):
+        target = TargetModel(clone(model, dtype))
+        plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+        if dtype == torch.float32:
+            assert plain == reference
+        pld = [r.token_ids for r in Engine(target, PromptLookupDrafter(), TreeBudget(16, 6)).generate(prompts, params)]
+        rnd = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.7, seed=1)
+        spec = [r.token_ids for r in Engine(target, rnd, TreeBudget(16, 6)).generate(prompts, params)]
+        assert pld == plain and spec == plain
