@@ -22,6 +22,7 @@ from sot.models.loading import load_model, resolve_dtype
 from sot.policy import PolicyConfig
 from sot.prompts import PromptItem, encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
+from sot.trace import StepRecord, TracedSequence, compare_states
 
 
 @dataclass
@@ -44,9 +45,13 @@ class Completion:
     tree_sizes: list[int] = field(default_factory=list)
     plain_steps: int = 0
     fallbacks: int = 0
+    #: with ``trace=True``: one :class:`~sot.trace.StepRecord` per verify step
+    step_records: list[StepRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("step_records")  # large; written by sot.trace.write_trace instead
+        return out
 
 
 @dataclass(frozen=True)
@@ -204,15 +209,21 @@ class SoT:
 
     # ----------------------------------------------------------------- generation
     def generate_ids(
-        self, prompts: list[list[int]], params: GenerationParams, batch_size: int = 1
+        self, prompts: list[list[int]], params: GenerationParams, batch_size: int = 1, trace: bool = False
     ) -> list[Completion]:
         """Generate from token-id prompts, at most ``batch_size`` sequences at a time (a
-        continuous batch: a finished sequence's place goes to the next prompt)."""
+        continuous batch: a finished sequence's place goes to the next prompt). With
+        ``trace``, each completion keeps its step records (see :meth:`traced`)."""
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         out: list[Completion] = []
         if prompts:
-            for prompt, res in zip(prompts, self.engine.generate(prompts, params, batch_size)):
+            self.engine.record_steps = trace
+            try:
+                results = self.engine.generate(prompts, params, batch_size)
+            finally:
+                self.engine.record_steps = False
+            for prompt, res in zip(prompts, results):
                 text = res.text
                 for s in params.stop:
                     if s in text:
@@ -235,21 +246,44 @@ class SoT:
                         tree_sizes=res.tree_sizes,
                         plain_steps=res.plain_steps,
                         fallbacks=res.fallbacks,
+                        step_records=res.step_records,
                     )
                 )
         return out
 
+    def traced(self, prompts: list[list[int]], completions: list[Completion]) -> list[TracedSequence]:
+        """The traces of completions generated with ``trace=True`` from ``prompts`` (token
+        ids): each answer's tokens as text pieces, its step records and, where the state
+        drafter predicted states, their comparison with the target's actual states (one
+        forward of the target over the prompt and answer)."""
+        out = []
+        for i, (prompt, c) in enumerate(zip(prompts, completions)):
+            states = None
+            if any(r.predicted for r in c.step_records):
+                states = compare_states(self.target.model, prompt, c.token_ids, c.step_records)
+            pieces = [self.tokenizer.decode(c.token_ids[: j + 1])[len(self.tokenizer.decode(c.token_ids[:j])):]
+                      for j in range(len(c.token_ids))]
+            out.append(TracedSequence(
+                index=i, prompt_ids=list(prompt), token_ids=list(c.token_ids), pieces=pieces, text=c.text,
+                finish_reason=c.finish_reason, tau=round(c.mean_accept_len, 4), seconds=round(c.seconds, 4),
+                steps=[r.to_json() for r in c.step_records], states=states,
+                vocab={str(t): self.tokenizer.decode([t]) for t in sorted({t for r in c.step_records for t in r.tokens})},
+            ))
+        return out
+
     def generate(
-        self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int = 1, **kwargs: Any
+        self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int = 1, trace: bool = False,
+        **kwargs: Any,
     ) -> list[Completion]:
-        """Generate for each prompt (a string or a JSONL-style record).
+        """Generate for each prompt (a string or a JSONL-style record); ``trace`` keeps each
+        completion's step records (:attr:`Completion.step_records`).
 
         Keyword arguments are those of :meth:`params` (``max_new_tokens``, ``temperature``,
         ``top_p``, ``top_k``, ``seed``, ``sampling``, ``stop``).
         """
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in prompts]
-        return self.generate_ids(ids, params, batch_size)
+        return self.generate_ids(ids, params, batch_size, trace=trace)
 
     def stream(
         self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int | None = None, **kwargs: Any

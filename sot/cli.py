@@ -108,9 +108,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sequences decoded together; a finished one's place goes to the next prompt")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("--trace", metavar="FILE.jsonl",
+                     help="record every step (trees, acceptance, policy, timings, predicted states) to FILE.jsonl; "
+                          "'sot trace --from FILE.jsonl' draws it")
     add_model_args(gen)
     add_sampling_args(gen)
     add_chat_flag(gen)
+
+    tr = sub.add_parser("trace", help="draw the drafts, commits and predicted states of a generation as one HTML page")
+    tr.add_argument("prompt", nargs="?", help="the prompt text")
+    tr.add_argument("--prompts", help="JSONL file of prompts (as for generate)")
+    tr.add_argument("--from", dest="from_file", metavar="FILE.jsonl", help="draw a trace written by generate --trace")
+    tr.add_argument("--out", default="trace.html", help="the HTML page to write (default: trace.html)")
+    tr.add_argument("--save", metavar="FILE.jsonl", help="also write the trace data")
+    tr.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
+                    help="auto: the state predictor when one fits the model, else pld")
+    tr.add_argument("--batch-size", type=_positive_int, default=1, help="sequences decoded together")
+    add_model_args(tr)
+    add_sampling_args(tr)
+    add_chat_flag(tr)
 
     chat = sub.add_parser("chat", help="interactive streaming chat")
     chat.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
@@ -164,7 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sot = _load(args)
     ids = [sot.encode(item, args.chat) for item in items]
     params = sot.params(stop=args.stop, **_sampling_kwargs(args))
-    stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty()
+    stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty() and not args.trace
     if stream_one:
         for event in sot.stream(items, chat=args.chat, stop=args.stop, **_sampling_kwargs(args)):
             print(event.text, end="", flush=True)
@@ -172,7 +188,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         r = sot.last_stream[0]
         print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
         return 0
-    results = sot.generate_ids(ids, params, batch_size=args.batch_size)
+    results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=bool(args.trace))
+    if args.trace:
+        _write_trace(args, sot, ids, results)
     for i, r in enumerate(results):
         if args.json:
             record = r.to_dict()
@@ -185,6 +203,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"--- [{i}]")
             print(r.text)
             print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+    return 0
+
+
+def _write_trace(args: argparse.Namespace, sot, ids: list[list[int]], results) -> list:
+    from sot import __version__
+    from sot.models.loading import dtype_name
+    from sot.trace import write_trace
+
+    traced = sot.traced(ids, results)
+    path = args.trace if args.command == "generate" else args.save
+    if path:
+        run = {"model": sot.name, "drafter": sot.engine.drafter.kind.value, "dtype": dtype_name(sot.target.dtype),
+               "version": __version__}
+        write_trace(path, run, traced)
+        print(f"trace written to {path}", file=sys.stderr)
+    return traced
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from sot.trace import read_trace
+    from sot.trace_page import write_page
+
+    if sum(x is not None for x in (args.prompt, args.prompts, args.from_file)) != 1:
+        raise SoTError("give one of a PROMPT, --prompts FILE.jsonl or --from TRACE.jsonl")
+    if args.from_file:
+        try:
+            run, traced = read_trace(args.from_file)
+        except OSError as exc:
+            raise SoTError(f"cannot read {args.from_file}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise SoTError(str(exc)) from None
+    else:
+        from sot import __version__
+        from sot.models.loading import dtype_name
+        from sot.prompts import read_jsonl
+
+        items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
+        sot = _load(args)
+        ids = [sot.encode(item, args.chat) for item in items]
+        params = sot.params(**_sampling_kwargs(args))
+        results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=True)
+        traced = _write_trace(args, sot, ids, results)
+        run = {"model": sot.name, "drafter": sot.engine.drafter.kind.value, "dtype": dtype_name(sot.target.dtype),
+               "version": __version__}
+    write_page(args.out, run, traced)
+    print(f"wrote {args.out} ({len(traced)} sequence{'s' if len(traced) != 1 else ''})", file=sys.stderr)
     return 0
 
 
@@ -228,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sot`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "chat": cmd_chat}
+    handlers = {"generate": cmd_generate, "chat": cmd_chat, "trace": cmd_trace}
     try:
         if args.command == "bench":
             from sot.bench.cli import cmd_bench

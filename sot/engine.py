@@ -31,6 +31,7 @@ from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT
 from sot.policy import AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace
 from sot.sampling import SamplingMode, SamplingParams, sequence_generator
+from sot.trace import StepRecord, build_record
 from sot.tree import DraftTree, ancestor_table
 
 
@@ -80,6 +81,8 @@ class SequenceResult:
     #: the request's id in its engine
     request_id: int = -1
     prompt_tokens: int = 0
+    #: with ``Engine(record_steps=True)``: one record per verify step (:mod:`sot.trace`)
+    step_records: list[StepRecord] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -239,6 +242,9 @@ class Engine:
             outcome of every node in ``self.policy_trace`` (training data of ``learned``).
         max_batch: sequences decoded together at most (``None``: every request admitted at
             once); the others wait, first come first served.
+        record_steps: keep a :class:`~sot.trace.StepRecord` of every verify step in each
+            result (the proposed tree, what the policy kept, what was accepted, the target's
+            probabilities, the step's time split; the state drafter's predicted states).
     """
 
     def __init__(
@@ -252,6 +258,7 @@ class Engine:
         acceptance_model: AcceptanceModel | None = None,
         record_policy: bool = False,
         max_batch: int | None = None,
+        record_steps: bool = False,
     ) -> None:
         if budget.max_nodes < 1 or budget.max_depth < 0:
             raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
@@ -278,6 +285,8 @@ class Engine:
         self.trace = trace
         self.record_policy = record_policy
         self.max_batch = max_batch
+        self.record_steps = record_steps
+        self._proposed: dict[int, tuple[str, DraftTree]] = {}  # this step's, while recording
         self.acceptance_model = acceptance_model
         if (self.policy_config.kind is PolicyKind.LEARNED and acceptance_model is None and not record_policy
                 and drafter.kind is not DrafterKind.NONE):
@@ -428,6 +437,11 @@ class Engine:
         now = time.perf_counter()
         seq.result.first_token_seconds = now - seq.started
         event = self._commit(seq, acc.tokens, now, step=False)
+        if self.record_steps:  # the first token, from the prompt's pass: step 0
+            rec = build_record(0, len(seq.prompt) - 1, "prefill", root, root, acc.path, event.token_ids,
+                               out.logits[0, -1:], None, None)
+            rec.verify_seconds = round(now - t0, 6)
+            seq.result.step_records.append(rec)
         if out.states is not None and not seq.done:
             if read_now:  # not in the running batch's next drafting step
                 self.drafter.prepare([self._draft_input(seq, out.states[0])])
@@ -449,9 +463,11 @@ class Engine:
             self._ensure_cache(len(seqs), longest + self.GROW_STEP + self._headroom())
         t0 = time.perf_counter()
         passes = self.drafter.passes
+        self.drafter.record_states = self.record_steps
         plan, trees = self._plan_and_draft(seqs)
         t1 = time.perf_counter()
         batch = self._pack(seqs, trees)
+        roots = list(self._cache.lengths[: len(seqs)])
         t2 = time.perf_counter()
         out = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
         t3 = time.perf_counter()
@@ -467,7 +483,29 @@ class Engine:
         self.times.draft += t1 - t0
         self.times.verify += t3 - t2
         self.times.bookkeeping += (t2 - t1) + (t4 - t3)
+        if self.record_steps:
+            self._record(seqs, batch.trees, accepted, events, out, roots, (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3)))
         return events
+
+    def _record(self, seqs: list[_Seq], trees: list[DraftTree], accepted: list[Acceptance], events: list[TokenEvent],
+                out: ForwardOutput, roots: list[int], times: tuple[float, float, float]) -> None:
+        """Append each sequence's :class:`~sot.trace.StepRecord` of the step just taken."""
+        expected = self.policy.expected_tokens
+        for b, (seq, tree, acc, ev) in enumerate(zip(seqs, trees, accepted, events)):
+            mode, proposed = self._proposed.get(seq.id, ("plain", tree))
+            state = self.policy.seqs.get(seq.id)
+            if mode == "plain" and state is not None and state.fallbacks > 0 and state.plain_left > 0:
+                mode = "fallback"
+            rec = build_record(
+                len(seq.result.step_records), roots[b], mode, proposed, tree, acc.path, ev.token_ids,
+                out.seq_logits(b), expected.get(seq.id),
+                self.drafter.predicted_states(seq.id) if mode == "draft" else None,
+            )
+            rec.probe = bool(state is not None and state.probing and mode == "draft")
+            rec.draft_seconds, rec.verify_seconds, rec.other_seconds = (round(t, 6) for t in times)
+            rec.batch = len(seqs)
+            seq.result.step_records.append(rec)
+        self._proposed = {}
 
     # ----------------------------------------------------------------- stages
     def _draft_input(self, seq: _Seq, states: torch.Tensor | None) -> DraftInput:
@@ -488,6 +526,9 @@ class Engine:
             proposed = dict(zip(plan.drafting, drafted))
         chosen = policy.select(plan, proposed)
         drafting = set(plan.drafting)
+        if self.record_steps:
+            self._proposed = {k: ("draft", t) for k, t in proposed.items()}
+            self._proposed.update({k: ("free", t) for k, t in plan.free.items()})
         trees = []
         for seq in seqs:
             if seq.id in drafting:

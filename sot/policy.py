@@ -412,6 +412,9 @@ class CommitPolicy:
         #: sequences and free drafts together, smoothed: it corrects the estimates' optimism
         self.gain_scale = 1.0
         self._expected: dict[int, float] = {}  # per sequence: expected tokens of the kept nodes
+        #: per sequence of the last :meth:`choose_batch`: the tokens it expects the step to
+        #: commit (1 + the estimated acceptance of the kept nodes)
+        self.expected_tokens: dict[int, float] = {}
         #: share of the live sequences that drafted, over recent steps
         self.drafting_share = 1.0
 
@@ -624,6 +627,7 @@ class CommitPolicy:
                 cum.append(cum[-1] + est[i])
             gains[b] = cum
         base = batch_rows if live is None else live  # every live sequence commits at least one token
+        self.expected_tokens = {}
         if self.flat:
             return self._choose_flat(trees, orders, ests, batch_rows, base, calibrated)
         best_n, best_rate = 1, base / self.cost.verify(batch_rows)
@@ -637,6 +641,7 @@ class CommitPolicy:
             if b not in calibrated:
                 self.seqs[b].verified = best_n
             keep = orders[b][: best_n - 1]
+            self.expected_tokens[b] = 1.0 + sum(ests[b][i] for i in keep)
             out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)
         return out
 
@@ -664,6 +669,7 @@ class CommitPolicy:
         out = {}
         for b, tree in trees.items():
             keep = orders[b][: kept.get(b, 0)]
+            self.expected_tokens[b] = 1.0 + self.gain_scale * sum(ests[b][i] for i in keep)
             if b not in calibrated:
                 self.seqs[b].verified = 1 + len(keep)
             out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)

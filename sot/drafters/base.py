@@ -69,6 +69,9 @@ class Drafter(ABC):
     #: model passes run by :meth:`propose` so far (drafters without a model leave it at 0);
     #: the commit policy times drafting per pass from it
     passes: int = 0
+    #: keep the predicted state of each proposed node for :meth:`predicted_states` (set by
+    #: the engine while it records step traces)
+    record_states: bool = False
 
     def reset(self, batch_size: int = 0) -> None:
         """Forget all sequences (``batch_size`` is a hint of how many come next)."""
@@ -79,6 +82,12 @@ class Drafter(ABC):
     def prepare(self, inputs: list[DraftInput]) -> None:
         """Read the states of newly admitted sequences (their prompts) now, so that the cost
         is paid at admission and not by the next drafting step of the whole batch."""
+
+    def predicted_states(self, sequence: int) -> dict[tuple[int, ...], torch.Tensor] | None:
+        """With :attr:`record_states`: the state ``[D]`` this drafter predicted for each node of
+        the last tree it proposed for ``sequence``, keyed by the node's token path from the
+        root's child down (``()``: the root); ``None`` for drafters that predict no states."""
+        return None
 
     @abstractmethod
     def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:

@@ -821,6 +821,8 @@ class StateDrafter(Drafter):
         if growths:
             self._grow(list(growths.values()), budget)
         out = []
+        if self.record_states:
+            self._predicted = {x.sequence: self._node_states(growths[j]) for j, x in enumerate(inputs) if j in growths}
         for j, x in enumerate(inputs):
             if j not in growths:
                 out.append(DraftTree([x.context[-1]], [-1], [0]))
@@ -830,6 +832,20 @@ class StateDrafter(Drafter):
                 tree = self._merge_lookup(tree, x, budget)
             out.append(tree)
         return out
+
+    def _node_states(self, gr: _Growth) -> dict[tuple[int, ...], torch.Tensor]:
+        """The predicted state (after the output norm) of the root and of every expanded
+        candidate, keyed by token path."""
+        norm = self.predictor.out_norm
+        paths: dict[int, tuple[int, ...]] = {}
+        for c in range(len(gr.tok)):  # parents come before their children
+            paths[c] = (paths[gr.par[c]] if gr.par[c] >= 0 else ()) + (gr.tok[c],)
+        out = {(): norm(gr.seq.last).float()}
+        out.update({paths[c]: norm(g).float() for c, g in gr.state.items()})
+        return out
+
+    def predicted_states(self, sequence: int) -> dict[tuple[int, ...], torch.Tensor] | None:
+        return getattr(self, "_predicted", {}).get(sequence)
 
     def _merge_lookup(self, tree: DraftTree, x: DraftInput, budget: TreeBudget) -> DraftTree:
         """Merge the best prompt-lookup path into ``tree``; the best ``max_nodes - 1`` nodes of

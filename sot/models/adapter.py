@@ -137,6 +137,21 @@ def sot_attention(
     return out.to(query.dtype), None
 
 
+@contextmanager
+def transformers_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Within this context a model wrapped by :class:`TargetModel` runs transformers' own
+    attention (for a plain forward outside the engine, e.g. the states of a finished text)."""
+    previous = model.config._attn_implementation
+    if previous != ATTN_NAME:
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ATTN_NAME)
+
+
 def register_attention() -> None:
     """Register ``"sot"`` with transformers' attention interface (idempotent)."""
     from transformers import AttentionInterface

@@ -1,0 +1,186 @@
+"""Step traces: the records reproduce the output and the statistics, the predicted states are
+the predictor's, and the page works in a real browser without the network."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import random_prompts, tiny_model
+from sot.drafters import PromptLookupDrafter, TreeBudget
+from sot.drafters.state import StateDrafter, new_predictor
+from sot.engine import Engine, GenerationParams
+from sot.models.adapter import TargetModel, transformers_attention
+from sot.policy import PolicyConfig, PolicyKind
+from sot.trace import TracedSequence, compare_states, read_trace, write_trace
+
+LAYERS = (1, 2)
+PARAMS = GenerationParams(max_new_tokens=40)
+
+
+STATIC = PolicyConfig(kind=PolicyKind.STATIC)  # drafts every step: predicted states at every depth
+
+
+def _state_run(seed: int = 1, policy: PolicyConfig | None = STATIC):
+    model = tiny_model("llama", seed=4)
+    target = TargetModel(model, state_layers=LAYERS)
+    predictor = new_predictor(model, LAYERS, None, seed=seed)
+    prompts = random_prompts((20, 33), seed=2)
+    engine = Engine(target, StateDrafter(predictor, top_k=3), TreeBudget(16, 6), record_steps=True, policy=policy)
+    return model, predictor, prompts, engine.generate(prompts, PARAMS)
+
+
+def _replay(records) -> list[int]:
+    out: list[int] = []
+    for rec in records:
+        path = [rec.tokens[i] for i in rec.accepted[1:]]
+        out.extend((path + ([rec.bonus] if rec.bonus is not None else []))[: rec.committed])
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["state", "pld"])
+def test_accepted_paths_and_bonus_tokens_reproduce_the_output(drafter: str) -> None:
+    if drafter == "state":
+        _, _, _, results = _state_run()
+    else:
+        target = TargetModel(tiny_model("qwen2", seed=2))
+        engine = Engine(target, PromptLookupDrafter(), TreeBudget(16, 6), record_steps=True)
+        results = engine.generate(random_prompts((25, 40), seed=3), PARAMS)
+    for r in results:
+        assert r.step_records and _replay(r.step_records) == r.token_ids
+        assert any(len(rec.accepted) > 1 for rec in r.step_records), "some drafts must be accepted"
+        assert any(not all(rec.verified) or len(rec.accepted) < sum(rec.verified) for rec in r.step_records)
+
+
+def test_per_depth_counts_equal_the_result_statistics() -> None:
+    _, _, _, results = _state_run(policy=None)  # the adaptive policy: free drafts and plain steps too
+    for r in results:
+        assert r.step_records[0].mode == "prefill" and r.step_records[0].committed == 1
+        recs = r.step_records[1:]
+        assert [rec.step for rec in recs] == list(range(1, len(recs) + 1))
+        assert [rec.committed for rec in recs] == r.accept_lengths
+        assert [sum(rec.verified) for rec in recs] == r.tree_sizes
+        attempts, accepts = [0] * len(r.depth_attempts), [0] * len(r.depth_accepts)
+        for rec in recs:
+            depth = [0] * len(rec.tokens)
+            for i in range(1, len(rec.tokens)):
+                depth[i] = depth[rec.parents[i]] + 1
+            reach = len(rec.accepted) - 1
+            for d in range(1, max([depth[i] for i in range(len(depth)) if rec.verified[i]]) + 1):
+                if reach >= d - 1:
+                    attempts[d - 1] += 1
+                    accepts[d - 1] += reach >= d
+        assert attempts == r.depth_attempts and accepts == r.depth_accepts
+        assert sum(rec.mode in ("plain", "fallback") for rec in recs) + sum(rec.mode == "free" for rec in recs) \
+            == r.plain_steps
+
+
+def test_predicted_states_are_the_predictors_own() -> None:
+    """Rerun offline: the training unroll over the final text (the target's states of every
+    position, step ``j`` at row ``L - 1 + j``) gives the state recorded for the depth-``j``
+    node of the accepted path of a step rooted at ``L``."""
+    model, predictor, prompts, results = _state_run()
+    checked = [0, 0]
+    for prompt, r in zip(prompts, results):
+        ids = prompt + r.token_ids
+        with transformers_attention(model), torch.no_grad():
+            hidden = model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            states = torch.stack([hidden[i][0] for i in LAYERS], dim=1)  # [T, S, D], float32
+        depth = max(len(rec.accepted) for rec in r.step_records)
+        with torch.no_grad():
+            outs = predictor.forward_unrolled(states[None], torch.tensor([ids[1:] + [0]]), depth)
+            normed = [predictor.out_norm(o[0]) for o in outs]
+        for rec in r.step_records:
+            for j, vec in enumerate(rec.predicted or []):
+                if vec is None:
+                    continue
+                want = normed[j][rec.position - 1 + j]
+                assert torch.allclose(torch.tensor(vec), want, atol=1e-4, rtol=1e-4), (rec.step, j)
+                checked[min(j, 1)] += 1
+    assert checked[0] > 20 and checked[1] > 10, checked  # roots, and deeper nodes
+
+
+def test_trace_file_round_trip_and_state_comparison(tmp_path: Path) -> None:
+    model, _, prompts, results = _state_run()
+    traced = []
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        states = compare_states(model, p, r.token_ids, r.step_records)
+        assert len(states["actual"]) == len(r.token_ids)
+        assert all(-1.0 <= c["cosine"] <= 1.0 and c["rel_error"] >= 0 for c in states["compare"])
+        assert {c["depth"] for c in states["compare"]} >= {0, 1}
+        traced.append(TracedSequence(i, p, r.token_ids, [str(t) for t in r.token_ids], "", r.finish_reason, 1.0, 1.0,
+                                     [rec.to_json() for rec in r.step_records], states))
+    write_trace(tmp_path / "t.jsonl", {"model": "tiny"}, traced)
+    run, back = read_trace(tmp_path / "t.jsonl")
+    assert run["model"] == "tiny" and back == traced
+    (tmp_path / "bad.jsonl").write_text('{"type": "step"}\n')
+    with pytest.raises(ValueError, match="not a SoT trace line"):
+        read_trace(tmp_path / "bad.jsonl")
+
+
+def test_recording_is_off_by_default() -> None:
+    model = tiny_model("llama", seed=4)
+    target = TargetModel(model, state_layers=LAYERS)
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+    res = Engine(target, drafter, TreeBudget(16, 6)).generate(random_prompts((20,), seed=2), PARAMS)[0]
+    assert res.step_records == [] and drafter.predicted_states(res.request_id) is None
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="no system Chromium (Debian: apt-get install chromium); CI installs it and runs this test")
+def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
+    """Headless Chromium: no console errors, no network request, one element per token, the
+    tree changes with the selected step, and the screenshot is not blank."""
+    from playwright.sync_api import sync_playwright
+
+    from sot.trace_page import write_page
+
+    assert CHROMIUM is not None, "CI must install Debian's chromium"
+    model, _, prompts, results = _state_run()
+    seqs = []
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        seqs.append(TracedSequence(i, p, r.token_ids, [f"t{t} " for t in r.token_ids], "", r.finish_reason, 1.0, 1.0,
+                                   [rec.to_json() for rec in r.step_records],
+                                   compare_states(model, p, r.token_ids, r.step_records),
+                                   vocab={str(t): f"t{t}" for t in range(96)}))
+    page_file = tmp_path / "trace.html"
+    write_page(page_file, {"model": "tiny", "drafter": "state", "dtype": "float32"}, seqs)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--no-first-run", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            errors, requests = [], []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("request", lambda req: requests.append(req.url))
+            page.goto(page_file.as_uri())
+            page.wait_for_selector("#tree .main-svg")
+            assert page.locator("#tokens .tok").count() == len(results[0].token_ids)
+            title = lambda: page.locator("#tree .gtitle").text_content()  # noqa: E731
+            first = title()
+            later = next(rec.step for rec in results[0].step_records[1:]
+                         if len(rec.tokens) != len(results[0].step_records[0].tokens))
+            page.locator(f'#tokens .tok[data-step="{later}"]').first.click()
+            assert title() != first and title().startswith(f"step {later}:")
+            page.locator("#step").fill("0")
+            assert title() == first
+            shot = page.screenshot(full_page=True)
+            assert errors == [], errors
+            assert [u for u in requests if not u.startswith("file:")] == []
+        finally:
+            browser.close()
+    import io
+
+    from PIL import Image  # (Pillow comes with matplotlib, a test extra)
+
+    pixels = Image.open(io.BytesIO(shot)).convert("L")
+    lo, hi = pixels.getextrema()
+    assert hi - lo > 100, "the screenshot is blank"
