@@ -68,7 +68,8 @@ h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
 
 _SCRIPT = r"""
 const DATA = JSON.parse(document.getElementById('trace-data').textContent);
-const DEPTH_COLOURS = ['#1a9850', '#66bd63', '#a6d96a', '#d9ef8b', '#fee08b', '#fdae61', '#f46d43', '#d73027'];
+const DEPTH_COLOURS = ['#1a9850', '#66bd63', '#a6d96a', '#fee08b'];  // depth 1, 2, 3, 4 and deeper
+const STATE_COLOURS = ['#08519c', '#3182bd', '#6baed6', '#9ecae1', '#74c476', '#31a354', '#006d2c', '#fd8d3c'];
 const KIND = {bonus: '#9ecae1', plain: '#e0e0e0', fallback: '#fcbba1', free: '#c6dbef'};
 let seq = null, current = 0;
 
@@ -167,20 +168,20 @@ function drawStates() {
   seq.states.compare.forEach(c => { (byDepth[c.depth] = byDepth[c.depth] || []).push(c); });
   const series = key => Object.keys(byDepth).map(d => ({
     x: byDepth[d].map(c => c.position - seq.states.first), y: byDepth[d].map(c => c[key]), mode: 'markers',
-    name: d === '0' ? 'root' : 'depth ' + d, marker: {size: 6, color: DEPTH_COLOURS[Math.min(Number(d), DEPTH_COLOURS.length - 1)]}}));
+    name: d === '0' ? 'root' : 'depth ' + d, marker: {size: 6, color: STATE_COLOURS[Math.min(Number(d), STATE_COLOURS.length - 1)]}}));
   const lay = (title, y) => ({title: {text: title, font: {size: 13}}, xaxis: {title: {text: 'answer token'}},
                               yaxis: {title: {text: y}}, height: 320, margin: {t: 40, l: 50, r: 10, b: 40}});
   Plotly.newPlot('cosine', series('cosine'), lay('predicted vs actual state: cosine', 'cosine'), {displaylogo: false});
   Plotly.newPlot('relerr', series('rel_error'), lay('predicted vs actual state: relative error', '|pred - actual| / |actual|'), {displaylogo: false});
   const a = seq.states.actual2d;
-  const traces = [{x: a.map(p => p[0]), y: a.map(p => p[1]), mode: 'lines+markers', name: 'target states (answer)',
-                   line: {color: '#555', width: 1}, marker: {size: 5, color: '#555'}, text: seq.pieces, hoverinfo: 'text'}];
+  const traces = [{x: a.map(p => p[0]), y: a.map(p => p[1]), mode: 'markers', name: 'target states (answer)',
+                   marker: {size: 6, color: '#444'}, text: seq.pieces.map((t, i) => `token ${i}: ${JSON.stringify(t)}`), hoverinfo: 'text'}];
   seq.states.trajectories.forEach((t, i) => {
     const xs = [], ys = [];
     if (t.start >= 0 && t.start < a.length) { xs.push(a[t.start][0]); ys.push(a[t.start][1]); }
     t.points.forEach(p => { xs.push(p[0]); ys.push(p[1]); });
     traces.push({x: xs, y: ys, mode: 'lines+markers', name: 'predicted', showlegend: i === 0, legendgroup: 'pred',
-                 line: {color: '#d73027', width: 1}, marker: {size: 4, color: '#d73027'}, hoverinfo: 'text',
+                 line: {color: '#d73027', width: 1}, marker: {size: 4, color: '#d73027'}, opacity: 0.45, hoverinfo: 'text',
                  text: xs.map(() => `step ${t.step}`)});
   });
   Plotly.newPlot('pca', traces, {title: {text: 'states in 2-D (PCA of the target\'s): each step\'s predicted trajectory from the state it started from', font: {size: 13}},
@@ -222,10 +223,10 @@ function drawSteps() {
 
 function show(i) {
   seq = DATA.sequences[i];
-  current = 0;
+  current = seq.steps.length > 1 ? 1 : 0;  // the first verify step (step 0 is the prompt's pass)
   const slider = document.getElementById('step');
   slider.max = Math.max(0, seq.steps.length - 1);
-  slider.value = 0;
+  slider.value = current;
   document.getElementById('summary').textContent =
     `${seq.pieces.length} tokens in ${seq.steps.length} steps, mean accepted length ${Number(seq.tau).toFixed(2)}`;
   drawTokens(); drawTree(); drawStates(); drawSteps();

@@ -41,7 +41,8 @@ def tiny_dir(tmp_path_factory):
 def tiny_server(tiny_dir, tmp_path_factory):
     """A tiny random model (character tokenizer, 512-token context), prompt-lookup drafts."""
     server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, "--max-batch", "8",
-                           "--max-queue", "64", "--api-key", "sekrit", log=tmp_path_factory.mktemp("serve") / "tiny.log")
+                           "--max-queue", "64", "--api-key", "sekrit", "--trace", "2",
+                           log=tmp_path_factory.mktemp("serve") / "tiny.log")
     try:
         server.wait_ready()
         yield server
@@ -344,3 +345,21 @@ def test_sigterm_finishes_streams_and_exits_0(tiny_dir, tmp_path) -> None:
         assert server.proc.wait(60) == 0
     finally:
         server.stop()
+
+
+def test_trace_pages_of_finished_requests(tiny_server, default_server) -> None:
+    """With --trace N the last N finished requests are served as trace pages; older ones,
+    unknown ids and a server without --trace answer a JSON 404."""
+    ids = []
+    for prompt in ("abcabc", "xyzxyz", "hello hello"):
+        resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": TINY, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        ids.append(resp.json()["id"])
+    page = httpx.get(f"{tiny_server.url}/trace/{ids[-1]}", timeout=60)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'id="trace-data"' in page.text and ids[-1] in page.text
+    for missing in (ids[0], "cmpl-nope"):
+        gone = httpx.get(f"{tiny_server.url}/trace/{missing}", timeout=30)
+        assert gone.status_code == 404 and "only the last 2" in gone.json()["error"]["message"]
+    off = httpx.get(f"{default_server.url}/trace/{ids[-1]}", timeout=30)
+    assert off.status_code == 404 and "--trace" in off.json()["error"]["message"]

@@ -165,13 +165,15 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
             page.wait_for_selector("#tree .main-svg")
             assert page.locator("#tokens .tok").count() == len(results[0].token_ids)
             title = lambda: page.locator("#tree .gtitle").text_content()  # noqa: E731
-            first = title()
-            later = next(rec.step for rec in results[0].step_records[1:]
-                         if len(rec.tokens) != len(results[0].step_records[0].tokens))
+            nodes = lambda: page.locator("#tree .textpoint").all_text_contents()  # noqa: E731
+            first, first_nodes = title(), nodes()  # the first verify step is shown at first
+            assert first.startswith("step 1:") and len(first_nodes) == len(results[0].step_records[1].tokens)
+            later = next(rec.step for rec in results[0].step_records[2:]
+                         if rec.tokens != results[0].step_records[1].tokens)
             page.locator(f'#tokens .tok[data-step="{later}"]').first.click()
-            assert title() != first and title().startswith(f"step {later}:")
-            page.locator("#step").fill("0")
-            assert title() == first
+            assert title().startswith(f"step {later}:") and nodes() != first_nodes
+            page.locator("#step").fill("1")
+            assert title() == first and nodes() == first_nodes
             shot = page.screenshot(full_page=True)
             assert errors == [], errors
             assert [u for u in requests if not u.startswith("file:")] == []

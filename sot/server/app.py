@@ -10,6 +10,7 @@ On SIGTERM the server stops accepting requests, lets running ones finish for
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import secrets
@@ -20,7 +21,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -44,6 +45,7 @@ class ServerConfig:
         max_batch: sequences decoded together.
         max_queue: requests waiting for a slot beyond ``max_batch``; more are answered 429.
         shutdown_timeout: seconds running requests get to finish after SIGTERM.
+        trace: finished requests whose step traces are kept for ``/trace/{id}`` (0: off).
     """
 
     model_name: str | None = None
@@ -51,6 +53,9 @@ class ServerConfig:
     max_batch: int = 8
     max_queue: int = 64
     shutdown_timeout: float = 30.0
+    #: keep the step traces of the last ``trace`` finished requests, each served as a page
+    #: at ``/trace/{id}`` (0: no tracing)
+    trace: int = 0
 
 
 class ServerState:
@@ -66,6 +71,16 @@ class ServerState:
         self.draining = False
         self.in_flight = 0
         self.created = int(time.time())
+        #: response id -> (prompt, result) of the last ``config.trace`` finished requests
+        self.traces: collections.OrderedDict[str, tuple[list[int], SequenceResult]] = collections.OrderedDict()
+
+    def keep_trace(self, rid: str, prompt: list[int], result: SequenceResult | None) -> None:
+        """Remember a finished request's steps for ``/trace/{rid}`` (the oldest goes first)."""
+        if self.config.trace <= 0 or result is None:
+            return
+        self.traces[rid] = (prompt, result)
+        while len(self.traces) > self.config.trace:
+            self.traces.popitem(last=False)
 
     @property
     def ready(self) -> bool:
@@ -86,6 +101,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         try:
             sot = load()
             sot.engine.max_batch = config.max_batch
+            sot.engine.record_steps = config.trace > 0
             _ = sot.engine.policy  # measure the verify cost model before serving
             state.sot = sot
             state.model_name = config.model_name or sot.name
@@ -151,6 +167,26 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
              "max_model_len": state.context}]})
 
     # ------------------------------------------------------------ generation
+    @app.get("/trace/{rid}")
+    async def trace_page(rid: str) -> HTMLResponse:
+        if config.trace <= 0:
+            raise APIError(404, "tracing is off; start the server with --trace")
+        _check_ready(state)
+        kept = state.traces.get(rid)
+        if kept is None:
+            raise APIError(404, f"no trace of request {rid!r} (only the last {config.trace} finished requests are kept)")
+        prompt, result = kept
+
+        def render() -> str:  # the state comparison runs the model: on the worker thread
+            from sot.trace_page import render_page
+
+            traced = state.sot.traced([prompt], [result])
+            return render_page({"model": state.model_name, "drafter": state.sot.engine.drafter.kind.value,
+                                "request": rid}, traced)
+
+        page = await asyncio.wrap_future(state.worker.call(render))
+        return HTMLResponse(page)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         _check_key(request, config)
@@ -284,6 +320,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         state.in_flight -= 1
     if final.error:
         raise APIError(500, final.error)
+    state.keep_trace(rid, prompt, final.result)
     reason = FINISH_REASONS.get(final.finish_reason or "length", final.finish_reason)
     content = text.final_text()
     choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
@@ -360,6 +397,7 @@ async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text:
                 yield chunk(delta, ids=update.token_ids)
             if last:
                 finished = True
+                state.keep_trace(rid, prompt, update.result)
                 reason = FINISH_REASONS.get(update.finish_reason, update.finish_reason)
                 yield chunk(None, reason, extra={"sot": _extension(update.result)})
                 if include_usage:

@@ -22,6 +22,9 @@ def add_serve_parser(sub, add_model_args, positive_int, non_negative_float) -> N
                    help="requests that may wait for a slot; beyond that the server answers 429")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are ended")
+    p.add_argument("--trace", type=int, nargs="?", const=64, default=0, metavar="N",
+                   help="record every step of each request and serve the last N finished ones (default 64) "
+                        "as pages at /trace/{id}, the id of the completion")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_model_args(p)
 
@@ -35,7 +38,9 @@ def cmd_serve(args: argparse.Namespace, load) -> int:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
-                          max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+                          max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, trace=args.trace)
+    if args.trace < 0:
+        raise ConfigError(f"--trace takes a count of requests to keep, got {args.trace}")
     app = create_app(lambda: load(args), config)
     state = app.state.sot_state
 

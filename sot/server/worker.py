@@ -9,6 +9,7 @@ loop that submitted it (``call_soon_threadsafe``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
@@ -87,6 +88,13 @@ class EngineWorker:
         self._commands.put(("add", (ticket, _Ticket(prompt, params, loop, updates))))
         return ticket, updates
 
+    def call(self, fn) -> "concurrent.futures.Future":
+        """Run ``fn()`` on the worker thread between two steps (work that uses the model,
+        which only this thread may touch); returns a future of its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        return future
+
     def abort(self, ticket: int) -> None:
         """Cancel a request (a client went away); its slot is free by the next step."""
         self._commands.put(("abort", ticket))
@@ -144,6 +152,13 @@ class EngineWorker:
                 self._by_engine_id.pop(t.engine_id, None)
                 self.engine.abort(t.engine_id)
                 self.metrics.finished("abort")
+        elif kind == "call":
+            fn, future = arg
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - the caller reports it
+                    future.set_exception(exc)
         elif kind == "abort_all":
             for ticket in list(self._tickets):
                 t = self._tickets.pop(ticket)
