@@ -467,7 +467,7 @@ class Engine:
         plan, trees = self._plan_and_draft(seqs)
         t1 = time.perf_counter()
         batch = self._pack(seqs, trees)
-        roots = list(self._cache.lengths[: len(seqs)])
+        roots = list(self._cache.lengths[: len(seqs)]) if self.record_steps else []
         t2 = time.perf_counter()
         out = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
         t3 = time.perf_counter()
