@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The commit-policy study behind the README's "Commit policy" section (about an hour on 2 cores).
+# The commit-policy study behind the "Commit policy" section of docs/DESIGN.md (about an hour on 2 cores).
 # Every run alternates the methods on each prompt; outputs land in docs/bench/policy/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The benchmark runs behind the README tables (about 20 minutes on 2 cores).
-# llamacpp needs llama-cpp-python built for the CPU (see the README; skipped with a note otherwise).
+# The benchmark runs behind the tables of docs/RESULTS.md and the README (about 20 minutes on 2 cores).
+# llamacpp needs llama-cpp-python built for the CPU (see docs/RESULTS.md; skipped with a note otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-8}

@@ -40,7 +40,7 @@ def main(run: Path, data: Path, out: Path) -> None:
         " normed state).",
         f"- Held-out evaluation: {prep['eval']['tokens']:,} tokens from {prep['eval']['sequences']} held-out"
         " conversations.",
-        "- Self-distilled data (`sot train gen-data`) was not used for this predictor (see the README).",
+        "- Self-distilled data (`sot train gen-data`) was not used for this predictor (see docs/training.md).",
         "",
         "## Run",
         "",
@@ -76,7 +76,7 @@ def main(run: Path, data: Path, out: Path) -> None:
         "",
         "`accept_rate` at depth d is the share of chains that reach depth d among those that reached",
         "d - 1. `chain tau` is the expected tokens per step of one greedy chain (1 + the sum of reach",
-        "probabilities); trees of 16 nodes accept more than one chain does (see the README benchmarks).",
+        "probabilities); trees of 16 nodes accept more than one chain does (see docs/RESULTS.md).",
         "",
         f"Final training figures (step {last['step']}): KL at unroll step 0 {last['kl0']:.2f},"
         f" top-1 agreement at step 0 {last['acc0']:.2f}.",

@@ -75,7 +75,7 @@ class PolicyConfig:
         max_backoff: cap of the back-off, in steps.
     """
 
-    kind: PolicyKind = PolicyKind.HEURISTIC  # measured the faster one; see the README
+    kind: PolicyKind = PolicyKind.HEURISTIC  # measured the faster one; see docs/DESIGN.md
     warmup: int = 0
     fallback_threshold: float = 1.0
     window: int = 6
