@@ -307,7 +307,7 @@ def load_acceptance_model(path: str | Path | None, target: torch.nn.Module | Non
     model = AcceptanceModel.load(path or DEFAULT_ACCEPTANCE_MODEL)
     expected = model.info.get("embed_hash")
     if expected and target is not None:
-        from sot.drafters.state import embedding_hash
+        from sot.fingerprint import embedding_hash
 
         found = embedding_hash(target.get_input_embeddings().weight)
         if found != expected:

@@ -93,7 +93,7 @@ def collect_traces(cfg: PolicyTrainConfig) -> dict:
                 labels.append(a)
                 groups.append(torch.full((a.numel(),), run))
             bar.update(len(chunk))
-    from sot.drafters.state import embedding_hash
+    from sot.fingerprint import embedding_hash
 
     return {"features": torch.cat(feats), "accepted": torch.cat(labels), "group": torch.cat(groups),
             "embed_hash": embedding_hash(loaded.model.get_input_embeddings().weight),

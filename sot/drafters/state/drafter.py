@@ -1,0 +1,407 @@
+"""The runtime drafter: grows trees from a :class:`StatePredictor` (see :mod:`sot.drafters.state`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
+from sot.drafters.pld import LookupRate, NgramIndex, PromptLookupDrafter
+from sot.drafters.state.model import StatePredictor
+from sot.errors import ConfigError
+from sot.tree import DraftTree
+
+
+class _SeqState:
+    """One sequence's predictor KV cache and last predicted state.
+
+    Rows ``[0, length)`` are real (built from target states); rows after them are scratch
+    space for the draft tree being grown and are overwritten by the next tree.
+    """
+
+    def __init__(self, layers: int = 1) -> None:
+        self.layers = layers
+        self.k: list[torch.Tensor] = []  # per decoder layer [Hkv, cap, hd]
+        self.v: list[torch.Tensor] = []
+        self.length = 0
+        self.last: torch.Tensor | None = None  # [D] prediction for the root's position
+
+    def reserve(self, n: int, like: torch.Tensor | None = None) -> None:
+        """Make room for ``n`` rows after ``length`` in every layer's cache (``like``: a
+        ``[Hkv, *, hd]`` tensor, needed before the first rows)."""
+        if self.k and self.length + n <= self.k[0].shape[1]:
+            return
+        like = like if like is not None else self.k[0]
+        cap = max(256, 2 * (self.length + n))
+        for store in (self.k, self.v):
+            for i in range(self.layers):
+                grown = like.new_zeros(like.shape[0], cap, like.shape[2])
+                if i < len(store):
+                    grown[:, : self.length] = store[i][:, : self.length]
+                    store[i] = grown
+                else:
+                    store.append(grown)
+
+    def write(self, layer: int, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store decoder layer ``layer``'s rows ``k, v [Hkv, n, hd]`` at ``length + at``
+        (reserved beforehand)."""
+        n = k.shape[1]
+        self.k[layer][:, self.length + at : self.length + at + n] = k
+        self.v[layer][:, self.length + at : self.length + at + n] = v
+
+    def attend(self, layer: int, q: torch.Tensor, extra: int, mask: torch.Tensor,
+               first: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder layer ``layer``'s ``q [H, m, hd]`` over the real rows plus the first
+        ``extra`` scratch rows, which are visible per ``mask [m, extra]``. Real rows are all
+        visible, or (a sliding window) from ``first [m]`` on per query. Returns ``[H, m, hd]``."""
+        n = self.length + extra
+        full = torch.ones(q.shape[1], n, dtype=torch.bool, device=q.device)
+        full[:, self.length :] = mask
+        if first is not None:
+            full[:, : self.length] = torch.arange(self.length, device=q.device) >= first[:, None]
+        return F.scaled_dot_product_attention(q.unsqueeze(0), self.k[layer][None, :, :n], self.v[layer][None, :, :n],
+                                              attn_mask=full, enable_gqa=True).squeeze(0)
+
+
+class _Growth:
+    """A tree being grown for one sequence: candidate nodes and the draft rows behind them."""
+
+    def __init__(self, seq: _SeqState, root: int, root_pos: int) -> None:
+        self.seq, self.root, self.root_pos = seq, root, root_pos
+        # candidate nodes: token, parent (-1 = root), depth, cumulative log-prob
+        self.tok: list[int] = []
+        self.par: list[int] = []
+        self.dep: list[int] = []
+        self.score: list[float] = []
+        self.frontier: list[int] = []
+        self.row_of: dict[int, int] = {}  # expanded node -> its scratch row
+        self.anc_rows: list[list[int]] = []  # scratch row -> scratch rows it may see
+        self.state: dict[int, torch.Tensor] = {}  # expanded node -> predicted state [D]
+
+    def add(self, parent: int, depth: int, base: float, logp: list[float], ids: list[int], vocab: list[int]) -> list[int]:
+        new = []
+        for s, i in zip(logp, ids):
+            self.tok.append(vocab[i]), self.par.append(parent), self.dep.append(depth), self.score.append(base + s)
+            new.append(len(self.tok) - 1)
+        return new
+
+
+class StateDrafter(Drafter):
+    """Proposes trees from a :class:`StatePredictor` rolled forward on its own states.
+
+    All sequences of a batch are drafted together: at every depth one predictor pass runs
+    over the frontier nodes of every tree (attention alone is per sequence, over its own
+    cache).
+
+    Args:
+        predictor: the loaded predictor.
+        top_k: children considered per expanded node, and nodes expanded per depth.
+        lookup: merge the best prompt-lookup continuation into each tree, and offer it alone
+            (:meth:`propose_free`) on the steps the policy keeps the predictor idle.
+        lookup_confidence: the confidence of the ``d``-th lookup token is this to the ``d``;
+            ``None`` (default) uses the sequence's measured lookup match rate
+            (:class:`~sot.drafters.pld.LookupRate`).
+        min_confidence: nodes below this cumulative draft probability are not expanded.
+    """
+
+    kind = DrafterKind.STATE
+
+    def __init__(self, predictor: StatePredictor, top_k: int = 8, lookup: bool = True,
+                 lookup_confidence: float | None = None, min_confidence: float = 0.05) -> None:
+        if top_k < 1:
+            raise ConfigError(f"top_k must be >= 1, got {top_k}")
+        self.lookup = PromptLookupDrafter() if lookup else None
+        self.lookup_confidence = lookup_confidence
+        self.min_confidence = min_confidence
+        self.predictor = predictor.eval()
+        self.predictor.pack_for_inference()
+        self.state_layers = tuple(predictor.config.state_layers)
+        self.layers = predictor.config.decoder_layers
+        self.top_k = top_k
+        self.seqs: dict[int, _SeqState] = {}  # by DraftInput.sequence
+        self.rates: dict[int, LookupRate] = {}
+        self.indexes: dict[int, NgramIndex] = {}  # each sequence's n-grams, for the lookup
+        # per sequence: (context length, best lookup continuation, whether it reached the
+        # context's end) of this step's search
+        self._found: dict[int, tuple[int, list[int], bool]] = {}
+        self.dtype = next(predictor.parameters()).dtype
+        self._vocab = predictor.draft_vocab.tolist()
+
+    @property
+    def static_width(self) -> int:  # the static policy's beam: top_k nodes per depth
+        return self.top_k
+
+    def reset(self, batch_size: int = 0) -> None:
+        self.seqs.clear()
+        self.rates.clear()
+        self.indexes.clear()
+        self._found.clear()
+
+    def release(self, sequence: int) -> None:
+        self.seqs.pop(sequence, None)
+        self.rates.pop(sequence, None)
+        self.indexes.pop(sequence, None)
+        self._found.pop(sequence, None)
+
+    def _seq(self, sequence: int) -> _SeqState:
+        if sequence not in self.seqs:
+            self.seqs[sequence] = _SeqState(self.layers)
+        return self.seqs[sequence]
+
+    def _index(self, sequence: int) -> NgramIndex:
+        if sequence not in self.indexes:
+            self.indexes[sequence] = NgramIndex(self.lookup.max_ngram, self.lookup.min_ngram)
+        return self.indexes[sequence]
+
+    def _rate(self, sequence: int) -> LookupRate:
+        if sequence not in self.rates:
+            self.rates[sequence] = LookupRate()
+        return self.rates[sequence]
+
+    def prepare(self, inputs: list[DraftInput]) -> None:
+        """Absorb the given states (a new sequence's prompt) into the predictor caches."""
+        self._absorb_inputs(inputs)
+
+    def _lookup(self, x: DraftInput, depth: int) -> list[int]:
+        """The best prompt-lookup continuation of ``x.context``, at most ``depth`` tokens (empty
+        when nothing matches), recorded with the sequence's :class:`LookupRate`. A step searches
+        once per sequence: a second call on the same context (the drafter merging the path
+        that :meth:`propose_free` found) reuses the first search, cut to ``depth``; the best
+        match is the same, since it is the most recent occurrence of the longest n-gram."""
+        rate = self._rate(x.sequence)
+        rate.update(x.context)
+        known = self._found.get(x.sequence)
+        if known is not None and known[0] == len(x.context) and (len(known[1]) >= depth or known[2]):
+            best = known[1][:depth]
+        else:
+            best = self._index(x.sequence).best(x.context, depth)
+            # a continuation shorter than asked for ends at the context's end: it is complete
+            self._found[x.sequence] = (len(x.context), best, len(best) < depth)
+        if best:
+            rate.proposed(x.context, best)
+        return best
+
+    def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree] | None:
+        """The best prompt-lookup continuation of each sequence as a chain, node ``d`` with
+        confidence ``rate ** d`` (the sequence's measured match rate); root-only trees where
+        nothing matches. ``None`` without lookup."""
+        if self.lookup is None:
+            return None
+        out = []
+        for x in inputs:
+            best = self._lookup(x, min(budget.max_depth, budget.max_nodes - 1))
+            root = x.context[-1]
+            out.append(self._rate(x.sequence).chain(root, best) if best else DraftTree([root], [-1], [0], [1.0]))
+        return out
+
+    @torch.no_grad()
+    def _absorb(self, items: list[tuple[_SeqState, torch.Tensor, list[int], int]]) -> None:
+        """Add real rows to the sequences' predictor caches in one pass. Each item is
+        ``(seq, states [n, S, D], next_tokens [n], first_pos)``."""
+        p = self.predictor
+        self.passes += 1
+        x = p.fuse_states(torch.cat([it[1] for it in items]).to(self.dtype)).unsqueeze(0)
+        tokens = torch.tensor([[t for it in items for t in it[2]]])
+        pos = torch.tensor([[it[3] + i for it in items for i in range(it[1].shape[0])]])
+        h, q, k, v = p.project(x, tokens, pos)
+        window = p.config.window
+        parts = []
+        for seq, states, _, _ in items:
+            n = states.shape[0]
+            seq.reserve(n, k[0])
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            if window:  # a row sees the rows after its position - window, new ones included
+                causal &= torch.ones(n, n, dtype=torch.bool).triu(1 - window)
+            parts.append((seq, 0, causal))
+        h = self._layers(h, q, k, v, pos, parts)
+        g, at = h[0], 0
+        for seq, states, _, _ in items:
+            seq.length += states.shape[0]
+            at += states.shape[0]
+            seq.last = g[at - 1]
+
+    def _layers(self, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                parts: list[tuple[_SeqState, int, torch.Tensor]]) -> torch.Tensor:
+        """Every decoder layer over one pass's rows ``h [1, M, D]`` (``q, k, v``: the first
+        layer's, at ``pos [1, M]``). The rows are the sequences' ``parts`` in order, each
+        ``(seq, base, mask [m, base + m])``: its ``m`` rows are written to its cache from
+        scratch row ``base`` on and see its real rows (within the window) plus the scratch
+        rows ``mask`` allows. Returns the stream after the last layer ``[1, M, D]``."""
+        p = self.predictor
+        window = p.config.window
+        for i in range(self.layers):
+            if i > 0:
+                q, k, v = p.layer_qkv(i, h, pos)
+            outs, at = [], 0
+            for seq, base, mask in parts:
+                m = mask.shape[0]
+                seq.write(i, base, k[0, :, at : at + m], v[0, :, at : at + m])
+                first = pos[0, at : at + m] - window + 1 if window else None
+                outs.append(seq.attend(i, q[0, :, at : at + m], base + m, mask, first))
+                at += m
+            h = p.finish(h, torch.cat(outs, dim=1).unsqueeze(0), i)
+        return h
+
+    def _absorb_inputs(self, inputs: list[DraftInput]) -> None:
+        """Absorb the states the inputs carry, all sequences in one pass."""
+        fresh = []
+        for x in inputs:
+            if x.states is not None and x.states.shape[0] > 0:
+                n = x.states.shape[0]
+                first = len(x.context) - 1 - n
+                fresh.append((self._seq(x.sequence), x.states, x.context[first + 1 :], first))
+        if fresh:
+            self._absorb(fresh)
+
+    @torch.no_grad()
+    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        self._absorb_inputs(inputs)
+        growths: dict[int, _Growth] = {}
+        for j, x in enumerate(inputs):
+            seq = self._seq(x.sequence)
+            if seq.last is not None and budget.max_nodes >= 2 and budget.max_depth >= 1:
+                growths[j] = _Growth(seq, x.context[-1], len(x.context) - 1)
+        if growths:
+            self._grow(list(growths.values()), budget)
+        out = []
+        if self.record_states:
+            self._predicted = {x.sequence: self._node_states(growths[j]) for j, x in enumerate(inputs) if j in growths}
+        for j, x in enumerate(inputs):
+            if j not in growths:
+                out.append(DraftTree([x.context[-1]], [-1], [0]))
+                continue
+            tree = self._finish_tree(growths[j], budget)
+            if self.lookup is not None and budget.width == 0:
+                tree = self._merge_lookup(tree, x, budget)
+            out.append(tree)
+        return out
+
+    def _node_states(self, gr: _Growth) -> dict[tuple[int, ...], torch.Tensor]:
+        """The predicted state (after the output norm) of the root and of every expanded
+        candidate, keyed by token path."""
+        norm = self.predictor.out_norm
+        paths: dict[int, tuple[int, ...]] = {}
+        for c in range(len(gr.tok)):  # parents come before their children
+            paths[c] = (paths[gr.par[c]] if gr.par[c] >= 0 else ()) + (gr.tok[c],)
+        out = {(): norm(gr.seq.last).float()}
+        out.update({paths[c]: norm(g).float() for c, g in gr.state.items()})
+        return out
+
+    def predicted_states(self, sequence: int) -> dict[tuple[int, ...], torch.Tensor] | None:
+        return getattr(self, "_predicted", {}).get(sequence)
+
+    def _merge_lookup(self, tree: DraftTree, x: DraftInput, budget: TreeBudget) -> DraftTree:
+        """Merge the best prompt-lookup path into ``tree``; the best ``max_nodes - 1`` nodes of
+        both, by confidence, are kept (shared prefixes count once)."""
+        best = self._lookup(x, budget.max_depth)
+        if not best:
+            return tree
+        r = self.lookup_confidence if self.lookup_confidence is not None else self._rate(x.sequence).rate
+        probs = tree.draft_probs or [1.0] * tree.size
+        paths: list[tuple[float, tuple[int, ...]]] = []
+        node_path: list[tuple[int, ...]] = [()]
+        for i in range(1, tree.size):
+            node_path.append(node_path[tree.parents[i]] + (tree.tokens[i],))
+            paths.append((probs[i], node_path[i]))
+        paths += [(r**d, tuple(best[:d])) for d in range(1, len(best) + 1)]
+        # a prefix is never less confident than its extension, so this order inserts parents first
+        paths.sort(key=lambda x: (-x[0], len(x[1])))
+        tokens, parents, depths, conf = [tree.tokens[0]], [-1], [0], [1.0]
+        index: dict[tuple[int, ...], int] = {(): 0}
+        for p, path in paths:
+            if path in index:
+                conf[index[path]] = max(conf[index[path]], p)
+                continue
+            if len(tokens) >= budget.max_nodes or path[:-1] not in index:
+                continue
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(index[path[:-1]])
+            depths.append(len(path))
+            conf.append(p)
+        return DraftTree(tokens, parents, depths, conf)
+
+    def _grow(self, growths: list[_Growth], budget: TreeBudget) -> None:
+        """Grow every tree by cumulative confidence, all sequences in one predictor pass per
+        depth: at every depth the ``top_k`` best new nodes of a tree are expanded, until its
+        budget is filled, confidence falls below ``min_confidence`` or ``max_depth`` is
+        reached. With ``budget.width``, a fixed beam of that many nodes per depth."""
+        p = self.predictor
+        fixed = budget.width > 0
+        keep = budget.max_nodes - 1
+        k_top = budget.width if fixed else self.top_k
+        least = self.min_confidence if budget.min_confidence is None else budget.min_confidence
+        floor = math.log(least) if least > 0 and not fixed else -math.inf
+        self.passes += 1
+        last = torch.stack([gr.seq.last for gr in growths])  # [B, D]
+        logp = torch.log_softmax(p.logits(last).float(), dim=-1)
+        val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
+        for gr, vs, ids in zip(growths, val.tolist(), idx.tolist()):
+            gr.frontier = gr.add(-1, 1, 0.0, vs, ids, self._vocab)
+            gr.seq.reserve(k_top * budget.max_depth)
+        for depth in range(1, budget.max_depth):
+            live = []
+            for gr in growths:
+                front = [n for n in gr.frontier if gr.score[n] >= floor]
+                if front and not fixed and len(gr.score) >= keep:
+                    bar = sorted(gr.score, reverse=True)[keep - 1]
+                    front = [n for n in front if gr.score[n] > bar]
+                gr.frontier = front
+                if front:
+                    live.append(gr)
+            if not live:
+                break
+            states, tokens, positions = [], [], []
+            for gr in live:
+                for n in gr.frontier:
+                    states.append(gr.seq.last if gr.par[n] == -1 else gr.state[gr.par[n]])
+                    tokens.append(gr.tok[n])
+                    positions.append(gr.root_pos - 1 + depth)
+            self.passes += 1
+            pos = torch.tensor([positions])
+            h, q, k, v = p.project(torch.stack(states).unsqueeze(0), torch.tensor([tokens]), pos)
+            masks = []  # per live tree: (its state, first scratch row, visibility [m, base + m])
+            for gr in live:
+                m = len(gr.frontier)
+                base = len(gr.anc_rows)
+                for j, n in enumerate(gr.frontier):
+                    parent_rows = gr.anc_rows[gr.row_of[gr.par[n]]] if gr.par[n] in gr.row_of else []
+                    gr.anc_rows.append(parent_rows + [base + j])
+                    gr.row_of[n] = base + j
+                mask = torch.zeros(m, base + m, dtype=torch.bool)
+                for j in range(m):
+                    mask[j, gr.anc_rows[base + j]] = True
+                masks.append((gr.seq, base, mask))
+            g = self._layers(h, q, k, v, pos, masks)[0]  # [M, D]
+            logp = torch.log_softmax(p.logits(g).float(), dim=-1)
+            val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
+            vals, ids = val.tolist(), idx.tolist()
+            at = 0
+            for gr in live:
+                cand = []
+                for n in gr.frontier:
+                    gr.state[n] = g[at]
+                    cand += gr.add(n, depth + 1, gr.score[n], vals[at], ids[at], self._vocab)
+                    at += 1
+                cand.sort(key=lambda c: -gr.score[c])
+                gr.frontier = cand[:k_top]
+
+    @staticmethod
+    def _finish_tree(gr: _Growth, budget: TreeBudget) -> DraftTree:
+        """The proposed tree: the best ``max_nodes - 1`` candidates (a parent always scores at
+        least as high as its child and ties go to the shallower node, so the set is closed
+        under ancestors), or with ``budget.width`` the whole beam."""
+        n_cand = len(gr.tok)
+        if budget.width > 0:  # the beam: the frontier of every depth, whatever its score
+            last = set(gr.frontier)
+            chosen = [c for c in range(n_cand) if c in gr.row_of or c in last]
+        else:
+            chosen = sorted(range(n_cand), key=lambda c: (-gr.score[c], gr.dep[c], c))[: budget.max_nodes - 1]
+        chosen.sort(key=lambda c: (gr.dep[c], c))
+        index = {c: i + 1 for i, c in enumerate(chosen)}
+        tokens = [gr.root] + [gr.tok[c] for c in chosen]
+        parents = [-1] + [0 if gr.par[c] == -1 else index[gr.par[c]] for c in chosen]
+        depths = [0] + [gr.dep[c] for c in chosen]
+        probs = [1.0] + [math.exp(gr.score[c]) for c in chosen]
+        return DraftTree(tokens, parents, depths, probs)

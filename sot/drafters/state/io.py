@@ -1,0 +1,172 @@
+"""Predictor files, and new predictors started from the target's own weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sot.drafters.state.config import StatePredictorConfig, _last_decoder_layer
+from sot.drafters.state.model import DecoderLayer, StatePredictor
+from sot.errors import ConfigError, DrafterCompatibilityError
+from sot.fingerprint import target_fingerprint
+
+
+def save_predictor(model: StatePredictor, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write the trainable weights and the draft vocabulary map to one safetensors file; the
+    config (with the target fingerprint) goes into its metadata."""
+    tensors = {}
+    for k, v in model.state_dict().items():
+        tensors[k] = v.detach().to(dtype).contiguous() if v.is_floating_point() else v.detach().contiguous()
+    save_file(tensors, str(path), metadata={"sot_config": model.config.to_json()})
+
+
+def read_predictor_config(path: str | Path) -> StatePredictorConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"state predictor file {p} does not exist")
+    try:
+        with safe_open(str(p), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except Exception as exc:  # noqa: BLE001
+        raise DrafterCompatibilityError(f"{p} is not a safetensors state predictor: {exc}") from exc
+    if "sot_config" not in meta:
+        raise DrafterCompatibilityError(f"{p} has no SoT state predictor config in its metadata")
+    return StatePredictorConfig.from_json(meta["sot_config"])
+
+
+def check_compatible(config: StatePredictorConfig, model: torch.nn.Module, path: str | Path = "checkpoint") -> None:
+    """Raise :class:`DrafterCompatibilityError` unless the predictor was trained for ``model``."""
+    have = target_fingerprint(model)
+    want = config.target
+    diffs = [f"{k}: trained for {want.get(k)!r}, target has {have[k]!r}" for k in
+             ("architecture", "hidden_size", "vocab_size", "num_layers", "embed_hash") if want.get(k) != have[k]]
+    if diffs:
+        raise DrafterCompatibilityError(
+            f"state predictor {path} was trained for another target model ({'; '.join(diffs)}); "
+            "train one for this model with 'sot train'"
+        )
+
+
+def _final_norm_weight(model: torch.nn.Module) -> torch.Tensor | None:
+    for name in ("model.norm", "model.final_layernorm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.final_norm"):
+        mod = model
+        for part in name.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        w = getattr(mod, "weight", None) if mod is not None else None
+        if isinstance(w, torch.Tensor):
+            return w
+    return None
+
+
+def _state_norm_weight(model: torch.nn.Module, index: int) -> torch.Tensor | None:
+    """The weight of the norm the target applies to ``hidden_states[index]``: the input norm
+    of layer ``index``, or none for the last entry (it is already normed)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or index >= len(layers):
+        return None
+    norm = getattr(layers[index], "input_layernorm", None)
+    w = getattr(norm, "weight", None)
+    return w if isinstance(w, torch.Tensor) else None
+
+
+def _init_from_target(pred: StatePredictor, model: torch.nn.Module) -> bool:
+    """Start the predictor's first layer from the target's last decoder layer where the shapes
+    match (Llama-style families), the fuse from the highest input layer, and the input
+    projection from the state path. Returns whether the layer weights were copied."""
+    d = pred.config.hidden_size
+    s = len(pred.config.state_layers)
+    with torch.no_grad():
+        pred.fuse.weight[:, (s - 1) * d :] += torch.eye(d)
+        pred.inp.weight[:, :d] += torch.eye(d)
+    return _copy_last_layer(pred, model)
+
+
+def _start_as_identity(layer: DecoderLayer, model: torch.nn.Module | None) -> None:
+    """A further decoder layer starts as the identity: its attention and MLP outputs are
+    zero (``o_proj`` and ``down_proj``), so a predictor grown by a layer first predicts what
+    it did before; its other weights come from the target's last layer where they fit."""
+    if model is not None:
+        _copy_last_layer(layer, model)
+    with torch.no_grad():
+        layer.o_proj.weight.zero_()
+        layer.down_proj.weight.zero_()
+
+
+def _copy_last_layer(ours: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Copy the target's last decoder layer into ``ours`` (a module with the
+    :class:`DecoderLayer` attributes) where every shape matches."""
+    with torch.no_grad():
+        layer = _last_decoder_layer(model)
+        if layer is None:
+            return False
+        pairs = {
+            "q_proj": getattr(getattr(layer, "self_attn", None), "q_proj", None),
+            "k_proj": getattr(getattr(layer, "self_attn", None), "k_proj", None),
+            "v_proj": getattr(getattr(layer, "self_attn", None), "v_proj", None),
+            "o_proj": getattr(getattr(layer, "self_attn", None), "o_proj", None),
+            "gate_proj": getattr(getattr(layer, "mlp", None), "gate_proj", None),
+            "up_proj": getattr(getattr(layer, "mlp", None), "up_proj", None),
+            "down_proj": getattr(getattr(layer, "mlp", None), "down_proj", None),
+            "attn_norm": getattr(layer, "input_layernorm", None),
+            "mlp_norm": getattr(layer, "post_attention_layernorm", None),
+        }
+        mods = {k: getattr(ours, k) for k in pairs}
+        if any(src is None or getattr(src, "weight", None) is None or src.weight.shape != mods[k].weight.shape
+               or getattr(src, "bias", None) is not None for k, src in pairs.items()):
+            return False
+        for k, src in pairs.items():
+            mods[k].weight.copy_(src.weight.float())
+    return True
+
+
+def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab: torch.Tensor | None,
+                  seed: int = 0, init: str = "target", decoder_layers: int = 1) -> StatePredictor:
+    """A freshly initialised predictor for ``model`` (fp32 weights).
+
+    ``init="target"`` starts the first decoder layer from the target's last layer when the
+    family allows it (the rest small random) and every further layer as the identity
+    (:func:`_start_as_identity`); ``init="random"`` uses small random weights only.
+    """
+    if init not in ("target", "random"):
+        raise ConfigError(f"init must be 'target' or 'random', got {init!r}")
+    size = 0 if draft_vocab is None else int(draft_vocab.numel())
+    cfg = StatePredictorConfig.for_target(model, state_layers, size, decoder_layers)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        pred = StatePredictor(cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight, draft_vocab)
+        for mod in pred.modules():
+            if isinstance(mod, torch.nn.Linear):
+                torch.nn.init.normal_(mod.weight, std=0.02)
+        w = _final_norm_weight(model)
+        if w is not None and w.shape == pred.out_norm.weight.shape:
+            pred.out_norm.weight.data.copy_(w.float())
+        for norm, layer in zip(pred.in_norms, cfg.state_layers):
+            src = _state_norm_weight(model, layer)
+            if src is not None and src.shape == norm.weight.shape:
+                norm.weight.data.copy_(src.float())
+        if init == "target":
+            _init_from_target(pred, model)
+            for layer in pred.upper:
+                _start_as_identity(layer, model)
+    return pred.float()
+
+
+def load_predictor(path: str | Path, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> StatePredictor:
+    """Load a predictor for ``model``; fails with a clear message for another target."""
+    cfg = read_predictor_config(path)
+    check_compatible(cfg, model, path)
+    with safe_open(str(path), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    vocab = tensors.get("draft_vocab")
+    pred = StatePredictor(cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight, vocab)
+    missing, unexpected = pred.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise DrafterCompatibilityError(f"{path} does not match the predictor layout (missing {missing}, unexpected {unexpected})")
+    for param in pred.parameters():
+        param.data = param.data.to(dtype)
+    pred.head = pred.head.to(dtype)  # the draft-vocabulary rows only; the embeddings stay shared
+    return pred.eval()

@@ -1,0 +1,284 @@
+"""The state predictor as a ``torch.nn.Module`` (see :mod:`sot.drafters.state`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from sot.drafters.state.config import StatePredictorConfig
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            from sot.models.fast_llama import fused_rms_norm
+
+            fused = fused_rms_norm(x.dtype, x.device)  # the same formula in one compiled call
+            if fused is not None:
+                return fused(x, self.weight, self.eps, None)[0]
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class DecoderLayer(torch.nn.Module):
+    """The modules of one Llama-style decoder layer of the predictor (norms, attention
+    projections, gated MLP), at the target's width. The first layer's modules sit directly on
+    :class:`StatePredictor` (the file layout of one-layer predictors); further layers are
+    ``StatePredictor.upper[i]``."""
+
+    def __init__(self, c: "StatePredictorConfig") -> None:
+        super().__init__()
+        add_layer_modules(self, c)
+
+
+def add_layer_modules(owner: torch.nn.Module, c: "StatePredictorConfig") -> None:
+    """Register one decoder layer's modules on ``owner``: ``attn_norm``, ``q/k/v/o_proj``,
+    ``mlp_norm``, ``gate/up/down_proj`` (no biases)."""
+    d = c.hidden_size
+    lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+    owner.attn_norm = RMSNorm(d, c.rms_eps)
+    owner.q_proj = lin(d, c.num_heads * c.head_dim)
+    owner.k_proj = lin(d, c.num_kv_heads * c.head_dim)
+    owner.v_proj = lin(d, c.num_kv_heads * c.head_dim)
+    owner.o_proj = lin(c.num_heads * c.head_dim, d)
+    owner.mlp_norm = RMSNorm(d, c.rms_eps)
+    owner.gate_proj = lin(d, c.intermediate_size)
+    owner.up_proj = lin(d, c.intermediate_size)
+    owner.down_proj = lin(c.intermediate_size, d)
+
+
+def _add_noise(states: torch.Tensor, relative: float) -> torch.Tensor:
+    """Gaussian noise with std ``relative`` times each state vector's RMS."""
+    rms = states.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return states + (torch.randn(states.shape, device=states.device) * rms * relative).to(states.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class StatePredictor(torch.nn.Module):
+    """The trainable predictor plus references to the target's frozen embeddings and head.
+
+    Args:
+        config: shapes and target fingerprint.
+        embed: ``[V, D]`` the target's input embeddings (not copied, not saved).
+        head: ``[V, D]`` the target's LM head weight (not saved).
+        draft_vocab: ``[V_d]`` target token ids the predictor may propose, or ``None`` (all).
+    """
+
+    def __init__(self, config: StatePredictorConfig, embed: torch.Tensor, head: torch.Tensor,
+                 draft_vocab: torch.Tensor | None = None) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        d, s = c.hidden_size, len(c.state_layers)
+        lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        # one norm per input layer, started from the norm the target applies to that state
+        # (hidden states carry a few huge outlier dimensions; the target's norms tame them)
+        self.in_norms = torch.nn.ModuleList(RMSNorm(d, c.rms_eps) for _ in range(s))
+        self.fuse = lin(s * d, d)
+        self.state_norm = RMSNorm(d, c.rms_eps)
+        self.embed_norm = RMSNorm(d, c.rms_eps)
+        self.inp = lin(2 * d, d)
+        add_layer_modules(self, c)  # the first decoder layer (the file layout of one-layer predictors)
+        self.out_norm = RMSNorm(d, c.rms_eps)
+        # decoder layers after the first (none in the default one-layer predictor)
+        self.upper = torch.nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers - 1))
+        if draft_vocab is None:
+            draft_vocab = torch.arange(embed.shape[0])
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=True)
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        self.register_buffer("head", head.detach()[self.draft_vocab], persistent=False)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def pack_for_inference(self) -> None:
+        """Pre-pack the linear weights and the draft head for the CPU BLAS (about 1.5x faster
+        small-row products in bfloat16). For inference only: later weight updates are not
+        seen, so call it again after changing the weights."""
+        from sot.models.fast_llama import PackedLinear
+
+        packed = {"fuse": PackedLinear(self.fuse.weight), "inp": PackedLinear(self.inp.weight),
+                  "head": PackedLinear(self.head)}
+        # per layer, one product for q, k and v and one for gate and up (each row's outputs
+        # unchanged); the separate projections are only used with gradients, never packed
+        for i in range(self.config.decoder_layers):
+            layer, prefix = self._layer(i)
+            packed[prefix + "qkv"] = PackedLinear(
+                torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]))
+            packed[prefix + "gate_up"] = PackedLinear(torch.cat([layer.gate_proj.weight, layer.up_proj.weight]))
+            packed[prefix + "o_proj"] = PackedLinear(layer.o_proj.weight)
+            packed[prefix + "down_proj"] = PackedLinear(layer.down_proj.weight)
+        self.__dict__["_packed"] = packed
+
+    def _layer(self, i: int) -> tuple[torch.nn.Module, str]:
+        """Decoder layer ``i`` (the module holding its weights) and its name prefix."""
+        return (self, "") if i == 0 else (self.upper[i - 1], f"upper.{i - 1}.")
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` through the linear layer ``name`` (or the head), packed when
+        :meth:`pack_for_inference` was called and no gradient is needed."""
+        packed = self.__dict__.get("_packed")
+        if packed is None or torch.is_grad_enabled():
+            return (x @ self.head.to(x.dtype).T) if name == "head" else self.get_submodule(name)(x)
+        lin = packed[name]
+        return lin._block(x.reshape(-1, x.shape[-1]).to(lin.weight.dtype)).view(*x.shape[:-1], -1)
+
+    def use_full_vocabulary(self, head: torch.Tensor) -> None:
+        """Propose from the target's whole vocabulary (``head [V, D]``) instead of the draft
+        vocabulary; for comparing the two at inference."""
+        self.draft_vocab = torch.arange(head.shape[0], device=self.draft_vocab.device)
+        self.head = head.detach().to(self.head.dtype)
+        if "_packed" in self.__dict__:
+            self.pack_for_inference()
+
+    # -- pieces
+    def fuse_states(self, states: torch.Tensor) -> torch.Tensor:
+        """``[..., S, D]`` target states -> ``[..., D]``."""
+        x = states.to(self.fuse.weight.dtype)
+        return self._linear("fuse", torch.cat([norm(x[..., i, :]) for i, norm in enumerate(self.in_norms)], dim=-1))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor,
+              angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x [..., H, T, hd]``, ``positions [..., T]``; ``angles``: :meth:`_rope_angles`
+        of ``positions``, when already computed."""
+        cos, sin = angles or self._rope_angles(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def _rope_angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [..., 1, T, hd]`` for ``positions [..., T]``."""
+        ang = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((ang, ang), dim=-1)
+        return emb.cos().unsqueeze(-3).to(dtype), emb.sin().unsqueeze(-3).to(dtype)
+
+    def project(self, state: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """Input projection and the first layer's attention inputs for rows ``[B, T]``.
+
+        Returns ``h [B, T, D]`` (the residual stream), ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]``.
+        """
+        e = self.embed[tokens].to(state.dtype)
+        h = self._linear("inp", torch.cat((self.state_norm(state), self.embed_norm(e)), dim=-1))
+        return (h, *self.layer_qkv(0, h, positions))
+
+    def layer_qkv(self, i: int, h: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention inputs of decoder layer ``i`` for the residual stream ``h [B, T, D]`` at
+        ``positions [B, T]``: ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]`` (rope applied)."""
+        c = self.config
+        layer, prefix = self._layer(i)
+        a = layer.attn_norm(h)
+        b, t = positions.shape
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if self._fused_ready():
+            q, k, v = self._linear(prefix + "qkv", a).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = (self._linear(prefix + n, a) for n in ("q_proj", "k_proj", "v_proj"))
+        q = q.reshape(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        angles = self._rope_angles(positions, q.dtype)
+        return self._rope(q, positions, angles), self._rope(k, positions, angles), v
+
+    def _fused_ready(self) -> bool:
+        """True when the packed q/k/v and gate/up products apply (inference, packed)."""
+        return "_packed" in self.__dict__ and not torch.is_grad_enabled()
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor, i: int = 0) -> torch.Tensor:
+        """Residual stream ``h [B, T, D]`` and decoder layer ``i``'s attention output
+        ``[B, H, T, hd]`` -> the stream after the layer ``[B, T, D]`` (after the last layer:
+        the predicted state ``g``)."""
+        layer, prefix = self._layer(i)
+        b, _, t, _ = attn.shape
+        h = h + self._linear(prefix + "o_proj", attn.transpose(1, 2).reshape(b, t, -1))
+        m = layer.mlp_norm(h)
+        if self._fused_ready():
+            gate, up = self._linear(prefix + "gate_up", m).chunk(2, dim=-1)
+        else:
+            gate, up = self._linear(prefix + "gate_proj", m), self._linear(prefix + "up_proj", m)
+        return h + self._linear(prefix + "down_proj", F.silu(gate) * up)
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Predicted states ``[..., D]`` -> draft-vocabulary logits ``[..., V_d]``."""
+        return self._linear("head", self.out_norm(g))
+
+    def _groups(self) -> int:
+        return self.config.num_heads // self.config.num_kv_heads
+
+    # -- training: unrolled on its own predictions ("training-time test")
+    def forward(self, states: torch.Tensor, next_tokens: torch.Tensor, steps: int, state_noise: float = 0.0,
+                perturb: float = 0.0) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """:meth:`forward_unrolled`, plus (when ``perturb > 0``) the step-0 prediction
+        ``[B, T, D]`` from the same input states moved by a small random perturbation of
+        relative size ``perturb`` (for the stability penalty). One call, so DDP sees one graph."""
+        if state_noise > 0:
+            states = _add_noise(states, state_noise)
+        outs = self.forward_unrolled(states, next_tokens, steps)
+        moved = None
+        if perturb > 0:
+            moved = self.forward_unrolled(_add_noise(states, perturb), next_tokens, 1)[0]
+        return outs, moved
+
+    def forward_unrolled(self, states: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Roll the predictor forward ``steps`` times over whole sequences.
+
+        Args:
+            states: ``[B, T, S, D]`` target states of positions ``0..T-1``.
+            next_tokens: ``[B, T]`` the token at position ``t + 1`` for each row ``t``.
+            steps: unroll depth ``K``.
+
+        Returns ``K`` tensors ``g_k [B, T, D]``. At step ``k``, row ``t`` starts from the step
+        ``k - 1`` prediction of row ``t - 1`` and attends to real rows ``<= t - k`` plus its own
+        chain of predicted rows, exactly as a depth ``k + 1`` draft node does at inference.
+        All steps predict the same target: the state of position ``t + 1``. Rows ``t < k``
+        have no valid chain and must be masked out of the loss.
+        """
+        b, t = next_tokens.shape
+        positions = torch.arange(t, device=next_tokens.device).expand(b, t)
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        g_rep = self._groups()
+        causal = torch.ones(t, t, dtype=torch.bool, device=next_tokens.device).tril()
+        if self.config.window:  # row t sees real rows after t - window only
+            causal = causal & torch.ones_like(causal).triu(1 - self.config.window)
+        # per decoder layer, the keys and values of every step so far
+        keys: list[list[torch.Tensor]] = [[] for _ in range(self.config.decoder_layers)]
+        values: list[list[torch.Tensor]] = [[] for _ in range(self.config.decoder_layers)]
+        outs: list[torch.Tensor] = []
+        x = self.fuse_states(states)
+        for k in range(steps):
+            if k > 0:
+                x = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # row t takes row t-1's prediction
+            h, q, kk, vv = self.project(x, next_tokens, positions)
+            allowed = causal if k == 0 else causal.tril(-k)
+            for i, (ks, vs) in enumerate(zip(keys, values)):
+                if i > 0:
+                    q, kk, vv = self.layer_qkv(i, h, positions)
+                ks.append(kk.repeat_interleave(g_rep, dim=1))
+                vs.append(vv.repeat_interleave(g_rep, dim=1))
+                s0 = (q @ ks[0].transpose(-1, -2)) * scale  # [B, H, T, T]
+                s0 = s0.float().masked_fill(~allowed, float("-inf"))
+                diag, vals = [], []
+                for j in range(1, k + 1):
+                    shift = k - j
+                    kj = F.pad(ks[j][:, :, : t - shift], (0, 0, shift, 0)) if shift else ks[j]
+                    vj = F.pad(vs[j][:, :, : t - shift], (0, 0, shift, 0)) if shift else vs[j]
+                    diag.append(((q * kj).sum(-1, keepdim=True) * scale).float())
+                    vals.append(vj)
+                scores = torch.cat([s0] + diag, dim=-1)
+                # rows with no allowed real key (t < k) still have their own chain entry, so
+                # the softmax is finite everywhere
+                p = torch.softmax(scores, dim=-1).to(q.dtype)
+                attn = p[..., :t] @ vs[0]
+                for j, vj in enumerate(vals):
+                    attn = attn + p[..., t + j : t + j + 1] * vj
+                h = self.finish(h, attn, i)
+            outs.append(h)
+        return outs

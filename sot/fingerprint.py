@@ -1,0 +1,27 @@
+"""What a state predictor or an acceptance model records about the target it was trained for,
+so that loading it for another model fails with a clear message."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def embedding_hash(weight: torch.Tensor) -> str:
+    """A short fingerprint of an embedding matrix, independent of its storage dtype."""
+    data = weight.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def target_fingerprint(model: torch.nn.Module) -> dict:
+    """What a predictor checkpoint records about the target it was trained for."""
+    cfg = model.config
+    emb = model.get_input_embeddings().weight
+    arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
+    return {
+        "architecture": arch,
+        "hidden_size": int(emb.shape[1]),
+        "vocab_size": int(emb.shape[0]),
+        "num_layers": int(cfg.num_hidden_layers),
+        "embed_hash": embedding_hash(emb),
+    }
