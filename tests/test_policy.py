@@ -44,7 +44,7 @@ def test_cost_model_measure_times_every_size_in_turn_and_keeps_the_fastest(monke
         clock["reads"] += 1
         return clock["now"]
 
-    monkeypatch.setattr("sot.policy.time.perf_counter", fake_clock)
+    monkeypatch.setattr("sot.policy.cost.time.perf_counter", fake_clock)
     cost = CostModel.measure(target, 16, context=32, repeats=3)
     first = calls[: len(sizes)]
     assert len(set(first)) == len(sizes) and calls == first * 4, "a warm-up round, then 3 rounds of all sizes in turn"

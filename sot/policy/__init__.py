@@ -1,0 +1,45 @@
+"""The commit policy: how much of each proposed tree to verify, per sequence and step.
+
+Speculation pays only when the tokens a tree wins are worth more than the extra rows it costs
+in the verify pass. The policy decides that per sequence, every step:
+
+* **warm-up** - the first ``warmup`` tokens of a sequence are decoded plainly;
+* **pruning by a cost model** - the tree's nodes are ranked by draft confidence (the
+  cumulative draft probability of reaching them, scaled by a per-sequence calibration that
+  tracks how often such nodes were really accepted); the policy keeps the best ``n`` nodes,
+  where ``n`` maximises ``expected tokens / verify time(n + 1 rows)`` with verify time
+  measured on this machine at start-up (:class:`CostModel`);
+* **fallback** - when a sequence's measured speed (tokens per step over its draft time plus
+  the modelled verify time of its rows) stays below ``fallback_threshold`` times plain
+  decoding's over its last ``window`` steps, or clearly below it (under 80%) over 3 steps,
+  it decodes plainly for a while, without drafting, and probes again on an exponential
+  back-off (a probe that is clearly slow ends after one step). This is per sequence: the
+  others keep speculating;
+* **free drafts** - what the drafter offers without a model pass (the state drafter's
+  prompt-lookup chain, :meth:`~sot.drafters.base.Drafter.propose_free`) is verified on the
+  steps its model is idle, and replaces drafting for a step when it promises more than the
+  sequence's recent drafting steps measured (:meth:`CommitPolicy.prefers_free`); fallback
+  then needs drafting to beat the free drafts' measured speed, not only plain decoding.
+
+``learned`` replaces the calibrated draft confidence by an acceptance predictor
+(:class:`AcceptanceModel`, a small MLP trained on logged decoding traces with
+``sot train policy``): it predicts, per node, the probability that the target accepts it, from
+the draft confidences, the node's depth and rank, and the sequence's recent acceptance. Pruning,
+stopping (a root-only choice) and fallback then work as for ``heuristic``.
+
+``static`` verifies a fixed-shape tree: the drafter's best ``width`` nodes at every depth up to
+``max_depth`` (``1 + width * max_depth`` nodes), with no pruning and no fallback.
+"""
+from sot.policy.acceptance_model import (
+    DEFAULT_ACCEPTANCE_MODEL, FEATURES, AcceptanceModel, Trace, load_acceptance_model, node_features,
+)
+from sot.policy.commit import CommitPolicy, StepOutcome, StepPlan
+from sot.policy.config import PolicyConfig, PolicyKind
+from sot.policy.cost import CostModel
+from sot.policy.state import SequencePolicyState, prune, ranked_nodes
+
+__all__ = [
+    "DEFAULT_ACCEPTANCE_MODEL", "FEATURES", "AcceptanceModel", "CommitPolicy", "CostModel", "PolicyConfig", "PolicyKind",
+    "SequencePolicyState", "StepOutcome", "StepPlan", "Trace", "load_acceptance_model", "node_features", "prune",
+    "ranked_nodes",
+]

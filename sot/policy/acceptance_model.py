@@ -1,0 +1,118 @@
+"""The learned acceptance model of the ``learned`` policy: node features, the MLP, its file, decoding traces."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sot.errors import ConfigError
+from sot.policy.state import SequencePolicyState
+from sot.tree import DraftTree
+
+
+FEATURES = ("log_conf", "log_cond", "depth", "sibling_rank", "calibration", "recent_tau", "temperature", "tree_size")
+
+
+def node_features(tree: DraftTree, state: SequencePolicyState, temperature: float) -> torch.Tensor:
+    """``[N - 1, len(FEATURES)]`` features of the non-root nodes of ``tree``: log draft
+    confidence, log confidence given the parent, depth, rank among siblings, the sequence's
+    calibration and recent tokens per step, the sampling temperature and the tree's size."""
+    probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+    logs = [math.log(max(p, 1e-6)) for p in probs]
+    rank = [0] * tree.size
+    for kids in tree.children():
+        for r, c in enumerate(sorted(kids, key=lambda c: -probs[c])):
+            rank[c] = r
+    rows = [
+        [logs[i], logs[i] - logs[tree.parents[i]], tree.depths[i] / 8.0, rank[i] / 4.0,
+         state.calibration, state.tau / 4.0, temperature, tree.size / 32.0]
+        for i in range(1, tree.size)
+    ]
+    return torch.tensor(rows, dtype=torch.float32).reshape(-1, len(FEATURES))
+
+
+class AcceptanceModel(torch.nn.Module):
+    """Predicts the probability that the target accepts a draft node (its whole path) from
+    :func:`node_features`: a two-layer MLP over standardised features.
+
+    ``forward(features [M, F]) -> probabilities [M]``.
+    """
+
+    FORMAT = "sot-commit-policy/1"
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        n = len(FEATURES)
+        self.register_buffer("mean", torch.zeros(n))
+        self.register_buffer("std", torch.ones(n))
+        # the range of each feature in the training data; inputs are clipped to it, so the
+        # model never extrapolates (e.g. to larger trees than it was trained on)
+        self.register_buffer("low", torch.full((n,), -1e9))
+        self.register_buffer("high", torch.full((n,), 1e9))
+        self.net = torch.nn.Sequential(torch.nn.Linear(n, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, 1))
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        x = torch.maximum(torch.minimum(features, self.high), self.low)
+        return self.net((x - self.mean) / self.std).squeeze(-1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.logits(features))
+
+    def save(self, path: str | Path, meta: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        info = {"format": self.FORMAT, "features": list(FEATURES), "hidden": self.net[0].out_features, **(meta or {})}
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path),
+                  metadata={"sot_policy": json.dumps(info)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AcceptanceModel":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"commit-policy model {path} does not exist (train one with 'sot train policy')")
+        try:
+            with safe_open(str(path), "pt") as fh:
+                info = json.loads((fh.metadata() or {}).get("sot_policy", "{}"))
+            weights = load_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
+            raise ConfigError(f"{path} is not a commit-policy model: {exc}") from None
+        if info.get("format") != cls.FORMAT or tuple(info.get("features", ())) != FEATURES:
+            raise ConfigError(f"{path} is not a {cls.FORMAT} file with features {', '.join(FEATURES)}")
+        model = cls(int(info.get("hidden", 32)))
+        model.load_state_dict(weights)
+        model.info = info
+        return model.eval()
+
+
+#: the acceptance model shipped for the default model with its shipped state predictor
+DEFAULT_ACCEPTANCE_MODEL = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct.policy.safetensors"
+
+
+def load_acceptance_model(path: str | Path | None, target: torch.nn.Module | None = None) -> AcceptanceModel:
+    """Load the ``learned`` policy's model (default: the shipped one); when the file names
+    the target it was trained for, ``target`` must match it."""
+    model = AcceptanceModel.load(path or DEFAULT_ACCEPTANCE_MODEL)
+    expected = model.info.get("embed_hash")
+    if expected and target is not None:
+        from sot.fingerprint import embedding_hash
+
+        found = embedding_hash(target.get_input_embeddings().weight)
+        if found != expected:
+            raise ConfigError(f"commit-policy model {path or DEFAULT_ACCEPTANCE_MODEL} was trained for another target "
+                              f"(embedding hash {expected}, this model has {found}); train one with 'sot train policy'")
+    return model
+
+
+@dataclass
+class Trace:
+    """Logged decisions for training the acceptance model: ``features [M, F]`` of every
+    verified non-root node and ``accepted [M]`` (1 when the target accepted it)."""
+
+    features: list[torch.Tensor] = field(default_factory=list)
+    accepted: list[torch.Tensor] = field(default_factory=list)

@@ -1,0 +1,89 @@
+"""The verify cost of a pass by its row count, measured on this machine."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+
+class CostModel:
+    """Seconds of one verify pass as a function of its row count (batch of one sequence),
+    interpolated linearly between measured points."""
+
+    def __init__(self, rows: list[int], seconds: list[float]) -> None:
+        if not rows or len(rows) != len(seconds):
+            raise ValueError("a cost model needs matching rows and seconds")
+        order = sorted(range(len(rows)), key=lambda i: rows[i])
+        self.rows = [rows[i] for i in order]
+        # verify time never decreases with more rows; measurement noise can make it look so
+        self.seconds = []
+        for i in order:
+            self.seconds.append(max([seconds[i]] + self.seconds[-1:]))
+
+    def verify(self, rows: int) -> float:
+        r, s = self.rows, self.seconds
+        if rows <= r[0]:
+            return s[0]
+        for i in range(1, len(r)):
+            if rows <= r[i]:
+                f = (rows - r[i - 1]) / (r[i] - r[i - 1])
+                return s[i - 1] + f * (s[i] - s[i - 1])
+        slope = (s[-1] - s[-2]) / (r[-1] - r[-2]) if len(r) > 1 else 0.0
+        return s[-1] + slope * (rows - r[-1])
+
+    def observe(self, rows: int, seconds: float, rate: float = 0.1) -> None:
+        """Refine the curve with a pass of ``rows`` rows that took ``seconds`` (a step's own
+        timing): the whole curve is scaled toward it by ``rate``, so the model follows the
+        machine's load in a long-running server, and the cost that a batch of many sequences
+        adds over the one-sequence passes timed at start-up. A single pass moves the curve by at
+        most a factor of 2 ** rate."""
+        predicted = self.verify(rows)
+        if predicted <= 0 or seconds <= 0:
+            return
+        factor = min(2.0, max(0.5, seconds / predicted)) ** rate
+        self.seconds = [t * factor for t in self.seconds]
+
+    @classmethod
+    def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5,
+                sizes: list[int] | None = None) -> "CostModel":
+        """Time verify passes of trees of growing size (binary trees, so depth stays small)
+        after a ``context``-token prefill: one warm-up round, then ``repeats`` rounds in which
+        every size takes its turn; each size keeps its fastest pass. In a batch, a pass over
+        ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``. ``sizes``: the row counts
+        to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to ``max_rows``, and
+        ``max_rows``, plus the first row count past each multiple of 16); the others are interpolated."""
+        from sot.attention import build_tree_layout
+        from sot.tree import ancestor_table, tree_from_parents
+
+        if sizes is None:  # (17, 33, ...: a product of ROW_UNIT-row blocks costs a block more there)
+            points = {1, 2, 4, 8, 12, 16, 17, 24, 32, 33, 48, 49, 64, 65, 80, 96, 97, 128}
+            sizes = sorted(points & set(range(1, max_rows + 1)) | {max_rows})
+        unit = target.row_multiple
+        cache = target.new_cache(1, context + max(sizes) + unit + 16)
+        gen = torch.Generator().manual_seed(0)
+        vocab = target.model.get_input_embeddings().weight.shape[0]
+        prompt = torch.randint(0, vocab, (context,), generator=gen)
+        target.prefill(cache, 0, prompt)
+        cache.set_length(0, context)
+        passes = []
+        for n in sizes:
+            tree = tree_from_parents(prompt[-n:].tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
+            rows = -(-n // unit) * unit
+            ids = torch.full((1, rows), int(tree.tokens[0]))
+            ids[0, :n] = torch.tensor(tree.tokens)
+            pos = torch.full((1, rows), context)
+            pos[0, :n] = torch.tensor(tree.depths) + context
+            layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows, cache)
+            passes.append((ids, pos, layout))
+        # Sizes take turns, round after round (the first round warms up), and each keeps its
+        # fastest pass: a busy moment then slows one round of every size instead of bending
+        # the curve, and the minimum is the most repeatable timing of a pass.
+        timings = {n: math.inf for n in sizes}
+        for round_ in range(repeats + 1):
+            for n, (ids, pos, layout) in zip(sizes, passes):
+                t0 = time.perf_counter()
+                target.verify(cache, ids, pos, layout)
+                if round_ > 0:
+                    timings[n] = min(timings[n], time.perf_counter() - t0)
+        return cls(list(timings), list(timings.values()))

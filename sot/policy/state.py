@@ -1,0 +1,51 @@
+"""A sequence's policy state, and ranking and pruning a tree's nodes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+from sot.tree import DraftTree
+
+
+@dataclass
+class SequencePolicyState:
+    """What the policy remembers about one sequence."""
+
+    # accepted / expected drafted tokens, smoothed; it starts at 0.6, about what greedy
+    # decoding with the shipped predictor settles at (draft confidence overstates acceptance)
+    calibration: float = 0.6
+    tau: float = 2.0  # committed tokens per drafting step, smoothed
+    speed: list[float] = field(default_factory=list)  # recent step speed / plain speed
+    plain_left: int = 0  # fallback steps still to decode plainly
+    backoff: int = 0  # length of the next fallback
+    probing: bool = False
+    fallbacks: int = 0
+    drafted: int = 0  # drafting steps so far
+    verified: int = 0  # rows per sequence of the last verify pass it drafted for (0: none yet)
+    #: speed of the steps with the drafter's model idle (free drafts), relative to plain
+    #: decoding, smoothed; ``None`` until such a step was verified
+    free_speed: float | None = None
+    temperature: float = 0.0  # the sequence's sampling temperature (0: greedy)
+
+
+def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:
+    """Non-root nodes by ``scores`` (default: draft confidence), best first; every prefix is
+    closed under parents when no child scores above its parent (ties go to the shallower node)."""
+    probs = scores or tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+    return sorted(range(1, tree.size), key=lambda i: (-probs[i], tree.depths[i], i))
+
+
+def prune(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The subtree of the root and the nodes ``keep`` (closed under parents), in tree order."""
+    chosen = sorted(keep)
+    index = {0: 0}
+    for j, i in enumerate(chosen, start=1):
+        index[i] = j
+    tokens = [tree.tokens[0]] + [tree.tokens[i] for i in chosen]
+    parents = [-1] + [index[tree.parents[i]] for i in chosen]
+    depths = [0] + [tree.depths[i] for i in chosen]
+    probs = None if tree.draft_probs is None else [1.0] + [tree.draft_probs[i] for i in chosen]
+    return DraftTree(tokens, parents, depths, probs)
+
+
+#: per-node inputs of the learned acceptance model, in order
