@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -26,122 +26,17 @@ from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rej
 from sot.attention import MAX_TREE_DEPTH, TreeLayout, build_tree_layout, flat_packing
 from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
-from sot.errors import ConfigError, PromptTooLongError, SoTError
+from sot.errors import ConfigError, SoTError
 from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT
 from sot.policy import AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace
-from sot.sampling import SamplingMode, SamplingParams, sequence_generator
-from sot.trace import StepRecord, build_record
+from sot.requests import GenerationParams, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_request
+from sot.sampling import SamplingMode, sequence_generator
+from sot.trace import build_record
 from sot.tree import DraftTree, ancestor_table
 
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """Per-request generation settings.
-
-    Attributes:
-        max_new_tokens: upper bound on generated tokens.
-        sampling: temperature / top-k / top-p / seed / mode (temperature 0 is greedy).
-        stop: strings that end a sequence when they appear in its text.
-        eos_token_ids: tokens that end a sequence (included in ``token_ids``).
-    """
-
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class SequenceResult:
-    """The output of one request, with its statistics.
-
-    ``accept_lengths[i]`` is the number of tokens committed at verify step ``i``
-    (accepted drafted tokens plus the bonus token); its mean is tau.
-    """
-
-    index: int
-    token_ids: list[int]
-    text: str = ""
-    #: ``length``, ``eos``, ``stop`` or ``abort``
-    finish_reason: str = "length"
-    accept_lengths: list[int] = field(default_factory=list)
-    depth_attempts: list[int] = field(default_factory=list)
-    depth_accepts: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-    first_token_seconds: float = 0.0
-    #: per verify step: nodes verified, root included (1 = a plain step)
-    tree_sizes: list[int] = field(default_factory=list)
-    #: steps on which the commit policy kept the drafter's model idle (warm-up or fallback; they
-    #: verify the drafter's free trees, if any, else decode plainly), and fallbacks taken
-    plain_steps: int = 0
-    fallbacks: int = 0
-    #: with ``Engine(trace=True)``: the logits row ``[V]`` that decided each committed token.
-    logit_trace: list[torch.Tensor] = field(default_factory=list)
-    #: the request's id in its engine
-    request_id: int = -1
-    prompt_tokens: int = 0
-    #: with ``Engine(record_steps=True)``: one record per verify step (:mod:`sot.trace`)
-    step_records: list[StepRecord] = field(default_factory=list)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def steps(self) -> int:
-        return len(self.accept_lengths)
-
-    @property
-    def mean_accept_len(self) -> float:
-        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class PhaseTimes:
-    """Wall time spent in each phase of the loop, in seconds."""
-
-    prefill: float = 0.0
-    draft: float = 0.0
-    verify: float = 0.0
-    bookkeeping: float = 0.0
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """Tokens committed to one request at one step (for streaming).
-
-    Attributes:
-        sequence: the request's index (its prompt's position in a :meth:`Engine.generate`
-            call, or the index given to :meth:`Engine.add_request`).
-        token_ids: the tokens committed (empty for an abort).
-        finished: the request is complete; ``finish_reason`` says why.
-        request_id: the request's id.
-        finish_reason: ``length``, ``eos``, ``stop`` or ``abort`` once finished, else ``None``.
-    """
-
-    sequence: int
-    token_ids: list[int]
-    finished: bool
-    request_id: int = -1
-    finish_reason: str | None = None
-    #: the request's result, on its last event (the engine forgets the request after it)
-    result: SequenceResult | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What the last :meth:`Engine.step`'s verify pass did: ``batch`` sequences in it,
-    ``drafted[b]`` nodes verified beyond sequence ``b``'s root, and ``accepted_per_pos[d]``
-    sequences whose accepted path reached draft position ``d``."""
-
-    batch: int = 0
-    drafted: tuple[int, ...] = ()
-    accepted_per_pos: tuple[int, ...] = ()
+#: the request and result types live in :mod:`sot.requests`; importing them from here works too
+__all__ = ["Engine", "GenerationParams", "PhaseTimes", "SequenceResult", "StepStats", "TokenEvent", "check_request"]
 
 
 @dataclass
@@ -209,19 +104,6 @@ def _fitting_acceptance_model(config: PolicyConfig, drafter: Drafter, target: Ta
         if config.model_path:  # asked for by name: its errors are the user's to see
             raise
         return None
-
-
-def check_request(prompt: list[int], params: GenerationParams, max_positions: int | None) -> None:
-    """Raise a :class:`~sot.errors.SoTError` naming what is wrong with one request."""
-    if not prompt:
-        raise ConfigError("the prompt is empty")
-    if params.max_new_tokens < 1:
-        raise ConfigError("max_new_tokens must be at least 1")
-    if max_positions and len(prompt) + params.max_new_tokens > max_positions:
-        raise PromptTooLongError(
-            f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
-            f"the model's context of {max_positions} tokens"
-        )
 
 
 class Engine:
