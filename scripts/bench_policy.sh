@@ -26,7 +26,7 @@ fi
 # 3. the best static tree: width (top-k) x depth, fixed shape, no pruning or fallback
 if stage static; then
   for W in 1 2 4; do
-    $SOT bench --prompts sharegpt-heldout --limit 3 --methods state --policy static --top-k $W \
+    $SOT bench --prompts sharegpt-heldout --limit 3 --methods state --policy static --draft-top-k $W \
       --sweep max-depth=2,3,4,6 --max-new-tokens 256 --out $OUT/static-w$W
   done
 fi
@@ -38,7 +38,7 @@ if stage compare; then
     done
   done
   read -r W D < <(.venv/bin/python scripts/policy_report.py --best-static $OUT)
-  $SOT bench --prompts sharegpt-heldout --limit 8 --methods plain,state --policy static --top-k "$W" --max-depth "$D" \
+  $SOT bench --prompts sharegpt-heldout --limit 8 --methods plain,state --policy static --draft-top-k "$W" --max-depth "$D" \
     --max-new-tokens 256 --out $OUT/sharegpt-heldout-static
 fi
 # 5. the depth sweep (dynamic policy; the tree budget grows to depth + 1 where needed)

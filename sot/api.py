@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from sot.drafters import DrafterKind, TreeBudget, make_drafter
+from sot.drafters import DRAFT_TOP_K, DrafterKind, TreeBudget, make_drafter
 from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
@@ -111,10 +111,10 @@ class SoT:
         model: str = "default",
         drafter: str | DrafterKind = "auto",
         dtype: str = "auto",
-        max_nodes: int = 16,
-        max_depth: int = 8,
+        max_nodes: int = TreeBudget.max_nodes,
+        max_depth: int = TreeBudget.max_depth,
         predictor: str | None = None,
-        top_k: int = 8,
+        top_k: int = DRAFT_TOP_K,
         policy: PolicyConfig | None = None,
     ) -> "SoT":
         """Load a target and build the engine.
@@ -178,12 +178,12 @@ class SoT:
 
     def params(
         self,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
-        sampling: str | SamplingMode = SamplingMode.REJECTION,
+        max_new_tokens: int = GenerationParams.max_new_tokens,
+        temperature: float = SamplingParams.temperature,
+        top_p: float = SamplingParams.top_p,
+        top_k: int = SamplingParams.top_k,
+        seed: int = SamplingParams.seed,
+        sampling: str | SamplingMode = SamplingParams.mode,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
     ) -> GenerationParams:

@@ -7,7 +7,11 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from sot.drafters.base import DRAFT_TOP_K, TreeBudget
 from sot.errors import SoTError
+from sot.policy.config import PolicyConfig, PolicyKind
+from sot.requests import GenerationParams
+from sot.sampling import SamplingMode, SamplingParams
 
 
 def _checked(cast: type, name: str, ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
@@ -40,44 +44,53 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="engine dtype (default auto: bfloat16 on hardware with native bf16 such as AMX, else float32)")
-    p.add_argument("--max-nodes", "--budget", dest="max_nodes", type=_positive_int, default=16,
-                   help="draft tree size per step (nodes verified at most), root included")
-    p.add_argument("--max-depth", type=_non_negative_int, default=8, help="how far a draft tree may look ahead")
+    add_tree_args(p)
     p.add_argument("--predictor", default=None, help="state predictor file (default: the one shipped for the default model)")
     add_policy_args(p)
-    p.add_argument("--draft-top-k", dest="draft_top_k", type=_positive_int, default=8,
-                   help="children per expanded node of a state-predictor tree")
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """The draft tree's size, depth and width; defaults from :class:`~sot.drafters.TreeBudget`
+    and :data:`~sot.drafters.DRAFT_TOP_K`."""
+    p.add_argument("--max-nodes", "--budget", dest="max_nodes", type=_positive_int, default=TreeBudget.max_nodes,
+                   help=f"draft tree size per step (nodes verified at most), root included (default {TreeBudget.max_nodes})")
+    p.add_argument("--max-depth", type=_non_negative_int, default=TreeBudget.max_depth,
+                   help=f"how far a draft tree may look ahead (default {TreeBudget.max_depth})")
+    p.add_argument("--draft-top-k", dest="draft_top_k", type=_positive_int, default=DRAFT_TOP_K,
+                   help=f"children per expanded node of a state-predictor tree; the width of --policy static trees "
+                        f"(default {DRAFT_TOP_K})")
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policy", choices=["auto", "heuristic", "learned", "static"], default="heuristic",
+    """The commit policy's flags; defaults from :class:`~sot.policy.PolicyConfig`."""
+    p.add_argument("--policy", choices=[k.value for k in PolicyKind], default=PolicyConfig.kind.value,
                    help="commit policy: heuristic (default: cost model + fallback), learned (a trained acceptance "
                         "model + cost model + fallback), auto (learned when an acceptance model fits the model, "
                         "else heuristic) or static (a fixed tree of top-k nodes per depth)")
     p.add_argument("--policy-model", default=None,
                    help="acceptance model of --policy learned (default: the one shipped for the default model)")
-    p.add_argument("--warmup", type=_non_negative_int, default=0, help="tokens decoded plainly at the start of a sequence")
-    p.add_argument("--fallback-threshold", type=_non_negative_float, default=1.0,
+    p.add_argument("--warmup", type=_non_negative_int, default=PolicyConfig.warmup,
+                   help="tokens decoded plainly at the start of a sequence")
+    p.add_argument("--fallback-threshold", type=_non_negative_float, default=PolicyConfig.fallback_threshold,
                    help="fall back to plain decoding when recent speed / plain speed drops below this")
-    p.add_argument("--disable-above", type=_non_negative_int, default=0,
+    p.add_argument("--disable-above", type=_non_negative_int, default=PolicyConfig.disable_above,
                    help="a fixed rule instead of batch planning: no speculation while more than N sequences "
                         "run (0: off, the default)")
 
 
-def policy_from_args(args: argparse.Namespace):
-    from sot.policy import PolicyConfig, PolicyKind
-
+def policy_from_args(args: argparse.Namespace) -> PolicyConfig:
     return PolicyConfig(kind=PolicyKind(args.policy), warmup=args.warmup, fallback_threshold=args.fallback_threshold,
                         model_path=args.policy_model, disable_above=args.disable_above)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=_probability, default=1.0)
-    p.add_argument("--top-k", type=_non_negative_int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sampling", choices=["rejection", "coupled"], default="rejection",
+    p.add_argument("--max-new-tokens", type=_positive_int, default=GenerationParams.max_new_tokens)
+    p.add_argument("--temperature", type=_non_negative_float, default=SamplingParams.temperature,
+                   help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_probability, default=SamplingParams.top_p)
+    p.add_argument("--top-k", type=_non_negative_int, default=SamplingParams.top_k, help="sampling top-k (0: off)")
+    p.add_argument("--seed", type=int, default=SamplingParams.seed)
+    p.add_argument("--sampling", choices=[m.value for m in SamplingMode], default=SamplingParams.mode.value,
                    help="rejection: exact in distribution; coupled: seeded output equals plain decoding's")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 

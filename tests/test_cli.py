@@ -167,3 +167,61 @@ def test_auto_dtype_follows_native_bf16_support(monkeypatch, model_dir: Path) ->
     from sot.cli import DTYPE_CHOICES
     from sot.models.loading import DTYPE_CHOICES as LOADER_CHOICES
     assert sorted(DTYPE_CHOICES) == sorted(LOADER_CHOICES)
+
+
+def test_parser_defaults_come_from_the_config_dataclasses() -> None:
+    """Every default a user can set from the command line is the dataclass's own: no
+    subcommand restates one."""
+    import argparse
+    import inspect
+
+    from sot.api import SoT
+    from sot.bench.runner import BenchConfig
+    from sot.cli import build_parser
+    from sot.drafters import DRAFT_TOP_K, TreeBudget, make_drafter
+    from sot.drafters.state import StateDrafter
+    from sot.policy import PolicyConfig
+    from sot.requests import GenerationParams
+    from sot.sampling import SamplingParams
+    from sot.server.app import ServerConfig
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    expected = {
+        "max_nodes": TreeBudget.max_nodes, "max_depth": TreeBudget.max_depth, "draft_top_k": DRAFT_TOP_K,
+        "policy": PolicyConfig.kind.value, "warmup": PolicyConfig.warmup,
+        "fallback_threshold": PolicyConfig.fallback_threshold, "disable_above": PolicyConfig.disable_above,
+        "policy_model": PolicyConfig.model_path,
+    }
+    sampling = {"max_new_tokens": GenerationParams.max_new_tokens, "temperature": SamplingParams.temperature,
+                "top_p": SamplingParams.top_p, "top_k": SamplingParams.top_k, "seed": SamplingParams.seed,
+                "sampling": SamplingParams.mode.value}
+    checked = 0
+    for name in ("generate", "chat", "serve", "bench", "trace"):
+        defaults = {a.dest: a.default for a in subs[name]._actions}
+        want = dict(expected)
+        if name in ("generate", "chat", "trace"):
+            want.update(sampling)
+        if name == "bench":
+            want.update(max_new_tokens=BenchConfig.max_new_tokens, temperature=BenchConfig.temperature,
+                        seed=BenchConfig.seed, sampling=BenchConfig.sampling)
+            assert "--top-k" not in subs[name]._option_string_actions, "bench's draft width is --draft-top-k only"
+        if name == "serve":
+            want.update(max_batch=ServerConfig.max_batch, max_queue=ServerConfig.max_queue,
+                        shutdown_timeout=ServerConfig.shutdown_timeout, trace=ServerConfig.trace)
+        for dest, value in want.items():
+            assert defaults[dest] == value, (name, dest, defaults[dest], value)
+            checked += 1
+    assert checked > 60
+    assert BenchConfig.max_new_tokens == GenerationParams.max_new_tokens and BenchConfig.draft_top_k == DRAFT_TOP_K
+    # the library's own entry points take the same defaults
+    load = inspect.signature(SoT.load).parameters
+    assert (load["max_nodes"].default, load["max_depth"].default, load["top_k"].default) == \
+        (TreeBudget.max_nodes, TreeBudget.max_depth, DRAFT_TOP_K)
+    assert inspect.signature(make_drafter).parameters["top_k"].default == DRAFT_TOP_K
+    assert inspect.signature(StateDrafter).parameters["top_k"].default == DRAFT_TOP_K
+    params = inspect.signature(SoT.params).parameters
+    assert (params["max_new_tokens"].default, params["temperature"].default, params["top_p"].default,
+            params["top_k"].default, params["seed"].default) == (
+        GenerationParams.max_new_tokens, SamplingParams.temperature, SamplingParams.top_p, SamplingParams.top_k,
+        SamplingParams.seed)

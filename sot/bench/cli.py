@@ -6,8 +6,9 @@ import sys
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from sot.cli import (DTYPE_CHOICES, _non_negative_float, _non_negative_int, _positive_int, add_chat_flag,
-                         add_policy_args)
+    from sot.bench.runner import BenchConfig
+    from sot.cli import DTYPE_CHOICES, _non_negative_float, _positive_int, add_chat_flag, add_policy_args, add_tree_args
+    from sot.sampling import SamplingMode
 
     bench = sub.add_parser("bench", help="benchmark decoding methods side by side")
     bench.add_argument("--prompts", default="humaneval",
@@ -21,18 +22,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="engine dtype (auto: bfloat16 where the hardware computes it natively, else float32)")
     bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    bench.add_argument("--temperature", type=_non_negative_float, default=0.0)
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--sampling", choices=["rejection", "coupled"], default="rejection",
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=BenchConfig.max_new_tokens)
+    bench.add_argument("--temperature", type=_non_negative_float, default=BenchConfig.temperature)
+    bench.add_argument("--seed", type=int, default=BenchConfig.seed)
+    bench.add_argument("--sampling", choices=[m.value for m in SamplingMode], default=BenchConfig.sampling,
                        help="engine sampling: rejection (default) or coupled (seeded outputs equal plain decoding's, "
                             "so speed compares on the same tokens)")
-    bench.add_argument("--max-nodes", "--budget", dest="max_nodes", type=_positive_int, default=16,
-                       help="draft tree size per step (nodes verified at most), root included")
-    bench.add_argument("--max-depth", type=_non_negative_int, default=8)
+    add_tree_args(bench)
     bench.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
-    bench.add_argument("--draft-top-k", "--top-k", dest="draft_top_k", type=_positive_int, default=8,
-                       help="state: children per expanded node (the width of --policy static trees)")
     bench.add_argument("--batch-size", type=_positive_int, default=1,
                        help="engine methods decode this many prompts together, as a continuous batch; the methods "
                             "alternate on rounds of twice that many prompts (hf and llamacpp stay at 1)")
@@ -43,7 +40,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_policy_args(bench)
     bench.add_argument("--ignore-eos", action="store_true")
     bench.add_argument("--sweep", default=None,
-                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget), top-k or warmup")
+                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget), draft-top-k, warmup or batch-size")
     bench.add_argument("--out", default="bench-out", help="output folder")
     add_chat_flag(bench)
 

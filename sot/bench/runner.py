@@ -28,7 +28,7 @@ from sot.bench.memory import PeakRSS, current_rss
 from sot.bench.methods import METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord
 from sot.bench.prompts import load_prompt_set
 from sot.bench.report import aggregate, markdown_table, plots, sweep_plot
-from sot.drafters import DrafterKind, TreeBudget, make_drafter
+from sot.drafters import DRAFT_TOP_K, DrafterKind, TreeBudget, make_drafter
 from sot.policy import PolicyConfig
 from sot.engine import GenerationParams
 from sot.errors import ConfigError
@@ -38,7 +38,7 @@ from sot.prompts import encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 
 SCHEMA = "sot-bench/1"
-SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "top-k": "draft_top_k",
+SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "draft-top-k": "draft_top_k",
              "warmup": "warmup", "batch-size": "batch_size"}
 
 
@@ -52,14 +52,14 @@ class BenchConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     hf_dtype: str = "float32"
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    seed: int = 0
-    sampling: str = "rejection"
-    max_nodes: int = 16
-    max_depth: int = 8
+    max_new_tokens: int = GenerationParams.max_new_tokens
+    temperature: float = SamplingParams.temperature
+    seed: int = SamplingParams.seed
+    sampling: str = SamplingParams.mode.value
+    max_nodes: int = TreeBudget.max_nodes
+    max_depth: int = TreeBudget.max_depth
     predictor: str | None = None
-    draft_top_k: int = 8
+    draft_top_k: int = DRAFT_TOP_K
     batch_size: int = 1
     full_vocab: bool = False
     lookup: bool = True
@@ -277,7 +277,7 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
     variants = []
     drafter = _drafter(cfg, spec, target.model)
     for v in values:
-        if name == "top-k":
+        if name == "draft-top-k":
             variants.append((v, EngineMethod(f"{spec}@{v}", target, _drafter(cfg, spec, target.model, top_k=v),
                                              _budget(cfg), cfg.policy)))
             continue

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import torch
 
-from sot.errors import ConfigError
-from sot.drafters.base import DraftInput, Drafter, DrafterKind, NoDrafter, TreeBudget
+from sot.drafters.base import DRAFT_TOP_K, DraftInput, Drafter, DrafterKind, NoDrafter, TreeBudget
 from sot.drafters.pld import PromptLookupDrafter
+from sot.errors import ConfigError
 
-__all__ = ["DraftInput", "Drafter", "DrafterKind", "NoDrafter", "PromptLookupDrafter", "TreeBudget",
+__all__ = ["DRAFT_TOP_K", "DraftInput", "Drafter", "DrafterKind", "NoDrafter", "PromptLookupDrafter", "TreeBudget",
            "default_predictor_path", "make_drafter"]
 
 #: the trained state predictor shipped for the default model (SmolLM2-135M-Instruct)
@@ -24,7 +24,7 @@ def make_drafter(
     kind: DrafterKind | str,
     model: torch.nn.Module | None = None,
     predictor: str | Path | None = None,
-    top_k: int = 8,
+    top_k: int = DRAFT_TOP_K,
     full_vocab: bool = False,
     lookup: bool = True,
 ) -> Drafter:

@@ -4,8 +4,10 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from sot.tree import DraftTree
 
@@ -16,6 +18,11 @@ class DrafterKind(str, enum.Enum):
     NONE = "none"  # plain decoding through the engine
     PLD = "pld"  # prompt lookup: n-gram matches in the context
     STATE = "state"  # the learned state predictor
+
+
+#: children per expanded node of a state-predictor tree (``--draft-top-k``; the width of
+#: ``--policy static`` trees): the one place this default lives
+DRAFT_TOP_K = 8
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,6 +56,8 @@ class ServerConfig:
     #: keep the step traces of the last ``trace`` finished requests, each served as a page
     #: at ``/trace/{id}`` (0: no tracing)
     trace: int = 0
+    #: requests kept when tracing is asked for without a count (``--trace``)
+    TRACE_KEPT: ClassVar[int] = 64
 
 
 class ServerState:

@@ -10,6 +10,8 @@ from sot.errors import ConfigError
 
 
 def add_serve_parser(sub, add_model_args, positive_int, non_negative_float) -> None:
+    from sot.server.app import ServerConfig
+
     p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions, streaming, metrics)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
@@ -17,14 +19,14 @@ def add_serve_parser(sub, add_model_args, positive_int, non_negative_float) -> N
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     p.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
                    help="auto: the state predictor when one fits the model, else pld; none: plain decoding")
-    p.add_argument("--max-batch", type=positive_int, default=8, help="sequences decoded together")
-    p.add_argument("--max-queue", type=positive_int, default=64,
+    p.add_argument("--max-batch", type=positive_int, default=ServerConfig.max_batch, help="sequences decoded together")
+    p.add_argument("--max-queue", type=positive_int, default=ServerConfig.max_queue,
                    help="requests that may wait for a slot; beyond that the server answers 429")
-    p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=non_negative_float, default=ServerConfig.shutdown_timeout,
                    help="seconds running requests get to finish after SIGTERM before they are ended")
-    p.add_argument("--trace", type=int, nargs="?", const=64, default=0, metavar="N",
-                   help="record every step of each request and serve the last N finished ones (default 64) "
-                        "as pages at /trace/{id}, the id of the completion")
+    p.add_argument("--trace", type=int, nargs="?", const=ServerConfig.TRACE_KEPT, default=ServerConfig.trace,
+                   metavar="N", help="record every step of each request and serve the last N finished ones "
+                   f"(default {ServerConfig.TRACE_KEPT}) as pages at /trace/{{id}}, the id of the completion")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_model_args(p)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from sot.drafters.base import TreeBudget
 from sot.errors import ConfigError
 
 
@@ -37,8 +38,8 @@ class PolicyTrainConfig:
     max_new_tokens: int = 128
     temperatures: tuple[float, ...] = (0.0, 1.0)
     batch_size: int = 4
-    max_nodes: int = 16
-    max_depth: int = 8
+    max_nodes: int = TreeBudget.max_nodes
+    max_depth: int = TreeBudget.max_depth
     epochs: int = 60
     lr: float = 3e-3
     seed: int = 0

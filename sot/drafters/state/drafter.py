@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
+from sot.drafters.base import DRAFT_TOP_K, DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.drafters.pld import LookupRate, NgramIndex, PromptLookupDrafter
 from sot.drafters.state.model import StatePredictor
 from sot.errors import ConfigError
@@ -107,7 +107,7 @@ class StateDrafter(Drafter):
 
     kind = DrafterKind.STATE
 
-    def __init__(self, predictor: StatePredictor, top_k: int = 8, lookup: bool = True,
+    def __init__(self, predictor: StatePredictor, top_k: int = DRAFT_TOP_K, lookup: bool = True,
                  lookup_confidence: float | None = None, min_confidence: float = 0.05) -> None:
         if top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {top_k}")
