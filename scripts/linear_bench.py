@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from sot.kernels import tree_attention_kernel
-from sot.models.fast_llama import pack_blocks, pack_panels
+from sot.kernels import cpu_kernels
+from sot.kernels.linear import pack_blocks, pack_panels
 from sot.models.rows import ROW_UNIT
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
@@ -46,7 +46,7 @@ def main() -> None:
     weights = [gguf_like(n, k, gen, bits=8 if n == SHAPES[-1][0] else 4) for n, k in SHAPES]
     x = {m: {k: torch.randn(m, k, generator=gen) for k in (576, 1536)} for m in rows}
     kernels = {}
-    sot = tree_attention_kernel()
+    sot = cpu_kernels()
     if sot is not None:
         panels = [pack_panels(w) for w in weights]
         kernels["sot linear_f32"] = lambda m: [sot.linear_f32(x[m][w.shape[1]], p, w.shape[0], None)

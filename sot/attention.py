@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from sot.cache import KVCache
-from sot.kernels import tree_attention_kernel
+from sot.kernels import cpu_kernels
 
 # Rows of a tree may be up to MAX_TREE_DEPTH below the committed length.
 MAX_TREE_DEPTH = 64
@@ -42,7 +42,7 @@ ROW_ALIGN = 4
 
 def use_kernel(cache: KVCache) -> bool:
     """Whether tree attention runs through the compiled CPU kernel for this cache."""
-    return cache.transposed_keys and tree_attention_kernel() is not None
+    return cache.transposed_keys and cpu_kernels() is not None
 
 
 def far_end(position: int) -> int:
@@ -231,7 +231,7 @@ def tree_attention(
     if layout.kernel is not None:
         k = layout.kernel
         keys, values = cache.layer(layer)
-        return tree_attention_kernel().tree_attention_exact(
+        return cpu_kernels().tree_attention_exact(
             query.to(keys.dtype), keys, values, k.lengths, k.ancestors, k.rows, scaling, window or 0, softcap or 0.0
         )
     batch, heads, rows, dim = query.shape

@@ -8,7 +8,7 @@ import torch
 from helpers import ARCHS, RandomTreeDrafter, clone, hf_greedy, random_prompts, tiny_model
 from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
-from sot.kernels import tree_attention_kernel
+from sot.kernels import cpu_kernels
 from sot.models.adapter import TargetModel
 
 NEW = 40
@@ -122,10 +122,11 @@ def test_pytorch_attention_path_is_lossless(arch: str, monkeypatch) -> None:
     path must be exact on its own terms too."""
     import sot.attention
     import sot.models.adapter
+    import sot.kernels.linear
     import sot.models.fast_llama
 
-    for module in (sot.attention, sot.models.adapter, sot.models.fast_llama):
-        monkeypatch.setattr(module, "tree_attention_kernel", lambda: None)
+    for module in (sot.attention, sot.models.adapter, sot.models.fast_llama, sot.kernels.linear):
+        monkeypatch.setattr(module, "cpu_kernels", lambda: None)
     model = tiny_model(arch, seed=21)
     prompts = random_prompts(LENGTHS, seed=6)
     target = TargetModel(clone(model, torch.bfloat16))
@@ -166,7 +167,7 @@ def test_kernel_query_head_groups_are_lossless(heads: int, kv_heads: int, dtype:
                                       max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(config).eval()
     target = TargetModel(clone(model, dtype))
-    assert target.new_cache(1, 64).transposed_keys == (tree_attention_kernel() is not None)
+    assert target.new_cache(1, 64).transposed_keys == (cpu_kernels() is not None)
     prompts = random_prompts((9, 40), seed=4)
     plain = traced(target, NoDrafter(), prompts)
     tokens = [t.argmax(-1).tolist() for t in plain]
@@ -180,8 +181,8 @@ def test_packed_linear_prefers_a_row_stable_kernel() -> None:
     block whenever the machine has one (SoT's compiled kernel, MKL or oneDNN), so one-row
     passes need no padding; with or without one, a row's result never depends on the other
     rows."""
-    from sot.kernels import tree_attention_kernel
-    from sot.models.fast_llama import PackedLinear, pack_panels
+    from sot.kernels import cpu_kernels
+    from sot.kernels.linear import PackedLinear, pack_panels
     from sot.models.rows import ROW_UNIT
 
     gen = torch.Generator().manual_seed(3)
@@ -193,7 +194,7 @@ def test_packed_linear_prefers_a_row_stable_kernel() -> None:
             return all(torch.equal(block(x[:m]), block(x)[:m]) for m in (1, 3, 8))
 
         kernels = []
-        compiled = tree_attention_kernel()
+        compiled = cpu_kernels()
         if compiled is not None:
             panels = pack_panels(w)
             kernels.append(lambda a, p=panels: compiled.linear_f32(a, p, w.shape[0], None))
@@ -215,10 +216,10 @@ def test_packed_linear_prefers_a_row_stable_kernel() -> None:
 def test_compiled_float32_linear_is_row_stable() -> None:
     """SoT's float32 kernel: any row count, any place of a row in the call, ragged column
     counts and a bias give each row the same bits, and the values are the product's."""
-    from sot.kernels import tree_attention_kernel
-    from sot.models.fast_llama import pack_panels
+    from sot.kernels import cpu_kernels
+    from sot.kernels.linear import pack_panels
 
-    kernel = tree_attention_kernel()
+    kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("the compiled kernel is unavailable here")
     gen = torch.Generator().manual_seed(5)
@@ -239,7 +240,7 @@ def test_compiled_float32_linear_is_row_stable() -> None:
 def test_compiled_float32_rms_norm_is_row_stable() -> None:
     """The fused float32 RMSNorm: the residual sum is the plain sum, the values are the
     formula's (to float32 rounding), and a row's bits do not depend on its neighbours."""
-    from sot.models.fast_llama import fused_rms_norm
+    from sot.kernels.linear import fused_rms_norm
 
     norm = fused_rms_norm(torch.float32, torch.device("cpu"))
     if norm is None:
@@ -268,10 +269,10 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
     rows, 32 inputs at a time into an L1 block for more, or, with the fused paths off, into a
     float32 panel copy); the product has the bits of the float32 kernel's, for any rows.
     Other weights are refused."""
-    from sot.kernels import tree_attention_kernel
-    from sot.models.fast_llama import PackedLinear, pack_blocks, pack_panels
+    from sot.kernels import cpu_kernels
+    from sot.kernels.linear import PackedLinear, pack_blocks, pack_panels
 
-    kernel = tree_attention_kernel()
+    kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("the compiled kernel is unavailable here")
     monkeypatch.setenv("SOT_NO_FUSED_BLOCKS", "0" if fused else "1")  # for PackedLinear below

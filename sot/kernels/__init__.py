@@ -1,4 +1,7 @@
-"""Optional compiled kernels, built on first use with the local C++ compiler.
+"""SoT's compiled CPU kernels, built on first use with the local C++ compiler: exact tree
+attention (``attention.cpp``), row-stable float32 products on packed and 4/8-bit block
+weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), and RMSNorm and
+rope with the KV-cache write (``norm_rope.cpp``), bound into one module (``module.cpp``).
 
 If the build fails (no compiler, no ninja), SoT falls back to its pure-PyTorch path; both
 are exact, each consistent with itself. ``SOT_NO_KERNELS=1`` forces the fallback.
@@ -13,9 +16,15 @@ from pathlib import Path
 from types import ModuleType
 
 
+#: the kernel sources, compiled into one module
+SOURCES = ("attention.cpp", "linear.cpp", "norm_rope.cpp", "module.cpp")
+
+
 @lru_cache(maxsize=1)
-def tree_attention_kernel() -> ModuleType | None:
-    """The compiled CPU tree-attention module, or ``None`` when unavailable."""
+def cpu_kernels() -> ModuleType | None:
+    """The compiled CPU kernels (``tree_attention_exact``, ``linear_f32``,
+    ``linear_blocks_f32``, ``rms_norm_bf16``, ``rms_norm_f32``, ``rope_write``), or ``None``
+    when they cannot be built here."""
     if os.environ.get("SOT_NO_KERNELS"):
         return None
     try:
@@ -23,7 +32,8 @@ def tree_attention_kernel() -> ModuleType | None:
 
         import torch
 
-        source = Path(__file__).with_name("tree_attention.cpp")
+        here = Path(__file__).parent
+        sources = [here / name for name in SOURCES]
         flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
         # Vector width of the build machine (the kernel is built where it runs).
         capability = torch.backends.cpu.get_cpu_capability()
@@ -33,12 +43,13 @@ def tree_attention_kernel() -> ModuleType | None:
             flags += ["-mavx2", "-mfma"]
         # One build folder per (source, flags, torch): clones of the same code share a build,
         # and an edited kernel never collides with an old one.
-        key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+        code = b"".join(path.read_bytes() for path in sources + [here / "common.h"])
+        key = hashlib.sha256(code + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
         build = Path(os.environ.get("SOT_CACHE", Path.home() / ".cache" / "sot")) / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         return load(
-            name="sot_tree_attention",
-            sources=[str(source)],
+            name="sot_cpu_kernels",
+            sources=[str(path) for path in sources],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),

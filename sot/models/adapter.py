@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention, use_kernel
 from sot.cache import KVCache
 from sot.errors import UnsupportedModelError
-from sot.kernels import tree_attention_kernel
-from sot.models.fast_llama import FAST_FAMILIES, FastLlama, PackedLinear, fused_rms_norm
+from sot.kernels import cpu_kernels
+from sot.kernels.linear import PackedLinear, fused_rms_norm
+from sot.models.fast_llama import FAST_FAMILIES, FastLlama
 from sot.models.rows import ROW_UNIT
 
 ATTN_NAME = "sot"
@@ -239,7 +240,7 @@ class TargetModel:
             and self.head_dim % 16 == 0  # the kernel's vector width and limits
             and self.head_dim <= 256
             and self.num_heads // self.num_kv_heads <= 16
-            and tree_attention_kernel() is not None
+            and cpu_kernels() is not None
         )
         return KVCache(
             self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device,

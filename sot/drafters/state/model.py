@@ -17,7 +17,7 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
-            from sot.models.fast_llama import fused_rms_norm
+            from sot.kernels.linear import fused_rms_norm
 
             fused = fused_rms_norm(x.dtype, x.device)  # the same formula in one compiled call
             if fused is not None:
@@ -105,7 +105,7 @@ class StatePredictor(torch.nn.Module):
         """Pre-pack the linear weights and the draft head for the CPU BLAS (about 1.5x faster
         small-row products in bfloat16). For inference only: later weight updates are not
         seen, so call it again after changing the weights."""
-        from sot.models.fast_llama import PackedLinear
+        from sot.kernels.linear import PackedLinear
 
         packed = {"fuse": PackedLinear(self.fuse.weight), "inp": PackedLinear(self.inp.weight),
                   "head": PackedLinear(self.head)}

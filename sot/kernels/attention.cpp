@@ -1,0 +1,270 @@
+// Exact tree attention on the CPU.
+//
+// Every (sequence, head, row) is computed by the same instruction sequence over its keys in
+// position order: the committed slots 0 .. length-1, then the row's ancestors (root first,
+// itself last). Nothing depends on how many rows, trees or sequences share the call, so a
+// tree row produces the same bits as plain decoding of the same token.
+#include "common.h"
+
+typedef int32_t vec16i __attribute__((vector_size(64)));
+
+// exp for the softmax, 16 values at once: range reduction plus a degree-6 polynomial, in
+// plain lane-wise arithmetic. Every value takes the same path wherever it sits.
+inline vec16 softmax_exp(vec16 x) {
+  const vec16 lo = vec16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vec16 t = x * 1.44269504088896341f;
+  const vec16 half = t < 0.f ? vec16{} - 0.5f : vec16{} + 0.5f;
+  const vec16i ni = __builtin_convertvector(t + half, vec16i);
+  const vec16 n = __builtin_convertvector(ni, vec16);
+  const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vec16 p = vec16{} + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vec16i bits = (ni + 127) << 23;
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+constexpr int64_t kMaxGroup = 16;
+
+// The cache layout this kernel reads: keys [B, Hkv, D, S] (transposed, so that 16 keys fit
+// one vector), values [B, Hkv, S, D], both float32. One task is one (sequence, KV head, row):
+// the query heads sharing that KV head are processed together so each key is loaded once,
+// but every head keeps its own accumulators and its own fixed order of operations.
+// One 16-key block of scores for the query heads of one KV head: each lane sums
+// q[d] * k[d] over d in order. G > 0 fixes the head count at compile time, so the
+// accumulators stay in registers; G == 0 takes it from `group`. The operations are the same.
+template <int G>
+inline void score_block(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
+                        float* scores, int64_t stride) {
+#if defined(__AVX2__)
+  if constexpr (G > 0) {  // the same multiply, then add, per lane, in AVX2 registers
+    __m256 lo[G], hi[G];
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 c0 = _mm256_loadu_ps(kt + d * S), c1 = _mm256_loadu_ps(kt + d * S + 8);
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        const __m256 qd = _mm256_set1_ps(qrows[j * D + d]);
+        lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(qd, c0));
+        hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(qd, c1));
+      }
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      _mm256_storeu_ps(scores + j * stride, _mm256_mul_ps(lo[j], sc));
+      _mm256_storeu_ps(scores + j * stride + 8, _mm256_mul_ps(hi[j], sc));
+    }
+    return;
+  }
+#endif
+  const int64_t g = G > 0 ? G : group;
+  vec16 lane[G > 0 ? G : kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
+  for (int64_t d = 0; d < D; ++d) {
+    vec16 col;
+    std::memcpy(&col, kt + d * S, sizeof(col));
+    for (int64_t j = 0; j < g; ++j) lane[j] += qrows[j * D + d] * col;
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    lane[j] *= scale;
+    std::memcpy(scores + j * stride, &lane[j], sizeof(vec16));
+  }
+}
+
+// 16 lanes of the weighted value sum for each query head: acc[j * nv] += w[j][k] * v[k]
+// over the keys k in order (committed slots, then the row's ancestors).
+template <int G>
+inline void weighted_values(int64_t group, const float* weights, int64_t stride, const float* vbase, int64_t D,
+                            int64_t committed, const int64_t* slots, int64_t total, vec16* acc, int64_t nv) {
+#if defined(__AVX2__)
+  if constexpr (G > 0) {
+    __m256 lo[G], hi[G];
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < total; ++k) {
+      const float* v = vbase + (k < committed ? k : slots[k - committed]) * D;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        const __m256 w = _mm256_set1_ps(weights[j * stride + k]);
+        lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(w, v0));
+        hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(w, v1));
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+      _mm256_storeu_ps(reinterpret_cast<float*>(acc + j * nv), lo[j]);
+      _mm256_storeu_ps(reinterpret_cast<float*>(acc + j * nv) + 8, hi[j]);
+    }
+    return;
+  }
+#endif
+  const int64_t g = G > 0 ? G : group;
+  vec16 lane[G > 0 ? G : kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
+  for (int64_t k = 0; k < total; ++k) {
+    const int64_t slot = k < committed ? k : slots[k - committed];
+    vec16 vv;
+    std::memcpy(&vv, vbase + slot * D, sizeof(vv));
+    for (int64_t j = 0; j < g; ++j) lane[j] += weights[j * stride + k] * vv;
+  }
+  for (int64_t j = 0; j < g; ++j) acc[j * nv] = lane[j];
+}
+
+template <typename T, int G>
+void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+         const torch::Tensor& lengths, const torch::Tensor& ancestors, const torch::Tensor& rows,
+         float scale, int64_t window, float softcap, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
+  const int64_t Hkv = keys.size(1), S = keys.size(3), W = ancestors.size(2);
+  const int64_t group = H / Hkv;
+  TORCH_CHECK(group <= kMaxGroup, "too many query heads per KV head");
+  TORCH_CHECK(D % kLanes == 0 && D <= kMaxD, "head dim must be a multiple of 16, at most 256");
+  const int64_t nv = D / kLanes;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const T* qp = q.data_ptr<T>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t* ap = ancestors.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+
+  at::parallel_for(0, B * Hkv * R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qrows(group * D);
+    std::vector<int64_t> slots;
+    std::vector<vec16> accv(group * nv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (Hkv * R), kvh = (task / R) % Hkv, r = task % R;
+      if (r >= rp[b]) {
+        for (int64_t j = 0; j < group; ++j) {
+          T* o = op + ((b * R + r) * H + kvh * group + j) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = T(0.f);
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        const T* qsrc = qp + b * qs0 + (kvh * group + j) * qs1 + r * qs2;
+        for (int64_t d = 0; d < D; ++d) qrows[j * D + d] = static_cast<float>(qsrc[d]);
+      }
+      const int64_t* anc = ap + (b * R + r) * W;
+      int64_t depth = -1;
+      while (depth + 1 < W && anc[depth + 1] >= 0) ++depth;
+      // The row sits at position lp[b] + depth. With a sliding window it sees the keys at
+      // positions first .. position only: the window's first key depends on the row's own
+      // position, so a tree row and plain decoding of the same token see the same keys.
+      // Keys are then counted from `first` (k = 0 is position first) on both paths.
+      const int64_t position = lp[b] + depth;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+      const int64_t lo = std::min(first, lp[b]);  // first committed slot read
+      const float* kt = kp + (b * Hkv + kvh) * D * S + lo;      // [D][S], from slot lo
+      const float* vbase = vp + ((b * Hkv + kvh) * S + lo) * D;  // [S][D], from slot lo
+      const int64_t committed = lp[b] - lo;
+      slots.clear();
+      for (int64_t w = std::max<int64_t>(0, first - lp[b]); w <= depth; ++w) slots.push_back(anc[w] - lo);
+      const int64_t total = committed + static_cast<int64_t>(slots.size());
+      // Whole 16-key blocks over the committed keys; the last block may run into scratch
+      // slots (finite values), whose scores are then overwritten by the scalar loop.
+      int64_t blocks = (committed + kLanes - 1) / kLanes * kLanes;
+      if (blocks > S - lo) blocks = committed / kLanes * kLanes;
+      const int64_t stride = (std::max(total, blocks) + kLanes - 1) / kLanes * kLanes;
+      scores.resize(group * stride);
+      // Scores: each lane sums q[d] * k[d] over d in order, the same operations as the
+      // scalar loop used for the rest.
+      for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
+        score_block<G>(group, qrows.data(), D, kt + k0, S, scale, scores.data() + k0, stride);
+      for (int64_t k = committed; k < total; ++k) {
+        const int64_t slot = slots[k - committed];
+        for (int64_t j = 0; j < group; ++j) {
+          float sc = 0.f;
+          for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + slot];
+          scores[j * stride + k] = sc * scale;
+        }
+      }
+      for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
+        for (int64_t j = 0; j < group; ++j) {
+          float sc = 0.f;
+          for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + k];
+          scores[j * stride + k] = sc * scale;
+        }
+      }
+      if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), before the softmax
+        for (int64_t j = 0; j < group; ++j)
+          for (int64_t k = 0; k < total; ++k) {
+            float& s = scores[j * stride + k];
+            s = std::tanh(s / softcap) * softcap;
+          }
+      float sums[kMaxGroup];
+      for (int64_t j = 0; j < group; ++j) {
+        float* sc = scores.data() + j * stride;
+        float top = -INFINITY;
+        for (int64_t k = 0; k < total; ++k) top = sc[k] > top ? sc[k] : top;
+        for (int64_t k = total; k < stride; ++k) sc[k] = top;  // padding, zeroed below
+        for (int64_t k = 0; k < stride; k += kLanes) {
+          vec16 v;
+          std::memcpy(&v, sc + k, sizeof(v));
+          v = softmax_exp(v - top);  // now weights
+          std::memcpy(sc + k, &v, sizeof(v));
+        }
+        for (int64_t k = total; k < stride; ++k) sc[k] = 0.f;
+        float lanes[kLanes] = {0};
+        int64_t k = 0;
+        for (; k + kLanes <= total; k += kLanes)
+          for (int l = 0; l < kLanes; ++l) lanes[l] += sc[k + l];
+        for (int l = 0; k < total; ++k, ++l) lanes[l] += sc[k];
+        for (int w = kLanes / 2; w > 0; w /= 2)
+          for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+        sums[j] = lanes[0];
+      }
+      for (int64_t i = 0; i < nv; ++i)
+        weighted_values<G>(group, scores.data(), stride, vbase + i * kLanes, D, committed, slots.data(), total,
+                           accv.data() + i, nv);
+      for (int64_t j = 0; j < group; ++j) {
+        T* o = op + ((b * R + r) * H + kvh * group + j) * D;
+        for (int64_t i = 0; i < nv; ++i)
+          for (int l = 0; l < kLanes; ++l) o[i * kLanes + l] = static_cast<T>(accv[j * nv + i][l] / sums[j]);
+      }
+    }
+  });
+}
+
+// q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, D, S] and
+// values: [B, Hkv, S, D], float32, contiguous; lengths: [B] int64; ancestors: [B, R, W] int64
+// cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence; window:
+// keys per row under a sliding window (0: all); softcap: attention-logit soft cap (0: none).
+// Returns [B, R, H, D] in q's dtype, accumulated in float32 (zeros past rows[b]).
+torch::Tensor tree_attention_exact(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                   torch::Tensor lengths, torch::Tensor ancestors,
+                                   torch::Tensor rows, double scaling, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rank mismatch");
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32,
+              "the cache must be float32");
+  TORCH_CHECK(q.stride(3) == 1, "q's last dim must be contiguous");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
+  auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
+  const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 only");
+  const bool f32 = q.scalar_type() == torch::kFloat32;
+  switch (q.size(1) / keys.size(1)) {  // query heads per KV head
+    case 1: f32 ? run<float, 1>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                : run<at::BFloat16, 1>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 2: f32 ? run<float, 2>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                : run<at::BFloat16, 2>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 3: f32 ? run<float, 3>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                : run<at::BFloat16, 3>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 4: f32 ? run<float, 4>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                : run<at::BFloat16, 4>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    default: f32 ? run<float, 0>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
+                 : run<at::BFloat16, 0>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+  }
+  return out;
+}

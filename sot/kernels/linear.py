@@ -1,0 +1,199 @@
+"""The Python side of SoT's row-stable products: weights packed once into 16-column panels
+(or kept as exact GGUF 4/8-bit blocks) for the compiled ``linear_f32`` / ``linear_blocks_f32``,
+with MKL or oneDNN packs as fallbacks, and the compiled RMSNorm. Used by the Llama fast
+path, the generic adapter and the state predictor alike."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from sot.kernels import cpu_kernels
+from sot.models.rows import ROW_UNIT
+
+
+def fused_rms_norm(dtype: torch.dtype, device: torch.device):
+    """The compiled RMSNorm for bfloat16 or float32 rows on the CPU
+    (``(x [..., D], weight [D], eps, residual [..., D] | None) -> [normed, x + residual]``),
+    or ``None`` where it does not apply (other dtypes and devices, or no compiler)."""
+    if dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu":
+        return None
+    kernel = cpu_kernels()
+    if kernel is None:
+        return None
+    return kernel.rms_norm_bf16 if dtype == torch.bfloat16 else kernel.rms_norm_f32
+
+
+def pack_panels(weight: torch.Tensor, width: int = 16) -> torch.Tensor:
+    """``weight [N, K] -> [ceil(N / width), K, width]``: panels of ``width`` output columns,
+    each laid out k-major (the input of the compiled ``linear_f32``); the last panel is
+    zero-padded."""
+    n, k = weight.shape
+    panels = -(-n // width)
+    if panels * width != n:
+        weight = torch.cat([weight, weight.new_zeros(panels * width - n, k)])
+    return weight.reshape(panels, width, k).transpose(1, 2).contiguous()
+
+
+def _fp16_candidates(approx: torch.Tensor) -> list[torch.Tensor]:
+    """float16 values at and next to ``approx`` (as float32), nearest first."""
+    bits = approx.to(torch.float16).view(torch.int16)
+    return [(bits + off).view(torch.float16).float() for off in (0, -1, 1, -2, 2)]
+
+
+def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0:
+    ``w = d * q``) blocks of 32 inputs, in the panel layout of the compiled
+    ``linear_blocks_f32``: ``(data, scale, mins)`` (``mins`` empty for 8-bit), or ``None``
+    when some block is not exactly of that form. Every decoded weight is checked to equal
+    the float32 one bit for bit, so a product over the blocks equals ``linear_f32``'s.
+
+    A model dequantized from a GGUF file (the default model) has such weights: it then reads
+    an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32 or n == 0:
+        return None
+    panels = -(-n // 16)
+    w = weight.detach()
+    if panels * 16 != n:
+        w = torch.cat([w, w.new_zeros(panels * 16 - n, k)])
+    blocks = w.reshape(panels * 16, k // 32, 32)
+
+    def solve(levels: range, offset: torch.Tensor | None, spread: torch.Tensor):
+        # decoded exactly as the kernel does: d * q, then + m (4-bit), each step rounded
+        found = torch.zeros(blocks.shape[:2], dtype=torch.bool)
+        scale = torch.zeros(blocks.shape[:2])
+        q = torch.zeros(blocks.shape, dtype=torch.int16)
+        for d in _fp16_candidates(spread):
+            safe = torch.where(d == 0, torch.ones_like(d), d)[..., None]
+            base = blocks if offset is None else blocks - offset[..., None]
+            cand = torch.round(base / safe).clamp(levels.start, levels.stop - 1)
+            rebuilt = d[..., None] * cand if offset is None else d[..., None] * cand + offset[..., None]
+            new = (rebuilt.view(torch.int32) == blocks.view(torch.int32)).all(-1) & ~found  # bits, signed zeros too
+            scale = torch.where(new, d, scale)
+            q = torch.where(new[..., None], cand.to(torch.int16), q)
+            found |= new
+            if bool(found.all()):
+                break
+        return bool(found.all()), scale, q
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16]
+        return t.reshape(panels, 16, k // 32).transpose(1, 2).contiguous()
+
+    low = blocks.min(-1).values
+    if bool((low.to(torch.float16).float() == low).all()):
+        ok, scale, q = solve(range(0, 16), low, (blocks.max(-1).values - low) / 15)
+        if ok:  # 4-bit: byte j holds column j (low nibble) and column j + 8 (high nibble)
+            q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
+            data = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
+            return data, per_panel(scale), per_panel(low)
+    ok, scale, q = solve(range(-128, 128), None, blocks.abs().max(-1).values / 127)
+    if ok:
+        data = q.to(torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1).contiguous()
+        return data, per_panel(scale), torch.empty(0)
+    return None
+
+
+class PackedLinear:
+    """A weight ``[N, K]`` pre-packed once for a CPU kernel (bf16: oneDNN; fp32: SoT's own
+    compiled kernel, else MKL or oneDNN).
+
+    Packing removes the per-call weight reorder; the products are bit-identical to the
+    unpacked kernel's (checked by the test suite). For float32 the kernel is chosen by probe,
+    in this order, taking the first whose short blocks give each row the same bits as a full
+    block: SoT's ``linear_f32`` (row-stable by construction, and on a 2-core AVX2 CPU about
+    1.6-1.7x faster than oneDNN for 1 to 16 rows; ``scripts/linear_bench.py``), MKL, oneDNN; if none is, MKL with short
+    blocks padded (on some AVX2 CPUs MKL's float32 kernels round short blocks differently, and
+    padding every one-row product to ``ROW_UNIT`` rows makes plain decoding several times
+    slower). Elsewhere it is plain ``F.linear``.
+
+    With SoT's kernel, a float32 weight that is exactly a grid of GGUF Q4_1 or Q8_0 blocks (a
+    model dequantized from a GGUF file) is kept in that form and decoded on the fly
+    (:func:`pack_blocks`; same bits, a sixth of the memory traffic). ``compress=False`` or the
+    environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels; ``SOT_NO_FUSED_BLOCKS=1``
+    decodes every block product through a float32 panel copy instead of in registers.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compress: bool = True) -> None:
+        self.compress = compress and not os.environ.get("SOT_NO_BLOCKS")
+        #: block products decode in registers or small L1 blocks (else through a float32 panel copy)
+        self.fused = os.environ.get("SOT_NO_FUSED_BLOCKS", "0") != "1"
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach()
+        self.packed = None
+        self.kind = ""
+        self.kernel = None  # SoT's compiled module, for kind "sot"
+        self.partial_ok = False
+        if self.weight.device.type != "cpu":
+            return
+        if self.weight.dtype == torch.bfloat16:
+            kinds = ["mkldnn"] if torch.backends.mkldnn.is_available() else []
+        elif self.weight.dtype == torch.float32:
+            self.kernel = cpu_kernels()
+            kinds = [k for k, ok in (("sot", self.kernel is not None),
+                                     ("mkl", torch.backends.mkl.is_available()),
+                                     ("mkldnn", torch.backends.mkldnn.is_available())) if ok]
+        else:
+            kinds = []
+        first = None
+        for kind in kinds:
+            if not self._pack(kind):
+                continue
+            first = first or kind
+            if self._probe_partial_blocks():
+                self.partial_ok = True
+                return
+        if first is not None and first != self.kind:  # no kernel is row-stable for short blocks: pad
+            self._pack(first)
+
+    def _pack(self, kind: str) -> bool:
+        try:
+            if kind == "sot":
+                blocks = pack_blocks(self.weight) if self.compress else None
+                self.packed = blocks if blocks is not None else pack_panels(self.weight)
+            elif kind == "mkldnn":
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROW_UNIT)
+            else:
+                self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, ROW_UNIT)
+        except (RuntimeError, AttributeError):
+            self.packed, self.kind = None, ""
+            return False
+        self.kind = kind
+        return True
+
+    def _probe_partial_blocks(self) -> bool:
+        """Whether a block of fewer than ``ROW_UNIT`` rows gives each row the same bits as a
+        full block. BLAS kernels are chosen by shape, not data, so one random probe per
+        shape tells. When it holds, short passes (plain decoding) need no padding rows."""
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(ROW_UNIT, self.weight.shape[1], generator=gen).to(self.weight.dtype)
+        full = self._block(x)
+        return all(torch.equal(self._block(x[:m]), full[:m]) for m in (1, 2, 3, 5, 8, 13))
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "sot":
+            if isinstance(self.packed, tuple):
+                return self.kernel.linear_blocks_f32(x, *self.packed, self.weight.shape[0], self.bias, self.fused)
+            return self.kernel.linear_f32(x, self.packed, self.weight.shape[0], self.bias)
+        if self.kind == "mkldnn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.kind == "mkl":
+            out = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, ROW_UNIT)
+            return out
+        return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor, stable: bool) -> torch.Tensor:
+        """``x [M, K] -> [M, N]``; with ``stable`` the product runs in ``ROW_UNIT``-row
+        blocks (``M`` is then a multiple of ``ROW_UNIT``)."""
+        if not stable:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        if rows == ROW_UNIT or (rows < ROW_UNIT and self.partial_ok) or self.kind == "sot":
+            # (SoT's kernel takes any row count in one call, so the weights stream once)
+            return self._block(x)
+        pad = 0 if self.partial_ok else -rows % ROW_UNIT
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        out = torch.cat([self._block(x[i : i + ROW_UNIT]) for i in range(0, x.shape[0], ROW_UNIT)])
+        return out[:rows] if pad else out

@@ -1,0 +1,11 @@
+// The one Python module of SoT's CPU kernels (built by sot.kernels on first use).
+#include "common.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_write", &rope_write, "rotary embedding of q/k and KV-cache write");
+  m.def("tree_attention_exact", &tree_attention_exact, "exact CPU tree attention");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "fused bfloat16 RMSNorm (optionally after a residual add)");
+  m.def("rms_norm_f32", &rms_norm_f32, "fused float32 RMSNorm (optionally after a residual add)");
+  m.def("linear_f32", &linear_f32, "row-stable float32 linear layer on panel-packed weights");
+  m.def("linear_blocks_f32", &linear_blocks_f32, "linear_f32 on float32 weights stored as exact 4/8-bit blocks");
+}

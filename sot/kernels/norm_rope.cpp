@@ -1,0 +1,167 @@
+// RMSNorm (bfloat16 and float32) and the rotary embedding with the KV-cache write, each one
+// compiled call with a fixed order of operations.
+#include "common.h"
+
+// RMSNorm of bfloat16 rows, Llama style: w * bf16(x * rsqrt(mean(x^2) + eps)), computed in
+// float32 with a fixed reduction order. With ``residual`` given, x = bf16(x + residual) first
+// and that sum is returned as well.
+std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps,
+                                         c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16, "bfloat16 only");
+  x = x.contiguous();
+  const int64_t D = x.size(-1), N = x.numel() / D;
+  torch::Tensor sum_out;
+  const at::BFloat16* rp = nullptr;
+  if (residual.has_value()) {
+    auto res = residual->contiguous();
+    TORCH_CHECK(res.sizes() == x.sizes(), "residual shape mismatch");
+    sum_out = torch::empty_like(x);
+    rp = res.data_ptr<at::BFloat16>();
+  }
+  auto out = torch::empty_like(x);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::BFloat16* sp = sum_out.defined() ? sum_out.data_ptr<at::BFloat16>() : nullptr;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t d = 0; d < D; ++d) {
+        float v = static_cast<float>(xp[n * D + d]);
+        if (rp) {
+          const at::BFloat16 s = static_cast<at::BFloat16>(v + static_cast<float>(rp[n * D + d]));
+          sp[n * D + d] = s;
+          v = static_cast<float>(s);
+        }
+        row[d] = v;
+      }
+      const float ss = dot(row.data(), row.data(), D);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + feps);
+      for (int64_t d = 0; d < D; ++d) {
+        const float normed = static_cast<float>(static_cast<at::BFloat16>(row[d] * inv));
+        op[n * D + d] = static_cast<at::BFloat16>(static_cast<float>(wp[d]) * normed);
+      }
+    }
+  });
+  if (sp) return {out, sum_out};
+  return {out};
+}
+
+// RMSNorm of float32 rows: w * (x * (1 / sqrt(mean(x^2) + eps))), the operations of the
+// transformers formula, with the sum of squares in a fixed order (``dot``). With ``residual``
+// given, x = x + residual first and that sum is returned as well. One call replaces the
+// half-dozen aten operations of the formula, whose per-call overhead dominated at a few rows.
+std::vector<torch::Tensor> rms_norm_f32(torch::Tensor x, torch::Tensor weight, double eps,
+                                        c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
+  x = x.contiguous();
+  const int64_t D = x.size(-1), N = x.numel() / D;
+  TORCH_CHECK(weight.numel() == D, "weight size mismatch");
+  torch::Tensor sum_out;
+  const float* rp = nullptr;
+  torch::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == torch::kFloat32, "residual shape mismatch");
+    sum_out = torch::empty_like(x);
+    rp = res.data_ptr<float>();
+  }
+  auto w = weight.contiguous();
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* sp = sum_out.defined() ? sum_out.data_ptr<float>() : nullptr;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = xp + n * D;
+      if (rp) {
+        float* s = sp + n * D;
+        const float* r = rp + n * D;
+        for (int64_t d = 0; d < D; ++d) s[d] = row[d] + r[d];
+        row = s;
+      }
+      const float ss = dot(row, row, D);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + feps);
+      float* o = op + n * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = wp[d] * (row[d] * inv);
+    }
+  });
+  if (sp) return {out, sum_out};
+  return {out};
+}
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+// Rotary embedding of q and k plus the KV-cache write, in one pass.
+// qkv: [B, T, Hq + 2 Hkv, D] (q heads, k heads, v heads); cos, sin: [B, T, D];
+// keys: [B, Hkv, D, S], values: [B, Hkv, S, D] (one layer of the float32 cache);
+// slots: [B, T] cache slot per row.
+// Returns q: [B, Hq, T, D]. Every operation rounds to the model dtype exactly as the
+// transformers formula q * cos + rotate_half(q) * sin does, so the bits are the same.
+template <typename T>
+void rope_write_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                     torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& slots,
+                     int64_t hq, torch::Tensor& q_out) {
+  const int64_t B = qkv.size(0), Tn = qkv.size(1), Hall = qkv.size(2), D = qkv.size(3);
+  const int64_t hkv = (Hall - hq) / 2, S = keys.size(3), half = D / 2;
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  T* qp = q_out.data_ptr<T>();
+  at::parallel_for(0, B * Tn, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / Tn, t = bt % Tn;
+      const T* c = cp + bt * D;
+      const T* s = sp + bt * D;
+      const int64_t where = slot[bt];
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        const T* x = src + (bt * Hall + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float rot = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+          const T rot_t = round_to<T>(rot);
+          const T a = round_to<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
+          const T bb = round_to<T>(static_cast<float>(rot_t) * static_cast<float>(s[d]));
+          const T value = round_to<T>(static_cast<float>(a) + static_cast<float>(bb));
+          if (h < hq) {
+            qp[((b * hq + h) * Tn + t) * D + d] = value;
+          } else {
+            kp[((b * hkv + (h - hq)) * D + d) * S + where] = static_cast<float>(value);
+          }
+        }
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        const T* x = src + (bt * Hall + hq + hkv + h) * D;
+        float* dst = vp + ((b * hkv + h) * S + where) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(x[d]);
+      }
+    }
+  });
+}
+
+torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
+                         torch::Tensor values, torch::Tensor slots, int64_t hq) {
+  TORCH_CHECK(qkv.dim() == 4 && cos.dim() == 3 && keys.dim() == 4, "rank mismatch");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slots = slots.contiguous();
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < keys.size(3), "cache slot out of range");
+  auto q = torch::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
+  if (qkv.scalar_type() == torch::kFloat32) {
+    rope_write_impl<float>(qkv, cos, sin, keys, values, slots, hq, q);
+  } else if (qkv.scalar_type() == torch::kBFloat16) {
+    rope_write_impl<at::BFloat16>(qkv, cos, sin, keys, values, slots, hq, q);
+  } else {
+    TORCH_CHECK(false, "float32 or bfloat16 only");
+  }
+  return q;
+}
