@@ -30,6 +30,7 @@ import torch
 
 from sot.cache import KVCache
 from sot.kernels import cpu_kernels
+from sot.models.rows import round_up
 
 # Rows of a tree may be up to MAX_TREE_DEPTH below the committed length.
 MAX_TREE_DEPTH = 64
@@ -167,7 +168,7 @@ def build_tree_layout(
             torch.tensor(lengths), torch.tensor(table), torch.tensor([len(a) for a in ancestors])
         )
         return TreeLayout(write_slots=write_slots, kernel=kernel)
-    n = min(num_rows, -(-max(len(a) for a in ancestors) // ROW_ALIGN) * ROW_ALIGN)
+    n = min(num_rows, round_up(max(len(a) for a in ancestors), ROW_ALIGN))
     far_ends = torch.zeros(batch, n, dtype=torch.long)
     tail_slots = torch.zeros(batch, n, TAIL, dtype=torch.long)
     tail_valid = torch.zeros(batch, n, TAIL, dtype=torch.bool)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from sot.models.rows import round_up
+
 SLOT_ALIGN = 64
 
 
@@ -28,7 +30,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         transposed_keys: bool = False,
     ) -> None:
-        capacity = -(-capacity // SLOT_ALIGN) * SLOT_ALIGN
+        capacity = round_up(capacity, SLOT_ALIGN)
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
         key_shape = (num_layers, batch_size, num_kv_heads, head_dim, capacity) if transposed_keys else shape
         # Zeros, not empty: masked slots still enter matmuls (with weight 0) and must be finite.

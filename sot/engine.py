@@ -28,7 +28,7 @@ from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError, SoTError
 from sot.models.adapter import ForwardOutput, TargetModel
-from sot.models.rows import ROW_UNIT
+from sot.models.rows import ROW_UNIT, round_up
 from sot.policy import AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace
 from sot.requests import GenerationParams, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_request
 from sot.sampling import SamplingMode, sequence_generator
@@ -312,7 +312,7 @@ class Engine:
         self.policy.add_sequence(seq.id, seq.params.sampling.temperature)
         out = self.target.prefill(self._cache, b, torch.tensor(seq.prompt))
         self._cache.set_length(b, len(seq.prompt))
-        root = DraftTree([seq.prompt[-1]], [-1], [0])
+        root = DraftTree.root_only(seq.prompt[-1])
         acc = self._accept_one(seq, root, out.logits[0, -1:], len(seq.prompt) - 1)
         if self.trace:
             seq.result.logit_trace.append(out.logits[0, -1].clone())
@@ -335,7 +335,7 @@ class Engine:
     def _headroom(self) -> int:
         """Slots past a sequence's length that one step may write: its tree (scratch rows,
         rounded up) and the accepted path."""
-        return -(-self.budget.max_nodes // ROW_UNIT) * ROW_UNIT + self.budget.max_depth + 1
+        return round_up(self.budget.max_nodes, ROW_UNIT) + self.budget.max_depth + 1
 
     def _decode_step(self) -> list[TokenEvent]:
         """plan -> draft -> verify -> accept -> commit over the running sequences."""
@@ -418,7 +418,7 @@ class Engine:
             else:
                 seq.result.plain_steps += 1
             root = seq.root
-            tree = chosen.get(seq.id) or DraftTree([root], [-1], [0])
+            tree = chosen.get(seq.id) or DraftTree.root_only(root)
             if tree.tokens[0] != root or tree.size > self.budget.max_nodes or tree.max_depth > self.budget.max_depth:
                 raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
             trees.append(tree)
@@ -436,7 +436,7 @@ class Engine:
         """
         cache = self._cache
         unit = self.target.row_multiple
-        rows = -(-max(t.size for t in trees) // unit) * unit
+        rows = round_up(max(t.size for t in trees), unit)
         width = max(t.max_depth for t in trees) + 1
         ids = torch.zeros(len(seqs), rows, dtype=torch.long)
         pos = torch.zeros(len(seqs), rows, dtype=torch.long)

@@ -47,6 +47,16 @@ class DraftTree:
     def max_depth(self) -> int:
         return max(self.depths)
 
+    @classmethod
+    def root_only(cls, token: int, confident: bool = False) -> "DraftTree":
+        """The tree of the root alone (a plain step); ``confident`` gives it a draft
+        confidence of 1."""
+        return cls([token], [-1], [0], [1.0] if confident else None)
+
+    def confidences(self) -> list[float]:
+        """``[N]`` draft confidence per node; without ``draft_probs``, ``1 / (depth + 1)``."""
+        return list(self.draft_probs) if self.draft_probs else [1.0 / (d + 1) for d in self.depths]
+
     def children(self) -> list[list[int]]:
         """``children[i]`` lists the indices whose parent is ``i``, in index order."""
         out: list[list[int]] = [[] for _ in self.tokens]

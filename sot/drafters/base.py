@@ -115,4 +115,4 @@ class NoDrafter(Drafter):
     kind = DrafterKind.NONE
 
     def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
-        return [DraftTree([x.context[-1]], [-1], [0]) for x in inputs]
+        return [DraftTree.root_only(x.context[-1]) for x in inputs]

@@ -20,7 +20,7 @@ def node_features(tree: DraftTree, state: SequencePolicyState, temperature: floa
     """``[N - 1, len(FEATURES)]`` features of the non-root nodes of ``tree``: log draft
     confidence, log confidence given the parent, depth, rank among siblings, the sequence's
     calibration and recent tokens per step, the sampling temperature and the tree's size."""
-    probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+    probs = tree.confidences()
     logs = [math.log(max(p, 1e-6)) for p in probs]
     rank = [0] * tree.size
     for kids in tree.children():

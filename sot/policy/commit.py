@@ -180,7 +180,7 @@ class CommitPolicy:
             self._observe_gains(outcome.paths)
         share = outcome.draft_seconds / max(1, len(plan.drafting))
         for b in plan.drafting:
-            tree = outcome.trees.get(b) or DraftTree([0], [-1], [0])
+            tree = outcome.trees.get(b) or DraftTree.root_only(0)
             verify = self.cost.verify(tree.size) if self.cost is not None else 0.0
             self.observe(b, tree, outcome.paths[b], share + verify)
         for b, tree in plan.free.items():
@@ -291,7 +291,7 @@ class CommitPolicy:
             for i in range(1, tree.size):  # a node is never likelier than its parent
                 est[i] = min(est[i], est[tree.parents[i]])
             return est
-        probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+        probs = tree.confidences()
         return [1.0] + [min(1.0, s.calibration * probs[i]) for i in range(1, tree.size)]
 
     def choose_batch(self, trees: dict[int, DraftTree], batch_rows: int, live: int | None = None,
@@ -397,7 +397,7 @@ class CommitPolicy:
             label[[i - 1 for i in path[1:]]] = 1.0
             self.trace.features.append(feats)
             self.trace.accepted.append(label)
-        probs = tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+        probs = tree.confidences()
         # E[accepted] = sum over nodes of P(node accepted); the draft probabilities estimate it
         expected = sum(min(1.0, probs[i]) for i in range(1, tree.size))
         ratio = (accepted + 0.1) / (expected + 0.1)

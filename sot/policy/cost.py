@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from sot.models.rows import round_up
+
 
 class CostModel:
     """Seconds of one verify pass as a function of its row count (batch of one sequence),
@@ -69,7 +71,7 @@ class CostModel:
         passes = []
         for n in sizes:
             tree = tree_from_parents(prompt[-n:].tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
-            rows = -(-n // unit) * unit
+            rows = round_up(n, unit)
             ids = torch.full((1, rows), int(tree.tokens[0]))
             ids[0, :n] = torch.tensor(tree.tokens)
             pos = torch.full((1, rows), context)

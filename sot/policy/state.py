@@ -31,7 +31,7 @@ class SequencePolicyState:
 def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:
     """Non-root nodes by ``scores`` (default: draft confidence), best first; every prefix is
     closed under parents when no child scores above its parent (ties go to the shallower node)."""
-    probs = scores or tree.draft_probs or [1.0 / (d + 1) for d in tree.depths]
+    probs = scores or tree.confidences()
     return sorted(range(1, tree.size), key=lambda i: (-probs[i], tree.depths[i], i))
 
 

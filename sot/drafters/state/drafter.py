@@ -192,7 +192,7 @@ class StateDrafter(Drafter):
         for x in inputs:
             best = self._lookup(x, min(budget.max_depth, budget.max_nodes - 1))
             root = x.context[-1]
-            out.append(self._rate(x.sequence).chain(root, best) if best else DraftTree([root], [-1], [0], [1.0]))
+            out.append(self._rate(x.sequence).chain(root, best) if best else DraftTree.root_only(root, confident=True))
         return out
 
     @torch.no_grad()
@@ -269,7 +269,7 @@ class StateDrafter(Drafter):
             self._predicted = {x.sequence: self._node_states(growths[j]) for j, x in enumerate(inputs) if j in growths}
         for j, x in enumerate(inputs):
             if j not in growths:
-                out.append(DraftTree([x.context[-1]], [-1], [0]))
+                out.append(DraftTree.root_only(x.context[-1]))
                 continue
             tree = self._finish_tree(growths[j], budget)
             if self.lookup is not None and budget.width == 0:
