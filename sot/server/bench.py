@@ -22,28 +22,6 @@ from pathlib import Path
 from sot.errors import ConfigError
 
 
-def add_bench_serve_parser(sub, positive_int) -> None:
-    p = sub.add_parser("bench-serve", help="load-test OpenAI-compatible servers side by side")
-    p.add_argument("--url", action="append", required=True,
-                   help="server base URL, e.g. http://127.0.0.1:8000 (repeat to compare servers)")
-    p.add_argument("--label", action="append", default=None, help="a name per --url (default: the URL)")
-    p.add_argument("--model", default=None, help="model id to request (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--prompts", default="sharegpt-heldout",
-                   help="a bench prompt set (sharegpt-heldout, humaneval, ...) or a .jsonl file")
-    p.add_argument("--num-prompts", type=positive_int, default=16, help="requests per level and server")
-    p.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels")
-    p.add_argument("--request-rate", type=float, default=None,
-                   help="send requests at this Poisson rate (per second) instead of fixed concurrency")
-    p.add_argument("--max-tokens", type=positive_int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="ask for exactly --max-tokens tokens (the 'ignore_eos' extension of SoT and vLLM)")
-    p.add_argument("--rounds", type=positive_int, default=1, help="alternating rounds per level")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
-    p.add_argument("--out", default=None, help="folder for results.json and bench-serve.png")
-
-
 @dataclass
 class RequestRecord:
     """One request as the client saw it (seconds from its start)."""

@@ -6,10 +6,11 @@ import contextlib
 import sys
 import threading
 
+from sot.cli.common import add_model_args, load_sot, non_negative_float, positive_int
 from sot.errors import ConfigError
 
 
-def add_serve_parser(sub, add_model_args, positive_int, non_negative_float) -> None:
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from sot.server.app import ServerConfig
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions, streaming, metrics)")
@@ -31,7 +32,7 @@ def add_serve_parser(sub, add_model_args, positive_int, non_negative_float) -> N
     add_model_args(p)
 
 
-def cmd_serve(args: argparse.Namespace, load) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM or Ctrl-C; returns 0 after a graceful shutdown."""
     import uvicorn
 
@@ -43,7 +44,7 @@ def cmd_serve(args: argparse.Namespace, load) -> int:
                           max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, trace=args.trace)
     if args.trace < 0:
         raise ConfigError(f"--trace takes a count of requests to keep, got {args.trace}")
-    app = create_app(lambda: load(args), config)
+    app = create_app(lambda: load_sot(args), config)
     state = app.state.sot_state
 
     class _Server(uvicorn.Server):
@@ -78,3 +79,31 @@ def cmd_serve(args: argparse.Namespace, load) -> int:
         print(f"sot serve: error: the model failed to load: {state.load_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-serve", help="load-test OpenAI-compatible servers side by side")
+    p.add_argument("--url", action="append", required=True,
+                   help="server base URL, e.g. http://127.0.0.1:8000 (repeat to compare servers)")
+    p.add_argument("--label", action="append", default=None, help="a name per --url (default: the URL)")
+    p.add_argument("--model", default=None, help="model id to request (default: the server's first model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--prompts", default="sharegpt-heldout",
+                   help="a bench prompt set (sharegpt-heldout, humaneval, ...) or a .jsonl file")
+    p.add_argument("--num-prompts", type=positive_int, default=16, help="requests per level and server")
+    p.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="send requests at this Poisson rate (per second) instead of fixed concurrency")
+    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly --max-tokens tokens (the 'ignore_eos' extension of SoT and vLLM)")
+    p.add_argument("--rounds", type=positive_int, default=1, help="alternating rounds per level")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--out", default=None, help="folder for results.json and bench-serve.png")
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from sot.server.bench import cmd_bench_serve as run
+
+    return run(args)

@@ -4,17 +4,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sot.bench.runner import BenchConfig
+from sot.cli.common import (
+    DTYPE_CHOICES, add_chat_flag, add_policy_args, add_tree_args, non_negative_float, policy_from_args, positive_int,
+)
+from sot.sampling import SamplingMode
+
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from sot.bench.runner import BenchConfig
-    from sot.cli import DTYPE_CHOICES, _non_negative_float, _positive_int, add_chat_flag, add_policy_args, add_tree_args
-    from sot.sampling import SamplingMode
 
     bench = sub.add_parser("bench", help="benchmark decoding methods side by side")
     bench.add_argument("--prompts", default="humaneval",
                        help="a JSONL file or a built-in set: sharegpt-heldout, humaneval, long, adversarial, "
                             "mix (sharegpt-heldout and adversarial prompts, alternating)")
-    bench.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
+    bench.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts")
     bench.add_argument("--methods", default="hf,plain,pld",
                        help="comma list of hf, hf-pld, plain, pld, state, llamacpp; state=FILE adds the state drafter "
                             "with another predictor file (shown as state[FOLDER]), to compare predictors side by side")
@@ -22,15 +25,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="engine dtype (auto: bfloat16 where the hardware computes it natively, else float32)")
     bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=BenchConfig.max_new_tokens)
-    bench.add_argument("--temperature", type=_non_negative_float, default=BenchConfig.temperature)
+    bench.add_argument("--max-new-tokens", type=positive_int, default=BenchConfig.max_new_tokens)
+    bench.add_argument("--temperature", type=non_negative_float, default=BenchConfig.temperature)
     bench.add_argument("--seed", type=int, default=BenchConfig.seed)
     bench.add_argument("--sampling", choices=[m.value for m in SamplingMode], default=BenchConfig.sampling,
                        help="engine sampling: rejection (default) or coupled (seeded outputs equal plain decoding's, "
                             "so speed compares on the same tokens)")
     add_tree_args(bench)
     bench.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
-    bench.add_argument("--batch-size", type=_positive_int, default=1,
+    bench.add_argument("--batch-size", type=positive_int, default=1,
                        help="engine methods decode this many prompts together, as a continuous batch; the methods "
                             "alternate on rounds of twice that many prompts (hf and llamacpp stay at 1)")
     bench.add_argument("--full-vocab", action="store_true",
@@ -47,7 +50,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from sot.bench.runner import BenchConfig, parse_sweep, run_bench, summary
-    from sot.cli import policy_from_args
     from sot.models.loading import dtype_name, resolve_dtype
 
     cfg = BenchConfig(

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from sot.cli.common import DTYPE_CHOICES, positive_float, positive_int
+
 
 def default_state_layers(num_layers: int) -> tuple[int, int, int]:
     """The EAGLE-3 choice of a low, a middle and a high layer: 2, L/2 and L-3 (indices into
@@ -28,9 +30,7 @@ def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
-def add_train_parser(sub, positive_int, positive_float) -> None:
-    from sot.cli import DTYPE_CHOICES
-
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train a state predictor (gen-data, prepare, fit) or a commit policy (policy)")
     tsub = train.add_subparsers(dest="train_command", required=True, parser_class=type(train))
 

@@ -1,0 +1,53 @@
+"""The ``sot`` command line: ``generate``, ``chat``, ``trace``, ``serve``, ``bench``,
+``bench-serve`` and ``train``, one module per group; :mod:`sot.cli.common` holds what they
+share (nothing in it imports a subcommand, so there is no import circle)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from sot.cli.bench import add_bench_parser, cmd_bench
+from sot.cli.common import DTYPE_CHOICES, Parser
+from sot.cli.generate import add_generate_parsers, cmd_chat, cmd_generate, cmd_trace
+from sot.cli.serve import add_bench_serve_parser, add_serve_parser, cmd_bench_serve, cmd_serve
+from sot.cli.train import add_train_parser, cmd_train
+from sot.errors import SoTError
+
+__all__ = ["DTYPE_CHOICES", "build_parser", "main"]
+
+HANDLERS = {"generate": cmd_generate, "chat": cmd_chat, "trace": cmd_trace, "serve": cmd_serve, "bench": cmd_bench,
+            "bench-serve": cmd_bench_serve, "train": cmd_train}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sot`` parser with every subcommand."""
+    parser = Parser(prog="sot", description="SoT: lossless speculative decoding with state prediction")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    add_generate_parsers(sub)
+    add_serve_parser(sub)
+    add_bench_serve_parser(sub)
+    add_bench_parser(sub)
+    add_train_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``sot`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return HANDLERS[args.command](args)
+    except SoTError as exc:
+        print(f"sot: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nsot: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - last line of defence: one line, not a traceback
+        if os.environ.get("SOT_DEBUG"):
+            raise
+        print(f"sot: error: {type(exc).__name__}: {exc} (set SOT_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+

@@ -1,0 +1,6 @@
+"""``python -m sot.cli``."""
+import sys
+
+from sot.cli import main
+
+sys.exit(main())

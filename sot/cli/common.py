@@ -1,0 +1,129 @@
+"""What every ``sot`` subcommand shares: argument validators, the argument groups (whose
+defaults come from the config dataclasses), the one-line-error parser, and model loading."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from sot.drafters.base import DRAFT_TOP_K, TreeBudget
+from sot.policy.config import PolicyConfig, PolicyKind
+from sot.requests import GenerationParams
+from sot.sampling import SamplingMode, SamplingParams
+
+
+def _checked(cast: type, name: str, ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
+    """An argparse type: parse with ``cast`` and require ``ok(value)``."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _checked(int, "an integer", lambda v: v >= 1, ">= 1")
+non_negative_int = _checked(int, "an integer", lambda v: v >= 0, ">= 0")
+non_negative_float = _checked(float, "a number", lambda v: v >= 0, ">= 0")
+probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
+positive_float = _checked(float, "a number", lambda v: v > 0, "> 0")
+
+
+#: values of --dtype (sot.models.loading.resolve_dtype interprets them; kept here so that
+#: parsing arguments does not import torch; a test checks that the two lists agree)
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="engine dtype (default auto: bfloat16 on hardware with native bf16 such as AMX, else float32)")
+    add_tree_args(p)
+    p.add_argument("--predictor", default=None, help="state predictor file (default: the one shipped for the default model)")
+    add_policy_args(p)
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """The draft tree's size, depth and width; defaults from :class:`~sot.drafters.TreeBudget`
+    and :data:`~sot.drafters.DRAFT_TOP_K`."""
+    p.add_argument("--max-nodes", "--budget", dest="max_nodes", type=positive_int, default=TreeBudget.max_nodes,
+                   help=f"draft tree size per step (nodes verified at most), root included (default {TreeBudget.max_nodes})")
+    p.add_argument("--max-depth", type=non_negative_int, default=TreeBudget.max_depth,
+                   help=f"how far a draft tree may look ahead (default {TreeBudget.max_depth})")
+    p.add_argument("--draft-top-k", dest="draft_top_k", type=positive_int, default=DRAFT_TOP_K,
+                   help=f"children per expanded node of a state-predictor tree; the width of --policy static trees "
+                        f"(default {DRAFT_TOP_K})")
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """The commit policy's flags; defaults from :class:`~sot.policy.PolicyConfig`."""
+    p.add_argument("--policy", choices=[k.value for k in PolicyKind], default=PolicyConfig.kind.value,
+                   help="commit policy: heuristic (default: cost model + fallback), learned (a trained acceptance "
+                        "model + cost model + fallback), auto (learned when an acceptance model fits the model, "
+                        "else heuristic) or static (a fixed tree of top-k nodes per depth)")
+    p.add_argument("--policy-model", default=None,
+                   help="acceptance model of --policy learned (default: the one shipped for the default model)")
+    p.add_argument("--warmup", type=non_negative_int, default=PolicyConfig.warmup,
+                   help="tokens decoded plainly at the start of a sequence")
+    p.add_argument("--fallback-threshold", type=non_negative_float, default=PolicyConfig.fallback_threshold,
+                   help="fall back to plain decoding when recent speed / plain speed drops below this")
+    p.add_argument("--disable-above", type=non_negative_int, default=PolicyConfig.disable_above,
+                   help="a fixed rule instead of batch planning: no speculation while more than N sequences "
+                        "run (0: off, the default)")
+
+
+def policy_from_args(args: argparse.Namespace) -> PolicyConfig:
+    return PolicyConfig(kind=PolicyKind(args.policy), warmup=args.warmup, fallback_threshold=args.fallback_threshold,
+                        model_path=args.policy_model, disable_above=args.disable_above)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=positive_int, default=GenerationParams.max_new_tokens)
+    p.add_argument("--temperature", type=non_negative_float, default=SamplingParams.temperature,
+                   help="0 = greedy (default)")
+    p.add_argument("--top-p", type=probability, default=SamplingParams.top_p)
+    p.add_argument("--top-k", type=non_negative_int, default=SamplingParams.top_k, help="sampling top-k (0: off)")
+    p.add_argument("--seed", type=int, default=SamplingParams.seed)
+    p.add_argument("--sampling", choices=[m.value for m in SamplingMode], default=SamplingParams.mode.value,
+                   help="rejection: exact in distribution; coupled: seeded output equals plain decoding's")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def add_chat_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", dest="chat", action="store_true", default=None,
+                   help="apply the chat template (default: on for chat models)")
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="feed prompts as raw text")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def load_sot(args: argparse.Namespace):
+    from sot.api import SoT
+    from sot.models.loading import dtype_name, resolve_dtype
+
+    print(f"loading {args.model} ({dtype_name(resolve_dtype(args.dtype))}, drafter {args.drafter}) ...", file=sys.stderr)
+    return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes,
+                    max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
+                    policy=policy_from_args(args))
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        sampling=args.sampling,
+        ignore_eos=args.ignore_eos,
+    )

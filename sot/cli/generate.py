@@ -1,0 +1,167 @@
+"""``sot generate``, ``sot chat`` and ``sot trace``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sot.cli.common import (
+    add_chat_flag, add_model_args, add_sampling_args, load_sot, positive_int, sampling_kwargs,
+)
+from sot.errors import SoTError
+
+
+def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
+    """``generate``, ``trace`` and ``chat``."""
+    gen = sub.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
+    gen.add_argument("prompt", nargs="?", help="the prompt text")
+    gen.add_argument("--prompts", help="JSONL file: {'prompt'}, {'messages'} or {'turns'} per line")
+    gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
+                     help="auto: the state predictor when one fits the model, else pld")
+    gen.add_argument("--batch-size", type=positive_int, default=1,
+                     help="sequences decoded together; a finished one's place goes to the next prompt")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("--trace", metavar="FILE.jsonl",
+                     help="record every step (trees, acceptance, policy, timings, predicted states) to FILE.jsonl; "
+                          "'sot trace --from FILE.jsonl' draws it")
+    add_model_args(gen)
+    add_sampling_args(gen)
+    add_chat_flag(gen)
+
+    tr = sub.add_parser("trace", help="draw the drafts, commits and predicted states of a generation as one HTML page")
+    tr.add_argument("prompt", nargs="?", help="the prompt text")
+    tr.add_argument("--prompts", help="JSONL file of prompts (as for generate)")
+    tr.add_argument("--from", dest="from_file", metavar="FILE.jsonl", help="draw a trace written by generate --trace")
+    tr.add_argument("--out", default="trace.html", help="the HTML page to write (default: trace.html)")
+    tr.add_argument("--save", metavar="FILE.jsonl", help="also write the trace data")
+    tr.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
+                    help="auto: the state predictor when one fits the model, else pld")
+    tr.add_argument("--batch-size", type=positive_int, default=1, help="sequences decoded together")
+    add_model_args(tr)
+    add_sampling_args(tr)
+    add_chat_flag(tr)
+
+    chat = sub.add_parser("chat", help="interactive streaming chat")
+    chat.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
+                      help="auto: the state predictor when one fits the model, else pld")
+    chat.add_argument("--system", default=None, help="system message")
+    add_model_args(chat)
+    add_sampling_args(chat)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sot.prompts import read_jsonl
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise SoTError("give either a PROMPT or --prompts FILE.jsonl")
+    items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
+    sot = load_sot(args)
+    ids = [sot.encode(item, args.chat) for item in items]
+    params = sot.params(stop=args.stop, **sampling_kwargs(args))
+    stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty() and not args.trace
+    if stream_one:
+        for event in sot.stream(items, chat=args.chat, stop=args.stop, **sampling_kwargs(args)):
+            print(event.text, end="", flush=True)
+        print()
+        r = sot.last_stream[0]
+        print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+        return 0
+    results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=bool(args.trace))
+    if args.trace:
+        _write_trace(args, sot, ids, results)
+    for i, r in enumerate(results):
+        if args.json:
+            record = r.to_dict()
+            record.pop("depth_attempts")
+            record.pop("depth_accepts")
+            record["index"] = i
+            print(json.dumps(record), flush=True)
+        else:
+            if len(results) > 1:
+                print(f"--- [{i}]")
+            print(r.text)
+            print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+    return 0
+
+
+def _write_trace(args: argparse.Namespace, sot, ids: list[list[int]], results) -> list:
+    from sot import __version__
+    from sot.models.loading import dtype_name
+    from sot.trace import write_trace
+
+    traced = sot.traced(ids, results)
+    path = args.trace if args.command == "generate" else args.save
+    if path:
+        run = {"model": sot.name, "drafter": sot.engine.drafter.kind.value, "dtype": dtype_name(sot.target.dtype),
+               "version": __version__}
+        write_trace(path, run, traced)
+        print(f"trace written to {path}", file=sys.stderr)
+    return traced
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from sot.trace import read_trace
+    from sot.trace_page import write_page
+
+    if sum(x is not None for x in (args.prompt, args.prompts, args.from_file)) != 1:
+        raise SoTError("give one of a PROMPT, --prompts FILE.jsonl or --from TRACE.jsonl")
+    if args.from_file:
+        try:
+            run, traced = read_trace(args.from_file)
+        except OSError as exc:
+            raise SoTError(f"cannot read {args.from_file}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise SoTError(str(exc)) from None
+    else:
+        from sot import __version__
+        from sot.models.loading import dtype_name
+        from sot.prompts import read_jsonl
+
+        items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
+        sot = load_sot(args)
+        ids = [sot.encode(item, args.chat) for item in items]
+        params = sot.params(**sampling_kwargs(args))
+        results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=True)
+        traced = _write_trace(args, sot, ids, results)
+        run = {"model": sot.name, "drafter": sot.engine.drafter.kind.value, "dtype": dtype_name(sot.target.dtype),
+               "version": __version__}
+    write_page(args.out, run, traced)
+    print(f"wrote {args.out} ({len(traced)} sequence{'s' if len(traced) != 1 else ''})", file=sys.stderr)
+    return 0
+
+
+def _speed_line(tokens: int, seconds: float, tau: float, steps: int) -> str:
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return f"[{tokens} tokens in {seconds:.2f}s, {rate:.1f} tok/s, mean accepted length {tau:.2f}, {steps} steps]"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    sot = load_sot(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Chat with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not user.strip():
+            return 0
+        messages.append({"role": "user", "content": user})
+        reply = []
+        import time
+
+        t0 = time.perf_counter()
+        tokens = 0
+        print("bot> ", end="", flush=True)
+        for event in sot.stream([{"messages": list(messages)}], chat=sot.is_chat_model, **sampling_kwargs(args)):
+            print(event.text, end="", flush=True)
+            reply.append(event.text)
+            tokens += len(event.token_ids)
+        dt = time.perf_counter() - t0
+        print()
+        print(f"[{tokens} tokens, {tokens / dt:.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(reply)})
