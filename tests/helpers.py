@@ -3,7 +3,6 @@ drafter that proposes random trees (so acceptance and rejection both happen ofte
 from __future__ import annotations
 
 import copy
-import importlib.util
 import random
 from pathlib import Path
 
@@ -158,12 +157,3 @@ def tiny_model_dir(path: Path, arch: str = "llama", max_positions: int = 512) ->
     model.save_pretrained(path)
     char_tokenizer_dir(path)
     return path
-
-
-def load_script(name: str):
-    """The module of ``scripts/NAME.py`` (the scripts are not part of the package)."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -1,19 +1,15 @@
-"""The chain arithmetic behind ``scripts/break_even.py``."""
+"""The chain arithmetic behind ``python -m sot.analysis.break_even``."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from helpers import load_script
-
-
-def _load_script():
-    return load_script("break_even")
+from sot.analysis import break_even
 
 
 def test_chain_speed_counts_committed_tokens_against_the_step_cost() -> None:
-    be = _load_script()
+    be = break_even
     verify = {1: 10.0, 2: 12.0, 3: 15.0}.__getitem__
     # a chain of 2 at acceptance 0.5: 1 + 0.5 + 0.25 tokens for a 3-row pass plus 2 draft passes
     assert be.chain_speed(0.5, 2, verify, 1.0) == pytest.approx(1.75 * 10.0 / 17.0)
@@ -21,7 +17,7 @@ def test_chain_speed_counts_committed_tokens_against_the_step_cost() -> None:
 
 
 def test_required_acceptance_reaches_the_target_at_its_depth_and_no_lower() -> None:
-    be = _load_script()
+    be = break_even
 
     def verify(rows: int) -> float:  # flat up to 4 rows, then a step, like a register tile
         return 1.0 if rows <= 4 else 1.0 + 0.3 * (rows - 4)
@@ -39,6 +35,6 @@ def test_required_acceptance_reaches_the_target_at_its_depth_and_no_lower() -> N
 
 
 def test_required_acceptance_reports_a_target_out_of_reach() -> None:
-    be = _load_script()
+    be = break_even
     a, depth = be.required_acceptance(3.0, lambda rows: float(rows), 0.0, max_depth=5)
     assert math.isinf(a) and depth == 0

@@ -212,7 +212,20 @@ def test_parser_defaults_come_from_the_config_dataclasses() -> None:
         for dest, value in want.items():
             assert defaults[dest] == value, (name, dest, defaults[dest], value)
             checked += 1
-    assert checked > 60
+    train = {a.dest: a for a in subs["train"]._actions if isinstance(a, argparse._SubParsersAction)}["train_command"]
+    from sot.train.acceptance import PolicyTrainConfig
+    from sot.train.trainer import TrainConfig
+
+    for sub_name, config in (("fit", TrainConfig), ("policy", PolicyTrainConfig)):
+        for action in train.choices[sub_name]._actions:
+            if action.dest in ("help", "data", "out") or not hasattr(config, action.dest):
+                continue
+            want_value = getattr(config, action.dest)
+            if action.dest == "temperatures":
+                want_value = ",".join(f"{t:g}" for t in want_value)
+            assert action.default == want_value, (sub_name, action.dest, action.default, want_value)
+            checked += 1
+    assert checked > 80
     assert BenchConfig.max_new_tokens == GenerationParams.max_new_tokens and BenchConfig.draft_top_k == DRAFT_TOP_K
     # the library's own entry points take the same defaults
     load = inspect.signature(SoT.load).parameters

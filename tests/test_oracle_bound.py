@@ -1,14 +1,11 @@
-"""The oracle tree search behind ``scripts/oracle_bound.py``, checked by brute force."""
+"""The oracle tree search behind ``python -m sot.analysis.oracle_bound``, checked by brute force."""
 from __future__ import annotations
 
 import torch
 
-from helpers import load_script, tiny_model
+from helpers import tiny_model
+from sot.analysis import oracle_bound
 from sot.sampling import SamplingParams, target_probs
-
-
-def _load_script():
-    return load_script("oracle_bound")
 
 
 @torch.no_grad()
@@ -16,7 +13,7 @@ def test_best_tree_gains_equal_the_most_probable_prefixes() -> None:
     """The best tree of ``n`` nodes holds the ``n`` most probable prefixes: for trees of up to 3
     nodes those have depth at most 3, so enumerating every prefix of the top tokens to depth 3
     with full forward passes gives the same expected accepted lengths."""
-    oracle = _load_script()
+    oracle = oracle_bound
     model = tiny_model("llama", seed=3)
     params = SamplingParams(temperature=0.05)  # peaked, so the best trees reach below depth 1
     context = torch.tensor([1, 5, 9, 4, 7])

@@ -54,7 +54,7 @@ def test_cost_model_measure_times_every_size_in_turn_and_keeps_the_fastest(monke
 
 
 def test_cost_model_measure_times_the_sizes_asked_for() -> None:
-    """``sizes`` replaces the default row counts (``scripts/break_even.py`` times every count)."""
+    """``sizes`` replaces the default row counts (``python -m sot.analysis.break_even`` times every count)."""
     target = TargetModel(clone(tiny_model("llama", seed=2), torch.float32))
     cost = CostModel.measure(target, 16, context=32, repeats=1, sizes=[1, 3, 5, 6])
     assert cost.rows == [1, 3, 5, 6]
@@ -251,7 +251,7 @@ def test_static_policy_grows_a_fixed_beam() -> None:
 def test_learned_policy_records_trains_and_stays_lossless(tmp_path) -> None:
     from sot.drafters.state import StateDrafter, new_predictor
     from sot.policy import FEATURES, AcceptanceModel, load_acceptance_model
-    from sot.train.policy import fit_acceptance
+    from sot.train.acceptance import fit_acceptance
 
     model = tiny_model("llama", seed=3)
     layers = (0, 1, 2)

@@ -1,13 +1,13 @@
-"""The chain bookkeeping behind ``scripts/walk_acceptance.py``, checked by hand and by brute force."""
+"""The chain bookkeeping behind ``python -m sot.analysis.walk_acceptance``, checked by hand and by brute force."""
 from __future__ import annotations
 
 import random
 
-from helpers import load_script
+from sot.analysis import walk_acceptance
 
 
 def _chain_runs():
-    return load_script("walk_acceptance").chain_runs
+    return walk_acceptance.chain_runs
 
 
 def test_walk_accepts_runs_and_adds_the_bonus_token() -> None:

@@ -40,11 +40,13 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="engine dtype (default auto: bfloat16 on hardware with native bf16 such as AMX, else float32)")
     add_tree_args(p)
-    p.add_argument("--predictor", default=None, help="state predictor file (default: the one shipped for the default model)")
+    p.add_argument("--predictor", default=None,
+                   help="state predictor file (default: the one shipped for the default model)")
     add_policy_args(p)
 
 
@@ -52,7 +54,8 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     """The draft tree's size, depth and width; defaults from :class:`~sot.drafters.TreeBudget`
     and :data:`~sot.drafters.DRAFT_TOP_K`."""
     p.add_argument("--max-nodes", "--budget", dest="max_nodes", type=positive_int, default=TreeBudget.max_nodes,
-                   help=f"draft tree size per step (nodes verified at most), root included (default {TreeBudget.max_nodes})")
+                   help="draft tree size per step (nodes verified at most), root included "
+                        f"(default {TreeBudget.max_nodes})")
     p.add_argument("--max-depth", type=non_negative_int, default=TreeBudget.max_depth,
                    help=f"how far a draft tree may look ahead (default {TreeBudget.max_depth})")
     p.add_argument("--draft-top-k", dest="draft_top_k", type=positive_int, default=DRAFT_TOP_K,
@@ -111,7 +114,8 @@ def load_sot(args: argparse.Namespace):
     from sot.api import SoT
     from sot.models.loading import dtype_name, resolve_dtype
 
-    print(f"loading {args.model} ({dtype_name(resolve_dtype(args.dtype))}, drafter {args.drafter}) ...", file=sys.stderr)
+    print(f"loading {args.model} ({dtype_name(resolve_dtype(args.dtype))}, drafter {args.drafter}) ...",
+          file=sys.stderr)
     return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes,
                     max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
                     policy=policy_from_args(args))

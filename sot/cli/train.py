@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from sot.cli.common import DTYPE_CHOICES, positive_float, positive_int
+from sot.train.acceptance import PolicyTrainConfig
+from sot.train.trainer import TrainConfig
 
 
 def default_state_layers(num_layers: int) -> tuple[int, int, int]:
@@ -78,50 +80,57 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                            "else float32); the cache stores bf16 either way")
 
     fit = tsub.add_parser("fit", help="train a state predictor on a prepared state cache")
-    fit.add_argument("--model", default="default")
+    fit.add_argument("--model", default=TrainConfig.model)
     fit.add_argument("--data", required=True,
                      help="state cache folder from 'sot train prepare', or several, comma-separated, to train on all "
                           "(held-out evaluation uses the first)")
     fit.add_argument("--out", required=True, help="run folder: checkpoints, predictor, loss.png, accept.png")
-    fit.add_argument("--steps", type=positive_int, default=2000)
-    fit.add_argument("--tokens-per-step", type=positive_int, default=8192)
-    fit.add_argument("--lr", type=positive_float, default=1e-3)
-    fit.add_argument("--warmup", type=positive_int, default=30, help="learning-rate warm-up steps")
-    fit.add_argument("--unroll", type=positive_int, default=5, help="training-time-test steps")
-    fit.add_argument("--draft-vocab", type=int, default=16384, help="reduced draft vocabulary (0 = full)")
-    fit.add_argument("--init", choices=["target", "random"], default="target",
+    fit.add_argument("--steps", type=positive_int, default=TrainConfig.steps)
+    fit.add_argument("--tokens-per-step", type=positive_int, default=TrainConfig.tokens_per_step)
+    fit.add_argument("--lr", type=positive_float, default=TrainConfig.lr)
+    fit.add_argument("--warmup", type=positive_int, default=TrainConfig.warmup, help="learning-rate warm-up steps")
+    fit.add_argument("--unroll", type=positive_int, default=TrainConfig.unroll, help="training-time-test steps")
+    fit.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab,
+                     help="reduced draft vocabulary (0 = full)")
+    fit.add_argument("--init", choices=["target", "random"], default=TrainConfig.init,
                      help="start the layer from the target's last layer (target) or from scratch (random)")
-    fit.add_argument("--init-from", default="", help="start from this predictor file (e.g. to continue training)")
-    fit.add_argument("--decoder-layers", type=positive_int, default=1,
+    fit.add_argument("--init-from", default=TrainConfig.init_from,
+                     help="start from this predictor file (e.g. to continue training)")
+    fit.add_argument("--decoder-layers", type=positive_int, default=TrainConfig.decoder_layers,
                      help="decoder layers in the predictor (default 1); with --init-from, layers beyond the "
                           "file's start as the identity, so training continues from what the file predicts")
-    fit.add_argument("--added-lr-scale", type=positive_float, default=10.0,
+    fit.add_argument("--added-lr-scale", type=positive_float, default=TrainConfig.added_lr_scale,
                      help="learning rate of the layers added to an --init-from file, as a multiple of --lr "
                           "(their outputs start at zero)")
     fit.add_argument("--recount-vocab", action="store_true",
                      help="with --init-from: count the draft vocabulary (--draft-vocab tokens) anew on --data "
                           "instead of keeping the file's")
-    fit.add_argument("--eval-every", type=positive_int, default=200)
-    fit.add_argument("--save-every", type=positive_int, default=100)
-    fit.add_argument("--seed", type=int, default=0)
-    fit.add_argument("--max-seconds", type=float, default=0.0, help="stop (with a checkpoint) after this long")
-    fit.add_argument("--stop-after", type=int, default=0, metavar="STEP",
+    fit.add_argument("--eval-every", type=positive_int, default=TrainConfig.eval_every)
+    fit.add_argument("--save-every", type=positive_int, default=TrainConfig.save_every)
+    fit.add_argument("--seed", type=int, default=TrainConfig.seed)
+    fit.add_argument("--max-seconds", type=float, default=TrainConfig.max_seconds,
+                     help="stop (with a checkpoint) after this long")
+    fit.add_argument("--stop-after", type=int, default=TrainConfig.stop_after, metavar="STEP",
                      help="stop (with a checkpoint) after this step; the learning-rate schedule is still "
                           "planned over --steps (0: run all --steps)")
-    fit.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+    fit.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=TrainConfig.precision,
                      help="compute precision (auto: bf16 autocast where the hardware computes bf16 natively, "
                           "else float32; master weights and losses are float32 either way)")
 
     pol = tsub.add_parser("policy", help="train the learned commit policy from logged decoding traces")
-    pol.add_argument("--model", default="default")
-    pol.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
-    pol.add_argument("--out", required=True, help="run folder: traces.pt (reused if present), policy.safetensors, report")
-    pol.add_argument("--prompts", type=positive_int, default=48, help="ShareGPT training prompts to decode")
-    pol.add_argument("--max-new-tokens", type=positive_int, default=128)
-    pol.add_argument("--temperatures", default="0,1", help="comma list of sampling temperatures to decode at")
-    pol.add_argument("--batch-size", type=positive_int, default=4)
-    pol.add_argument("--epochs", type=positive_int, default=60)
-    pol.add_argument("--seed", type=int, default=0)
+    pol.add_argument("--model", default=PolicyTrainConfig.model)
+    pol.add_argument("--predictor", default=PolicyTrainConfig.predictor,
+                     help="state predictor file (default: the shipped one)")
+    pol.add_argument("--out", required=True,
+                     help="run folder: traces.pt (reused if present), policy.safetensors, report")
+    pol.add_argument("--prompts", type=positive_int, default=PolicyTrainConfig.prompts,
+                     help="ShareGPT training prompts to decode")
+    pol.add_argument("--max-new-tokens", type=positive_int, default=PolicyTrainConfig.max_new_tokens)
+    pol.add_argument("--temperatures", default=",".join(f"{t:g}" for t in PolicyTrainConfig.temperatures),
+                     help="comma list of sampling temperatures to decode at")
+    pol.add_argument("--batch-size", type=positive_int, default=PolicyTrainConfig.batch_size)
+    pol.add_argument("--epochs", type=positive_int, default=PolicyTrainConfig.epochs)
+    pol.add_argument("--seed", type=int, default=PolicyTrainConfig.seed)
 
 
 def cmd_code_prompts(args: argparse.Namespace) -> int:
@@ -180,7 +189,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 def cmd_policy(args: argparse.Namespace) -> int:
     from sot.errors import ConfigError
-    from sot.train.policy import PolicyTrainConfig, train_policy
+    from sot.train.acceptance import PolicyTrainConfig, train_policy
 
     try:
         temps = tuple(float(t) for t in args.temperatures.split(","))

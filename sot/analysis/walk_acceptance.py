@@ -11,7 +11,7 @@ come out per predictor, for a single greedy chain of `--depth` tokens:
   starts after it). Hard stretches take many steps, so this is below the teacher-forced mean;
   it equals what `sot bench --policy static --top-k 1 --no-lookup` measures.
 
-Usage: .venv/bin/python scripts/walk_acceptance.py BENCH_DIR SET [SET ...] --predictors a.safetensors,b.safetensors
+Usage: .venv/bin/python -m sot.analysis.walk_acceptance BENCH_DIR SET [SET ...] --predictors a.safetensors,b.safetensors
 (BENCH_DIR/SET/plain.jsonl must exist, e.g. docs/bench/stage8 humaneval sharegpt-heldout)
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ the smallest ``a`` that reaches it at the best depth: with the measured drafting
 with drafting counted as free. It also prints the speed each ``a`` allows. Trees of the same
 size do a little better than chains where the drafter's second choice is often right.
 
-    python scripts/break_even.py --prompts humaneval --limit 3
+    python -m sot.analysis.break_even --prompts humaneval --limit 3
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ Drafting time is ignored, so no drafter of fixed-token trees can do better. (Dra
 from the drafter's own distribution ``q`` are accepted with probability ``1 - TV(p, q)`` per
 step instead; that beats the one-hot top token only as far as ``q`` matches the target.)
 
-    python scripts/oracle_bound.py --prompts sharegpt-heldout --limit 8 --out docs/bench/oracle-t1/sharegpt-heldout
+    python -m sot.analysis.oracle_bound --prompts sharegpt-heldout --limit 8 --out docs/bench/oracle-t1/sharegpt-heldout
 """
 from __future__ import annotations
 
