@@ -1,0 +1,285 @@
+"""The state predictor and its drafter: files, growth, batching, lookup, losslessness."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import clone, random_prompts, tiny_model, tiny_model_dir
+from state_helpers import LAYERS, ROOT, chain_inputs, two_layer_predictor
+from sot.drafters import NoDrafter, TreeBudget, make_drafter
+from sot.drafters.state import (
+    StateDrafter,
+    check_compatible,
+    load_predictor,
+    new_predictor,
+    read_predictor_config,
+    save_predictor,
+)
+from sot.engine import Engine, GenerationParams
+from sot.errors import DrafterCompatibilityError
+from sot.models.adapter import TargetModel
+from sot.models.loading import load_model
+
+
+def test_a_grown_predictor_drafts_what_the_file_did() -> None:
+    """A one-layer predictor's weights in a two-layer predictor (second layer fresh, the
+    identity) give the same predictions bit for bit, and the same trees."""
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("llama", seed=4)
+    one = new_predictor(model, LAYERS, None, seed=2)
+    two = new_predictor(model, LAYERS, None, seed=7, decoder_layers=2)
+    missing, unexpected = two.load_state_dict(one.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith("upper.0.") for k in missing)
+    states = torch.randn(2, 14, len(LAYERS), 64, generator=torch.Generator().manual_seed(0))
+    toks = torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for a, b in zip(one.forward_unrolled(states, toks, 3), two.forward_unrolled(states, toks, 3)):
+            assert torch.equal(a, b)
+    (ctx, st), = chain_inputs(model, one, [15], seed=3)
+    trees = []
+    for pred in (one, two):
+        drafter = StateDrafter(pred, top_k=3, lookup=False)
+        drafter.reset(1)
+        trees.append(drafter.propose([DraftInput(0, ctx, st)], TreeBudget(10, 4))[0])
+    assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+    assert trees[0].draft_probs == trees[1].draft_probs
+
+
+def test_mismatched_target_is_refused(tiny_run, tmp_path) -> None:
+    other = tiny_model("llama", seed=5)  # same shapes, different weights
+    with pytest.raises(DrafterCompatibilityError, match="trained for another target.*embed_hash"):
+        load_predictor(tiny_run["predictor"], other)
+    gpt2 = tiny_model("gpt2")
+    with pytest.raises(DrafterCompatibilityError, match="architecture"):
+        check_compatible(read_predictor_config(tiny_run["predictor"]), gpt2)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(DrafterCompatibilityError):
+        read_predictor_config(junk)
+    from safetensors.torch import save_file
+
+    newer = json.loads(read_predictor_config(tiny_run["predictor"]).to_json()) | {"layer_kind": "moe"}
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "newer.safetensors"), metadata={"sot_config": json.dumps(newer)})
+    with pytest.raises(DrafterCompatibilityError, match="not understood by this SoT version"):
+        read_predictor_config(tmp_path / "newer.safetensors")
+    other_dir = tiny_model_dir(tmp_path / "other", arch="qwen2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sot.cli", "generate", "hello", "--model", str(other_dir), "--drafter", "state",
+         "--predictor", str(tiny_run["predictor"]), "--max-new-tokens", "4"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "trained for another target" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_trained_drafter_is_lossless_and_accepts(tiny_run) -> None:
+    loaded = load_model(str(tiny_run["model_dir"]))
+    target = TargetModel(loaded.model, state_layers=LAYERS)
+    tok = loaded.tokenizer
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"say {w} please"}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for w in ("red", "blue", "cyan")]
+    params = GenerationParams(max_new_tokens=40)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    drafter = make_drafter("state", loaded.model, tiny_run["predictor"], top_k=4)
+    res = Engine(target, drafter, TreeBudget(12, 6)).generate(prompts, params)
+    assert [r.token_ids for r in res] == plain
+    assert sum(sum(r.accept_lengths) - r.steps for r in res) > 0, "some drafted tokens should be accepted"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma", "gemma3"])
+def test_untrained_state_drafter_is_lossless(arch: str, dtype: torch.dtype) -> None:
+    """The core losslessness matrix, with the state drafter: batches of mixed prompt lengths."""
+    model = clone(tiny_model(arch), dtype)
+    target = TargetModel(model, state_layers=LAYERS)
+    prompts = random_prompts((7, 30, 75), seed=2)
+    params = GenerationParams(max_new_tokens=30)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+    batch = [r.token_ids for r in Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params)]
+    assert batch == plain
+    if arch == "llama":  # a two-layer predictor through the same engine
+        two = StateDrafter(two_layer_predictor(model, seed=1), top_k=3)
+        assert [r.token_ids for r in Engine(target, two, TreeBudget(16, 6)).generate(prompts, params)] == plain
+    alone = [Engine(target, drafter, TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
+    assert alone == plain
+
+
+@pytest.mark.parametrize("decoder_layers,window", [(1, 0), (2, 0), (1, 5), (2, 5)])
+def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: int) -> None:
+    """A top-1 chain drafted at inference follows the training unroll step for step: the depth
+    ``d`` node's prediction is ``forward_unrolled`` step ``d`` at its row (with one decoder
+    layer, and with two, each attending to its own cache; and with a sliding window, which
+    the predictor takes from the target's last layer)."""
+    import copy
+
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("mistral", seed=4, sliding_window=window) if window else tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2) if decoder_layers == 1 else two_layer_predictor(model, 2)
+    assert pred.config.window == window
+    drafter = StateDrafter(copy.deepcopy(pred), top_k=1, lookup=False, min_confidence=0.0)
+    (ctx, states), = chain_inputs(model, pred, [12], seed=0)
+    drafter.reset(1)
+    depth = 4
+    tree = drafter.propose([DraftInput(0, ctx, states)], TreeBudget(1 + depth, depth))[0]
+    assert tree.tokens[0] == ctx[-1] and tree.depths == list(range(depth + 1)), "top-1 gives a chain"
+    n = states.shape[0]
+    # rows 0..n-1 are real; rows n..n+depth-2 are the chain's; row t's next token is x_{t+1}
+    tokens = ctx[1:] + tree.tokens[1:depth]
+    full = torch.cat([states, torch.zeros(depth - 1, *states.shape[1:])]).unsqueeze(0)
+    with torch.no_grad():
+        outs = pred.forward_unrolled(full, torch.tensor([tokens]), depth)
+        cum = 0.0
+        for d in range(1, depth + 1):
+            logp = torch.log_softmax(pred.logits(outs[d - 1][0, n - 2 + d]).float(), dim=-1)
+            assert int(logp.argmax()) == tree.tokens[d]
+            cum += float(logp.max())
+            assert tree.draft_probs[d] == pytest.approx(math.exp(cum), rel=1e-4)
+
+
+@pytest.mark.parametrize("decoder_layers", [1, 2])
+def test_batched_drafting_equals_drafting_alone(decoder_layers: int) -> None:
+    """Sequences drafted together (one predictor pass per depth) get the trees they get alone,
+    across several steps, with states arriving in chunks of different sizes."""
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2) if decoder_layers == 1 else two_layer_predictor(model, 2)
+    seqs = chain_inputs(model, pred, [9, 17, 30], seed=1)
+    budget = TreeBudget(10, 5)
+    together = StateDrafter(pred, top_k=3)
+    together.reset(3)
+    alone = [StateDrafter(pred, top_k=3) for _ in seqs]
+    for a in alone:
+        a.reset(1)
+    cuts = [(0, 5), (5, 6), (6, 9)]  # rows absorbed before each of three steps
+    for lo, hi in cuts:
+        inputs = [DraftInput(b, ctx[: hi + 1], states[lo:hi]) for b, (ctx, states) in enumerate(seqs)]
+        batch = together.propose(inputs, budget)
+        for b, x in enumerate(inputs):
+            one = alone[b].propose([DraftInput(0, x.context, x.states)], budget)[0]
+            assert batch[b].tokens == one.tokens and batch[b].parents == one.parents
+            assert batch[b].draft_probs == pytest.approx(one.draft_probs, rel=1e-4)
+
+
+def test_budget_floor_limits_growth_and_passes_are_counted() -> None:
+    """``TreeBudget.min_confidence`` overrides the drafter's floor (a floor above every
+    confidence stops growth after the root's children), and ``passes`` counts the predictor
+    passes, which the engine reports to the policy."""
+    from sot.drafters.base import DraftInput
+    from sot.policy import PolicyConfig
+
+    model = tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2)
+    (ctx, states), = chain_inputs(model, pred, [12], seed=0)
+    drafter = StateDrafter(pred, top_k=2, lookup=False, min_confidence=0.0)
+    drafter.reset(1)
+    before = drafter.passes
+    deep = drafter.propose([DraftInput(0, ctx, states)], TreeBudget(16, 5))[0]
+    assert deep.max_depth == 5
+    assert drafter.passes - before == 1 + 1 + 4, "absorb, the root's logits, then one pass per depth 2..5"
+    drafter.reset(1)
+    shallow = drafter.propose([DraftInput(0, ctx, states)], TreeBudget(16, 5, min_confidence=1.0))[0]
+    assert shallow.max_depth == 1 and shallow.size == 3
+    target = TargetModel(clone(model, torch.float32), state_layers=LAYERS)
+    engine = Engine(target, StateDrafter(pred, top_k=2), TreeBudget(8, 4), policy=PolicyConfig())
+    engine.generate(random_prompts((9,), seed=1), GenerationParams(max_new_tokens=12))
+    assert engine._policy.pass_seconds and all(t > 0 for t in engine._policy.pass_seconds)
+
+
+def test_lookup_rate_learns_from_committed_tokens_and_free_drafts_use_it() -> None:
+    """The match rate of the prompt-lookup path is measured from what was committed after it
+    (a path the policy pruned counts too); the free drafts are chains with confidence
+    ``rate ** depth``."""
+    from sot.drafters.base import DraftInput
+    from sot.drafters.pld import LookupRate
+
+    rate = LookupRate(decay=1.0)
+    assert rate.rate == 0.5
+    rate.proposed([1, 2, 3], [4, 5, 6])
+    rate.update([1, 2, 3, 4, 5, 9])  # two matched, the third did not
+    assert (rate.hits, rate.tries) == (2, 3)
+    rate.update([1, 2, 3, 4, 5, 9, 7])  # nothing recorded since: no change
+    assert (rate.hits, rate.tries) == (2, 3)
+    rate.proposed([1, 2], [3, 4, 5])
+    rate.update([1, 2, 3])  # only one token committed: one try, one hit
+    assert (rate.hits, rate.tries) == (3, 4)
+    assert rate.rate == pytest.approx(3.5 / 5)
+    chain = rate.chain(7, [8, 9])
+    assert chain.tokens == [7, 8, 9] and chain.parents == [-1, 0, 1]
+    assert chain.draft_probs == pytest.approx([1.0, 0.7, 0.49])
+
+    model = tiny_model("llama", seed=4)
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=2), top_k=2)
+    drafter.reset(2)
+    context = [5, 6, 7, 8, 9, 5, 6]  # "5 6" was followed by "7 8 9" before
+    trees = drafter.propose_free([DraftInput(0, context), DraftInput(1, [1, 2, 3])], TreeBudget(4, 8))
+    assert trees[0].tokens == [6, 7, 8, 9] and trees[0].draft_probs == pytest.approx([1.0, 0.5, 0.25, 0.125])
+    assert trees[1].size == 1, "no match: a root-only tree"
+    # the continuation matched twice, then missed: the sequence's rate rises above 1/2
+    drafter.propose_free([DraftInput(0, context + [7, 8, 4])], TreeBudget(4, 8))
+    assert drafter.rates[0].rate > 0.5
+    assert StateDrafter(new_predictor(model, LAYERS, None, seed=2), lookup=False).propose_free([], TreeBudget()) is None
+
+
+def test_one_lookup_search_per_sequence_and_step() -> None:
+    """On a drafting step the lookup path found for the free drafts is reused when the drafter
+    merges it into its tree (cut to the drafting depth): the n-gram search runs once per
+    sequence and step, and the merged tree equals the one a fresh search gives."""
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2)
+    (ctx, states), = chain_inputs(model, pred, [12], seed=0)
+    ctx = ctx[:6] + ctx[4:9] + ctx[4:6]  # ends with a repeat: "ctx[4] ctx[5]" was followed before
+    states = torch.cat([states, states])[: len(ctx) - 1]
+    reused, fresh = StateDrafter(pred, top_k=2), StateDrafter(pred, top_k=2)
+    calls = []
+    for d in (reused, fresh):
+        d.reset(1)
+    index = reused._index(0)  # the sequence's n-gram index, whose searches are counted
+    search = index.best
+    index.best = lambda context, depth: calls.append(depth) or search(context, depth)
+    free = reused.propose_free([DraftInput(0, ctx, states)], TreeBudget(8, 6))[0]
+    assert free.size > 1, "the context repeats, so the lookup finds a path"
+    budget = TreeBudget(6, 3)  # the policy drafts with a smaller budget than the free drafts'
+    a = reused.propose([DraftInput(0, ctx, states)], budget)[0]
+    b = fresh.propose([DraftInput(0, ctx, states)], budget)[0]
+    assert calls == [6], "one search, at the free drafts' depth"
+    assert (a.tokens, a.parents) == (b.tokens, b.parents)
+    assert a.draft_probs == pytest.approx(b.draft_probs)
+    assert any(a.tokens[i] == free.tokens[1] and a.depths[i] == 1 for i in range(a.size)), "the lookup path is merged"
+    # the next step (a longer context) searches again
+    reused.propose_free([DraftInput(0, ctx + [free.tokens[1]], None)], TreeBudget(8, 6))
+    assert calls == [6, 6]
+
+
+def test_checkpoint_round_trip(tiny_run, tmp_path) -> None:
+    model = load_model(str(tiny_run["model_dir"])).model
+    pred = load_predictor(tiny_run["predictor"], model)
+    again = tmp_path / "again.safetensors"
+    save_predictor(pred, again)
+    back = load_predictor(again, model)
+    for (k, a), (_, b) in zip(pred.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    states = torch.randn(1, 12, len(LAYERS), 64)
+    toks = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(pred.forward_unrolled(states, toks, 2)[1], back.forward_unrolled(states, toks, 2)[1])
+    cfg = read_predictor_config(again)
+    assert cfg.state_layers == LAYERS and cfg.target["hidden_size"] == 64
+    assert cfg.decoder_layers == 1
+    two = two_layer_predictor(model, seed=3)
+    save_predictor(two, tmp_path / "two.safetensors", dtype=torch.float32)
+    back = load_predictor(tmp_path / "two.safetensors", model)
+    assert back.config.decoder_layers == 2 and len(back.upper) == 1
+    for k, a in two.state_dict().items():
+        assert torch.equal(a, back.state_dict()[k]), k

@@ -1,0 +1,155 @@
+"""Training a state predictor: the loss falls, resume, init-from, DDP, precision, schedules."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from state_helpers import ROOT, free_port
+from sot.drafters.state import (
+    load_predictor,
+    read_predictor_config,
+)
+from sot.errors import ConfigError
+from sot.models.loading import load_model
+from sot.train.data import StateDataset
+from sot.train.trainer import fit
+
+
+def test_trainer_loss_falls_within_a_minute(tiny_run) -> None:
+    run = Path(tiny_run["cfg"].out)
+    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    losses = [h["loss"] for h in state["history"]]
+    assert tiny_run["seconds"] < 60, f"training took {tiny_run['seconds']:.0f}s"
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert (run / "loss.png").is_file() and (run / "accept.png").is_file()
+    evals = state["evals"]
+    assert evals[-1]["chain_tau"] > evals[0]["chain_tau"], "held-out acceptance should improve"
+
+
+def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path) -> None:
+    cfg = tiny_run["cfg"]
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(cfg.out, run)
+    more = dataclasses.replace(cfg, out=str(run), steps=cfg.steps + 4)
+    fit(more)
+    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert state["step"] == cfg.steps + 4
+    assert [h["step"] for h in state["history"]] == list(range(1, cfg.steps + 5))
+
+
+def test_init_from_a_predictor_file(tiny_run, tmp_path) -> None:
+    """Training can continue from a shipped predictor file (fresh optimizer state)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "more"), steps=2, init_from=str(tiny_run["predictor"]))
+    fit(cfg)
+    state = torch.load(tmp_path / "more" / "checkpoint.pt", weights_only=False)
+    trained = torch.load(Path(tiny_run["cfg"].out) / "checkpoint.pt", weights_only=False)
+    assert state["evals"][0]["chain_tau"] == pytest.approx(trained["evals"][-1]["chain_tau"], abs=0.15)
+
+
+def test_init_from_grows_decoder_layers(tiny_run, tmp_path) -> None:
+    """``decoder_layers`` above the file's adds layers that start as the identity: the first
+    evaluation equals the file's, exactly; fewer layers than the file's are refused."""
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "grown"), steps=2, decoder_layers=2,
+                              init_from=str(tiny_run["predictor"]))
+    fit(cfg)
+    grown = read_predictor_config(tmp_path / "grown" / "predictor.safetensors")
+    assert grown.decoder_layers == 2
+    state = torch.load(tmp_path / "grown" / "checkpoint.pt", weights_only=False)
+    groups = state["optimizer"]["param_groups"]  # the added layer (9 tensors) learns 10x faster
+    assert [g["scale"] for g in groups] == [1.0, 10.0] and len(groups[1]["params"]) == 9
+    assert groups[1]["lr"] == pytest.approx(10 * groups[0]["lr"])
+    same = dataclasses.replace(cfg, out=str(tmp_path / "same"), decoder_layers=1)
+    fit(same)
+    reference = torch.load(tmp_path / "same" / "checkpoint.pt", weights_only=False)
+    assert state["evals"][0]["chain_tau"] == reference["evals"][0]["chain_tau"]
+    assert state["evals"][0]["reach"] == reference["evals"][0]["reach"]
+    fewer = dataclasses.replace(cfg, out=str(tmp_path / "fewer"), decoder_layers=1,
+                                init_from=str(tmp_path / "grown" / "predictor.safetensors"))
+    with pytest.raises(ConfigError, match="2 decoder layers"):
+        fit(fewer)
+
+
+def test_init_from_recounts_the_draft_vocabulary(tiny_run, tmp_path) -> None:
+    """``recount_vocab`` gives a file-started run the ``draft_vocab`` most frequent reply tokens
+    of its data (here the file proposes from the whole vocabulary) and keeps the file's
+    weights; without ``init_from`` it is refused."""
+    target = load_model(str(tiny_run["model_dir"])).model
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "recount"), steps=1, lr=1e-9, warmup=1,
+                              draft_vocab=12, recount_vocab=True, init_from=str(tiny_run["predictor"]))
+    fit(cfg)
+    recounted = load_predictor(tmp_path / "recount" / "predictor.safetensors", target)
+    counts = StateDataset(tiny_run["data"] / "train").token_counts(target.config.vocab_size)
+    assert recounted.draft_vocab.tolist() == counts.topk(12).indices.sort().values.tolist()
+    assert recounted.config.draft_vocab_size == 12
+    original = load_predictor(tiny_run["predictor"], target)
+    assert original.draft_vocab.numel() == target.config.vocab_size
+    assert torch.allclose(recounted.fuse.weight, original.fuse.weight, atol=1e-3)  # one step at lr 1e-9
+    with pytest.raises(ConfigError, match="--recount-vocab applies to --init-from"):
+        fit(dataclasses.replace(cfg, init_from="", out=str(tmp_path / "fresh")))
+
+
+def test_ddp_two_processes(tiny_run, tmp_path) -> None:
+    """``torchrun`` with 2 CPU processes (gloo) runs the same trainer unchanged."""
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "sot.cli", "train", "fit", "--model", str(tiny_run["model_dir"]), "--data", str(tiny_run["data"]),
+           "--out", str(out), "--steps", "3", "--tokens-per-step", "1024", "--unroll", "2", "--draft-vocab", "0",
+           "--eval-every", "3", "--save-every", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "train.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    assert (out / "predictor.safetensors").is_file()
+    assert summary["tokens"] >= 3 * 1024
+
+
+def test_training_precision_bf16_or_fp32(tiny_run, tmp_path, monkeypatch) -> None:
+    """``precision`` picks bf16 autocast or float32 compute (``auto``: bf16 only where the
+    hardware has it); both train, and a bad value is refused before any work."""
+    from sot.train.trainer import compute_autocast
+
+    cpu = torch.device("cpu")
+    with compute_autocast(cpu, "bf16"):
+        assert torch.is_autocast_enabled("cpu")
+    with compute_autocast(cpu, "fp32"):
+        assert not torch.is_autocast_enabled("cpu")
+    for native in (True, False):
+        monkeypatch.setattr("sot.models.loading.native_bf16", lambda device="cpu", v=native: v)
+        with compute_autocast(cpu, "auto"):
+            assert torch.is_autocast_enabled("cpu") is native
+    monkeypatch.undo()
+    for precision in ("bf16", "fp32"):
+        cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / precision), steps=3, eval_every=100,
+                                  save_every=100, precision=precision)
+        fit(cfg)
+        history = torch.load(tmp_path / precision / "checkpoint.pt", weights_only=False)["history"]
+        assert len(history) == 3 and all(math.isfinite(h["loss"]) for h in history)
+    with pytest.raises(ConfigError, match="precision must be one of"):
+        fit(dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "bad"), precision="fp16"))
+
+
+def test_stop_after_keeps_the_planned_schedule(tiny_run, tmp_path) -> None:
+    """``stop_after`` ends a run early with a checkpoint and a predictor file, while the
+    learning rate still follows the schedule planned over ``steps``."""
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "early"), steps=30, stop_after=8, eval_every=100,
+                              save_every=100)
+    path = fit(cfg)
+    ckpt = torch.load(tmp_path / "early" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 8 and len(ckpt["history"]) == 8 and path.is_file()
+    # cosine over 30 steps is still near its peak at step 8 (an 8-step schedule would be at its end)
+    assert ckpt["history"][-1]["lr"] > 0.8 * cfg.lr
+    with pytest.raises(ConfigError, match="--stop-after must be a step number >= 0"):
+        fit(dataclasses.replace(cfg, out=str(tmp_path / "bad"), stop_after=-1))
