@@ -17,93 +17,29 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
-from sot.attention import MAX_TREE_DEPTH, TreeLayout, build_tree_layout, flat_packing
+from sot.acceptance import Acceptance
+from sot.attention import MAX_TREE_DEPTH
 from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError, SoTError
 from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT, round_up
-from sot.policy import AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace
-from sot.requests import GenerationParams, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_request
-from sot.sampling import SamplingMode, sequence_generator
+from sot.policy import (
+    AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace,
+    fitting_acceptance_model,
+)
+from sot.requests import GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_request
+from sot.sampling import sequence_generator
 from sot.trace import build_record
-from sot.tree import DraftTree, ancestor_table
+from sot.tree import DraftTree
+from sot.verify import accept_tree, pack_trees, record_depths
 
 #: the request and result types live in :mod:`sot.requests`; importing them from here works too
 __all__ = ["Engine", "GenerationParams", "PhaseTimes", "SequenceResult", "StepStats", "TokenEvent", "check_request"]
-
-
-@dataclass
-class _Seq:
-    """A request the engine holds."""
-
-    id: int
-    prompt: list[int]
-    params: GenerationParams
-    result: SequenceResult
-    generator: torch.Generator | None
-    arrived: float  # when the request was added
-    started: float = 0.0  # when it was admitted: its clocks (seconds, first token) run from here
-    #: ``[n, S, D]`` target states of the rows committed since the drafter last saw this sequence
-    states: torch.Tensor | None = None
-    done: bool = False
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt + self.result.token_ids
-
-    @property
-    def length(self) -> int:
-        """``len(context)``, without building it."""
-        return len(self.prompt) + len(self.result.token_ids)
-
-    @property
-    def root(self) -> int:
-        """The last token: the root of the next tree."""
-        return self.result.token_ids[-1] if self.result.token_ids else self.prompt[-1]
-
-
-@dataclass(frozen=True)
-class _VerifyInput:
-    """One verify pass over ``B`` live sequences with ``T`` rows each.
-
-    Attributes:
-        trees: ``[B]`` the verified trees, in slot order.
-        ids: ``[B, T]`` token of each row (padding rows repeat the root).
-        positions: ``[B, T]`` position of each row.
-        layout: the attention layout of the pass.
-    """
-
-    trees: list[DraftTree]
-    ids: torch.Tensor
-    positions: torch.Tensor
-    layout: TreeLayout
-
-    @property
-    def rows(self) -> int:
-        """Rows the pass computes: ``R`` flat-packed, else ``B * T``."""
-        index = self.layout.flat_index
-        return int(index.numel()) if index is not None else self.ids.numel()
-
-
-def _fitting_acceptance_model(config: PolicyConfig, drafter: Drafter, target: TargetModel) -> AcceptanceModel | None:
-    """The learned policy's model when one is available for this target and drafter."""
-    from sot.policy import load_acceptance_model
-
-    if drafter.kind is not DrafterKind.STATE:
-        return None
-    try:
-        return load_acceptance_model(config.model_path, target.model)
-    except ConfigError:
-        if config.model_path:  # asked for by name: its errors are the user's to see
-            raise
-        return None
 
 
 class Engine:
@@ -153,7 +89,8 @@ class Engine:
             raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
         self.policy_config = policy or PolicyConfig()
         if self.policy_config.kind is PolicyKind.AUTO:
-            acceptance_model = acceptance_model or _fitting_acceptance_model(self.policy_config, drafter, target)
+            acceptance_model = acceptance_model or fitting_acceptance_model(self.policy_config.model_path, drafter,
+                                                                            target)
             kind = PolicyKind.LEARNED if acceptance_model is not None else PolicyKind.HEURISTIC
             self.policy_config = dataclasses.replace(self.policy_config, kind=kind)
         if self.policy_config.kind is PolicyKind.STATIC and drafter.static_width > 0:
@@ -176,8 +113,8 @@ class Engine:
 
             self.acceptance_model = load_acceptance_model(self.policy_config.model_path, target.model)
         self._ids = itertools.count()
-        self._waiting: list[_Seq] = []
-        self._running: list[_Seq] = []  # running[b] holds cache slot b
+        self._waiting: list[LiveRequest] = []
+        self._running: list[LiveRequest] = []  # running[b] holds cache slot b
         self._cache: KVCache | None = None
         self._policy: CommitPolicy | None = None
         self.last_step = StepStats()
@@ -222,7 +159,7 @@ class Engine:
         """
         check_request(prompt, params, self.target.max_positions)
         _ = self.policy  # the cost model is measured before the first request's clock starts
-        seq = _Seq(
+        seq = LiveRequest(
             id=next(self._ids),
             prompt=list(prompt),
             params=params,
@@ -301,7 +238,7 @@ class Engine:
             grown = cache.capacity if cache.capacity >= capacity else max(capacity, cache.capacity * 3 // 2)
             self._cache = cache.resized(max(batch, cache.batch_size), grown)
 
-    def _admit(self, seq: _Seq, since: float, read_now: bool) -> TokenEvent:
+    def _admit(self, seq: LiveRequest, since: float, read_now: bool) -> TokenEvent:
         """Prefill ``seq``'s prompt into the next free slot and commit its first token; with
         ``read_now`` the drafter reads the prompt now, else on the sequence's first drafting
         step. The sequence's clock runs from ``since``."""
@@ -313,7 +250,8 @@ class Engine:
         out = self.target.prefill(self._cache, b, torch.tensor(seq.prompt))
         self._cache.set_length(b, len(seq.prompt))
         root = DraftTree.root_only(seq.prompt[-1])
-        acc = self._accept_one(seq, root, out.logits[0, -1:], len(seq.prompt) - 1)
+        acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, root, out.logits[0, -1:],
+                          len(seq.prompt) - 1)
         if self.trace:
             seq.result.logit_trace.append(out.logits[0, -1].clone())
         now = time.perf_counter()
@@ -348,7 +286,7 @@ class Engine:
         self.drafter.record_states = self.record_steps
         plan, trees = self._plan_and_draft(seqs)
         t1 = time.perf_counter()
-        batch = self._pack(seqs, trees)
+        batch = pack_trees(trees, self._cache, self.target)
         roots = list(self._cache.lengths[: len(seqs)]) if self.record_steps else []
         t2 = time.perf_counter()
         out = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
@@ -369,7 +307,8 @@ class Engine:
             self._record(seqs, batch.trees, accepted, events, out, roots, (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3)))
         return events
 
-    def _record(self, seqs: list[_Seq], trees: list[DraftTree], accepted: list[Acceptance], events: list[TokenEvent],
+    def _record(self, seqs: list[LiveRequest], trees: list[DraftTree], accepted: list[Acceptance],
+                events: list[TokenEvent],
                 out: ForwardOutput, roots: list[int], times: tuple[float, float, float]) -> None:
         """Append each sequence's :class:`~sot.trace.StepRecord` of the step just taken."""
         expected = self.policy.expected_tokens
@@ -390,10 +329,10 @@ class Engine:
         self._proposed = {}
 
     # ----------------------------------------------------------------- stages
-    def _draft_input(self, seq: _Seq, states: torch.Tensor | None) -> DraftInput:
+    def _draft_input(self, seq: LiveRequest, states: torch.Tensor | None) -> DraftInput:
         return DraftInput(seq.id, seq.context, states, seq.result.index)
 
-    def _plan_and_draft(self, seqs: list[_Seq]) -> tuple[StepPlan, list[DraftTree]]:
+    def _plan_and_draft(self, seqs: list[LiveRequest]) -> tuple[StepPlan, list[DraftTree]]:
         """The policy plans the step, the drafter proposes, the policy selects what to
         verify. Returns the plan and ``[B]`` trees in slot order."""
         policy = self.policy
@@ -424,45 +363,14 @@ class Engine:
             trees.append(tree)
         return plan, trees
 
-    def _pack(self, seqs: list[_Seq], trees: list[DraftTree]) -> _VerifyInput:
-        """Pack the trees into one pass on a ``[B, T]`` grid (``T``: the largest tree,
-        rounded up to the target's row multiple; rows past a tree repeat its root). Where the
-        target packs flat, the products run over the trees' real rows only (the sum of the
-        tree sizes); otherwise over the whole grid.
-
-        Example: trees of 3 and 5 nodes, row multiple 4 -> ``T = 8``; sequence 0's rows are
-        its 3 nodes then 5 copies of its root, at positions ``length + depth``; flat, the pass
-        computes 8 rows instead of 16.
-        """
-        cache = self._cache
-        unit = self.target.row_multiple
-        rows = round_up(max(t.size for t in trees), unit)
-        width = max(t.max_depth for t in trees) + 1
-        ids = torch.zeros(len(seqs), rows, dtype=torch.long)
-        pos = torch.zeros(len(seqs), rows, dtype=torch.long)
-        ancestors = []
-        lengths = cache.lengths[: len(seqs)]
-        for b, tree in enumerate(trees):
-            ids[b] = tree.tokens[0]
-            ids[b, : tree.size] = torch.tensor(tree.tokens)
-            pos[b] = lengths[b]
-            pos[b, : tree.size] = torch.tensor(tree.depths) + lengths[b]
-            ancestors.append(ancestor_table(tree, width))
-        view = cache.narrow(len(seqs))
-        layout = build_tree_layout(lengths, ancestors, rows, view)
-        if self.target.packs_flat(view):  # the products run over the trees' real rows only
-            index, offsets = flat_packing([t.size for t in trees], rows, self.target.row_multiple)
-            layout = dataclasses.replace(layout, flat_index=index, flat_offsets=offsets)
-        return _VerifyInput(trees, ids, pos, layout)
-
-    def _accept_all(self, seqs: list[_Seq], trees: list[DraftTree], out: ForwardOutput) -> list[Acceptance]:
+    def _accept_all(self, seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutput) -> list[Acceptance]:
         """Acceptance per sequence; the cache keeps the accepted rows and the target states of
         the accepted path wait for the drafter."""
         lengths = self._cache.lengths
         accepted, keep = [], []
         for b, (seq, tree) in enumerate(zip(seqs, trees)):
             logits = out.seq_logits(b)
-            acc = self._accept_one(seq, tree, logits, lengths[b])
+            acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, logits, lengths[b])
             accepted.append(acc)
             keep.append([lengths[b] + i for i in acc.path])
             if out.states is not None:
@@ -473,7 +381,7 @@ class Engine:
         self._cache.narrow(len(seqs)).keep_rows(keep)
         return accepted
 
-    def _commit_all(self, seqs: list[_Seq], trees: list[DraftTree], accepted: list[Acceptance],
+    def _commit_all(self, seqs: list[LiveRequest], trees: list[DraftTree], accepted: list[Acceptance],
                     plan: StepPlan) -> list[TokenEvent]:
         now = time.perf_counter()
         events = []
@@ -482,7 +390,7 @@ class Engine:
         for seq, tree, acc in zip(seqs, trees, accepted):
             seq.result.tree_sizes.append(tree.size)
             seq.result.fallbacks = self.policy.fallbacks(seq.id)
-            self._record_depths(seq.result, tree, acc)
+            record_depths(seq.result, tree, acc)
             drafted.append(tree.size - 1)
             for d in range(acc.num_accepted):
                 per_pos[d] += 1
@@ -511,38 +419,13 @@ class Engine:
         self.drafter.release(seq.id)
         self.policy.drop_sequence(seq.id)
 
-    def _finish(self, seq: _Seq, reason: str) -> None:
+    def _finish(self, seq: LiveRequest, reason: str) -> None:
         seq.done = True
         seq.result.finish_reason = reason
         seq.result.text = self.decode(seq.result.token_ids)
 
     # ----------------------------------------------------------------- helpers
-    @staticmethod
-    def _record_depths(result: SequenceResult, tree: DraftTree, acc: Acceptance) -> None:
-        """Per draft depth d (1-based): was a node at depth d offered, and accepted?"""
-        depth = tree.max_depth
-        while len(result.depth_attempts) < depth:
-            result.depth_attempts.append(0)
-            result.depth_accepts.append(0)
-        for d in range(1, depth + 1):
-            # Depth d is attempted only if the path reached depth d - 1.
-            if acc.num_accepted >= d - 1:
-                result.depth_attempts[d - 1] += 1
-                if acc.num_accepted >= d:
-                    result.depth_accepts[d - 1] += 1
-
-    @staticmethod
-    def _accept_one(seq: _Seq, tree: DraftTree, logits: torch.Tensor, root_position: int) -> Acceptance:
-        """Acceptance of ``tree`` under ``logits [T, V]`` with the request's sampling settings."""
-        sp = seq.params.sampling
-        if sp.greedy:
-            return accept_greedy(tree, logits)
-        if sp.mode is SamplingMode.COUPLED:
-            return accept_coupled(tree, logits, sp, seq.result.index, root_position)
-        assert seq.generator is not None
-        return accept_rejection(tree, logits, sp, seq.generator)
-
-    def _commit(self, seq: _Seq, tokens: list[int], now: float, step: bool) -> TokenEvent:
+    def _commit(self, seq: LiveRequest, tokens: list[int], now: float, step: bool) -> TokenEvent:
         """Append tokens up to a stop condition; ``step`` records the count as an accepted length."""
         res, params = seq.result, seq.params
         taken: list[int] = []

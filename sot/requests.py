@@ -131,3 +131,34 @@ def check_request(prompt: list[int], params: GenerationParams, max_positions: in
             f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
             f"the model's context of {max_positions} tokens"
         )
+
+
+@dataclass
+class LiveRequest:
+    """A request the engine holds: its settings, its result so far, its random stream and the
+    target states the drafter has not read yet."""
+
+    id: int
+    prompt: list[int]
+    params: GenerationParams
+    result: SequenceResult
+    generator: torch.Generator | None
+    arrived: float  # when the request was added
+    started: float = 0.0  # when it was admitted: its clocks (seconds, first token) run from here
+    #: ``[n, S, D]`` target states of the rows committed since the drafter last saw this sequence
+    states: torch.Tensor | None = None
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.result.token_ids
+
+    @property
+    def length(self) -> int:
+        """``len(context)``, without building it."""
+        return len(self.prompt) + len(self.result.token_ids)
+
+    @property
+    def root(self) -> int:
+        """The last token: the root of the next tree."""
+        return self.result.token_ids[-1] if self.result.token_ids else self.prompt[-1]

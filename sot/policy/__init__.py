@@ -31,7 +31,8 @@ stopping (a root-only choice) and fallback then work as for ``heuristic``.
 ``max_depth`` (``1 + width * max_depth`` nodes), with no pruning and no fallback.
 """
 from sot.policy.acceptance_model import (
-    DEFAULT_ACCEPTANCE_MODEL, FEATURES, AcceptanceModel, Trace, load_acceptance_model, node_features,
+    DEFAULT_ACCEPTANCE_MODEL, FEATURES, AcceptanceModel, Trace, fitting_acceptance_model, load_acceptance_model,
+    node_features,
 )
 from sot.policy.commit import CommitPolicy, StepOutcome, StepPlan
 from sot.policy.config import PolicyConfig, PolicyKind
@@ -40,6 +41,6 @@ from sot.policy.state import SequencePolicyState, prune, ranked_nodes
 
 __all__ = [
     "DEFAULT_ACCEPTANCE_MODEL", "FEATURES", "AcceptanceModel", "CommitPolicy", "CostModel", "PolicyConfig", "PolicyKind",
-    "SequencePolicyState", "StepOutcome", "StepPlan", "Trace", "load_acceptance_model", "node_features", "prune",
-    "ranked_nodes",
+    "SequencePolicyState", "StepOutcome", "StepPlan", "Trace", "fitting_acceptance_model", "load_acceptance_model",
+    "node_features", "prune", "ranked_nodes",
 ]

@@ -5,12 +5,17 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from sot.errors import ConfigError
 from sot.policy.state import SequencePolicyState
 from sot.tree import DraftTree
+
+if TYPE_CHECKING:
+    from sot.drafters.base import Drafter
+    from sot.models.adapter import TargetModel
 
 
 FEATURES = ("log_conf", "log_cond", "depth", "sibling_rank", "calibration", "recent_tau", "temperature", "tree_size")
@@ -91,7 +96,8 @@ class AcceptanceModel(torch.nn.Module):
 
 
 #: the acceptance model shipped for the default model with its shipped state predictor
-DEFAULT_ACCEPTANCE_MODEL = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct.policy.safetensors"
+#: the acceptance model shipped for the default model
+DEFAULT_ACCEPTANCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m-instruct.policy.safetensors"
 
 
 def load_acceptance_model(path: str | Path | None, target: torch.nn.Module | None = None) -> AcceptanceModel:
@@ -116,3 +122,18 @@ class Trace:
 
     features: list[torch.Tensor] = field(default_factory=list)
     accepted: list[torch.Tensor] = field(default_factory=list)
+
+
+def fitting_acceptance_model(model_path: str | None, drafter: Drafter, target: TargetModel) -> AcceptanceModel | None:
+    """The learned policy's model when one is available for this target and drafter (the
+    one at ``model_path``, or the one shipped for the default model)."""
+    from sot.drafters.base import DrafterKind
+
+    if drafter.kind is not DrafterKind.STATE:
+        return None
+    try:
+        return load_acceptance_model(model_path, target.model)
+    except ConfigError:
+        if model_path:  # asked for by name: its errors are the user's to see
+            raise
+        return None
