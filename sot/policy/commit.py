@@ -4,7 +4,7 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,59 +13,11 @@ from sot.errors import ConfigError
 from sot.policy.acceptance_model import AcceptanceModel, Trace, node_features
 from sot.policy.config import PolicyConfig, PolicyKind
 from sot.policy.cost import CostModel
-from sot.policy.state import SequencePolicyState, prune, ranked_nodes
+from sot.policy.state import SequencePolicyState, StepOutcome, StepPlan, prune, ranked_nodes
 from sot.tree import DraftTree
 
 if TYPE_CHECKING:
     from sot.drafters.base import TreeBudget
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The commit policy's decisions for one step, taken before drafting (keys are the
-    engine's sequence keys; ``n`` sequences are in the step).
-
-    Attributes:
-        drafting: ``[n_draft]`` keys of the sequences whose drafter model runs.
-        plain: ``[n - n_draft]`` keys of the sequences that keep the model idle (warm-up,
-            fallback, or a free draft that promises more): they verify their free tree, if
-            any, else decode plainly.
-        free: key -> the free draft (no model pass) such a sequence verifies.
-        budget: the tree budget the drafter grows this step's trees with.
-        batch_rows: ``n``, sequences in the verify pass.
-    """
-
-    drafting: tuple[int, ...]
-    plain: tuple[int, ...]
-    free: dict[int, DraftTree]
-    budget: "TreeBudget"
-    batch_rows: int
-
-    @classmethod
-    def make_dummy(cls, keys: list[int], budget: "TreeBudget") -> "StepPlan":
-        """Every sequence drafts with ``budget`` (for tests)."""
-        return cls(tuple(keys), (), {}, budget, len(keys))
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one step's verify pass found, for :meth:`CommitPolicy.observe_step`.
-
-    Attributes:
-        trees: key -> the tree verified (root first), as :meth:`CommitPolicy.select` chose it.
-        paths: key -> tree indices of the accepted nodes, root first.
-        draft_seconds: wall time of planning, free drafts, drafting and selection.
-        draft_passes: predictor passes drafting ran.
-        verify_seconds: wall time of the verify pass.
-        rows: rows the verify pass computed, all sequences together.
-    """
-
-    trees: dict[int, DraftTree]
-    paths: dict[int, list[int]]
-    draft_seconds: float
-    draft_passes: int
-    verify_seconds: float
-    rows: int
 
 
 class CommitPolicy:

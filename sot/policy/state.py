@@ -1,10 +1,14 @@
-"""A sequence's policy state, and ranking and pruning a tree's nodes."""
+"""What the policy keeps and exchanges: a sequence's policy state, a step's plan and outcome,
+and ranking and pruning a tree's nodes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
+from typing import TYPE_CHECKING
 
 from sot.tree import DraftTree
+
+if TYPE_CHECKING:
+    from sot.drafters.base import TreeBudget
 
 
 @dataclass
@@ -49,3 +53,51 @@ def prune(tree: DraftTree, keep: list[int]) -> DraftTree:
 
 
 #: per-node inputs of the learned acceptance model, in order
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The commit policy's decisions for one step, taken before drafting (keys are the
+    engine's sequence keys; ``n`` sequences are in the step).
+
+    Attributes:
+        drafting: ``[n_draft]`` keys of the sequences whose drafter model runs.
+        plain: ``[n - n_draft]`` keys of the sequences that keep the model idle (warm-up,
+            fallback, or a free draft that promises more): they verify their free tree, if
+            any, else decode plainly.
+        free: key -> the free draft (no model pass) such a sequence verifies.
+        budget: the tree budget the drafter grows this step's trees with.
+        batch_rows: ``n``, sequences in the verify pass.
+    """
+
+    drafting: tuple[int, ...]
+    plain: tuple[int, ...]
+    free: dict[int, DraftTree]
+    budget: "TreeBudget"
+    batch_rows: int
+
+    @classmethod
+    def make_dummy(cls, keys: list[int], budget: "TreeBudget") -> "StepPlan":
+        """Every sequence drafts with ``budget`` (for tests)."""
+        return cls(tuple(keys), (), {}, budget, len(keys))
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step's verify pass found, for :meth:`CommitPolicy.observe_step`.
+
+    Attributes:
+        trees: key -> the tree verified (root first), as :meth:`CommitPolicy.select` chose it.
+        paths: key -> tree indices of the accepted nodes, root first.
+        draft_seconds: wall time of planning, free drafts, drafting and selection.
+        draft_passes: predictor passes drafting ran.
+        verify_seconds: wall time of the verify pass.
+        rows: rows the verify pass computed, all sequences together.
+    """
+
+    trees: dict[int, DraftTree]
+    paths: dict[int, list[int]]
+    draft_seconds: float
+    draft_passes: int
+    verify_seconds: float
+    rows: int
