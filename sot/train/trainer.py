@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sot.drafters.state import StatePredictor, load_predictor, new_predictor, save_predictor
+from sot.drafters.state import StatePredictor, grow_predictor, new_predictor, save_predictor
 from sot.errors import ConfigError
 from sot.train.data import StateDataset
 
@@ -274,18 +274,23 @@ def draft_vocabulary(data: StateDataset, vocab_size: int, size: int) -> torch.Te
     return counts.topk(size).indices.sort().values
 
 
-def fit(cfg: TrainConfig) -> Path:
-    """Train (or resume) a state predictor; returns the path of the final predictor file."""
-    from tqdm import tqdm
-
-    from sot.models.loading import load_model
-
+def _check_config(cfg: TrainConfig) -> None:
+    """Refuse settings that cannot work, before anything loads."""
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.stop_after < 0:
         raise ConfigError(f"--stop-after must be a step number >= 0, got {cfg.stop_after}")
     if cfg.recount_vocab and not cfg.init_from:
         raise ConfigError("--recount-vocab applies to --init-from (a new predictor always counts its vocabulary)")
+
+
+def fit(cfg: TrainConfig) -> Path:
+    """Train (or resume) a state predictor; returns the path of the final predictor file."""
+    from tqdm import tqdm
+
+    from sot.models.loading import load_model
+
+    _check_config(cfg)
     rank, world, device = _dist_setup()
     out = Path(cfg.out)
     data_dirs = [Path(d) for d in cfg.data.split(",") if d]
@@ -301,21 +306,9 @@ def fit(cfg: TrainConfig) -> Path:
                           f"the model has {target.config.hidden_size}")
     vocab_size = target.get_input_embeddings().weight.shape[0]
     if cfg.init_from:  # continue from a predictor file (e.g. the shipped one) with fresh optimizer state
-        start_from = load_predictor(cfg.init_from, target)
-        if tuple(start_from.config.state_layers) != tuple(train.layers):
-            raise ConfigError(f"{cfg.init_from} uses layers {start_from.config.state_layers}, the data {train.layers}")
-        if cfg.decoder_layers < start_from.config.decoder_layers:
-            raise ConfigError(f"{cfg.init_from} has {start_from.config.decoder_layers} decoder layers; "
-                              f"--decoder-layers {cfg.decoder_layers} cannot drop any")
-        vocab = draft_vocabulary(train, vocab_size, cfg.draft_vocab) if cfg.recount_vocab else start_from.draft_vocab
-        pred = new_predictor(target, train.layers, None if vocab is None else vocab.clone(), cfg.seed, cfg.init,
-                             cfg.decoder_layers)
-        # layers beyond the file's keep their fresh start (the identity, with init "target")
-        weights = {k: v for k, v in start_from.state_dict().items() if k != "draft_vocab"}
-        missing, _ = pred.load_state_dict(weights, strict=False)
-        if any(not k.startswith("upper.") and k != "draft_vocab" for k in missing):
-            raise ConfigError(f"{cfg.init_from} lacks predictor weights {missing}")
-        added = {k for k in missing if k.startswith("upper.")}
+        recounted = (draft_vocabulary(train, vocab_size, cfg.draft_vocab),) if cfg.recount_vocab else None
+        pred, added = grow_predictor(cfg.init_from, target, train.layers, cfg.decoder_layers, recounted, cfg.seed,
+                                     cfg.init)
         pred = pred.float().to(device)
     else:
         pred = new_predictor(target, train.layers, draft_vocabulary(train, vocab_size, cfg.draft_vocab), cfg.seed,

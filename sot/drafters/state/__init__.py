@@ -21,12 +21,14 @@ proposed. Expansion stops early once no frontier node can still enter the tree.
 """
 from sot.drafters.state.config import FORMAT, StatePredictorConfig
 from sot.drafters.state.drafter import StateDrafter
-from sot.drafters.state.io import check_compatible, load_predictor, new_predictor, read_predictor_config, save_predictor
+from sot.drafters.state.io import (
+    check_compatible, grow_predictor, load_predictor, new_predictor, read_predictor_config, save_predictor,
+)
 from sot.drafters.state.model import DecoderLayer, RMSNorm, StatePredictor
 from sot.fingerprint import embedding_hash, target_fingerprint
 
 __all__ = [
     "FORMAT", "DecoderLayer", "RMSNorm", "StateDrafter", "StatePredictor", "StatePredictorConfig", "check_compatible",
-    "embedding_hash", "load_predictor", "new_predictor", "read_predictor_config", "save_predictor",
+    "embedding_hash", "grow_predictor", "load_predictor", "new_predictor", "read_predictor_config", "save_predictor",
     "target_fingerprint",
 ]

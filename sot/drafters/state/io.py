@@ -170,3 +170,30 @@ def load_predictor(path: str | Path, model: torch.nn.Module, dtype: torch.dtype 
         param.data = param.data.to(dtype)
     pred.head = pred.head.to(dtype)  # the draft-vocabulary rows only; the embeddings stay shared
     return pred.eval()
+
+
+def grow_predictor(path: str | Path, model: torch.nn.Module, state_layers: tuple[int, ...], decoder_layers: int,
+                   recounted: tuple[torch.Tensor | None] | None = None, seed: int = 0, init: str = "target",
+                   ) -> tuple[StatePredictor, set[str]]:
+    """A predictor for ``model`` that starts from the file at ``path``: its weights, and, when
+    ``decoder_layers`` exceeds the file's, further layers that start as the identity (with
+    ``init="target"``), so the new predictor predicts exactly what the file did.
+    ``recounted``, when given, holds the draft vocabulary that replaces the file's (``(None,)``:
+    the whole vocabulary).
+
+    Returns the predictor (float32) and the names of the parameters the file did not have
+    (the added layers', which training may give a larger learning rate)."""
+    start_from = load_predictor(path, model)
+    if tuple(start_from.config.state_layers) != tuple(state_layers):
+        raise ConfigError(f"{path} uses layers {start_from.config.state_layers}, the data {tuple(state_layers)}")
+    if decoder_layers < start_from.config.decoder_layers:
+        raise ConfigError(f"{path} has {start_from.config.decoder_layers} decoder layers; "
+                          f"--decoder-layers {decoder_layers} cannot drop any")
+    vocab = start_from.draft_vocab if recounted is None else recounted[0]
+    pred = new_predictor(model, state_layers, None if vocab is None else vocab.clone(), seed, init, decoder_layers)
+    # layers beyond the file's keep their fresh start (the identity, with init "target")
+    weights = {k: v for k, v in start_from.state_dict().items() if k != "draft_vocab"}
+    missing, _ = pred.load_state_dict(weights, strict=False)
+    if any(not k.startswith("upper.") and k != "draft_vocab" for k in missing):
+        raise ConfigError(f"{path} lacks predictor weights {missing}")
+    return pred.float(), {k for k in missing if k.startswith("upper.")}
