@@ -66,7 +66,7 @@ def test_bench_outputs_and_consistency(setup) -> None:
 def test_bench_catches_a_lossy_method(setup, monkeypatch) -> None:
     """A deliberately broken acceptance rule (always take the first child) must show up in
     the identity column."""
-    import sot.engine as engine
+    import sot.verify as verify
 
     def lossy(tree, logits):
         kids = tree.children()
@@ -78,7 +78,7 @@ def test_bench_catches_a_lossy_method(setup, monkeypatch) -> None:
         tokens.append(int(logits[node].argmax()))
         return Acceptance(path, tokens)
 
-    monkeypatch.setattr(engine, "accept_greedy", lossy)
+    monkeypatch.setattr(verify, "accept_greedy", lossy)
     model, prompts, root = setup
     res = run_bench(_config(model, prompts, root / "lossy", methods=("plain", "pld")))
     agg = res["methods"]["pld"]
