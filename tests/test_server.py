@@ -363,3 +363,27 @@ def test_trace_pages_of_finished_requests(tiny_server, default_server) -> None:
         assert gone.status_code == 404 and "only the last 2" in gone.json()["error"]["message"]
     off = httpx.get(f"{default_server.url}/trace/{ids[-1]}", timeout=30)
     assert off.status_code == 404 and "--trace" in off.json()["error"]["message"]
+
+
+def test_a_client_gone_before_the_stream_starts_is_aborted(default_server) -> None:
+    """A client that sends a streaming request and hangs up at once (before the first byte of
+    the answer) still has its request aborted and its slot freed; nothing is left in flight."""
+    import socket
+
+    server = default_server
+    aborted = server.metric('sot:requests_total{status="abort"}')
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
+                       "max_tokens": 3000, "temperature": 1.0, "seed": 2, "ignore_eos": True, "stream": True})
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+    deadline = time.monotonic() + 15
+    while (server.metric('sot:requests_total{status="abort"}') != aborted + 1 or _running(server) != 0) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric('sot:requests_total{status="abort"}') == aborted + 1, "the request was not aborted"
+    assert _running(server) == 0
+    ok = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert ok.status_code == 200
