@@ -1,6 +1,11 @@
-"""Write docs/training/REPORT.md (and copy the curves) from a finished `sot train fit` run.
+"""Write the first stage's section of a training report (data, settings, loss and held-out
+acceptance, the curves) from a finished `sot train fit` run and its state cache.
 
-Usage: .venv/bin/python scripts/training_report.py runs/state-default runs/data/sharegpt
+docs/training/REPORT.md began as this script's output for stage 1; the later stages' sections
+were written by hand from their runs (`scripts/train_default.sh`) and the side-by-side
+benchmarks in docs/bench/stage*. Running the script again rewrites the file with stage 1 only.
+
+Usage: .venv/bin/python scripts/training_report.py runs/state-default runs/data/sharegpt [OUT_DIR]
 """
 from __future__ import annotations
 
