@@ -24,7 +24,7 @@ other devices and for machines without a compiler.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -98,6 +98,9 @@ class TreeLayout:
     kernel: KernelInputs | None = None
     flat_index: torch.Tensor | None = None
     flat_offsets: tuple[int, ...] | None = None
+    #: (far, tail) biases per sliding window, built by the first layer that uses the window
+    window_biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def flat_rows(self) -> int:
@@ -250,10 +253,14 @@ def tree_attention(
     far_scores = torch.matmul(q.reshape(batch, kv_heads, group * n, dim), far_k.transpose(-1, -2))
     far_bias, tail_bias = layout.far_bias, layout.tail_bias
     if window:
-        rows_at = layout.row_positions  # [B, n]
-        slots = torch.arange(layout.far_len, device=rows_at.device)
-        far_bias = far_bias + _window_bias(slots, rows_at[..., None], window)[:, None, None]
-        tail_bias = tail_bias + _window_bias(layout.tail_positions, rows_at[..., None], window)[:, None, :, None]
+        if window not in layout.window_biases:
+            rows_at = layout.row_positions  # [B, n]
+            slots = torch.arange(layout.far_len, device=rows_at.device)
+            layout.window_biases[window] = (
+                far_bias + _window_bias(slots, rows_at[..., None], window)[:, None, None],
+                tail_bias + _window_bias(layout.tail_positions, rows_at[..., None], window)[:, None, :, None],
+            )
+        far_bias, tail_bias = layout.window_biases[window]
     far_scores = _soft_cap(far_scores.view(batch, kv_heads, group, n, -1).mul_(scaling), softcap).add_(far_bias)
     far_max = far_scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)  # empty far part: weights 0
     far_weights = far_scores.sub_(far_max).exp_()

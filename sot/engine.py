@@ -36,7 +36,7 @@ from sot.requests import GenerationParams, LiveRequest, PhaseTimes, SequenceResu
 from sot.sampling import sequence_generator
 from sot.trace import build_record
 from sot.tree import DraftTree
-from sot.verify import accept_tree, pack_trees, record_depths
+from sot.verify import VerifyInput, accept_tree, pack_trees, record_depths
 
 #: the request and result types live in :mod:`sot.requests`; importing them from here works too
 __all__ = ["Engine", "GenerationParams", "PhaseTimes", "SequenceResult", "StepStats", "TokenEvent", "check_request"]
@@ -287,7 +287,6 @@ class Engine:
         plan, trees = self._plan_and_draft(seqs)
         t1 = time.perf_counter()
         batch = pack_trees(trees, self._cache, self.target)
-        roots = list(self._cache.lengths[: len(seqs)]) if self.record_steps else []
         t2 = time.perf_counter()
         out = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
         t3 = time.perf_counter()
@@ -304,29 +303,42 @@ class Engine:
         self.times.verify += t3 - t2
         self.times.bookkeeping += (t2 - t1) + (t4 - t3)
         if self.record_steps:
-            self._record(seqs, batch.trees, accepted, events, out, roots, (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3)))
+            self._record(seqs, batch, accepted, events, out, (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3)))
         return events
 
-    def _record(self, seqs: list[LiveRequest], trees: list[DraftTree], accepted: list[Acceptance],
-                events: list[TokenEvent],
-                out: ForwardOutput, roots: list[int], times: tuple[float, float, float]) -> None:
+    def _record(self, seqs: list[LiveRequest], batch: VerifyInput, accepted: list[Acceptance],
+                events: list[TokenEvent], out: ForwardOutput, times: tuple[float, float, float]) -> None:
         """Append each sequence's :class:`~sot.trace.StepRecord` of the step just taken."""
         expected = self.policy.expected_tokens
-        for b, (seq, tree, acc, ev) in enumerate(zip(seqs, trees, accepted, events)):
-            mode, proposed = self._proposed.get(seq.id, ("plain", tree))
-            state = self.policy.seqs.get(seq.id)
-            if mode == "plain" and state is not None and state.fallbacks > 0 and state.plain_left > 0:
-                mode = "fallback"
+        roots = batch.positions[:, 0].tolist()  # each tree's root sits at its sequence's length
+        for b, (seq, tree, acc, ev) in enumerate(zip(seqs, batch.trees, accepted, events)):
+            mode, proposed, probe = self._proposed.get(seq.id, ("plain", None, False))
+            proposed = proposed or tree
             rec = build_record(
                 len(seq.result.step_records), roots[b], mode, proposed, tree, acc.path, ev.token_ids,
                 out.seq_logits(b), expected.get(seq.id),
                 self.drafter.predicted_states(seq.id) if mode == "draft" else None,
             )
-            rec.probe = bool(state is not None and state.probing and mode == "draft")
+            rec.probe = probe
             rec.draft_seconds, rec.verify_seconds, rec.other_seconds = (round(t, 6) for t in times)
             rec.batch = len(seqs)
             seq.result.step_records.append(rec)
         self._proposed = {}
+
+    def _step_mode(self, key: int, plan: StepPlan, proposed: dict[int, DraftTree]
+                   ) -> tuple[str, DraftTree | None, bool]:
+        """How sequence ``key`` takes this step, as the plan decided it: ``(mode, proposed tree,
+        probe)`` with mode ``draft``, ``free``, ``fallback`` or ``plain``."""
+        state = self.policy.seqs.get(key)
+        probing = state is not None and state.probing
+        if key in proposed:
+            return "draft", proposed[key], probing
+        if key in plan.free:
+            return "free", plan.free[key], False
+        # a fallback's plain steps: still counting down, or the last one, which set up the probe
+        if state is not None and state.fallbacks > 0 and (state.plain_left > 0 or probing):
+            return "fallback", None, False
+        return "plain", None, False
 
     # ----------------------------------------------------------------- stages
     def _draft_input(self, seq: LiveRequest, states: torch.Tensor | None) -> DraftInput:
@@ -348,8 +360,7 @@ class Engine:
         chosen = policy.select(plan, proposed)
         drafting = set(plan.drafting)
         if self.record_steps:
-            self._proposed = {k: ("draft", t) for k, t in proposed.items()}
-            self._proposed.update({k: ("free", t) for k, t in plan.free.items()})
+            self._proposed = {k: self._step_mode(k, plan, proposed) for k in given}
         trees = []
         for seq in seqs:
             if seq.id in drafting:

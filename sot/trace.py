@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -221,8 +220,3 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[TracedSequence]]:
     if not seqs:
         raise ValueError(f"{path}: no traced sequence in it")
     return run, [seqs[k] for k in sorted(seqs)]
-
-
-def finite(x: float) -> float | None:
-    """``x``, or ``None`` when it is not finite (JSON has no NaN)."""
-    return x if math.isfinite(x) else None

@@ -186,3 +186,40 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
     pixels = Image.open(io.BytesIO(shot)).convert("L")
     lo, hi = pixels.getextrema()
     assert hi - lo > 100, "the screenshot is blank"
+
+
+def test_fallback_and_probe_steps_are_labelled(monkeypatch) -> None:
+    """A policy that never finds drafting fast enough falls back: its plain steps (the last one
+    before each probe included) are recorded as fallback, and each probe as a drafting step
+    marked probe. (The batch planner is told to keep every sequence drafting, so that the
+    per-sequence fallback, not the planner, is what stops it.)"""
+    from sot.policy import CommitPolicy
+
+    monkeypatch.setattr(CommitPolicy, "worth_drafting", lambda self, drafting, rows: drafting)
+    model = tiny_model("llama", seed=4)
+    target = TargetModel(model, state_layers=LAYERS)
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3, lookup=False)
+    engine = Engine(target, drafter, TreeBudget(16, 6), record_steps=True,
+                    policy=PolicyConfig(fallback_threshold=1000.0))
+    res = engine.generate(random_prompts((20,), seed=2), GenerationParams(max_new_tokens=60))[0]
+    recs = res.step_records[1:]
+    modes = [rec.mode for rec in recs]
+    assert res.fallbacks >= 2 and set(modes) == {"draft", "fallback"}, modes
+    assert sum(m == "fallback" for m in modes) == res.plain_steps
+    probes = [i for i, rec in enumerate(recs) if rec.probe]
+    assert res.fallbacks - 1 <= len(probes) <= res.fallbacks  # the last countdown may outlast the answer
+    assert all(modes[i] == "draft" and modes[i - 1] == "fallback" for i in probes)
+
+
+def test_state_comparison_runs_on_every_family() -> None:
+    """The target's own forward over the answer works for a family without SDPA attention
+    (Gemma 2's soft cap), and the model still decodes through SoT afterwards."""
+    model = tiny_model("gemma2", seed=1)
+    target = TargetModel(model, state_layers=(1, 2))
+    drafter = StateDrafter(new_predictor(model, (1, 2), None, seed=1), top_k=3)
+    prompt = random_prompts((20,), seed=3)
+    res = Engine(target, drafter, TreeBudget(16, 6), record_steps=True, policy=STATIC).generate(prompt, PARAMS)[0]
+    states = compare_states(model, prompt[0], res.token_ids, res.step_records)
+    assert len(states["actual"]) == len(res.token_ids) and states["compare"]
+    again = Engine(target, drafter, TreeBudget(16, 6), policy=STATIC).generate(prompt, PARAMS)[0]
+    assert again.token_ids == res.token_ids
