@@ -10,11 +10,12 @@ Example::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from sot.drafters import DRAFT_TOP_K, DrafterKind, TreeBudget, make_drafter
+from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, make_drafter
 from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
@@ -116,13 +117,16 @@ class SoT:
         predictor: str | None = None,
         top_k: int = DRAFT_TOP_K,
         policy: PolicyConfig | None = None,
+        suffix_store: str | None = None,
+        suffix_per_tenant: bool = False,
     ) -> "SoT":
         """Load a target and build the engine.
 
         Args:
             model: ``"default"`` (SmolLM2-135M-Instruct), a model folder or a ``.gguf`` file.
-            drafter: ``auto`` (the state predictor when one is available for the model,
-                otherwise ``pld``), ``none``, ``pld`` or ``state``.
+            drafter: ``auto`` (the state predictor with suffix trees and prompt lookup when
+                a predictor fits the model, otherwise suffix trees and prompt lookup),
+                ``none``, ``pld``, ``suffix`` or ``state`` (the predictor with prompt lookup).
             dtype: ``auto`` (default: ``bfloat16`` where the hardware computes it natively,
                 i.e. CPUs with AMX or AVX512-BF16 and bf16-capable GPUs, else ``float32``),
                 ``bfloat16`` or ``float32``. Greedy output is identical to plain decoding in either.
@@ -131,17 +135,30 @@ class SoT:
             predictor: a state predictor file (default: the one shipped for the default model).
             top_k: children per expanded node in state-predictor trees.
             policy: the commit policy (default: heuristic, no warm-up).
+            suffix_store: a file of earlier answers to draft from (read if it exists; write
+                it back with :meth:`save_suffix_store`).
+            suffix_per_tenant: keep earlier answers apart per tenant (``add_request``'s
+                ``tenant``), so one tenant's answers never draft another's.
         """
         loaded = load_model(model, dtype=resolve_dtype(dtype))
+        stores = None
         if drafter == "auto":
-            kind = DrafterKind.STATE if _has_predictor(loaded.model, predictor) else DrafterKind.PLD
+            kind = DrafterKind.STATE if _has_predictor(loaded.model, predictor) else DrafterKind.SUFFIX
+            stores = SuffixStores(per_tenant=suffix_per_tenant)
         else:
             try:
                 kind = DrafterKind(drafter)
             except ValueError:
                 choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
                 raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}") from None
-        draft = make_drafter(kind, loaded.model, predictor, top_k=top_k)
+        if kind is DrafterKind.SUFFIX and stores is None:
+            stores = SuffixStores(per_tenant=suffix_per_tenant)
+        if suffix_store is not None:
+            if stores is None:
+                raise ConfigError("--suffix-store needs a drafter that drafts from earlier answers (auto or suffix)")
+            if Path(suffix_store).is_file():
+                stores.load(suffix_store)
+        draft = make_drafter(kind, loaded.model, predictor, top_k=top_k, suffix=stores)
         target = TargetModel(loaded.model, state_layers=draft.state_layers)
         tok = loaded.tokenizer
 
@@ -153,6 +170,18 @@ class SoT:
         return cls(target, tok, engine, loaded.name)
 
     # ----------------------------------------------------------------- helpers
+    @property
+    def suffix_stores(self) -> SuffixStores | None:
+        """The drafter's stores of earlier answers (``None`` when it keeps none)."""
+        free = getattr(self.engine.drafter, "free", None)
+        return getattr(free, "suffix", None)
+
+    def save_suffix_store(self, path: str) -> None:
+        """Write the earlier answers the drafter keeps to ``path`` (for ``suffix_store``)."""
+        if self.suffix_stores is None:
+            raise ConfigError("this drafter keeps no earlier answers (use drafter auto or suffix)")
+        self.suffix_stores.save(path)
+
     @property
     def is_chat_model(self) -> bool:
         return has_chat_template(self.tokenizer)

@@ -165,3 +165,12 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def grown_to(self, batch_size: int, capacity: int) -> "KVCache":
+        """This cache if it holds ``batch_size`` sequences of ``capacity`` slots, else a
+        larger copy; capacity grows by at least half, so a long-running server reallocates
+        rarely."""
+        if self.batch_size >= batch_size and self.capacity >= capacity:
+            return self
+        grown = self.capacity if self.capacity >= capacity else max(capacity, self.capacity * 3 // 2)
+        return self.resized(max(batch_size, self.batch_size), grown)

@@ -14,7 +14,6 @@ take rows in the verify pass.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from typing import Callable, Iterator
@@ -29,14 +28,13 @@ from sot.errors import ConfigError, SoTError
 from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT, round_up
 from sot.policy import (
-    AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace,
-    fitting_acceptance_model,
+    AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace, resolve_policy,
 )
 from sot.requests import GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_request
 from sot.sampling import sequence_generator
-from sot.trace import build_record
+from sot.trace import build_record, record_step, step_mode
 from sot.tree import DraftTree
-from sot.verify import VerifyInput, accept_tree, pack_trees, record_depths
+from sot.verify import accept_tree, pack_trees, record_depths
 
 #: the request and result types live in :mod:`sot.requests`; importing them from here works too
 __all__ = ["Engine", "GenerationParams", "PhaseTimes", "SequenceResult", "StepStats", "TokenEvent", "check_request"]
@@ -78,21 +76,14 @@ class Engine:
         max_batch: int | None = None,
         record_steps: bool = False,
     ) -> None:
-        if budget.max_nodes < 1 or budget.max_depth < 0:
-            raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
-        if budget.max_depth > MAX_TREE_DEPTH:
-            raise ConfigError(f"max depth {budget.max_depth} exceeds the supported {MAX_TREE_DEPTH}")
+        budget.check(MAX_TREE_DEPTH)
         if max_batch is not None and max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         missing = set(drafter.state_layers) - set(target.state_layers)
         if missing:
             raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
-        self.policy_config = policy or PolicyConfig()
-        if self.policy_config.kind is PolicyKind.AUTO:
-            acceptance_model = acceptance_model or fitting_acceptance_model(self.policy_config.model_path, drafter,
-                                                                            target)
-            kind = PolicyKind.LEARNED if acceptance_model is not None else PolicyKind.HEURISTIC
-            self.policy_config = dataclasses.replace(self.policy_config, kind=kind)
+        self.policy_config, acceptance_model = resolve_policy(policy or PolicyConfig(), drafter, target,
+                                                              acceptance_model, record_policy)
         if self.policy_config.kind is PolicyKind.STATIC and drafter.static_width > 0:
             width = drafter.static_width
             budget = TreeBudget(max_nodes=1 + width * budget.max_depth, max_depth=budget.max_depth, width=width)
@@ -107,11 +98,6 @@ class Engine:
         self.record_steps = record_steps
         self._proposed: dict[int, tuple[str, DraftTree]] = {}  # this step's, while recording
         self.acceptance_model = acceptance_model
-        if (self.policy_config.kind is PolicyKind.LEARNED and acceptance_model is None and not record_policy
-                and drafter.kind is not DrafterKind.NONE):
-            from sot.policy import load_acceptance_model
-
-            self.acceptance_model = load_acceptance_model(self.policy_config.model_path, target.model)
         self._ids = itertools.count()
         self._waiting: list[LiveRequest] = []
         self._running: list[LiveRequest] = []  # running[b] holds cache slot b
@@ -124,13 +110,7 @@ class Engine:
 
     def cost_model(self) -> CostModel:
         """Verify time by row count on this machine, measured once per target and tree size."""
-        rows = max(96, self.budget.max_nodes)  # batches are costed by their total rows
-        key = ("sot_cost_model", rows)
-        cached = getattr(self.target, "_sot_costs", {})
-        if key not in cached:
-            cached[key] = CostModel.measure(self.target, rows)
-            self.target._sot_costs = cached
-        return cached[key]
+        return CostModel.for_target(self.target, self.budget.max_nodes)
 
     @property
     def policy(self) -> CommitPolicy:
@@ -148,7 +128,8 @@ class Engine:
         return self.policy.trace
 
     # ----------------------------------------------------------------- requests
-    def add_request(self, prompt: list[int], params: GenerationParams, index: int = 0) -> int:
+    def add_request(self, prompt: list[int], params: GenerationParams, index: int = 0,
+                    tenant: str | None = None) -> int:
         """Queue a request; it is admitted at a coming :meth:`step`. Returns its id.
 
         Args:
@@ -156,6 +137,8 @@ class Engine:
             params: its settings (sampling, limits, stop conditions).
             index: the caller's label, reported in its events and results; it also keys the
                 noise of ``coupled`` sampling, so equal (prompt, params, index) give equal output.
+            tenant: who sent it (an API key or user); drafters that keep earlier answers
+                per tenant draft its answer from that tenant's only.
         """
         check_request(prompt, params, self.target.max_positions)
         _ = self.policy  # the cost model is measured before the first request's clock starts
@@ -166,6 +149,7 @@ class Engine:
             result=SequenceResult(index=index, token_ids=[], prompt_tokens=len(prompt)),
             generator=None if params.sampling.greedy else sequence_generator(params.sampling.seed, index),
             arrived=time.perf_counter(),
+            tenant=tenant,
         )
         seq.result.request_id = seq.id
         self._waiting.append(seq)
@@ -177,11 +161,11 @@ class Engine:
         for i, seq in enumerate(self._waiting):
             if seq.id == request_id:
                 del self._waiting[i]
-                self._finish(seq, "abort")
+                seq.finish("abort", self.decode)
                 return True
         for b, seq in enumerate(self._running):
             if seq.id == request_id:
-                self._finish(seq, "abort")
+                seq.finish("abort", self.decode)
                 self._leave(b)
                 return True
         return False
@@ -229,14 +213,11 @@ class Engine:
         return [self._admit(seq, since, read_now) for seq in admitted]
 
     def _ensure_cache(self, batch: int, capacity: int) -> None:
-        cache = self._cache
-        if cache is None:
+        if self._cache is None:
             self._cache = self.target.new_cache(batch, capacity)
             self.policy.flat = self.target.packs_flat(self._cache)
-        elif cache.batch_size < batch or cache.capacity < capacity:
-            # grow by at least half, so a long-running server reallocates rarely
-            grown = cache.capacity if cache.capacity >= capacity else max(capacity, cache.capacity * 3 // 2)
-            self._cache = cache.resized(max(batch, cache.batch_size), grown)
+        else:
+            self._cache = self._cache.grown_to(batch, capacity)
 
     def _admit(self, seq: LiveRequest, since: float, read_now: bool) -> TokenEvent:
         """Prefill ``seq``'s prompt into the next free slot and commit its first token; with
@@ -256,7 +237,7 @@ class Engine:
             seq.result.logit_trace.append(out.logits[0, -1].clone())
         now = time.perf_counter()
         seq.result.first_token_seconds = now - seq.started
-        event = self._commit(seq, acc.tokens, now, step=False)
+        event = seq.commit(acc.tokens, now, False, self.decode)
         if self.record_steps:  # the first token, from the prompt's pass: step 0
             rec = build_record(0, len(seq.prompt) - 1, "prefill", root, root, acc.path, event.token_ids,
                                out.logits[0, -1:], None, None)
@@ -303,46 +284,15 @@ class Engine:
         self.times.verify += t3 - t2
         self.times.bookkeeping += (t2 - t1) + (t4 - t3)
         if self.record_steps:
-            self._record(seqs, batch, accepted, events, out, (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3)))
+            record_step(seqs, batch, [a.path for a in accepted], events, out, self._proposed,
+                        self.policy.expected_tokens, self.drafter.predicted_states,
+                        (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3)))
+            self._proposed = {}
         return events
-
-    def _record(self, seqs: list[LiveRequest], batch: VerifyInput, accepted: list[Acceptance],
-                events: list[TokenEvent], out: ForwardOutput, times: tuple[float, float, float]) -> None:
-        """Append each sequence's :class:`~sot.trace.StepRecord` of the step just taken."""
-        expected = self.policy.expected_tokens
-        roots = batch.positions[:, 0].tolist()  # each tree's root sits at its sequence's length
-        for b, (seq, tree, acc, ev) in enumerate(zip(seqs, batch.trees, accepted, events)):
-            mode, proposed, probe = self._proposed.get(seq.id, ("plain", None, False))
-            proposed = proposed or tree
-            rec = build_record(
-                len(seq.result.step_records), roots[b], mode, proposed, tree, acc.path, ev.token_ids,
-                out.seq_logits(b), expected.get(seq.id),
-                self.drafter.predicted_states(seq.id) if mode == "draft" else None,
-            )
-            rec.probe = probe
-            rec.draft_seconds, rec.verify_seconds, rec.other_seconds = (round(t, 6) for t in times)
-            rec.batch = len(seqs)
-            seq.result.step_records.append(rec)
-        self._proposed = {}
-
-    def _step_mode(self, key: int, plan: StepPlan, proposed: dict[int, DraftTree]
-                   ) -> tuple[str, DraftTree | None, bool]:
-        """How sequence ``key`` takes this step, as the plan decided it: ``(mode, proposed tree,
-        probe)`` with mode ``draft``, ``free``, ``fallback`` or ``plain``."""
-        state = self.policy.seqs.get(key)
-        probing = state is not None and state.probing
-        if key in proposed:
-            return "draft", proposed[key], probing
-        if key in plan.free:
-            return "free", plan.free[key], False
-        # a fallback's plain steps: still counting down, or the last one, which set up the probe
-        if state is not None and state.fallbacks > 0 and (state.plain_left > 0 or probing):
-            return "fallback", None, False
-        return "plain", None, False
 
     # ----------------------------------------------------------------- stages
     def _draft_input(self, seq: LiveRequest, states: torch.Tensor | None) -> DraftInput:
-        return DraftInput(seq.id, seq.context, states, seq.result.index)
+        return DraftInput(seq.id, seq.context, states, seq.result.index, seq.tenant)
 
     def _plan_and_draft(self, seqs: list[LiveRequest]) -> tuple[StepPlan, list[DraftTree]]:
         """The policy plans the step, the drafter proposes, the policy selects what to
@@ -360,7 +310,7 @@ class Engine:
         chosen = policy.select(plan, proposed)
         drafting = set(plan.drafting)
         if self.record_steps:
-            self._proposed = {k: self._step_mode(k, plan, proposed) for k in given}
+            self._proposed = {k: step_mode(policy.seqs.get(k), k, plan, proposed) for k in given}
         trees = []
         for seq in seqs:
             if seq.id in drafting:
@@ -405,7 +355,7 @@ class Engine:
             drafted.append(tree.size - 1)
             for d in range(acc.num_accepted):
                 per_pos[d] += 1
-            events.append(self._commit(seq, acc.tokens, now, step=True))
+            events.append(seq.commit(acc.tokens, now, True, self.decode))
         self.last_step = StepStats(batch=len(seqs), drafted=tuple(drafted), accepted_per_pos=tuple(per_pos))
         return events
 
@@ -428,40 +378,8 @@ class Engine:
         self._running.pop()
         self._cache.lengths[last] = 0
         self.drafter.release(seq.id)
+        self.drafter.remember(seq.prompt, seq.result.token_ids, seq.tenant)
         self.policy.drop_sequence(seq.id)
-
-    def _finish(self, seq: LiveRequest, reason: str) -> None:
-        seq.done = True
-        seq.result.finish_reason = reason
-        seq.result.text = self.decode(seq.result.token_ids)
-
-    # ----------------------------------------------------------------- helpers
-    def _commit(self, seq: LiveRequest, tokens: list[int], now: float, step: bool) -> TokenEvent:
-        """Append tokens up to a stop condition; ``step`` records the count as an accepted length."""
-        res, params = seq.result, seq.params
-        taken: list[int] = []
-        reason = None
-        for tok in tokens:
-            taken.append(tok)
-            res.token_ids.append(tok)
-            if tok in params.eos_token_ids:
-                reason = "eos"
-                break
-            if len(res.token_ids) >= params.max_new_tokens:
-                reason = "length"
-                break
-        if step:
-            res.accept_lengths.append(len(taken))
-        if params.stop and reason is None:
-            text = self.decode(res.token_ids)
-            if any(s in text for s in params.stop):
-                reason = "stop"
-        res.seconds = now - seq.started
-        if reason is not None:
-            self._finish(seq, reason)
-        return TokenEvent(sequence=res.index, token_ids=taken, finished=seq.done, request_id=seq.id,
-                          finish_reason=reason,
-                          result=res if seq.done else None)
 
     # ----------------------------------------------------------------- offline loops
     def generate(self, prompts: list[list[int]], params: GenerationParams,

@@ -3,6 +3,7 @@ token events, and the engine's step statistics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -148,6 +149,7 @@ class LiveRequest:
     #: ``[n, S, D]`` target states of the rows committed since the drafter last saw this sequence
     states: torch.Tensor | None = None
     done: bool = False
+    tenant: str | None = None  # who sent it, for drafters that keep answers per tenant
 
     @property
     def context(self) -> list[int]:
@@ -162,3 +164,37 @@ class LiveRequest:
     def root(self) -> int:
         """The last token: the root of the next tree."""
         return self.result.token_ids[-1] if self.result.token_ids else self.prompt[-1]
+
+    def finish(self, reason: str, decode: Callable[[list[int]], str]) -> None:
+        """Mark the request finished with ``reason`` (``eos``, ``length``, ``stop``, ``abort``)."""
+        self.done = True
+        self.result.finish_reason = reason
+        self.result.text = decode(self.result.token_ids)
+
+    def commit(self, tokens: list[int], now: float, step: bool, decode: Callable[[list[int]], str]) -> TokenEvent:
+        """Append ``tokens`` up to the first stop condition and return the event that reports
+        them; ``step`` records the count as an accepted length (the prompt's first token is
+        not one)."""
+        res, params = self.result, self.params
+        taken: list[int] = []
+        reason = None
+        for tok in tokens:
+            taken.append(tok)
+            res.token_ids.append(tok)
+            if tok in params.eos_token_ids:
+                reason = "eos"
+                break
+            if len(res.token_ids) >= params.max_new_tokens:
+                reason = "length"
+                break
+        if step:
+            res.accept_lengths.append(len(taken))
+        if params.stop and reason is None:
+            text = decode(res.token_ids)
+            if any(s in text for s in params.stop):
+                reason = "stop"
+        res.seconds = now - self.started
+        if reason is not None:
+            self.finish(reason, decode)
+        return TokenEvent(sequence=res.index, token_ids=taken, finished=self.done, request_id=self.id,
+                          finish_reason=reason, result=res if self.done else None)

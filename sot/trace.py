@@ -23,7 +23,7 @@ import datetime
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -131,6 +131,56 @@ def build_record(
         accepted=accepted, bonus=bonus, target_probs=[None if p is None else round(p, 6) for p in node_probs],
         expected=None if expected is None else round(expected, 4), committed=len(committed), predicted=states,
     )
+
+
+def step_mode(state: Any, key: int, plan: Any, proposed: dict[int, DraftTree]
+              ) -> tuple[str, DraftTree | None, bool]:
+    """How sequence ``key`` takes a step, as the commit policy's plan decided it: ``(mode,
+    proposed tree, probe)`` with mode ``draft``, ``free``, ``fallback`` or ``plain``.
+
+    Args:
+        state: the policy's state of the sequence (``None`` if it keeps none).
+        plan: the step's :class:`~sot.policy.StepPlan`.
+        proposed: the drafter's trees of this step, by sequence key.
+    """
+    probing = state is not None and state.probing
+    if key in proposed:
+        return "draft", proposed[key], probing
+    if key in plan.free:
+        return "free", plan.free[key], False
+    # a fallback's plain steps: still counting down, or the last one, which set up the probe
+    if state is not None and state.fallbacks > 0 and (state.plain_left > 0 or probing):
+        return "fallback", None, False
+    return "plain", None, False
+
+
+def record_step(seqs: list[Any], batch: Any, paths: list[list[int]], events: list[Any], out: Any,
+                modes: dict[int, tuple[str, DraftTree | None, bool]], expected: dict[int, float],
+                predicted_states: Callable[[int], Any], times: tuple[float, float, float]) -> None:
+    """Append each sequence's :class:`StepRecord` of the verify step just taken.
+
+    Args:
+        seqs: the step's live requests, in slot order (``[B]``).
+        batch: the step's :class:`~sot.verify.VerifyInput` (its trees and ``[B, T]`` positions).
+        paths: each sequence's accepted node indices.
+        events: each sequence's committed tokens (:class:`~sot.requests.TokenEvent`).
+        out: the verify pass's output (``seq_logits(b)``: ``[T, V]`` per sequence).
+        modes: :func:`step_mode` of each sequence, by request id.
+        expected: the policy's expected tokens per request id.
+        predicted_states: the state drafter's predicted states of a request id.
+        times: the step's ``(draft, verify, other)`` seconds.
+    """
+    roots = batch.positions[:, 0].tolist()  # each tree's root sits at its sequence's length
+    for b, (seq, tree, path, ev) in enumerate(zip(seqs, batch.trees, paths, events)):
+        mode, proposed, probe = modes.get(seq.id, ("plain", None, False))
+        rec = build_record(
+            len(seq.result.step_records), roots[b], mode, proposed or tree, tree, path, ev.token_ids,
+            out.seq_logits(b), expected.get(seq.id), predicted_states(seq.id) if mode == "draft" else None,
+        )
+        rec.probe = probe
+        rec.draft_seconds, rec.verify_seconds, rec.other_seconds = (round(t, 6) for t in times)
+        rec.batch = len(seqs)
+        seq.result.step_records.append(rec)
 
 
 def compare_states(model: torch.nn.Module, prompt: list[int], output: list[int],

@@ -108,6 +108,39 @@ def tree_from_paths(root: int, paths: list[list[int]], max_nodes: int) -> DraftT
     return tree_from_parents(tokens, parents)
 
 
+def merge_trees(trees: list[DraftTree], max_nodes: int) -> DraftTree:
+    """One tree of the best ``max_nodes - 1`` nodes of ``trees`` (all rooted at the same
+    token) by draft confidence; a node proposed by several keeps its highest confidence, and
+    shared prefixes count once. Ties keep the order of ``trees``.
+
+    Example: a drafted chain ``r -> a (0.9) -> b (0.5)`` and a lookup chain ``r -> a (0.7)
+    -> c (0.6)`` with ``max_nodes=3`` give ``r -> a (0.9) -> c (0.6)``.
+    """
+    paths: list[tuple[float, tuple[int, ...]]] = []
+    for tree in trees:
+        probs = tree.confidences() if tree.draft_probs else [1.0] * tree.size
+        node_path: list[tuple[int, ...]] = [()]
+        for i in range(1, tree.size):
+            node_path.append(node_path[tree.parents[i]] + (tree.tokens[i],))
+            paths.append((probs[i], node_path[i]))
+    # a prefix is never less confident than its extension, so this order inserts parents first
+    paths.sort(key=lambda x: (-x[0], len(x[1])))
+    tokens, parents, depths, conf = [trees[0].tokens[0]], [-1], [0], [1.0]
+    index: dict[tuple[int, ...], int] = {(): 0}
+    for p, path in paths:
+        if path in index:
+            conf[index[path]] = max(conf[index[path]], p)
+            continue
+        if len(tokens) >= max_nodes or path[:-1] not in index:
+            continue
+        index[path] = len(tokens)
+        tokens.append(path[-1])
+        parents.append(index[path[:-1]])
+        depths.append(len(path))
+        conf.append(p)
+    return DraftTree(tokens, parents, depths, conf)
+
+
 def ancestor_table(tree: DraftTree, width: int) -> list[list[int]]:
     """``[N][width]``: tree index of each node's ancestor at depth ``j`` (itself at its own
     depth), ``-1`` past the node's depth. ``width`` must exceed ``tree.max_depth``."""

@@ -137,3 +137,40 @@ def test_bench_compares_predictor_files_side_by_side(setup) -> None:
                  "--out", str(out)]) == 2
     assert main(["bench", "--prompts", str(prompts), "--methods", f"plain,state={root / 'none.safetensors'}",
                  "--model", str(model), "--out", str(out)]) == 2
+
+
+def test_multiturn_conversations_report_each_turn(setup, tmp_path) -> None:
+    """``--multiturn`` answers every turn and appends it before the next; suffix and auto stay
+    identical to plain on every turn, and the report gives each turn apart."""
+    model, _, _ = setup
+    convs = tmp_path / "convs.jsonl"
+    convs.write_text("\n".join(json.dumps({"id": f"c{i}", "turns": [f"say {w} {w}", "again, please", "once more"]})
+                               for i, w in enumerate(["abc", "xyz"])))
+    out = tmp_path / "run"
+    rc = main(["bench", "--prompts", str(convs), "--multiturn", "--methods", "plain,suffix,auto", "--model", str(model),
+               "--max-new-tokens", "24", "--chat", "--ignore-eos", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert sorted(res["turns"]) == ["1", "2", "3"]
+    assert len(res["records"]) == 2 * 3 * 3
+    assert {r["turn"] for r in res["records"]} == {1, 2, 3}
+    for name in ("suffix", "auto"):
+        assert res["methods"][name]["identical_to_plain"] == "6/6"
+        for turn in res["turns"].values():
+            assert turn[name]["vs_plain"] == pytest.approx(turn[name]["tokens_per_s"] / turn["plain"]["tokens_per_s"])
+    assert "## by turn" in (out / "report.md").read_text()
+    # a later turn's prompt holds the earlier answers: it is longer than the first turn's
+    plain = sorted((r for r in res["records"] if r["method"] == "plain"), key=lambda r: r["prompt_index"])
+    assert plain[2]["prompt_tokens"] > plain[1]["prompt_tokens"] > plain[0]["prompt_tokens"] + 24
+
+
+def test_builtin_multiturn_sets() -> None:
+    from sot.bench.conversations import load_conversations
+
+    agent = load_conversations("agent-loop")
+    assert len(agent) == 8 and all(len(r["turns"]) == 4 and r["system"] for r in agent)
+    assert len({r["turns"][0] for r in agent}) == 8  # the values vary by conversation
+    edits = load_conversations("code-edit-multiturn")
+    assert edits and all(len(r["turns"]) == 3 and "```" in r["turns"][0] for r in edits)
+    share = load_conversations("sharegpt-multiturn", limit=4)
+    assert len(share) == 4 and all(len(r["turns"]) == 3 for r in share)

@@ -238,3 +238,25 @@ def test_parser_defaults_come_from_the_config_dataclasses() -> None:
             params["top_k"].default, params["seed"].default) == (
         GenerationParams.max_new_tokens, SamplingParams.temperature, SamplingParams.top_p, SamplingParams.top_k,
         SamplingParams.seed)
+
+
+def test_suffix_store_carries_answers_across_runs(model_dir: Path, tmp_path: Path, capsys) -> None:
+    """``--suffix-store``: a run writes its answers; the next reads them and drafts from them
+    (the repeated prompt's answer comes in far fewer steps, and is the same)."""
+    from sot.drafters import SuffixStores
+
+    store = tmp_path / "answers.store"
+    args = ["generate", "count: 1 2 3 4 5", "--model", str(model_dir), "--max-new-tokens", "30", "--json",
+            "--ignore-eos", "--drafter", "suffix", "--suffix-store", str(store)]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    loaded = SuffixStores()
+    loaded.load(store)
+    assert loaded.tokens >= 30
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    second = json.loads(captured.out)
+    assert second["token_ids"] == first["token_ids"]
+    assert second["steps"] < first["steps"] // 3
+    assert "suffix store written" in captured.err
+    assert main(["generate", "hi", "--model", str(model_dir), "--drafter", "pld", "--suffix-store", str(store)]) == 2

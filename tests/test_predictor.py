@@ -226,7 +226,7 @@ def test_lookup_rate_learns_from_committed_tokens_and_free_drafts_use_it() -> No
     assert trees[1].size == 1, "no match: a root-only tree"
     # the continuation matched twice, then missed: the sequence's rate rises above 1/2
     drafter.propose_free([DraftInput(0, context + [7, 8, 4])], TreeBudget(4, 8))
-    assert drafter.rates[0].rate > 0.5
+    assert drafter.free.rates[0].rate > 0.5
     assert StateDrafter(new_predictor(model, LAYERS, None, seed=2), lookup=False).propose_free([], TreeBudget()) is None
 
 
@@ -245,7 +245,7 @@ def test_one_lookup_search_per_sequence_and_step() -> None:
     calls = []
     for d in (reused, fresh):
         d.reset(1)
-    index = reused._index(0)  # the sequence's n-gram index, whose searches are counted
+    index = reused.free.index(0)  # the sequence's n-gram index, whose searches are counted
     search = index.best
     index.best = lambda context, depth: calls.append(depth) or search(context, depth)
     free = reused.propose_free([DraftInput(0, ctx, states)], TreeBudget(8, 6))[0]

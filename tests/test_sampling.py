@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from helpers import RandomTreeDrafter, clone, random_prompts, tiny_model
 from sot.acceptance import accept_coupled, accept_greedy, accept_rejection
-from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
 from sot.policy import PolicyConfig
@@ -123,11 +123,12 @@ def test_coupled_sampling_equals_seeded_plain_decoding(dtype: torch.dtype) -> No
     assert [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, other)] != plain
 
 
-@pytest.mark.parametrize("drafter_kind", ["oracle", "state"])
+@pytest.mark.parametrize("drafter_kind", ["oracle", "state", "suffix"])
 def test_engine_rejection_sampling_distribution(drafter_kind: str) -> None:
     """Through the whole engine: the second generated token under tree speculation follows
     the target's exact marginal ``sum_t1 p(t1) p(t2 | t1)`` (chi-square, small vocabulary).
-    ``oracle`` drafts 3 likely children; ``state`` is the state drafter (untrained predictor)."""
+    ``oracle`` drafts 3 likely children; ``state`` is the state drafter (untrained predictor);
+    ``suffix`` drafts from a store of likely answers, which grows with every sample."""
     from helpers import VOCAB
     from sot.drafters.state import StateDrafter, new_predictor
 
@@ -148,10 +149,17 @@ def test_engine_rejection_sampling_distribution(drafter_kind: str) -> None:
         def propose(self, inputs, budget):
             return [tree_from_parents([x.context[-1], *top3[x.context[-1]]], [-1, 0, 0, 0]) for x in inputs]
 
-    drafter = Oracle() if drafter_kind == "oracle" else StateDrafter(new_predictor(target.model, layers, None, seed=3), top_k=4)
+    if drafter_kind == "oracle":
+        drafter = Oracle()
+    elif drafter_kind == "state":
+        drafter = StateDrafter(new_predictor(target.model, layers, None, seed=3), top_k=4)
+    else:
+        drafter = SuffixDrafter()
+        for a in p1.topk(3).indices.tolist():
+            drafter.remember(prompt, [a, top3[a][0], top3[a][1]])
     counts = np.zeros(VOCAB)
     accepted = 0
-    trials = 1200 if drafter_kind == "oracle" else 2000
+    trials = 2000 if drafter_kind == "state" else 1200
     # (the tiny model's verify pass costs about what a predictor pass does, so the default
     # policy would rightly stop drafting; threshold 0 keeps the drafts coming)
     engine = Engine(target, drafter, TreeBudget(8, 3), policy=PolicyConfig(fallback_threshold=0))
@@ -160,7 +168,7 @@ def test_engine_rejection_sampling_distribution(drafter_kind: str) -> None:
         res = engine.generate([prompt], GenerationParams(max_new_tokens=3, sampling=sp))[0]
         counts[res.token_ids[1]] += 1
         accepted += res.accept_lengths[0] > 1 if res.accept_lengths else 0
-    assert accepted > (trials // 20 if drafter_kind == "oracle" else 5), "drafts should be accepted now and then"
+    assert accepted > (5 if drafter_kind == "state" else trials // 20), "drafts should be accepted now and then"
     expected = marginal * trials
     keep = expected >= 5
     obs = np.append(counts[keep], counts[~keep].sum())

@@ -347,6 +347,33 @@ def test_sigterm_finishes_streams_and_exits_0(tiny_dir, tmp_path) -> None:
         server.stop()
 
 
+def test_suffix_stores_per_user_live_with_the_server(tiny_dir, tmp_path) -> None:
+    """``--suffix-tenants user``: each request's answer goes to its ``user``'s store, shared by
+    that user's later requests (the repeated question drafts its earlier answer) and never
+    another's; ``--suffix-store`` is written on shutdown."""
+    from sot.drafters import SuffixStores
+
+    store = tmp_path / "answers.store"
+    server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, "--drafter", "suffix",
+                           "--suffix-tenants", "user", "--suffix-store", str(store), log=tmp_path / "suffix.log")
+    try:
+        server.wait_ready()
+        body = _chat("list: a b c d", max_tokens=40, ignore_eos=True, temperature=0)
+        steps = []
+        for user in ("alice", "alice", "bob"):
+            resp = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "user": user}, timeout=60)
+            assert resp.status_code == 200
+            steps.append(resp.json()["sot"]["steps"])
+        assert steps[1] < steps[0] // 3, "alice's repeated question drafts her earlier answer"
+        assert steps[2] > steps[1] * 2, "bob's does not draft from alice's answers"
+        assert server.stop() == 0
+        stores = SuffixStores(per_tenant=True)
+        stores.load(store)
+        assert stores.get("alice").sequences == 2 and stores.get("bob").sequences == 1
+    finally:
+        server.stop()
+
+
 def test_trace_pages_of_finished_requests(tiny_server, default_server) -> None:
     """With --trace N the last N finished requests are served as trace pages; older ones,
     unknown ids and a server without --trace answer a JSON 404."""

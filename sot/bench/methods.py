@@ -14,7 +14,9 @@ from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
 from sot.policy import PolicyConfig
 
-METHODS = ("hf", "hf-pld", "plain", "pld", "state", "llamacpp")
+#: ``suffix``: suffix trees and prompt lookup; ``auto``: the default drafter, as ``sot generate``
+#: uses it (the state predictor with suffix trees and prompt lookup where a predictor fits)
+METHODS = ("hf", "hf-pld", "plain", "pld", "suffix", "state", "auto", "llamacpp")
 
 
 @dataclass
@@ -38,10 +40,19 @@ class RunRecord:
     fallbacks: int = 0
     peak_rss: int = 0
     rss_growth: int = 0
+    turn: int = 0  # 1-based turn of a conversation (0: a single-turn prompt)
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+
+def forget_answers(method: "BenchMethod") -> None:
+    """Empty the global suffix store of an engine method's drafter (if it keeps one)."""
+    engine = getattr(method, "engine", None)
+    stores = getattr(getattr(engine.drafter, "free", None), "suffix", None) if engine is not None else None
+    if stores is not None:
+        stores.clear()
 
 
 class BenchMethod(ABC):

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import statistics
+import json
 from pathlib import Path
 
+from sot.bench.conversations import turn_table
 from sot.bench.methods import RunRecord
 
 
@@ -195,3 +197,78 @@ def sweep_plot(name: str, rows: list[dict], out: Path) -> str:
     fig.savefig(out / "sweep.png", dpi=120)
     plt.close(fig)
     return "sweep.png"
+
+
+def write_report(result: dict, runs: list[RunRecord], names: list[str], records: list, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    for name in names:
+        with open(out / f"{name}.jsonl", "w") as fh:
+            for r in runs:
+                if r.method != name:
+                    continue
+                fh.write(json.dumps({
+                    "question_id": r.prompt_id,
+                    "model_id": name,
+                    "choices": [{"index": 0, "turns": [r.token_ids], "decoding_steps": [len(r.accept_lengths) or r.new_tokens],
+                                 "new_tokens": [r.new_tokens], "wall_time": [r.wall_time],
+                                 "accept_lengths": [r.accept_lengths or [1] * r.new_tokens]}],
+                }) + "\n")
+    cfg = result["config"]
+    lines = [
+        f"# sot bench: {cfg['prompts']}",
+        "",
+        f"model `{cfg['model']}`, engine {cfg['dtype']}, HF {cfg['hf_dtype']}, {len(records)} prompts, "
+        f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
+        f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",
+        "",
+        _machine_line(result.get("machine")),
+        "",
+        markdown_table(result["methods"]),
+    ]
+    lines += _alone_lines(result["methods"])
+    if "turns" in result:
+        lines += ["", "## by turn", "", *turn_table(result["turns"], names)]
+    for note in result["notes"]:
+        lines.append(f"- {note}")
+    if "sweep" in result:
+        sw = result["sweep"]
+        lines += ["", f"## sweep of {sw['name']} ({sw['method']})", "",
+                  "| value | tok/s | total vs plain | tau | per-prompt speedup vs plain (median) | tree size | identical |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in sw["rows"]:
+            s = row.get("speedup_vs_plain")
+            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain', 0):.2f}x | "
+                         f"{row['mean_accept_len']:.2f} | {(s or {}).get('median', 0):.2f}x | "
+                         f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain']} |")
+        if sw["name"] == "batch-size":
+            lines += ["", "| batch | plain tok/s | drafting share of sequence steps | draft time share |",
+                      "|---|---|---|---|"]
+            lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {100 * r['drafting_share']:.0f}% | "
+                      f"{100 * r['draft_time_share']:.0f}% |" for r in sw["rows"]]
+    written = plots(result["methods"], out)
+    lines += ["", *[f"![{w}]({w})" for w in written]]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _alone_lines(methods: dict) -> list[str]:
+    return [f"- {m}: every sequence of a batch equals its prompt decoded alone: {a['identical_to_alone']}"
+            for m, a in methods.items() if a.get("identical_to_alone")]
+
+
+def _machine_line(m: dict | None) -> str:
+    if not m:
+        return "machine: not recorded"
+    return (f"machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, SIMD {m['simd']}, "
+            f"native bf16 {'yes' if m['native_bf16'] else 'no'}, torch {m['torch']}")
+
+
+def summary(result: dict) -> str:
+    """One screen of text for the terminal."""
+    text = markdown_table(result["methods"]) + "".join(f"{line}\n" for line in _alone_lines(result["methods"]))
+    if "turns" in result:
+        text += "by turn:\n" + "".join(f"{line}\n" for line in turn_table(result["turns"], list(result["methods"])))
+    if "sweep" in result:
+        sw = result["sweep"]
+        text += f"sweep of {sw['name']} ({sw['method']}): " + ", ".join(
+            f"{r['value']}: {r['tokens_per_s_vs_plain']:.2f}x plain, tau {r['mean_accept_len']:.2f}" for r in sw["rows"]) + "\n"
+    return text + "".join(f"note: {n}\n" for n in result["notes"])

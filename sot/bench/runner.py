@@ -17,18 +17,18 @@ shared machine affects them alike. ``results.json`` schema (``"schema": "sot-ben
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from sot.bench.conversations import MULTITURN_SETS, load_conversations, per_turn, render, run_conversations
 from sot.bench.memory import PeakRSS, current_rss
-from sot.bench.methods import METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord
+from sot.bench.methods import METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord, forget_answers
 from sot.bench.prompts import load_prompt_set
-from sot.bench.report import aggregate, markdown_table, plots, sweep_plot
-from sot.drafters import DRAFT_TOP_K, DrafterKind, TreeBudget, make_drafter
+from sot.bench.report import aggregate, sweep_plot, write_report
+from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, make_drafter
 from sot.policy import PolicyConfig
 from sot.engine import GenerationParams
 from sot.errors import ConfigError
@@ -68,6 +68,7 @@ class BenchConfig:
     ignore_eos: bool = False
     warmup_tokens: int = 16
     sweep: tuple[str, tuple[int, ...]] | None = None
+    multiturn: bool = False  # run each record's turns as a conversation (built-in multi-turn sets always do)
     out: str = "bench-out"
     notes: list[str] = field(default_factory=list)
 
@@ -94,13 +95,20 @@ def _predictor_file(method: str) -> str | None:
 
 
 def _drafter(cfg: BenchConfig, method: str, model, top_k: int | None = None):
+    """The drafter of an engine method; ``suffix`` and ``auto`` get a global store of their own."""
     file = _predictor_file(method)
+    stores = SuffixStores() if method in ("suffix", "auto") else None
     if file is not None:  # another predictor file, compared side by side
         kind, predictor = DrafterKind.STATE, file
+    elif method == "auto":
+        from sot.api import _has_predictor
+
+        kind = DrafterKind.STATE if _has_predictor(model, cfg.predictor) else DrafterKind.SUFFIX
+        predictor = cfg.predictor
     else:
         kind, predictor = DrafterKind.NONE if method == "plain" else DrafterKind(method), cfg.predictor
     return make_drafter(kind, model, predictor, top_k=top_k or cfg.draft_top_k, full_vocab=cfg.full_vocab,
-                        lookup=cfg.lookup)
+                        lookup=cfg.lookup, suffix=stores)
 
 
 def method_label(method: str) -> str:
@@ -114,7 +122,7 @@ def method_label(method: str) -> str:
 
 
 def _is_engine(method: str) -> bool:
-    return method in ("plain", "pld", "state") or _predictor_file(method) is not None
+    return method in ("plain", "pld", "suffix", "state", "auto") or _predictor_file(method) is not None
 
 
 def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
@@ -126,7 +134,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
     if len(set(labels)) != len(labels):
         raise ConfigError(f"methods must have distinct names, got {', '.join(labels)}")
     if cfg.batch_size > 1 and not all(_is_engine(m) for m in cfg.methods):
-        raise ConfigError("--batch-size above 1 compares engine methods only (plain, pld, state)")
+        raise ConfigError("--batch-size above 1 compares engine methods only (plain, pld, suffix, state, auto)")
     if cfg.hf_dtype not in DTYPES:
         raise ConfigError(f"--hf-dtype must be one of {', '.join(DTYPES)}, got {cfg.hf_dtype!r}")
     engine_dtype = resolve_dtype(cfg.dtype)
@@ -219,8 +227,12 @@ def run_bench(cfg: BenchConfig) -> dict:
     if not methods:
         raise ConfigError("no method could run")
     chat = has_chat_template(tokenizer) if cfg.chat is None else cfg.chat
-    records = load_prompt_set(cfg.prompts, cfg.limit, chat=chat)
-    prompts = [encode(tokenizer, r, chat) for r in records]
+    multiturn = cfg.multiturn or cfg.prompts in MULTITURN_SETS
+    if multiturn and (cfg.batch_size > 1 or cfg.sweep):
+        raise ConfigError("conversations run one at a time: drop --batch-size and --sweep with multi-turn sets")
+    records = load_conversations(cfg.prompts, cfg.limit) if multiturn else load_prompt_set(cfg.prompts, cfg.limit,
+                                                                                           chat=chat)
+    prompts = [encode(tokenizer, render(r, [], chat) if multiturn else r, chat) for r in records]
     eos = () if cfg.ignore_eos else tuple({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else ())
     params = GenerationParams(
         max_new_tokens=cfg.max_new_tokens,
@@ -230,6 +242,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     warm = dataclasses.replace(params, max_new_tokens=cfg.warmup_tokens)
     for m in methods:
         m.run(prompts[0], warm)
+        forget_answers(m)  # the warm-up's answer must not draft the first prompt
     model_rss = current_rss()
     ids_of = [str(r.get("id", i)) if isinstance(r, dict) else str(i) for i, r in enumerate(records)]
     runs: list[RunRecord] = []
@@ -237,8 +250,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     # methods alternate on every round of prompts; with batches, a round holds two batches'
     # worth so that finished sequences are replaced by waiting ones (continuous batching)
     rounds = 1 if batch == 1 else 2 * batch
-    with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run") as bar:
-        for start in range(0, len(prompts), rounds):
+    total = sum(len(r["turns"]) for r in records) if multiturn else len(prompts)
+    with tqdm(total=total * len(methods), desc="bench", unit="run") as bar:
+        if multiturn:
+            runs = run_conversations(methods, tokenizer, records, params, chat, _run_one, bar)
+        for start in range(0, len(prompts) if not multiturn else 0, rounds):
             for m in methods:
                 got = _run_batch(m, prompts[start : start + rounds], params, start, ids_of, batch)
                 runs += got
@@ -259,9 +275,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         "methods": aggregates,
         "records": [dataclasses.asdict(r) for r in runs],
     }
+    if multiturn:
+        result["turns"] = per_turn(runs, names)
     if cfg.sweep:
         result["sweep"] = run_sweep(cfg, target, prompts, params, out)
-    _write(result, runs, names, records, out)
+    write_report(result, runs, names, records, out)
     return result
 
 
@@ -329,74 +347,3 @@ def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: Targe
                      "draft_time_share": a["phase_share"].get("draft", 0.0)})
     sweep_plot("batch size", rows, out)
     return {"name": "batch-size", "method": spec, "rows": rows}
-
-
-def _write(result: dict, runs: list[RunRecord], names: list[str], records: list, out: Path) -> None:
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    for name in names:
-        with open(out / f"{name}.jsonl", "w") as fh:
-            for r in runs:
-                if r.method != name:
-                    continue
-                fh.write(json.dumps({
-                    "question_id": r.prompt_id,
-                    "model_id": name,
-                    "choices": [{"index": 0, "turns": [r.token_ids], "decoding_steps": [len(r.accept_lengths) or r.new_tokens],
-                                 "new_tokens": [r.new_tokens], "wall_time": [r.wall_time],
-                                 "accept_lengths": [r.accept_lengths or [1] * r.new_tokens]}],
-                }) + "\n")
-    cfg = result["config"]
-    lines = [
-        f"# sot bench: {cfg['prompts']}",
-        "",
-        f"model `{cfg['model']}`, engine {cfg['dtype']}, HF {cfg['hf_dtype']}, {len(records)} prompts, "
-        f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
-        f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",
-        "",
-        _machine_line(result.get("machine")),
-        "",
-        markdown_table(result["methods"]),
-    ]
-    lines += _alone_lines(result["methods"])
-    for note in result["notes"]:
-        lines.append(f"- {note}")
-    if "sweep" in result:
-        sw = result["sweep"]
-        lines += ["", f"## sweep of {sw['name']} ({sw['method']})", "",
-                  "| value | tok/s | total vs plain | tau | per-prompt speedup vs plain (median) | tree size | identical |",
-                  "|---|---|---|---|---|---|---|"]
-        for row in sw["rows"]:
-            s = row.get("speedup_vs_plain")
-            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain', 0):.2f}x | "
-                         f"{row['mean_accept_len']:.2f} | {(s or {}).get('median', 0):.2f}x | "
-                         f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain']} |")
-        if sw["name"] == "batch-size":
-            lines += ["", "| batch | plain tok/s | drafting share of sequence steps | draft time share |",
-                      "|---|---|---|---|"]
-            lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {100 * r['drafting_share']:.0f}% | "
-                      f"{100 * r['draft_time_share']:.0f}% |" for r in sw["rows"]]
-    written = plots(result["methods"], out)
-    lines += ["", *[f"![{w}]({w})" for w in written]]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-
-
-def _alone_lines(methods: dict) -> list[str]:
-    return [f"- {m}: every sequence of a batch equals its prompt decoded alone: {a['identical_to_alone']}"
-            for m, a in methods.items() if a.get("identical_to_alone")]
-
-
-def _machine_line(m: dict | None) -> str:
-    if not m:
-        return "machine: not recorded"
-    return (f"machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, SIMD {m['simd']}, "
-            f"native bf16 {'yes' if m['native_bf16'] else 'no'}, torch {m['torch']}")
-
-
-def summary(result: dict) -> str:
-    """One screen of text for the terminal."""
-    text = markdown_table(result["methods"]) + "".join(f"{line}\n" for line in _alone_lines(result["methods"]))
-    if "sweep" in result:
-        sw = result["sweep"]
-        text += f"sweep of {sw['name']} ({sw['method']}): " + ", ".join(
-            f"{r['value']}: {r['tokens_per_s_vs_plain']:.2f}x plain, tau {r['mean_accept_len']:.2f}" for r in sw["rows"]) + "\n"
-    return text + "".join(f"note: {n}\n" for n in result["notes"])

@@ -16,11 +16,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark decoding methods side by side")
     bench.add_argument("--prompts", default="humaneval",
                        help="a JSONL file or a built-in set: sharegpt-heldout, humaneval, long, adversarial, "
-                            "mix (sharegpt-heldout and adversarial prompts, alternating)")
+                            "mix (sharegpt-heldout and adversarial prompts, alternating); multi-turn: "
+                            "sharegpt-multiturn, code-edit-multiturn, agent-loop")
+    bench.add_argument("--multiturn", action="store_true",
+                       help="run each record's 'turns' as a conversation: every turn is answered and appended before "
+                            "the next is asked; the report gives each turn apart (multi-turn sets always do this)")
     bench.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts")
     bench.add_argument("--methods", default="hf,plain,pld",
-                       help="comma list of hf, hf-pld, plain, pld, state, llamacpp; state=FILE adds the state drafter "
-                            "with another predictor file (shown as state[FOLDER]), to compare predictors side by side")
+                       help="comma list of hf, hf-pld, plain, pld, suffix (suffix trees and prompt lookup), state, "
+                            "auto (the default drafter: state with suffix trees), llamacpp; state=FILE adds the state "
+                            "drafter with another predictor file (shown as state[FOLDER]), to compare predictors "
+                            "side by side")
     bench.add_argument("--model", default="default")
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="engine dtype (auto: bfloat16 where the hardware computes it natively, else float32)")
@@ -50,7 +56,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from sot.bench.runner import BenchConfig, parse_sweep, run_bench, summary
+    from sot.bench.report import summary
+    from sot.bench.runner import BenchConfig, parse_sweep, run_bench
     from sot.models.loading import dtype_name, resolve_dtype
 
     cfg = BenchConfig(
@@ -75,6 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         chat=args.chat,
         ignore_eos=args.ignore_eos,
         sweep=parse_sweep(args.sweep) if args.sweep else None,
+        multiturn=args.multiturn,
         out=args.out,
     )
     result = run_bench(cfg)

@@ -39,6 +39,21 @@ positive_float = _checked(float, "a number", lambda v: v > 0, "> 0")
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 
 
+#: ``--drafter`` choices; ``auto`` is resolved by :meth:`sot.api.SoT.load`
+DRAFTER_CHOICES = ("auto", "none", "pld", "suffix", "state")
+
+
+def add_drafter_args(p: argparse.ArgumentParser, store: bool = True) -> None:
+    """``--drafter`` and, with ``store``, ``--suffix-store``."""
+    p.add_argument("--drafter", choices=DRAFTER_CHOICES, default="auto",
+                   help="auto: the state predictor with suffix trees and prompt lookup when a predictor fits the "
+                        "model, else suffix trees and prompt lookup; state: the predictor with prompt lookup")
+    if store:
+        p.add_argument("--suffix-store", metavar="FILE",
+                       help="earlier answers to draft from (auto and suffix drafters): read at start if the file "
+                            "exists, written back at the end, so later runs draft from this one's answers")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
@@ -118,7 +133,16 @@ def load_sot(args: argparse.Namespace):
           file=sys.stderr)
     return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes,
                     max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
-                    policy=policy_from_args(args))
+                    policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
+                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user")
+
+
+def save_suffix_store(sot, args: argparse.Namespace) -> None:
+    """Write the drafter's earlier answers back to ``--suffix-store``, when given."""
+    path = getattr(args, "suffix_store", None)
+    if path and sot.suffix_stores is not None:
+        sot.save_suffix_store(path)
+        print(f"suffix store written to {path} ({sot.suffix_stores.tokens} tokens)", file=sys.stderr)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:

@@ -6,7 +6,8 @@ import json
 import sys
 
 from sot.cli.common import (
-    add_chat_flag, add_model_args, add_sampling_args, load_sot, positive_int, sampling_kwargs,
+    add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, load_sot, positive_int, save_suffix_store,
+    sampling_kwargs,
 )
 from sot.errors import SoTError
 
@@ -16,8 +17,7 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
     gen.add_argument("--prompts", help="JSONL file: {'prompt'}, {'messages'} or {'turns'} per line")
-    gen.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
-                     help="auto: the state predictor when one fits the model, else pld")
+    add_drafter_args(gen)
     gen.add_argument("--batch-size", type=positive_int, default=1,
                      help="sequences decoded together; a finished one's place goes to the next prompt")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -35,16 +35,14 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--from", dest="from_file", metavar="FILE.jsonl", help="draw a trace written by generate --trace")
     tr.add_argument("--out", default="trace.html", help="the HTML page to write (default: trace.html)")
     tr.add_argument("--save", metavar="FILE.jsonl", help="also write the trace data")
-    tr.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
-                    help="auto: the state predictor when one fits the model, else pld")
+    add_drafter_args(tr, store=False)
     tr.add_argument("--batch-size", type=positive_int, default=1, help="sequences decoded together")
     add_model_args(tr)
     add_sampling_args(tr)
     add_chat_flag(tr)
 
     chat = sub.add_parser("chat", help="interactive streaming chat")
-    chat.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
-                      help="auto: the state predictor when one fits the model, else pld")
+    add_drafter_args(chat)
     chat.add_argument("--system", default=None, help="system message")
     add_model_args(chat)
     add_sampling_args(chat)
@@ -66,6 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
         r = sot.last_stream[0]
         print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+        save_suffix_store(sot, args)
         return 0
     results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=bool(args.trace))
     if args.trace:
@@ -82,6 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"--- [{i}]")
             print(r.text)
             print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+    save_suffix_store(sot, args)
     return 0
 
 
@@ -147,8 +147,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             user = input("you> ")
         except EOFError:
             print(file=sys.stderr)
-            return 0
+            user = ""
         if not user.strip():
+            save_suffix_store(sot, args)
             return 0
         messages.append({"role": "user", "content": user})
         reply = []

@@ -6,7 +6,9 @@ import contextlib
 import sys
 import threading
 
-from sot.cli.common import add_model_args, load_sot, non_negative_float, positive_int
+from sot.cli.common import (
+    add_drafter_args, add_model_args, load_sot, non_negative_float, positive_int, save_suffix_store,
+)
 from sot.errors import ConfigError
 
 
@@ -18,8 +20,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
-    p.add_argument("--drafter", choices=["auto", "none", "pld", "state"], default="auto",
-                   help="auto: the state predictor when one fits the model, else pld; none: plain decoding")
+    add_drafter_args(p)
+    p.add_argument("--suffix-tenants", choices=("shared", "user"), default="shared",
+                   help="earlier answers drafted from: shared by all requests, or kept apart per request 'user' "
+                        "field, so one user's answers never draft another's (drafting stays lossless either way, "
+                        "but shared drafts can leak through timing)")
     p.add_argument("--max-batch", type=positive_int, default=ServerConfig.max_batch, help="sequences decoded together")
     p.add_argument("--max-queue", type=positive_int, default=ServerConfig.max_queue,
                    help="requests that may wait for a slot; beyond that the server answers 429")
@@ -78,6 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if state.load_error:
         print(f"sot serve: error: the model failed to load: {state.load_error}", file=sys.stderr)
         return 1
+    if state.sot is not None:
+        save_suffix_store(state.sot, args)
     return 0
 
 

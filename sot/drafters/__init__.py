@@ -6,11 +6,14 @@ from pathlib import Path
 import torch
 
 from sot.drafters.base import DRAFT_TOP_K, DraftInput, Drafter, DrafterKind, NoDrafter, TreeBudget
+from sot.drafters.free import FreeDrafts, SuffixDrafter
 from sot.drafters.pld import PromptLookupDrafter
+from sot.drafters.suffix import SuffixConfig, SuffixStore, SuffixStores
 from sot.errors import ConfigError
 
-__all__ = ["DRAFT_TOP_K", "DraftInput", "Drafter", "DrafterKind", "NoDrafter", "PromptLookupDrafter", "TreeBudget",
-           "default_predictor_path", "make_drafter"]
+__all__ = ["DRAFT_TOP_K", "DraftInput", "Drafter", "DrafterKind", "FreeDrafts", "NoDrafter", "PromptLookupDrafter",
+           "SuffixConfig", "SuffixDrafter", "SuffixStore", "SuffixStores", "TreeBudget", "default_predictor_path",
+           "make_drafter"]
 
 #: the trained state predictor shipped for the default model (SmolLM2-135M-Instruct)
 DEFAULT_PREDICTOR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct.state.safetensors"
@@ -27,18 +30,21 @@ def make_drafter(
     top_k: int = DRAFT_TOP_K,
     full_vocab: bool = False,
     lookup: bool = True,
+    suffix: SuffixStores | None = None,
 ) -> Drafter:
     """Build a drafter.
 
     Args:
-        kind: ``none``, ``pld`` or ``state``.
+        kind: ``none``, ``pld``, ``suffix`` or ``state``.
         model: the target (a Hugging Face causal LM); needed by ``state``, whose predictor
             shares the target's embeddings and LM head.
         predictor: a state predictor file; default: the one shipped for the default model.
         top_k: children per expanded node of a state-predictor tree.
         full_vocab: let the state predictor propose from the whole target vocabulary rather
             than its reduced draft vocabulary.
-        lookup: merge the best prompt-lookup continuation into state-predictor trees.
+        lookup: merge the best prompt-lookup continuation into state-predictor and suffix trees.
+        suffix: global stores of earlier answers: ``suffix`` drafts from them (a new store
+            when ``None``), and ``state`` merges suffix trees into its own when given.
     """
     try:
         kind = DrafterKind(kind)
@@ -48,6 +54,8 @@ def make_drafter(
         return NoDrafter()
     if kind is DrafterKind.PLD:
         return PromptLookupDrafter()
+    if kind is DrafterKind.SUFFIX:
+        return SuffixDrafter(suffix, lookup=lookup)
     from sot.drafters.state import StateDrafter, load_predictor
 
     if model is None:
@@ -61,4 +69,4 @@ def make_drafter(
     pred = load_predictor(path, model, dtype=dtype)
     if full_vocab:
         pred.use_full_vocabulary(model.get_output_embeddings().weight)
-    return StateDrafter(pred, top_k=top_k, lookup=lookup)
+    return StateDrafter(pred, top_k=top_k, lookup=lookup, suffix=suffix)

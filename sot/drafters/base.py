@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from sot.errors import ConfigError
 from sot.tree import DraftTree
 
 
@@ -17,6 +18,7 @@ class DrafterKind(str, enum.Enum):
 
     NONE = "none"  # plain decoding through the engine
     PLD = "pld"  # prompt lookup: n-gram matches in the context
+    SUFFIX = "suffix"  # suffix trees over the context and earlier answers, with prompt lookup
     STATE = "state"  # the learned state predictor
 
 
@@ -38,6 +40,14 @@ class TreeBudget:
     width: int = 0
     min_confidence: float | None = None
 
+    def check(self, max_depth: int) -> None:
+        """Raise :class:`ConfigError` unless this budget is valid with trees of at most
+        ``max_depth`` levels."""
+        if self.max_nodes < 1 or self.max_depth < 0:
+            raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
+        if self.max_depth > max_depth:
+            raise ConfigError(f"max depth {self.max_depth} exceeds the supported {max_depth}")
+
 
 @dataclass
 class DraftInput:
@@ -52,12 +62,15 @@ class DraftInput:
         states: ``[n, S, D]`` target hidden states of the rows committed since the drafter
             last saw this sequence (``S`` layers as listed by :attr:`Drafter.state_layers`;
             they end at the position before the root), or ``None``.
+        tenant: who sent the request (an API key or user), for drafters that keep what
+            earlier requests generated apart per tenant; ``None``: anonymous.
     """
 
     sequence: int
     context: list[int]
     states: torch.Tensor | None = None
     index: int = 0
+    tenant: str | None = None
 
 
 class Drafter(ABC):
@@ -85,6 +98,10 @@ class Drafter(ABC):
 
     def release(self, sequence: int) -> None:
         """Forget sequence ``sequence`` only: it finished or was aborted."""
+
+    def remember(self, prompt: list[int], answer: list[int], tenant: str | None = None) -> None:
+        """A request ended with ``answer`` to ``prompt``: drafters that draft from earlier
+        answers (suffix trees) keep it."""
 
     def prepare(self, inputs: list[DraftInput]) -> None:
         """Read the states of newly admitted sequences (their prompts) now, so that the cost

@@ -32,7 +32,7 @@ stopping (a root-only choice) and fallback then work as for ``heuristic``.
 """
 from sot.policy.acceptance_model import (
     DEFAULT_ACCEPTANCE_MODEL, FEATURES, AcceptanceModel, Trace, fitting_acceptance_model, load_acceptance_model,
-    node_features,
+    node_features, resolve_policy,
 )
 from sot.policy.commit import CommitPolicy, StepOutcome, StepPlan
 from sot.policy.config import PolicyConfig, PolicyKind
@@ -42,5 +42,5 @@ from sot.policy.state import SequencePolicyState, prune, ranked_nodes
 __all__ = [
     "DEFAULT_ACCEPTANCE_MODEL", "FEATURES", "AcceptanceModel", "CommitPolicy", "CostModel", "PolicyConfig", "PolicyKind",
     "SequencePolicyState", "StepOutcome", "StepPlan", "Trace", "fitting_acceptance_model", "load_acceptance_model",
-    "node_features", "prune", "ranked_nodes",
+    "node_features", "prune", "ranked_nodes", "resolve_policy",
 ]

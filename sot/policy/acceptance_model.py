@@ -1,6 +1,7 @@
 """The learned acceptance model of the ``learned`` policy: node features, the MLP, its file, decoding traces."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sot.errors import ConfigError
+from sot.policy.config import PolicyConfig, PolicyKind
 from sot.policy.state import SequencePolicyState
 from sot.tree import DraftTree
 
@@ -137,3 +139,21 @@ def fitting_acceptance_model(model_path: str | None, drafter: Drafter, target: T
         if model_path:  # asked for by name: its errors are the user's to see
             raise
         return None
+
+
+def resolve_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel,
+                   acceptance_model: AcceptanceModel | None, record: bool
+                   ) -> tuple[PolicyConfig, AcceptanceModel | None]:
+    """The policy an engine runs and its acceptance model: ``auto`` becomes ``learned`` where
+    a model fits this target and drafter, else ``heuristic``; ``learned`` loads its model
+    (from ``config.model_path`` or the shipped one) unless given, recording, or plain."""
+    from sot.drafters.base import DrafterKind
+
+    if config.kind is PolicyKind.AUTO:
+        acceptance_model = acceptance_model or fitting_acceptance_model(config.model_path, drafter, target)
+        kind = PolicyKind.LEARNED if acceptance_model is not None else PolicyKind.HEURISTIC
+        config = dataclasses.replace(config, kind=kind)
+    if (config.kind is PolicyKind.LEARNED and acceptance_model is None and not record
+            and drafter.kind is not DrafterKind.NONE):
+        acceptance_model = load_acceptance_model(config.model_path, target.model)
+    return config, acceptance_model

@@ -47,6 +47,18 @@ class CostModel:
         self.seconds = [t * factor for t in self.seconds]
 
     @classmethod
+    def for_target(cls, target, max_nodes: int) -> "CostModel":
+        """Verify time by row count for ``target`` on this machine, measured once per target
+        and tree size (batches are costed by their total rows, so at least 96 are timed)."""
+        rows = max(96, max_nodes)
+        key = ("sot_cost_model", rows)
+        cached = getattr(target, "_sot_costs", {})
+        if key not in cached:
+            cached[key] = cls.measure(target, rows)
+            target._sot_costs = cached
+        return cached[key]
+
+    @classmethod
     def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5,
                 sizes: list[int] | None = None) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)

@@ -30,7 +30,7 @@ from sot.sampling import SamplingMode, SamplingParams
 from sot.server.metrics import ServerMetrics
 from sot.server.protocol import (
     FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, TextAssembler, _GenerationRequest,
-    validation_message,
+    sot_figures, sse, usage_of, validation_message,
 )
 from sot.server.worker import EngineWorker, Update
 
@@ -285,27 +285,12 @@ def _admit(state: ServerState) -> None:
                        headers={"Retry-After": "1"})
 
 
-def _usage(prompt: list[int], result: SequenceResult | None, tokens: int) -> dict:
-    completion = result.new_tokens if result is not None else tokens
-    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
-
-
-def _extension(result: SequenceResult | None) -> dict | None:
-    """SoT's figures of one request: mean accepted length (tau), steps, plain steps."""
-    if result is None:
-        return None
-    drafted = sum(s - 1 for s in result.tree_sizes)
-    accepted = sum(a - 1 for a in result.accept_lengths)
-    return {"mean_accept_len": round(result.mean_accept_len, 4), "steps": result.steps,
-            "drafted_tokens": drafted, "accepted_tokens": accepted, "plain_steps": result.plain_steps}
-
-
 async def _generate(request: Request, state: ServerState, body: _GenerationRequest, prompt: list[int], chat: bool):
     params = _params(state, body, prompt)
     _admit(state)
     state.in_flight += 1
     try:
-        ticket, updates = state.worker.submit(prompt, params)
+        ticket, updates = state.worker.submit(prompt, params, tenant=body.user)
     except BaseException:
         state.in_flight -= 1
         raise
@@ -330,8 +315,8 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
               {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
     response = {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-        "model": body.model, "choices": [choice], "usage": _usage(prompt, final.result, len(text.ids)),
-        "sot": _extension(final.result),
+        "model": body.model, "choices": [choice], "usage": usage_of(prompt, final.result, len(text.ids)),
+        "sot": sot_figures(final.result),
     }
     if body.return_token_ids:
         choice["token_ids"] = list(text.ids)
@@ -356,10 +341,6 @@ async def _collect(request: Request, state: ServerState, ticket: int, updates: a
         text.add(update.token_ids, final=False)
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
 async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text: TextAssembler, rid: str,
                   model: str, chat: bool, prompt: list[int], include_usage: bool,
                   token_ids: bool = False) -> AsyncIterator[str]:
@@ -381,7 +362,7 @@ async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text:
         if include_usage:
             payload["usage"] = None
         payload.update(extra or {})
-        return _sse(payload)
+        return sse(payload)
 
     finished = False
     try:
@@ -391,7 +372,7 @@ async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text:
             update: Update = await updates.get()
             if update.error:
                 finished = True
-                yield _sse(APIError(500, update.error).body())
+                yield sse(APIError(500, update.error).body())
                 break
             last = update.finish_reason is not None
             delta = text.add(update.token_ids, final=last)
@@ -401,10 +382,10 @@ async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text:
                 finished = True
                 state.keep_trace(rid, prompt, update.result)
                 reason = FINISH_REASONS.get(update.finish_reason, update.finish_reason)
-                yield chunk(None, reason, extra={"sot": _extension(update.result)})
+                yield chunk(None, reason, extra={"sot": sot_figures(update.result)})
                 if include_usage:
-                    yield _sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-                                "usage": _usage(prompt, update.result, len(text.ids))})
+                    yield sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                                "usage": usage_of(prompt, update.result, len(text.ids))})
                 break
         yield "data: [DONE]\n\n"
     finally:

@@ -2,9 +2,13 @@
 stream of tokens turns into (stop strings cut, incomplete characters held back)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from sot.requests import SequenceResult
 
 
 class APIError(Exception):
@@ -51,6 +55,9 @@ class _GenerationRequest(BaseModel):
     #: ``rejection`` (exact in distribution) or ``coupled`` (a seeded sample equals plain decoding's)
     sampling_mode: Literal["rejection", "coupled"] = "rejection"
     ignore_eos: bool = False
+    #: the end user (OpenAI's field); with ``sot serve --suffix-tenants user`` it keys the
+    #: earlier answers that drafts come from
+    user: str | None = None
     #: add the generated ``token_ids`` to each choice (and ``prompt_token_ids`` to the response)
     return_token_ids: bool = False
 
@@ -164,3 +171,24 @@ class TextAssembler:
 
     def final_text(self) -> str:
         return self.text[: self.sent] if self.sent <= len(self.text) else self.text
+
+
+def usage_of(prompt: list[int], result: SequenceResult | None, tokens: int) -> dict:
+    """The OpenAI ``usage`` object; ``tokens`` counts the answer when there is no result."""
+    completion = result.new_tokens if result is not None else tokens
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+
+
+def sot_figures(result: SequenceResult | None) -> dict | None:
+    """SoT's figures of one request: mean accepted length (tau), steps, plain steps."""
+    if result is None:
+        return None
+    drafted = sum(s - 1 for s in result.tree_sizes)
+    accepted = sum(a - 1 for a in result.accept_lengths)
+    return {"mean_accept_len": round(result.mean_accept_len, 4), "steps": result.steps,
+            "drafted_tokens": drafted, "accepted_tokens": accepted, "plain_steps": result.plain_steps}
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying ``payload`` as compact JSON."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

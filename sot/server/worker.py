@@ -38,6 +38,7 @@ class _Ticket:
     params: GenerationParams
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue
+    tenant: str | None = None
     submitted: float = field(default_factory=time.perf_counter)
     engine_id: int | None = None
     first_token_at: float | None = None
@@ -78,14 +79,16 @@ class EngineWorker:
         return self._thread.is_alive()
 
     # ------------------------------------------------------------ called from the event loop
-    def submit(self, prompt: list[int], params: GenerationParams) -> tuple[int, asyncio.Queue]:
-        """Queue a request; returns its ticket and the queue its :class:`Update` s arrive on."""
+    def submit(self, prompt: list[int], params: GenerationParams, tenant: str | None = None
+               ) -> tuple[int, asyncio.Queue]:
+        """Queue a request (``tenant``: whose earlier answers may draft it); returns its ticket
+        and the queue its :class:`Update` s arrive on."""
         loop = asyncio.get_running_loop()
         with self._lock:
             ticket = self._next
             self._next += 1
         updates: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", (ticket, _Ticket(prompt, params, loop, updates))))
+        self._commands.put(("add", (ticket, _Ticket(prompt, params, loop, updates, tenant=tenant))))
         return ticket, updates
 
     def call(self, fn) -> "concurrent.futures.Future":
@@ -140,7 +143,7 @@ class EngineWorker:
         if kind == "add":
             ticket, t = arg
             try:
-                t.engine_id = self.engine.add_request(t.prompt, t.params)
+                t.engine_id = self.engine.add_request(t.prompt, t.params, tenant=t.tenant)
             except Exception as exc:  # noqa: BLE001 - the handler validated; report anything else
                 self._send(t, Update([], error=str(exc)))
                 return

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from sot.drafters.base import DRAFT_TOP_K, DraftInput, Drafter, DrafterKind, TreeBudget
-from sot.drafters.pld import LookupRate, NgramIndex, PromptLookupDrafter
+from sot.drafters.free import FreeDrafts
 from sot.drafters.state.model import StatePredictor
+from sot.drafters.suffix import SuffixStores
 from sot.errors import ConfigError
 from sot.tree import DraftTree
 
@@ -103,16 +104,18 @@ class StateDrafter(Drafter):
             ``None`` (default) uses the sequence's measured lookup match rate
             (:class:`~sot.drafters.pld.LookupRate`).
         min_confidence: nodes below this cumulative draft probability are not expanded.
+        suffix: global suffix stores: merge each sequence's suffix tree (its own context and
+            earlier answers, :mod:`sot.drafters.suffix`) into its trees too, and offer it free.
     """
 
     kind = DrafterKind.STATE
 
     def __init__(self, predictor: StatePredictor, top_k: int = DRAFT_TOP_K, lookup: bool = True,
-                 lookup_confidence: float | None = None, min_confidence: float = 0.05) -> None:
+                 lookup_confidence: float | None = None, min_confidence: float = 0.05,
+                 suffix: SuffixStores | None = None) -> None:
         if top_k < 1:
             raise ConfigError(f"top_k must be >= 1, got {top_k}")
-        self.lookup = PromptLookupDrafter() if lookup else None
-        self.lookup_confidence = lookup_confidence
+        self.free = FreeDrafts(lookup, lookup_confidence, suffix) if lookup or suffix is not None else None
         self.min_confidence = min_confidence
         self.predictor = predictor.eval()
         self.predictor.pack_for_inference()
@@ -120,11 +123,6 @@ class StateDrafter(Drafter):
         self.layers = predictor.config.decoder_layers
         self.top_k = top_k
         self.seqs: dict[int, _SeqState] = {}  # by DraftInput.sequence
-        self.rates: dict[int, LookupRate] = {}
-        self.indexes: dict[int, NgramIndex] = {}  # each sequence's n-grams, for the lookup
-        # per sequence: (context length, best lookup continuation, whether it reached the
-        # context's end) of this step's search
-        self._found: dict[int, tuple[int, list[int], bool]] = {}
         self.dtype = next(predictor.parameters()).dtype
         self._vocab = predictor.draft_vocab.tolist()
 
@@ -134,66 +132,34 @@ class StateDrafter(Drafter):
 
     def reset(self, batch_size: int = 0) -> None:
         self.seqs.clear()
-        self.rates.clear()
-        self.indexes.clear()
-        self._found.clear()
+        if self.free is not None:
+            self.free.reset()
 
     def release(self, sequence: int) -> None:
         self.seqs.pop(sequence, None)
-        self.rates.pop(sequence, None)
-        self.indexes.pop(sequence, None)
-        self._found.pop(sequence, None)
+        if self.free is not None:
+            self.free.release(sequence)
+
+    def remember(self, prompt: list[int], answer: list[int], tenant: str | None = None) -> None:
+        if self.free is not None:
+            self.free.remember(prompt, answer, tenant)
 
     def _seq(self, sequence: int) -> _SeqState:
         if sequence not in self.seqs:
             self.seqs[sequence] = _SeqState(self.layers)
         return self.seqs[sequence]
 
-    def _index(self, sequence: int) -> NgramIndex:
-        if sequence not in self.indexes:
-            self.indexes[sequence] = NgramIndex(self.lookup.max_ngram, self.lookup.min_ngram)
-        return self.indexes[sequence]
-
-    def _rate(self, sequence: int) -> LookupRate:
-        if sequence not in self.rates:
-            self.rates[sequence] = LookupRate()
-        return self.rates[sequence]
-
     def prepare(self, inputs: list[DraftInput]) -> None:
         """Absorb the given states (a new sequence's prompt) into the predictor caches."""
         self._absorb_inputs(inputs)
 
-    def _lookup(self, x: DraftInput, depth: int) -> list[int]:
-        """The best prompt-lookup continuation of ``x.context``, at most ``depth`` tokens (empty
-        when nothing matches), recorded with the sequence's :class:`LookupRate`. A step searches
-        once per sequence: a second call on the same context (the drafter merging the path
-        that :meth:`propose_free` found) reuses the first search, cut to ``depth``; the best
-        match is the same, since it is the most recent occurrence of the longest n-gram."""
-        rate = self._rate(x.sequence)
-        rate.update(x.context)
-        known = self._found.get(x.sequence)
-        if known is not None and known[0] == len(x.context) and (len(known[1]) >= depth or known[2]):
-            best = known[1][:depth]
-        else:
-            best = self._index(x.sequence).best(x.context, depth)
-            # a continuation shorter than asked for ends at the context's end: it is complete
-            self._found[x.sequence] = (len(x.context), best, len(best) < depth)
-        if best:
-            rate.proposed(x.context, best)
-        return best
-
     def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree] | None:
-        """The best prompt-lookup continuation of each sequence as a chain, node ``d`` with
-        confidence ``rate ** d`` (the sequence's measured match rate); root-only trees where
-        nothing matches. ``None`` without lookup."""
-        if self.lookup is None:
+        """Each sequence's free drafts as one tree (:meth:`FreeDrafts.free_tree`): its best
+        prompt-lookup chain and suffix tree; root-only trees where nothing matches. ``None``
+        without free drafts."""
+        if self.free is None:
             return None
-        out = []
-        for x in inputs:
-            best = self._lookup(x, min(budget.max_depth, budget.max_nodes - 1))
-            root = x.context[-1]
-            out.append(self._rate(x.sequence).chain(root, best) if best else DraftTree.root_only(root, confident=True))
-        return out
+        return [self.free.free_tree(x, budget) for x in inputs]
 
     @torch.no_grad()
     def _absorb(self, items: list[tuple[_SeqState, torch.Tensor, list[int], int]]) -> None:
@@ -272,8 +238,8 @@ class StateDrafter(Drafter):
                 out.append(DraftTree.root_only(x.context[-1]))
                 continue
             tree = self._finish_tree(growths[j], budget)
-            if self.lookup is not None and budget.width == 0:
-                tree = self._merge_lookup(tree, x, budget)
+            if self.free is not None and budget.width == 0:
+                tree = self.free.merge_into(tree, x, budget)
             out.append(tree)
         return out
 
@@ -290,37 +256,6 @@ class StateDrafter(Drafter):
 
     def predicted_states(self, sequence: int) -> dict[tuple[int, ...], torch.Tensor] | None:
         return getattr(self, "_predicted", {}).get(sequence)
-
-    def _merge_lookup(self, tree: DraftTree, x: DraftInput, budget: TreeBudget) -> DraftTree:
-        """Merge the best prompt-lookup path into ``tree``; the best ``max_nodes - 1`` nodes of
-        both, by confidence, are kept (shared prefixes count once)."""
-        best = self._lookup(x, budget.max_depth)
-        if not best:
-            return tree
-        r = self.lookup_confidence if self.lookup_confidence is not None else self._rate(x.sequence).rate
-        probs = tree.draft_probs or [1.0] * tree.size
-        paths: list[tuple[float, tuple[int, ...]]] = []
-        node_path: list[tuple[int, ...]] = [()]
-        for i in range(1, tree.size):
-            node_path.append(node_path[tree.parents[i]] + (tree.tokens[i],))
-            paths.append((probs[i], node_path[i]))
-        paths += [(r**d, tuple(best[:d])) for d in range(1, len(best) + 1)]
-        # a prefix is never less confident than its extension, so this order inserts parents first
-        paths.sort(key=lambda x: (-x[0], len(x[1])))
-        tokens, parents, depths, conf = [tree.tokens[0]], [-1], [0], [1.0]
-        index: dict[tuple[int, ...], int] = {(): 0}
-        for p, path in paths:
-            if path in index:
-                conf[index[path]] = max(conf[index[path]], p)
-                continue
-            if len(tokens) >= budget.max_nodes or path[:-1] not in index:
-                continue
-            index[path] = len(tokens)
-            tokens.append(path[-1])
-            parents.append(index[path[:-1]])
-            depths.append(len(path))
-            conf.append(p)
-        return DraftTree(tokens, parents, depths, conf)
 
     def _grow(self, growths: list[_Growth], budget: TreeBudget) -> None:
         """Grow every tree by cumulative confidence, all sequences in one predictor pass per

@@ -1,0 +1,288 @@
+"""Suffix drafts: continuation trees from everything already seen, at no model cost.
+
+Two kinds of memory, in the spirit of SuffixDecoding (Oliaro et al., arXiv 2411.04975):
+
+* each request's own context (prompt and answer so far);
+* a global :class:`SuffixStore` of earlier requests' answers (each with the end of its
+  prompt), shared by the requests of a process or a server (optionally one per tenant),
+  capped in tokens with the oldest answers evicted first, and saved to / loaded from a file.
+
+Both are indexed by their ``K``-grams (``K = min_match``). A step looks up the last ``K``
+tokens of the context, extends each occurrence's match backwards (up to ``max_match``
+tokens), and keeps the occurrences of the longest match: the node of a suffix tree for that
+pattern. What followed them is counted into a trie, and the draft tree is grown best first
+by the estimated probability of each path (its count over the number of occurrences),
+down to ``max_spec_factor`` times the match length and no lower than ``min_prob``.
+
+Example: the store holds ``a b c d`` and ``x b c e``; the context ends in ``b c``: both
+occurrences match 2 tokens, so the tree is ``c -> d`` (1/2) and ``c -> e`` (1/2). A context
+ending in ``a b c`` matches only the first, 3 tokens long: ``c -> d`` (1).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sot.errors import ConfigError
+from sot.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """Settings of suffix drafting.
+
+    Attributes:
+        min_match: the shortest pattern that counts as a match (the index's n-gram size).
+        max_match: patterns are matched up to this many tokens back.
+        max_spec_factor: a match of ``m`` tokens speculates at most ``max_spec_factor * m``
+            tokens deep.
+        min_prob: paths whose estimated probability is below this are not proposed.
+        max_occurrences: the most recent occurrences of a pattern read per step.
+        max_tokens: the global store's cap, in tokens; the oldest answers are evicted past it.
+        prompt_tail: tokens of each prompt's end kept before its answer in the global store
+            (so that the answer's first tokens can be matched).
+    """
+
+    min_match: int = 2
+    max_match: int = 32
+    max_spec_factor: float = 1.0
+    min_prob: float = 0.1
+    max_occurrences: int = 64
+    max_tokens: int = 1_000_000
+    prompt_tail: int = 16
+
+
+class _Index:
+    """Token sequences indexed by their ``K``-grams: ``K``-gram -> positions just after each
+    occurrence, oldest first. A position is ``(sequence number, offset)``; sequences are
+    numbered in the order they were added, and those below :attr:`first` are gone (evicted
+    entries are dropped lazily, and the index is rebuilt when they outnumber the live ones)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.seqs: dict[int, list[int]] = {}
+        #: K-gram -> ``(sequence << 32) | end`` of each occurrence (one int: a list of tuples
+        #: would take twice the memory)
+        self.index: dict[tuple[int, ...], list[int]] = {}
+        self.indexed: dict[int, int] = {}  # per sequence: the positions indexed so far
+        self.first = 0  # the oldest live sequence number
+        self.next = 0
+        self.tokens = 0  # live tokens
+        self.dead = 0  # index entries of evicted sequences
+
+    def add(self, tokens: list[int]) -> int:
+        """Add a sequence (it may grow later with :meth:`extend`); returns its number."""
+        n = self.next
+        self.next += 1
+        self.seqs[n] = []
+        self.indexed[n] = 0
+        self.extend(n, tokens)
+        return n
+
+    def extend(self, n: int, tokens: list[int]) -> None:
+        """Append ``tokens`` to sequence ``n`` and index its new ``K``-grams."""
+        seq = self.seqs[n]
+        seq.extend(tokens)
+        self.tokens += len(tokens)
+        k = self.k
+        for end in range(max(self.indexed[n], k), len(seq) + 1):
+            self.index.setdefault(tuple(seq[end - k:end]), []).append(n << 32 | end)
+        self.indexed[n] = max(self.indexed[n], len(seq) + 1)
+
+    def evict_oldest(self) -> None:
+        seq = self.seqs.pop(self.first)
+        self.indexed.pop(self.first)
+        self.tokens -= len(seq)
+        self.dead += max(0, len(seq) - self.k + 1)
+        self.first += 1
+        while self.first < self.next and self.first not in self.seqs:
+            self.first += 1
+        if self.dead > self.tokens:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.index = {}
+        k = self.k
+        for n, seq in self.seqs.items():
+            for end in range(k, len(seq) + 1):
+                self.index.setdefault(tuple(seq[end - k:end]), []).append(n << 32 | end)
+        self.dead = 0
+
+    def occurrences(self, context: list[int], limit: int, max_match: int, skip: tuple[int, int] | None
+                    ) -> list[tuple[int, int, int]]:
+        """The most recent ``limit`` occurrences of ``context``'s last ``K`` tokens as
+        ``(match length, sequence, position)``; ``skip`` is the context's own end."""
+        k = self.k
+        if len(context) < k:
+            return []
+        found = self.index.get(tuple(context[-k:]))
+        if not found:
+            return []
+        out = []
+        for packed in reversed(found):
+            n, end = packed >> 32, packed & 0xFFFFFFFF
+            if n < self.first or n not in self.seqs or (n, end) == skip:
+                continue
+            seq = self.seqs[n]
+            m = k
+            top = min(max_match, end, len(context))
+            while m < top and seq[end - m - 1] == context[-m - 1]:
+                m += 1
+            out.append((m, n, end))
+            if len(out) >= limit:
+                break
+        return out
+
+
+class SuffixStore:
+    """The global store: earlier answers (each after the end of its prompt), capped at
+    ``config.max_tokens`` tokens, oldest evicted first."""
+
+    def __init__(self, config: SuffixConfig = SuffixConfig()) -> None:
+        self.config = config
+        self._index = _Index(config.min_match)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held."""
+        return self._index.tokens
+
+    @property
+    def sequences(self) -> int:
+        return len(self._index.seqs)
+
+    def add(self, prompt: list[int], answer: list[int]) -> None:
+        """Remember an answer (with the last ``prompt_tail`` tokens of its prompt)."""
+        if not answer:
+            return
+        tokens = list(prompt[-self.config.prompt_tail:]) + list(answer)
+        tokens = tokens[-self.config.max_tokens:]
+        self._index.add(tokens)
+        while self._index.tokens > self.config.max_tokens:
+            self._index.evict_oldest()
+
+    def occurrences(self, context: list[int]) -> list[tuple[int, list[int], int]]:
+        """``(match length, sequence tokens, position after the match)`` of the most recent
+        occurrences of ``context``'s end."""
+        c = self.config
+        return [(m, self._index.seqs[n], end)
+                for m, n, end in self._index.occurrences(context, c.max_occurrences, c.max_match, None)]
+
+    def all_sequences(self) -> list[list[int]]:
+        return [self._index.seqs[n] for n in sorted(self._index.seqs)]
+
+
+class SuffixStores:
+    """Global stores by tenant: one shared store, or one per tenant when ``per_tenant``
+    (so one tenant's answers never draft another's)."""
+
+    def __init__(self, config: SuffixConfig = SuffixConfig(), per_tenant: bool = False) -> None:
+        self.config = config
+        self.per_tenant = per_tenant
+        self.stores: dict[str, SuffixStore] = {}
+
+    def get(self, tenant: str | None) -> SuffixStore:
+        key = (tenant or "") if self.per_tenant else ""
+        if key not in self.stores:
+            self.stores[key] = SuffixStore(self.config)
+        return self.stores[key]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.stores.values())
+
+    def clear(self) -> None:
+        """Forget every answer."""
+        self.stores.clear()
+
+    def save(self, path: str | Path) -> None:
+        """Write every store to ``path`` (``.npz``: the tokens, sequence lengths and tenants)."""
+        names, lengths, owners, flat = [], [], [], []
+        for t, (name, store) in enumerate(sorted(self.stores.items())):
+            names.append(name)
+            for seq in store.all_sequences():
+                lengths.append(len(seq))
+                owners.append(t)
+                flat.extend(seq)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as fh:  # np.savez would append .npz to a name without it
+            np.savez_compressed(fh, tokens=np.asarray(flat, dtype=np.int64), lengths=np.asarray(lengths, dtype=np.int64),
+                                owners=np.asarray(owners, dtype=np.int64), tenants=np.asarray(names, dtype=str))
+
+    def load(self, path: str | Path) -> None:
+        """Add the stores saved at ``path`` (answers already held are not deduplicated)."""
+        try:
+            with np.load(Path(path), allow_pickle=False) as data:
+                tokens, lengths = data["tokens"].tolist(), data["lengths"].tolist()
+                owners, names = data["owners"].tolist(), data["tenants"].tolist()
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"cannot read suffix store {path}: {exc}") from None
+        at = 0
+        for length, owner in zip(lengths, owners):
+            store = self.get(names[owner] or None) if self.per_tenant else self.get(None)
+            store._index.add(tokens[at:at + length])
+            at += length
+            while store.tokens > self.config.max_tokens:
+                store._index.evict_oldest()
+
+
+class SuffixMatcher:
+    """One request's suffix drafts: its own context, indexed as it grows, and the global store."""
+
+    def __init__(self, config: SuffixConfig, store: SuffixStore | None) -> None:
+        self.config = config
+        self.store = store
+        self._own = _Index(config.min_match)
+        self._n = self._own.add([])
+
+    def tree(self, context: list[int], max_nodes: int, max_depth: int) -> DraftTree:
+        """The continuation tree of ``context`` (rooted at its last token), at most
+        ``max_nodes`` nodes with the root and ``max_depth`` deep; ``draft_probs`` hold each
+        node's estimated probability. The context only grows between calls."""
+        own = self._own
+        seq = own.seqs[self._n]
+        if len(context) < len(seq):
+            raise ValueError("a suffix matcher follows one growing context")
+        own.extend(self._n, context[len(seq):])
+        c = self.config
+        found = [(m, own.seqs[n], end) for m, n, end in
+                 own.occurrences(context, c.max_occurrences, c.max_match, (self._n, len(context)))]
+        if self.store is not None:
+            found += self.store.occurrences(context)
+        root = context[-1]
+        if not found or max_nodes < 2 or max_depth < 1:
+            return DraftTree.root_only(root)
+        best = max(m for m, _, _ in found)
+        depth = min(max_depth, max(1, math.floor(c.max_spec_factor * best)))
+        return grow_tree(root, [s[end:end + depth] for m, s, end in found if m == best], max_nodes, c.min_prob)
+
+
+def grow_tree(root: int, continuations: list[list[int]], max_nodes: int, min_prob: float) -> DraftTree:
+    """The best ``max_nodes - 1`` paths of the trie of ``continuations`` by count, each node's
+    probability its count over ``len(continuations)`` (best first: a parent before its children)."""
+    total = len([c for c in continuations if c]) or 1
+    children: dict[tuple[int, ...], dict[int, int]] = {}
+    for cont in continuations:
+        for d in range(len(cont)):
+            kids = children.setdefault(tuple(cont[:d]), {})
+            kids[cont[d]] = kids.get(cont[d], 0) + 1
+    tokens, parents, depths, probs = [root], [-1], [0], [1.0]
+    heap = [(-count / total, (tok,), 0) for tok, count in children.get((), {}).items()]
+    heapq.heapify(heap)
+    while heap and len(tokens) < max_nodes:
+        neg, path, parent = heapq.heappop(heap)
+        if -neg < min_prob:
+            break
+        node = len(tokens)
+        tokens.append(path[-1])
+        parents.append(parent)
+        depths.append(len(path))
+        probs.append(-neg)
+        for tok, count in children.get(path, {}).items():
+            heapq.heappush(heap, (-count / total, path + (tok,), node))
+    return DraftTree(tokens, parents, depths, probs)

@@ -1,0 +1,189 @@
+"""Suffix drafts: the stores (match, save, load, eviction, tenants, memory) and the drafter
+through the engine (lossless in batches and dtypes, with the state drafter too, and a
+repeated prompt drafts its earlier answer)."""
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+import torch
+
+from helpers import ARCHS, clone, random_prompts, tiny_model
+from sot.drafters import NoDrafter, SuffixConfig, SuffixDrafter, SuffixStore, SuffixStores, TreeBudget
+from sot.drafters.base import DraftInput
+from sot.drafters.suffix import SuffixMatcher, grow_tree
+from sot.engine import Engine, GenerationParams
+from sot.errors import ConfigError
+from sot.models.adapter import TargetModel
+
+NEW = 40
+
+
+def _tree_paths(tree) -> set[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, tree.size):
+        paths.append(paths[tree.parents[i]] + (tree.tokens[i],))
+    return set(paths[1:])
+
+
+def test_longest_match_and_counts() -> None:
+    """The module's example: two stored answers share ``b c``; a context ending in ``b c``
+    gets both continuations at 1/2, one ending in ``a b c`` only the first, at 1."""
+    store = SuffixStore(SuffixConfig(prompt_tail=0))
+    store.add([], [1, 2, 3, 4])
+    store.add([], [9, 2, 3, 5])
+    both = SuffixMatcher(store.config, store).tree([7, 2, 3], 8, 4)
+    assert both.tokens == [3, 4, 5] and both.draft_probs == [1.0, 0.5, 0.5]
+    one = SuffixMatcher(store.config, store).tree([1, 2, 3], 8, 4)
+    assert one.tokens == [3, 4] and one.draft_probs == [1.0, 1.0]
+    assert SuffixMatcher(store.config, store).tree([7, 8, 3], 8, 4).size == 1  # only 1 token matches
+
+
+def test_grow_tree_is_best_first_and_respects_the_floor() -> None:
+    conts = [[1, 2], [1, 2], [1, 3], [4]]
+    tree = grow_tree(0, conts, max_nodes=10, min_prob=0.3)
+    # 1 (3/4), then 1->2 (2/4); 1->3 and 4 (1/4) fall under the floor
+    assert tree.tokens == [0, 1, 2] and tree.parents == [-1, 0, 1]
+    assert grow_tree(0, conts, max_nodes=2, min_prob=0.0).tokens == [0, 1]
+
+
+def test_match_length_bounds_the_depth() -> None:
+    """A match of m tokens speculates at most max_spec_factor * m deep."""
+    store = SuffixStore(SuffixConfig(prompt_tail=0, max_spec_factor=1.0))
+    store.add([], list(range(10, 40)))
+    short = SuffixMatcher(store.config, store).tree([5, 10, 11], 16, 12)  # matches 10 11: 2 tokens
+    assert short.max_depth == 2
+    long = SuffixMatcher(store.config, store).tree([10, 11, 12, 13, 14, 15], 16, 12)  # 6 tokens
+    assert long.max_depth == 6
+
+
+def test_own_context_is_matched_without_the_store() -> None:
+    m = SuffixMatcher(SuffixConfig(), None)
+    ctx = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    assert m.tree(ctx, 8, 8).tokens[:4] == [3, 4, 5, 6]
+    with pytest.raises(ValueError):
+        m.tree(ctx[:4], 8, 8)  # a matcher follows one growing context
+
+
+def test_store_save_and_load_round_trip(tmp_path) -> None:
+    stores = SuffixStores(per_tenant=True)
+    stores.get("a").add([1, 2], [3, 4, 5])
+    stores.get("b").add([6], [7, 8])
+    stores.get(None).add([], [9, 10])
+    path = tmp_path / "answers.store"
+    stores.save(path)
+    loaded = SuffixStores(per_tenant=True)
+    loaded.load(path)
+    for tenant in ("a", "b", None):
+        assert loaded.get(tenant).all_sequences() == stores.get(tenant).all_sequences()
+    (tmp_path / "bad").write_text("not a store")
+    with pytest.raises(ConfigError, match="cannot read suffix store"):
+        SuffixStores().load(tmp_path / "bad")
+
+
+def test_eviction_keeps_the_store_under_its_cap() -> None:
+    store = SuffixStore(SuffixConfig(max_tokens=100, prompt_tail=0))
+    for i in range(30):
+        store.add([], [1000 + i] * 3 + [7, 8, 9])
+        assert store.tokens <= 100
+    seqs = store.all_sequences()
+    assert seqs[-1][0] == 1029 and seqs[0][0] == 1029 - len(seqs) + 1  # oldest first out
+    # evicted answers draft nothing; kept ones still do
+    assert SuffixMatcher(store.config, store).tree([5, 1000, 1000], 4, 3).size == 1
+    assert 1029 in SuffixMatcher(store.config, store).tree([5, 1029, 1029], 4, 3).tokens[1:]
+
+
+def test_memory_stays_under_the_cap() -> None:
+    """Filling a store far past its cap holds memory at the cap's worth (about 100 bytes a
+    token held), however many tokens went through it."""
+    cap = 20_000
+    store = SuffixStore(SuffixConfig(max_tokens=cap))
+    gen = torch.Generator().manual_seed(0)
+    answers = [torch.randint(0, 5000, (200,), generator=gen).tolist() for _ in range(40)]
+    tracemalloc.start()
+    for rnd in range(10):  # 80k tokens in, 20k kept
+        for a in answers:
+            store.add([rnd], a)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert store.tokens <= cap
+    assert held < 400 * cap, f"{held / cap:.0f} bytes a token held"
+
+
+def test_tenants_are_kept_apart() -> None:
+    """With per-tenant stores one tenant's answers never draft another's; shared, they do."""
+    answer = list(range(100, 130))
+    ctx = [5, 6, 7, 100, 101, 102]
+    for per_tenant, other_drafts in ((True, False), (False, True)):
+        drafter = SuffixDrafter(SuffixStores(per_tenant=per_tenant))
+        drafter.remember([5, 6, 7], answer, tenant="alice")
+        mine = drafter.propose([DraftInput(0, ctx, tenant="alice")], TreeBudget())[0]
+        theirs = drafter.propose([DraftInput(1, ctx, tenant="bob")], TreeBudget())[0]
+        assert mine.tokens[1:4] == [103, 104, 105]
+        assert (theirs.size > 1) == other_drafts
+
+
+def _perturbed(outputs: list[list[int]], every: int) -> list[list[int]]:
+    """The outputs with every ``every``-th token changed: drafts from them are partly wrong."""
+    return [[t if (i + 1) % every else (t + 1) % 64 for i, t in enumerate(o)] for o in outputs]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_suffix_drafter_is_lossless(arch: str, dtype: torch.dtype) -> None:
+    """Drafts from a store of partly wrong earlier answers are accepted and rejected, in a
+    batch of 3 and alone, and the output equals plain decoding's."""
+    target = TargetModel(clone(tiny_model(arch), dtype))
+    prompts = random_prompts((7, 30, 75), seed=1)
+    params = GenerationParams(max_new_tokens=NEW)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+
+    def drafter() -> SuffixDrafter:
+        d = SuffixDrafter()
+        for p, o in zip(prompts, _perturbed(plain, 6)):
+            d.remember(p, o)
+        return d
+
+    batch = Engine(target, drafter(), TreeBudget(16, 6)).generate(prompts, params)
+    assert [r.token_ids for r in batch] == plain
+    assert sum(sum(r.accept_lengths) - r.steps for r in batch) > NEW // 2, "drafts should be accepted"
+    assert any(a < d + 1 for r in batch for a, d in zip(r.accept_lengths, [s - 1 for s in r.tree_sizes])), \
+        "some drafts should be rejected"
+    alone = [Engine(target, drafter(), TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
+    assert alone == plain
+
+
+def test_a_repeated_prompt_drafts_its_earlier_answer() -> None:
+    target = TargetModel(tiny_model("llama"))
+    prompt = random_prompts((20,), seed=4)[0]
+    params = GenerationParams(max_new_tokens=NEW)
+    engine = Engine(target, SuffixDrafter(), TreeBudget(16, 8))
+    first = engine.generate([prompt], params)[0]
+    second = engine.generate([prompt], params)[0]
+    assert second.token_ids == first.token_ids
+    # the whole answer comes from the store: near max_depth + 1 tokens a step
+    assert second.steps <= NEW // 4 < first.steps
+    tree = SuffixDrafter(engine.drafter.stores).propose([DraftInput(0, prompt)], TreeBudget(16, 8))[0]
+    assert tuple(first.token_ids[:4]) in _tree_paths(tree)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_drafter_with_suffix_trees_is_lossless(dtype: torch.dtype) -> None:
+    """The default drafter's combination: predictor trees, prompt lookup and suffix trees."""
+    from sot.drafters.state import StateDrafter, new_predictor
+
+    layers = (0, 1, 2)
+    model = clone(tiny_model("llama"), dtype)
+    target = TargetModel(model, state_layers=layers)
+    prompts = random_prompts((7, 30, 75), seed=2)
+    params = GenerationParams(max_new_tokens=30)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    stores = SuffixStores()
+    for p, o in zip(prompts, _perturbed(plain, 5)):
+        stores.get(None).add(p, o)
+    drafter = StateDrafter(new_predictor(model, layers, None, seed=1), top_k=3, suffix=stores)
+    batch = Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params)
+    assert [r.token_ids for r in batch] == plain
+    assert sum(sum(r.accept_lengths) - r.steps for r in batch) > 30
+    alone = [Engine(target, drafter, TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
+    assert alone == plain
