@@ -24,17 +24,19 @@ from sot.acceptance import Acceptance
 from sot.attention import MAX_TREE_DEPTH
 from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
-from sot.errors import ConfigError, SoTError
-from sot.models.adapter import ForwardOutput, TargetModel
+from sot.errors import ConfigError
+from sot.models.adapter import TargetModel
 from sot.models.rows import ROW_UNIT, round_up
 from sot.policy import (
     AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace, resolve_policy,
 )
-from sot.requests import GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_request
+from sot.requests import (
+    GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_prompts, check_request,
+)
 from sot.sampling import sequence_generator
 from sot.trace import build_record, record_step, step_mode
 from sot.tree import DraftTree
-from sot.verify import accept_tree, pack_trees, record_depths
+from sot.verify import accept_all, accept_tree, pack_trees, record_depths
 
 #: the request and result types live in :mod:`sot.requests`; importing them from here works too
 __all__ = ["Engine", "GenerationParams", "PhaseTimes", "SequenceResult", "StepStats", "TokenEvent", "check_request"]
@@ -271,7 +273,7 @@ class Engine:
         t2 = time.perf_counter()
         out = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
         t3 = time.perf_counter()
-        accepted = self._accept_all(seqs, batch.trees, out)
+        accepted = accept_all(seqs, batch.trees, out, self._cache, self.trace)
         self.policy.observe_step(plan, StepOutcome(
             trees={s.id: t for s, t in zip(seqs, batch.trees)},
             paths={s.id: a.path for s, a in zip(seqs, accepted)},
@@ -324,39 +326,17 @@ class Engine:
             trees.append(tree)
         return plan, trees
 
-    def _accept_all(self, seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutput) -> list[Acceptance]:
-        """Acceptance per sequence; the cache keeps the accepted rows and the target states of
-        the accepted path wait for the drafter."""
-        lengths = self._cache.lengths
-        accepted, keep = [], []
-        for b, (seq, tree) in enumerate(zip(seqs, trees)):
-            logits = out.seq_logits(b)
-            acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, logits, lengths[b])
-            accepted.append(acc)
-            keep.append([lengths[b] + i for i in acc.path])
-            if out.states is not None:
-                new = out.seq_states(b)[acc.path]
-                seq.states = new if seq.states is None else torch.cat((seq.states, new))
-            if self.trace:
-                seq.result.logit_trace.extend(logits[i].clone() for i in acc.path)
-        self._cache.narrow(len(seqs)).keep_rows(keep)
-        return accepted
-
     def _commit_all(self, seqs: list[LiveRequest], trees: list[DraftTree], accepted: list[Acceptance],
                     plan: StepPlan) -> list[TokenEvent]:
         now = time.perf_counter()
         events = []
-        per_pos = [0] * (self.budget.max_depth + 1)
-        drafted = []
         for seq, tree, acc in zip(seqs, trees, accepted):
             seq.result.tree_sizes.append(tree.size)
             seq.result.fallbacks = self.policy.fallbacks(seq.id)
             record_depths(seq.result, tree, acc)
-            drafted.append(tree.size - 1)
-            for d in range(acc.num_accepted):
-                per_pos[d] += 1
             events.append(seq.commit(acc.tokens, now, True, self.decode))
-        self.last_step = StepStats(batch=len(seqs), drafted=tuple(drafted), accepted_per_pos=tuple(per_pos))
+        self.last_step = StepStats.of([t.size for t in trees], [a.num_accepted for a in accepted],
+                                      self.budget.max_depth)
         return events
 
     # ----------------------------------------------------------------- leaving
@@ -402,17 +382,9 @@ class Engine:
         """Like :meth:`generate`, yielding tokens as they are committed; ``results``, when
         given, receives the per-sequence results (complete once the stream is exhausted).
         Prompt ``i`` is the request of index ``i``."""
-        if not prompts:
-            raise ConfigError("no prompts given")
-        if batch_size is not None and batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        check_prompts(prompts, params, self.target.max_positions, batch_size)
         if self.has_unfinished():
             raise ConfigError("the engine is serving other requests; use add_request and step")
-        for i, p in enumerate(prompts):
-            try:
-                check_request(p, params, self.target.max_positions)
-            except SoTError as exc:
-                raise type(exc)(f"prompt {i}: {exc}") from None
         saved = self.max_batch
         self.max_batch = batch_size
         self.drafter.reset(min(len(prompts), batch_size or len(prompts)))

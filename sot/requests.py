@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from sot.errors import ConfigError, PromptTooLongError
+from sot.errors import ConfigError, PromptTooLongError, SoTError
 from sot.sampling import SamplingParams
 from sot.trace import StepRecord
 
@@ -119,6 +119,31 @@ class StepStats:
     batch: int = 0
     drafted: tuple[int, ...] = ()
     accepted_per_pos: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, sizes: list[int], accepted: list[int], max_depth: int) -> "StepStats":
+        """The statistics of a step whose trees had ``sizes`` nodes and whose sequences
+        accepted ``accepted`` drafted tokens each."""
+        per_pos = [0] * (max_depth + 1)
+        for n in accepted:
+            for d in range(n):
+                per_pos[d] += 1
+        return cls(batch=len(sizes), drafted=tuple(s - 1 for s in sizes), accepted_per_pos=tuple(per_pos))
+
+
+def check_prompts(prompts: list[list[int]], params: GenerationParams, max_positions: int | None,
+                  batch_size: int | None) -> None:
+    """Raise a :class:`~sot.errors.SoTError` naming the first prompt of an offline call that
+    cannot run (or a bad ``batch_size``)."""
+    if not prompts:
+        raise ConfigError("no prompts given")
+    if batch_size is not None and batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    for i, p in enumerate(prompts):
+        try:
+            check_request(p, params, max_positions)
+        except SoTError as exc:
+            raise type(exc)(f"prompt {i}: {exc}") from None
 
 
 def check_request(prompt: list[int], params: GenerationParams, max_positions: int | None) -> None:

@@ -10,9 +10,9 @@ import torch
 from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
 from sot.attention import TreeLayout, build_tree_layout, flat_packing
 from sot.cache import KVCache
-from sot.models.adapter import TargetModel
+from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import round_up
-from sot.requests import SequenceResult
+from sot.requests import LiveRequest, SequenceResult
 from sot.sampling import SamplingMode, SamplingParams
 from sot.tree import DraftTree, ancestor_table
 
@@ -96,3 +96,25 @@ def accept_tree(sampling: SamplingParams, index: int, generator: torch.Generator
         return accept_coupled(tree, logits, sp, index, root_position)
     assert generator is not None
     return accept_rejection(tree, logits, sp, generator)
+
+
+def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutput, cache: KVCache,
+               trace: bool = False) -> list[Acceptance]:
+    """Accept each sequence's tree against its logits rows (``out.seq_logits(b)``: ``[T, V]``);
+    the cache keeps the accepted rows, and the target states of each accepted path
+    (``out.seq_states(b)[path]``: ``[n, S, D]``) wait in ``seq.states`` for the drafter. With
+    ``trace``, each committed token's logits row joins its result's ``logit_trace``."""
+    lengths = cache.lengths
+    accepted, keep = [], []
+    for b, (seq, tree) in enumerate(zip(seqs, trees)):
+        logits = out.seq_logits(b)
+        acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, logits, lengths[b])
+        accepted.append(acc)
+        keep.append([lengths[b] + i for i in acc.path])
+        if out.states is not None:
+            new = out.seq_states(b)[acc.path]
+            seq.states = new if seq.states is None else torch.cat((seq.states, new))
+        if trace:
+            seq.result.logit_trace.extend(logits[i].clone() for i in acc.path)
+    cache.narrow(len(seqs)).keep_rows(keep)
+    return accepted

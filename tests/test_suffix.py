@@ -33,7 +33,7 @@ def test_longest_match_and_counts() -> None:
     store.add([], [1, 2, 3, 4])
     store.add([], [9, 2, 3, 5])
     both = SuffixMatcher(store.config, store).tree([7, 2, 3], 8, 4)
-    assert both.tokens == [3, 4, 5] and both.draft_probs == [1.0, 0.5, 0.5]
+    assert both.tokens[0] == 3 and sorted(both.tokens[1:]) == [4, 5] and both.draft_probs == [1.0, 0.5, 0.5]
     one = SuffixMatcher(store.config, store).tree([1, 2, 3], 8, 4)
     assert one.tokens == [3, 4] and one.draft_probs == [1.0, 1.0]
     assert SuffixMatcher(store.config, store).tree([7, 8, 3], 8, 4).size == 1  # only 1 token matches

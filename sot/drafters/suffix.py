@@ -12,7 +12,8 @@ tokens of the context, extends each occurrence's match backwards (up to ``max_ma
 tokens), and keeps the occurrences of the longest match: the node of a suffix tree for that
 pattern. What followed them is counted into a trie, and the draft tree is grown best first
 by the estimated probability of each path (its count over the number of occurrences),
-down to ``max_spec_factor`` times the match length and no lower than ``min_prob``.
+with at most ``max_spec_factor`` times the match length in tokens (so a weak match proposes
+little) and no path under ``min_prob``.
 
 Example: the store holds ``a b c d`` and ``x b c e``; the context ends in ``b c``: both
 occurrences match 2 tokens, so the tree is ``c -> d`` (1/2) and ``c -> e`` (1/2). A context
@@ -21,6 +22,7 @@ ending in ``a b c`` matches only the first, 3 tokens long: ``c -> d`` (1).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +40,8 @@ class SuffixConfig:
     Attributes:
         min_match: the shortest pattern that counts as a match (the index's n-gram size).
         max_match: patterns are matched up to this many tokens back.
-        max_spec_factor: a match of ``m`` tokens speculates at most ``max_spec_factor * m``
-            tokens deep.
+        max_spec_factor: a match of ``m`` tokens proposes at most ``max_spec_factor * m``
+            tokens (in depth and in count).
         min_prob: paths whose estimated probability is below this are not proposed.
         max_occurrences: the most recent occurrences of a pattern read per step.
         max_tokens: the global store's cap, in tokens; the oldest answers are evicted past it.
@@ -258,8 +260,10 @@ class SuffixMatcher:
         if not found or max_nodes < 2 or max_depth < 1:
             return DraftTree.root_only(root)
         best = max(m for m, _, _ in found)
-        depth = min(max_depth, max(1, math.floor(c.max_spec_factor * best)))
-        return grow_tree(root, [s[end:end + depth] for m, s, end in found if m == best], max_nodes, c.min_prob)
+        # a match of m tokens speculates at most factor * m tokens: deep and wide
+        spec = max(1, math.floor(c.max_spec_factor * best))
+        return grow_tree(root, [s[end:end + min(max_depth, spec)] for m, s, end in found if m == best],
+                         min(max_nodes, spec + 1), c.min_prob)
 
 
 def grow_tree(root: int, continuations: list[list[int]], max_nodes: int, min_prob: float) -> DraftTree:
@@ -272,17 +276,19 @@ def grow_tree(root: int, continuations: list[list[int]], max_nodes: int, min_pro
             kids = children.setdefault(tuple(cont[:d]), {})
             kids[cont[d]] = kids.get(cont[d], 0) + 1
     tokens, parents, depths, probs = [root], [-1], [0], [1.0]
-    heap = [(-count / total, (tok,), 0) for tok, count in children.get((), {}).items()]
+    # best first; at equal probability the shallower node, then the more recent occurrence
+    order = itertools.count()
+    heap = [(-count / total, 1, next(order), (tok,), 0) for tok, count in children.get((), {}).items()]
     heapq.heapify(heap)
     while heap and len(tokens) < max_nodes:
-        neg, path, parent = heapq.heappop(heap)
+        neg, depth, _, path, parent = heapq.heappop(heap)
         if -neg < min_prob:
             break
         node = len(tokens)
         tokens.append(path[-1])
         parents.append(parent)
-        depths.append(len(path))
+        depths.append(depth)
         probs.append(-neg)
         for tok, count in children.get(path, {}).items():
-            heapq.heappush(heap, (-count / total, path + (tok,), node))
+            heapq.heappush(heap, (-count / total, depth + 1, next(order), path + (tok,), node))
     return DraftTree(tokens, parents, depths, probs)
