@@ -257,6 +257,6 @@ def test_suffix_store_carries_answers_across_runs(model_dir: Path, tmp_path: Pat
     captured = capsys.readouterr()
     second = json.loads(captured.out)
     assert second["token_ids"] == first["token_ids"]
-    assert second["steps"] < first["steps"] // 3
+    assert second["steps"] < first["steps"] // 2
     assert "suffix store written" in captured.err
     assert main(["generate", "hi", "--model", str(model_dir), "--drafter", "pld", "--suffix-store", str(store)]) == 2

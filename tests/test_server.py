@@ -364,7 +364,7 @@ def test_suffix_stores_per_user_live_with_the_server(tiny_dir, tmp_path) -> None
             resp = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "user": user}, timeout=60)
             assert resp.status_code == 200
             steps.append(resp.json()["sot"]["steps"])
-        assert steps[1] < steps[0] // 3, "alice's repeated question drafts her earlier answer"
+        assert steps[1] < steps[0] // 2, "alice's repeated question drafts her earlier answer"
         assert steps[2] > steps[1] * 2, "bob's does not draft from alice's answers"
         assert server.stop() == 0
         stores = SuffixStores(per_tenant=True)
