@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import torch
 
-from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, make_drafter
+from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
 from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
@@ -74,24 +73,6 @@ def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ConfigError(f"top_k must be >= 0, got {top_k}")
 
 
-def _has_predictor(model: torch.nn.Module, predictor: str | None) -> bool:
-    """True when a state predictor is given, or the shipped one fits ``model``."""
-    from sot.drafters import default_predictor_path
-    from sot.drafters.state import check_compatible, read_predictor_config
-    from sot.errors import DrafterCompatibilityError
-
-    if predictor is not None:
-        return True
-    path = default_predictor_path()
-    if not path.is_file():
-        return False
-    try:
-        check_compatible(read_predictor_config(path), model, path)
-    except DrafterCompatibilityError:
-        return False
-    return True
-
-
 class SoT:
     """A loaded target model with a drafter, ready to generate.
 
@@ -143,7 +124,7 @@ class SoT:
         loaded = load_model(model, dtype=resolve_dtype(dtype))
         stores = None
         if drafter == "auto":
-            kind = DrafterKind.STATE if _has_predictor(loaded.model, predictor) else DrafterKind.SUFFIX
+            kind = auto_drafter_kind(loaded.model, predictor)
             stores = SuffixStores(per_tenant=suffix_per_tenant)
         else:
             try:
@@ -173,8 +154,7 @@ class SoT:
     @property
     def suffix_stores(self) -> SuffixStores | None:
         """The drafter's stores of earlier answers (``None`` when it keeps none)."""
-        free = getattr(self.engine.drafter, "free", None)
-        return getattr(free, "suffix", None)
+        return self.engine.drafter.suffix_stores
 
     def save_suffix_store(self, path: str) -> None:
         """Write the earlier answers the drafter keeps to ``path`` (for ``suffix_store``)."""

@@ -165,12 +165,17 @@ def test_multiturn_conversations_report_each_turn(setup, tmp_path) -> None:
 
 
 def test_builtin_multiturn_sets() -> None:
-    from sot.bench.conversations import load_conversations
+    from sot.bench.conversations import load_conversations, render
 
     agent = load_conversations("agent-loop")
     assert len(agent) == 8 and all(len(r["turns"]) == 4 and r["system"] for r in agent)
     assert len({r["turns"][0] for r in agent}) == 8  # the values vary by conversation
     edits = load_conversations("code-edit-multiturn")
     assert edits and all(len(r["turns"]) == 3 and "```" in r["turns"][0] for r in edits)
+    # without a chat template the turns alternate as User: / Assistant: lines
+    text = render(agent[0], ["first answer"], chat=False)["prompt"]
+    assert text.startswith("System: ") and "\nAssistant: first answer\nUser: " + agent[0]["turns"][1] in text
+    assert text.endswith("Assistant:")
+    assert render(agent[0], [], chat=True)["messages"][-1] == {"role": "user", "content": agent[0]["turns"][0]}
     share = load_conversations("sharegpt-multiturn", limit=4)
     assert len(share) == 4 and all(len(r["turns"]) == 3 for r in share)

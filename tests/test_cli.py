@@ -60,6 +60,16 @@ def test_python_api_generate_and_stream(model_dir: Path) -> None:
     assert streamed[-1].finished
 
 
+def test_auto_drafter_is_suffix_without_a_fitting_predictor(model_dir: Path) -> None:
+    """The shipped predictor does not fit the tiny model, so auto means suffix trees with
+    prompt lookup, with a store of earlier answers."""
+    from sot.drafters import DrafterKind
+
+    sot = SoT.load(str(model_dir), dtype="float32")
+    assert sot.engine.drafter.kind is DrafterKind.SUFFIX and sot.suffix_stores is not None
+    assert SoT.load(str(model_dir), drafter="pld", dtype="float32").suffix_stores is None
+
+
 def test_stop_strings_end_generation(model_dir: Path) -> None:
     sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
     free = sot.generate(["abcabc"], max_new_tokens=30, chat=False, ignore_eos=True)[0]

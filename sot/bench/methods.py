@@ -49,10 +49,8 @@ class RunRecord:
 
 def forget_answers(method: "BenchMethod") -> None:
     """Empty the global suffix store of an engine method's drafter (if it keeps one)."""
-    engine = getattr(method, "engine", None)
-    stores = getattr(getattr(engine.drafter, "free", None), "suffix", None) if engine is not None else None
-    if stores is not None:
-        stores.clear()
+    if isinstance(method, EngineMethod) and method.engine.drafter.suffix_stores is not None:
+        method.engine.drafter.suffix_stores.clear()
 
 
 class BenchMethod(ABC):

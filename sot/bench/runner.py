@@ -28,7 +28,7 @@ from sot.bench.memory import PeakRSS, current_rss
 from sot.bench.methods import METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord, forget_answers
 from sot.bench.prompts import load_prompt_set
 from sot.bench.report import aggregate, sweep_plot, write_report
-from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, make_drafter
+from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
 from sot.policy import PolicyConfig
 from sot.engine import GenerationParams
 from sot.errors import ConfigError
@@ -101,10 +101,7 @@ def _drafter(cfg: BenchConfig, method: str, model, top_k: int | None = None):
     if file is not None:  # another predictor file, compared side by side
         kind, predictor = DrafterKind.STATE, file
     elif method == "auto":
-        from sot.api import _has_predictor
-
-        kind = DrafterKind.STATE if _has_predictor(model, cfg.predictor) else DrafterKind.SUFFIX
-        predictor = cfg.predictor
+        kind, predictor = auto_drafter_kind(model, cfg.predictor), cfg.predictor
     else:
         kind, predictor = DrafterKind.NONE if method == "plain" else DrafterKind(method), cfg.predictor
     return make_drafter(kind, model, predictor, top_k=top_k or cfg.draft_top_k, full_vocab=cfg.full_vocab,

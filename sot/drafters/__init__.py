@@ -12,8 +12,8 @@ from sot.drafters.suffix import SuffixConfig, SuffixStore, SuffixStores
 from sot.errors import ConfigError
 
 __all__ = ["DRAFT_TOP_K", "DraftInput", "Drafter", "DrafterKind", "FreeDrafts", "NoDrafter", "PromptLookupDrafter",
-           "SuffixConfig", "SuffixDrafter", "SuffixStore", "SuffixStores", "TreeBudget", "default_predictor_path",
-           "make_drafter"]
+           "SuffixConfig", "SuffixDrafter", "SuffixStore", "SuffixStores", "TreeBudget", "auto_drafter_kind",
+           "default_predictor_path", "make_drafter"]
 
 #: the trained state predictor shipped for the default model (SmolLM2-135M-Instruct)
 DEFAULT_PREDICTOR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct.state.safetensors"
@@ -21,6 +21,24 @@ DEFAULT_PREDICTOR = Path(__file__).resolve().parent.parent / "assets" / "smollm2
 
 def default_predictor_path() -> Path:
     return DEFAULT_PREDICTOR
+
+
+def auto_drafter_kind(model: torch.nn.Module, predictor: str | Path | None = None) -> DrafterKind:
+    """What drafter ``auto`` means for ``model``: ``state`` (merged with suffix trees and
+    prompt lookup) when a predictor file is given or the shipped one fits it, else ``suffix``."""
+    from sot.drafters.state import check_compatible, read_predictor_config
+    from sot.errors import DrafterCompatibilityError
+
+    if predictor is not None:
+        return DrafterKind.STATE
+    path = default_predictor_path()
+    if not path.is_file():
+        return DrafterKind.SUFFIX
+    try:
+        check_compatible(read_predictor_config(path), model, path)
+    except DrafterCompatibilityError:
+        return DrafterKind.SUFFIX
+    return DrafterKind.STATE
 
 
 def make_drafter(

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from sot.drafters.suffix import SuffixStores
+
 from sot.errors import ConfigError
 from sot.tree import DraftTree
 
@@ -92,6 +94,11 @@ class Drafter(ABC):
     #: keep the predicted state of each proposed node for :meth:`predicted_states` (set by
     #: the engine while it records step traces)
     record_states: bool = False
+
+    @property
+    def suffix_stores(self) -> "SuffixStores | None":
+        """The stores of earlier answers this drafter drafts from (``None``: it keeps none)."""
+        return None
 
     def reset(self, batch_size: int = 0) -> None:
         """Forget all sequences (``batch_size`` is a hint of how many come next)."""

@@ -174,6 +174,10 @@ class SuffixDrafter(Drafter):
         self.stores = stores if stores is not None else SuffixStores()
         self.free = FreeDrafts(lookup, None, self.stores)
 
+    @property
+    def suffix_stores(self) -> SuffixStores | None:
+        return self.free.suffix if self.free is not None else None
+
     def reset(self, batch_size: int = 0) -> None:
         self.free.reset()
 

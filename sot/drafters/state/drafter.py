@@ -130,6 +130,10 @@ class StateDrafter(Drafter):
     def static_width(self) -> int:  # the static policy's beam: top_k nodes per depth
         return self.top_k
 
+    @property
+    def suffix_stores(self) -> SuffixStores | None:
+        return self.free.suffix if self.free is not None else None
+
     def reset(self, batch_size: int = 0) -> None:
         self.seqs.clear()
         if self.free is not None:
