@@ -1,5 +1,5 @@
 """The ``sot`` command line: ``generate``, ``chat``, ``trace``, ``serve``, ``bench``,
-``bench-serve`` and ``train``, one module per group; :mod:`sot.cli.common` holds what they
+``bench-serve``, ``train`` and ``export``, one module per group; :mod:`sot.cli.common` holds what they
 share (nothing in it imports a subcommand, so there is no import circle)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Sequence
 
 from sot.cli.bench import add_bench_parser, cmd_bench
 from sot.cli.common import DTYPE_CHOICES, Parser
+from sot.cli.export import add_export_parser, cmd_export
 from sot.cli.generate import add_generate_parsers, cmd_chat, cmd_generate, cmd_trace
 from sot.cli.serve import add_bench_serve_parser, add_serve_parser, cmd_bench_serve, cmd_serve
 from sot.cli.train import add_train_parser, cmd_train
@@ -18,7 +19,7 @@ from sot.errors import SoTError
 __all__ = ["DTYPE_CHOICES", "build_parser", "main"]
 
 HANDLERS = {"generate": cmd_generate, "chat": cmd_chat, "trace": cmd_trace, "serve": cmd_serve, "bench": cmd_bench,
-            "bench-serve": cmd_bench_serve, "train": cmd_train}
+            "bench-serve": cmd_bench_serve, "train": cmd_train, "export": cmd_export}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_parser(sub)
     add_bench_parser(sub)
     add_train_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

@@ -7,15 +7,9 @@ import sys
 from pathlib import Path
 
 from sot.cli.common import DTYPE_CHOICES, positive_float, positive_int
+from sot.drafters.state.config import ARCHES, default_state_layers
 from sot.train.acceptance import PolicyTrainConfig
 from sot.train.trainer import TrainConfig
-
-
-def default_state_layers(num_layers: int) -> tuple[int, int, int]:
-    """The EAGLE-3 choice of a low, a middle and a high layer: 2, L/2 and L-3 (indices into
-    ``hidden_states``, where 0 is the embeddings), clamped for very shallow models."""
-    low = min(2, num_layers)
-    return (low, max(low, num_layers // 2), max(low, num_layers - 3))
 
 
 def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
@@ -96,6 +90,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                      help="start the layer from the target's last layer (target) or from scratch (random)")
     fit.add_argument("--init-from", default=TrainConfig.init_from,
                      help="start from this predictor file (e.g. to continue training)")
+    fit.add_argument("--arch", choices=ARCHES, default=TrainConfig.arch,
+                     help="predictor architecture: SoT's own (native) or EAGLE-3's draft layer (eagle3), which "
+                          "'sot export --format eagle3' writes for vLLM and SGLang")
     fit.add_argument("--decoder-layers", type=positive_int, default=TrainConfig.decoder_layers,
                      help="decoder layers in the predictor (default 1); with --init-from, layers beyond the "
                           "file's start as the identity, so training continues from what the file predicts")
@@ -178,7 +175,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
         lr=args.lr, warmup=args.warmup, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init,
-        init_from=args.init_from, decoder_layers=args.decoder_layers,
+        init_from=args.init_from, arch=args.arch, decoder_layers=args.decoder_layers,
         added_lr_scale=args.added_lr_scale, recount_vocab=args.recount_vocab, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, stop_after=args.stop_after,
         precision=args.precision,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sot.drafters.state import StatePredictor, grow_predictor, new_predictor, save_predictor
+from sot.drafters.state.config import ARCHES, EAGLE3, NATIVE
 from sot.errors import ConfigError
 from sot.train.data import StateDataset
 from sot.train.plots import write_plots
@@ -57,6 +58,9 @@ class TrainConfig:
     draft_vocab: int = 16384
     init: str = "target"
     init_from: str = ""
+    #: predictor architecture: ``native`` or ``eagle3`` (EAGLE-3's draft layer, exportable to vLLM
+    #: and SGLang); with ``init_from``, the file's
+    arch: str = NATIVE
     #: decoder layers of the predictor; with ``init_from``, at least the file's (added layers start as the identity)
     decoder_layers: int = 1
     #: learning rate of layers added to an ``init_from`` file, as a multiple of ``lr`` (they start from zero output)
@@ -235,6 +239,10 @@ def _check_config(cfg: TrainConfig) -> None:
     """Refuse settings that cannot work, before anything loads."""
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
+    if cfg.arch == EAGLE3 and cfg.decoder_layers != 1:
+        raise ConfigError(f"an EAGLE-3 predictor has one decoder layer; drop --decoder-layers {cfg.decoder_layers}")
+    if cfg.arch not in ARCHES:
+        raise ConfigError(f"arch must be one of {', '.join(ARCHES)}, got {cfg.arch!r}")
     if cfg.stop_after < 0:
         raise ConfigError(f"--stop-after must be a step number >= 0, got {cfg.stop_after}")
     if cfg.recount_vocab and not cfg.init_from:
@@ -266,10 +274,13 @@ def fit(cfg: TrainConfig) -> Path:
         recounted = (draft_vocabulary(train, vocab_size, cfg.draft_vocab),) if cfg.recount_vocab else None
         pred, added = grow_predictor(cfg.init_from, target, train.layers, cfg.decoder_layers, recounted, cfg.seed,
                                      cfg.init)
+        if pred.config.arch != cfg.arch:
+            raise ConfigError(f"{cfg.init_from} is a {pred.config.arch} predictor; continue it with "
+                              f"--arch {pred.config.arch}, or drop --init-from to start a new {cfg.arch} one")
         pred = pred.float().to(device)
     else:
         pred = new_predictor(target, train.layers, draft_vocabulary(train, vocab_size, cfg.draft_vocab), cfg.seed,
-                             cfg.init, cfg.decoder_layers).to(device)
+                             cfg.init, cfg.decoder_layers, cfg.arch).to(device)
         added = set()
     full_head = target.get_output_embeddings().weight.detach().float().to(device)
     model: torch.nn.Module = pred

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +12,10 @@ from sot.errors import ConfigError, DrafterCompatibilityError
 from sot.fingerprint import target_fingerprint
 
 FORMAT = "sot-state-predictor/1"
+#: predictor architectures: SoT's own (a norm per input layer, an input projection in front of
+#: a standard decoder layer) and EAGLE-3's draft layer (:mod:`sot.drafters.state.eagle3`)
+NATIVE, EAGLE3 = "native", "eagle3"
+ARCHES = (NATIVE, EAGLE3)
 
 
 def _rope_theta(config: Any) -> float:
@@ -23,6 +28,13 @@ def _rope_theta(config: Any) -> float:
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
     return float(getattr(config, "rope_theta", None) or 10000.0)
+
+
+def default_state_layers(num_layers: int) -> tuple[int, int, int]:
+    """The EAGLE-3 choice of a low, a middle and a high layer: 2, L/2 and L-3 (indices into
+    ``hidden_states``, where 0 is the embeddings), clamped for very shallow models."""
+    low = min(2, num_layers)
+    return (low, max(low, num_layers // 2), max(low, num_layers - 3))
 
 
 def _last_layer_window(model: torch.nn.Module) -> int:
@@ -60,10 +72,21 @@ class StatePredictorConfig:
     decoder_layers: int = 1
     #: sliding window of the predictor's attention, the target's last layer's (0: none)
     window: int = 0
+    #: ``native`` or ``eagle3`` (files written before this field are native)
+    arch: str = NATIVE
+    #: EAGLE-3 only: the residual stream starts from the normed state (``hidden_norm(h)``)
+    #: instead of the state itself, as some published heads do
+    norm_before_residual: bool = False
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHES:
+            raise ConfigError(f"unknown predictor architecture {self.arch!r}; choose from {', '.join(ARCHES)}")
+        if self.arch == EAGLE3 and self.decoder_layers != 1:
+            raise ConfigError(f"an EAGLE-3 predictor has one decoder layer, not {self.decoder_layers}")
 
     @classmethod
     def for_target(cls, model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab_size: int,
-                   decoder_layers: int = 1) -> "StatePredictorConfig":
+                   decoder_layers: int = 1, arch: str = NATIVE) -> "StatePredictorConfig":
         cfg = model.config
         d = int(model.get_input_embeddings().weight.shape[1])
         heads = int(getattr(cfg, "num_attention_heads", max(1, d // 64)))
@@ -81,7 +104,7 @@ class StatePredictorConfig:
             raise ConfigError(f"a state predictor needs at least one decoder layer, got {decoder_layers}")
         return cls(d, heads, kv, head_dim, inter, eps, _rope_theta(cfg), tuple(int(x) for x in state_layers),
                    min(draft_vocab_size, vocab) if draft_vocab_size > 0 else 0, target_fingerprint(model),
-                   decoder_layers=int(decoder_layers), window=_last_layer_window(model))
+                   decoder_layers=int(decoder_layers), window=_last_layer_window(model), arch=arch)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -96,3 +119,16 @@ class StatePredictorConfig:
             return cls(**data)
         except TypeError as exc:  # a field this version does not know
             raise DrafterCompatibilityError(f"state predictor config not understood by this SoT version: {exc}") from None
+
+
+def check_compatible(config: StatePredictorConfig, model: torch.nn.Module, path: str | Path = "checkpoint") -> None:
+    """Raise :class:`DrafterCompatibilityError` unless the predictor was trained for ``model``."""
+    have = target_fingerprint(model)
+    want = config.target
+    diffs = [f"{k}: trained for {want.get(k)!r}, target has {have[k]!r}" for k in
+             ("architecture", "hidden_size", "vocab_size", "num_layers", "embed_hash") if want.get(k) != have[k]]
+    if diffs:
+        raise DrafterCompatibilityError(
+            f"state predictor {path} was trained for another target model ({'; '.join(diffs)}); "
+            "train one for this model with 'sot train'"
+        )

@@ -7,10 +7,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sot.drafters.state.config import StatePredictorConfig, _last_decoder_layer
+from sot.drafters.state.config import NATIVE, StatePredictorConfig, _last_decoder_layer, check_compatible
+from sot.drafters.state.eagle3 import load_eagle3
 from sot.drafters.state.model import DecoderLayer, StatePredictor
 from sot.errors import ConfigError, DrafterCompatibilityError
-from sot.fingerprint import target_fingerprint
 
 
 def save_predictor(model: StatePredictor, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -34,19 +34,6 @@ def read_predictor_config(path: str | Path) -> StatePredictorConfig:
     if "sot_config" not in meta:
         raise DrafterCompatibilityError(f"{p} has no SoT state predictor config in its metadata")
     return StatePredictorConfig.from_json(meta["sot_config"])
-
-
-def check_compatible(config: StatePredictorConfig, model: torch.nn.Module, path: str | Path = "checkpoint") -> None:
-    """Raise :class:`DrafterCompatibilityError` unless the predictor was trained for ``model``."""
-    have = target_fingerprint(model)
-    want = config.target
-    diffs = [f"{k}: trained for {want.get(k)!r}, target has {have[k]!r}" for k in
-             ("architecture", "hidden_size", "vocab_size", "num_layers", "embed_hash") if want.get(k) != have[k]]
-    if diffs:
-        raise DrafterCompatibilityError(
-            f"state predictor {path} was trained for another target model ({'; '.join(diffs)}); "
-            "train one for this model with 'sot train'"
-        )
 
 
 def _final_norm_weight(model: torch.nn.Module) -> torch.Tensor | None:
@@ -76,13 +63,27 @@ def _state_norm_weight(model: torch.nn.Module, index: int) -> torch.Tensor | Non
 def _init_from_target(pred: StatePredictor, model: torch.nn.Module) -> bool:
     """Start the predictor's first layer from the target's last decoder layer where the shapes
     match (Llama-style families), the fuse from the highest input layer, and the input
-    projection from the state path. Returns whether the layer weights were copied."""
+    projection from the state path. Returns whether the layer weights were copied.
+
+    EAGLE-3's q/k/v read ``[embedding, state]``: the target layer's projections go to the
+    state half (the embedding half keeps its small random start), and ``hidden_norm`` starts
+    from that layer's input norm."""
     d = pred.config.hidden_size
     s = len(pred.config.state_layers)
     with torch.no_grad():
         pred.fuse.weight[:, (s - 1) * d :] += torch.eye(d)
-        pred.inp.weight[:, :d] += torch.eye(d)
-    return _copy_last_layer(pred, model)
+        if not pred.eagle3:
+            pred.inp.weight[:, :d] += torch.eye(d)
+            return _copy_last_layer(pred, model)
+        shadow = DecoderLayer(pred.config)  # the shapes of a plain layer, to copy into
+        if not _copy_last_layer(shadow, model):
+            return False
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(pred, name).weight[:, d:] = getattr(shadow, name).weight
+        for name in ("o_proj", "gate_proj", "up_proj", "down_proj", "mlp_norm"):
+            getattr(pred, name).weight.copy_(getattr(shadow, name).weight)
+        pred.state_norm.weight.copy_(shadow.attn_norm.weight)
+    return True
 
 
 def _start_as_identity(layer: DecoderLayer, model: torch.nn.Module | None) -> None:
@@ -124,8 +125,10 @@ def _copy_last_layer(ours: torch.nn.Module, model: torch.nn.Module) -> bool:
 
 
 def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab: torch.Tensor | None,
-                  seed: int = 0, init: str = "target", decoder_layers: int = 1) -> StatePredictor:
-    """A freshly initialised predictor for ``model`` (fp32 weights).
+                  seed: int = 0, init: str = "target", decoder_layers: int = 1, arch: str = NATIVE
+                  ) -> StatePredictor:
+    """A freshly initialised predictor for ``model`` (fp32 weights) of architecture ``arch``
+    (``native`` or ``eagle3``, :class:`StatePredictor`).
 
     ``init="target"`` starts the first decoder layer from the target's last layer when the
     family allows it (the rest small random) and every further layer as the identity
@@ -134,12 +137,12 @@ def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_v
     if init not in ("target", "random"):
         raise ConfigError(f"init must be 'target' or 'random', got {init!r}")
     size = 0 if draft_vocab is None else int(draft_vocab.numel())
-    cfg = StatePredictorConfig.for_target(model, state_layers, size, decoder_layers)
+    cfg = StatePredictorConfig.for_target(model, state_layers, size, decoder_layers, arch)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         pred = StatePredictor(cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight, draft_vocab)
         for mod in pred.modules():
-            if isinstance(mod, torch.nn.Linear):
+            if isinstance(mod, torch.nn.Linear) and mod is not getattr(pred, "lm_head", None):
                 torch.nn.init.normal_(mod.weight, std=0.02)
         w = _final_norm_weight(model)
         if w is not None and w.shape == pred.out_norm.weight.shape:
@@ -156,7 +159,11 @@ def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_v
 
 
 def load_predictor(path: str | Path, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> StatePredictor:
-    """Load a predictor for ``model``; fails with a clear message for another target."""
+    """Load a predictor for ``model``: a SoT predictor file, or a folder with an EAGLE-3
+    checkpoint (:func:`sot.drafters.state.eagle3.load_eagle3`); fails with a clear message
+    for another target."""
+    if Path(path).is_dir():
+        return load_eagle3(path, model, dtype)
     cfg = read_predictor_config(path)
     check_compatible(cfg, model, path)
     with safe_open(str(path), framework="pt") as fh:
@@ -166,10 +173,7 @@ def load_predictor(path: str | Path, model: torch.nn.Module, dtype: torch.dtype 
     missing, unexpected = pred.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise DrafterCompatibilityError(f"{path} does not match the predictor layout (missing {missing}, unexpected {unexpected})")
-    for param in pred.parameters():
-        param.data = param.data.to(dtype)
-    pred.head = pred.head.to(dtype)  # the draft-vocabulary rows only; the embeddings stay shared
-    return pred.eval()
+    return pred.cast_for_inference(dtype)
 
 
 def grow_predictor(path: str | Path, model: torch.nn.Module, state_layers: tuple[int, ...], decoder_layers: int,
@@ -189,8 +193,12 @@ def grow_predictor(path: str | Path, model: torch.nn.Module, state_layers: tuple
     if decoder_layers < start_from.config.decoder_layers:
         raise ConfigError(f"{path} has {start_from.config.decoder_layers} decoder layers; "
                           f"--decoder-layers {decoder_layers} cannot drop any")
+    if recounted is not None and start_from.eagle3:
+        raise ConfigError(f"{path} is an EAGLE-3 predictor, whose head is trained over its draft vocabulary; "
+                          "it cannot be recounted (drop --recount-vocab)")
     vocab = start_from.draft_vocab if recounted is None else recounted[0]
-    pred = new_predictor(model, state_layers, None if vocab is None else vocab.clone(), seed, init, decoder_layers)
+    pred = new_predictor(model, state_layers, None if vocab is None else vocab.clone(), seed, init, decoder_layers,
+                         start_from.config.arch)
     # layers beyond the file's keep their fresh start (the identity, with init "target")
     weights = {k: v for k, v in start_from.state_dict().items() if k != "draft_vocab"}
     missing, _ = pred.load_state_dict(weights, strict=False)

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sot.drafters.state.config import StatePredictorConfig
+from sot.drafters.state.config import EAGLE3, StatePredictorConfig
 
 
 class RMSNorm(torch.nn.Module):
@@ -38,15 +38,19 @@ class DecoderLayer(torch.nn.Module):
         add_layer_modules(self, c)
 
 
-def add_layer_modules(owner: torch.nn.Module, c: "StatePredictorConfig") -> None:
+def add_layer_modules(owner: torch.nn.Module, c: "StatePredictorConfig", attn_in: int | None = None) -> None:
     """Register one decoder layer's modules on ``owner``: ``attn_norm``, ``q/k/v/o_proj``,
-    ``mlp_norm``, ``gate/up/down_proj`` (no biases)."""
+    ``mlp_norm``, ``gate/up/down_proj`` (no biases). With ``attn_in`` (EAGLE-3's first layer,
+    whose attention reads ``2D`` already-normed inputs), q/k/v take that width and there is
+    no ``attn_norm``."""
     d = c.hidden_size
     lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
-    owner.attn_norm = RMSNorm(d, c.rms_eps)
-    owner.q_proj = lin(d, c.num_heads * c.head_dim)
-    owner.k_proj = lin(d, c.num_kv_heads * c.head_dim)
-    owner.v_proj = lin(d, c.num_kv_heads * c.head_dim)
+    if attn_in is None:
+        owner.attn_norm = RMSNorm(d, c.rms_eps)
+    width = attn_in or d
+    owner.q_proj = lin(width, c.num_heads * c.head_dim)
+    owner.k_proj = lin(width, c.num_kv_heads * c.head_dim)
+    owner.v_proj = lin(width, c.num_kv_heads * c.head_dim)
     owner.o_proj = lin(c.num_heads * c.head_dim, d)
     owner.mlp_norm = RMSNorm(d, c.rms_eps)
     owner.gate_proj = lin(d, c.intermediate_size)
@@ -68,6 +72,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class StatePredictor(torch.nn.Module):
     """The trainable predictor plus references to the target's frozen embeddings and head.
 
+    Two architectures (``config.arch``), with the same interface, trees and training:
+
+    - ``native``: ``s = fuse(cat(in_norm_i(f_i)))``; ``h = inp(cat(state_norm(s),
+      embed_norm(E[x])))``; then standard decoder layers on ``h``; logits from the target's
+      own head rows.
+    - ``eagle3`` (EAGLE-3's draft layer): ``s = fuse(cat(f_i))`` (EAGLE-3's ``fc``), no norms
+      before it; the residual stream is ``h = s``; q/k/v read ``cat(embed_norm(E[x]),
+      state_norm(s))`` (EAGLE-3's ``input_layernorm`` and ``hidden_norm``; embedding first,
+      width ``2D``); then the attention output, ``mlp_norm`` (``post_attention_layernorm``)
+      and MLP as in any decoder layer; logits from a trained ``lm_head [V_d, D]``.
+
+    In both, the next depth feeds back the layer's pre-norm output ``g`` in place of ``s``.
+
     Args:
         config: shapes and target fingerprint.
         embed: ``[V, D]`` the target's input embeddings (not copied, not saved).
@@ -82,14 +99,17 @@ class StatePredictor(torch.nn.Module):
         self.config = c
         d, s = c.hidden_size, len(c.state_layers)
         lin = lambda i, o: torch.nn.Linear(i, o, bias=False)  # noqa: E731
-        # one norm per input layer, started from the norm the target applies to that state
-        # (hidden states carry a few huge outlier dimensions; the target's norms tame them)
-        self.in_norms = torch.nn.ModuleList(RMSNorm(d, c.rms_eps) for _ in range(s))
+        self.eagle3 = c.arch == EAGLE3
+        # native: one norm per input layer, started from the norm the target applies to that
+        # state (hidden states carry a few huge outlier dimensions; the target's norms tame them)
+        self.in_norms = torch.nn.ModuleList(RMSNorm(d, c.rms_eps) for _ in range(0 if self.eagle3 else s))
         self.fuse = lin(s * d, d)
         self.state_norm = RMSNorm(d, c.rms_eps)
         self.embed_norm = RMSNorm(d, c.rms_eps)
-        self.inp = lin(2 * d, d)
-        add_layer_modules(self, c)  # the first decoder layer (the file layout of one-layer predictors)
+        if not self.eagle3:
+            self.inp = lin(2 * d, d)
+        # the first decoder layer (the file layout of one-layer predictors)
+        add_layer_modules(self, c, 2 * d if self.eagle3 else None)
         self.out_norm = RMSNorm(d, c.rms_eps)
         # decoder layers after the first (none in the default one-layer predictor)
         self.upper = torch.nn.ModuleList(DecoderLayer(c) for _ in range(c.decoder_layers - 1))
@@ -97,9 +117,23 @@ class StatePredictor(torch.nn.Module):
             draft_vocab = torch.arange(embed.shape[0])
         self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=True)
         self.register_buffer("embed", embed.detach(), persistent=False)
+        # the target's head rows of the draft vocabulary: the native predictor's output layer,
+        # and the training target of both
         self.register_buffer("head", head.detach()[self.draft_vocab], persistent=False)
+        if self.eagle3:  # EAGLE-3 trains its own head over the draft vocabulary, started from the target's
+            self.lm_head = lin(d, int(self.draft_vocab.numel()))
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.head.float())
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+
+    def cast_for_inference(self, dtype: torch.dtype) -> "StatePredictor":
+        """Cast the trained weights and the head rows to ``dtype`` (the shared embeddings stay
+        as they are); returns the predictor in eval mode."""
+        for param in self.parameters():
+            param.data = param.data.to(dtype)
+        self.head = self.head.to(dtype)  # the draft-vocabulary rows only
+        return self.eval()
 
     def pack_for_inference(self) -> None:
         """Pre-pack the linear weights and the draft head for the CPU BLAS (about 1.5x faster
@@ -107,8 +141,10 @@ class StatePredictor(torch.nn.Module):
         seen, so call it again after changing the weights."""
         from sot.kernels.linear import PackedLinear
 
-        packed = {"fuse": PackedLinear(self.fuse.weight), "inp": PackedLinear(self.inp.weight),
-                  "head": PackedLinear(self.head)}
+        packed = {"fuse": PackedLinear(self.fuse.weight),
+                  "head": PackedLinear(self.lm_head.weight if self.eagle3 else self.head)}
+        if not self.eagle3:
+            packed["inp"] = PackedLinear(self.inp.weight)
         # per layer, one product for q, k and v and one for gate and up (each row's outputs
         # unchanged); the separate projections are only used with gradients, never packed
         for i in range(self.config.decoder_layers):
@@ -129,13 +165,20 @@ class StatePredictor(torch.nn.Module):
         :meth:`pack_for_inference` was called and no gradient is needed."""
         packed = self.__dict__.get("_packed")
         if packed is None or torch.is_grad_enabled():
-            return (x @ self.head.to(x.dtype).T) if name == "head" else self.get_submodule(name)(x)
+            if name == "head":
+                return self.lm_head(x) if self.eagle3 else x @ self.head.to(x.dtype).T
+            return self.get_submodule(name)(x)
         lin = packed[name]
         return lin._block(x.reshape(-1, x.shape[-1]).to(lin.weight.dtype)).view(*x.shape[:-1], -1)
 
     def use_full_vocabulary(self, head: torch.Tensor) -> None:
         """Propose from the target's whole vocabulary (``head [V, D]``) instead of the draft
-        vocabulary; for comparing the two at inference."""
+        vocabulary; for comparing the two at inference. Native predictors only: an EAGLE-3
+        head is trained over its draft vocabulary."""
+        if self.eagle3:
+            from sot.errors import ConfigError
+
+            raise ConfigError("an EAGLE-3 predictor proposes from its own draft vocabulary only (no full vocabulary)")
         self.draft_vocab = torch.arange(head.shape[0], device=self.draft_vocab.device)
         self.head = head.detach().to(self.head.dtype)
         if "_packed" in self.__dict__:
@@ -145,6 +188,8 @@ class StatePredictor(torch.nn.Module):
     def fuse_states(self, states: torch.Tensor) -> torch.Tensor:
         """``[..., S, D]`` target states -> ``[..., D]``."""
         x = states.to(self.fuse.weight.dtype)
+        if self.eagle3:  # EAGLE-3's fc reads the raw states
+            return self._linear("fuse", x.flatten(-2))
         return self._linear("fuse", torch.cat([norm(x[..., i, :]) for i, norm in enumerate(self.in_norms)], dim=-1))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor,
@@ -166,6 +211,10 @@ class StatePredictor(torch.nn.Module):
         Returns ``h [B, T, D]`` (the residual stream), ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]``.
         """
         e = self.embed[tokens].to(state.dtype)
+        if self.eagle3:
+            normed = self.state_norm(state)
+            h = normed if self.config.norm_before_residual else state
+            return (h, *self._qkv("", torch.cat((self.embed_norm(e), normed), dim=-1), positions))
         h = self._linear("inp", torch.cat((self.state_norm(state), self.embed_norm(e)), dim=-1))
         return (h, *self.layer_qkv(0, h, positions))
 
@@ -173,9 +222,14 @@ class StatePredictor(torch.nn.Module):
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention inputs of decoder layer ``i`` for the residual stream ``h [B, T, D]`` at
         ``positions [B, T]``: ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]`` (rope applied)."""
-        c = self.config
         layer, prefix = self._layer(i)
-        a = layer.attn_norm(h)
+        return self._qkv(prefix, layer.attn_norm(h), positions)
+
+    def _qkv(self, prefix: str, a: torch.Tensor, positions: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections and rope of the layer at ``prefix`` for its normed input
+        ``a [B, T, K]``: ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]``."""
+        c = self.config
         b, t = positions.shape
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self._fused_ready():
@@ -207,7 +261,8 @@ class StatePredictor(torch.nn.Module):
         return h + self._linear(prefix + "down_proj", F.silu(gate) * up)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Predicted states ``[..., D]`` -> draft-vocabulary logits ``[..., V_d]``."""
+        """Predicted states ``[..., D]`` -> draft-vocabulary logits ``[..., V_d]`` (the target's
+        head rows, or EAGLE-3's own ``lm_head``)."""
         return self._linear("head", self.out_norm(g))
 
     def _groups(self) -> int:

@@ -1,0 +1,238 @@
+"""EAGLE-3 checkpoints: SoT's ``eagle3`` predictors written in, and read from, the folder layout
+that vLLM and SGLang serve as draft heads (``config.json`` + ``model.safetensors``).
+
+The folder holds one decoder layer (``midlayer.*``), ``fc [D, 3D]``, ``norm``, ``lm_head
+[V_d, D]`` and the vocabulary maps ``d2t`` (int64 ``[V_d]``, the offset ``target_id -
+draft_id``) and ``t2d`` (bool ``[V]``). The token embeddings are the target's and are not
+stored.
+
+The input layers are named twice in ``config.json``, because the two engines count them
+differently: ``eagle_aux_hidden_state_layer_ids`` (vLLM) lists the layers whose *input* is
+taken, which are Hugging Face ``hidden_states`` indices and SoT's ``state_layers``;
+``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang) lists the layers whose *output* is
+taken, one less.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sot.drafters.state.config import EAGLE3, StatePredictorConfig, check_compatible, default_state_layers
+from sot.drafters.state.model import StatePredictor
+from sot.errors import ConfigError, DrafterCompatibilityError
+from sot.fingerprint import target_fingerprint
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+#: what SoT adds to ``config.json`` (the engines ignore it): the target's fingerprint
+SOT_KEY = "sot"
+
+#: SoT's parameter names -> EAGLE-3's tensor names
+NAMES = {
+    "fuse.weight": "fc.weight",
+    "embed_norm.weight": "midlayer.input_layernorm.weight",
+    "state_norm.weight": "midlayer.hidden_norm.weight",
+    "q_proj.weight": "midlayer.self_attn.q_proj.weight",
+    "k_proj.weight": "midlayer.self_attn.k_proj.weight",
+    "v_proj.weight": "midlayer.self_attn.v_proj.weight",
+    "o_proj.weight": "midlayer.self_attn.o_proj.weight",
+    "mlp_norm.weight": "midlayer.post_attention_layernorm.weight",
+    "gate_proj.weight": "midlayer.mlp.gate_proj.weight",
+    "up_proj.weight": "midlayer.mlp.up_proj.weight",
+    "down_proj.weight": "midlayer.mlp.down_proj.weight",
+    "out_norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+#: tensors some published heads carry that SoT does not use (the target's embeddings are shared)
+IGNORED = ("embed_tokens.weight",)
+
+
+def is_eagle3_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a folder whose ``config.json`` names the EAGLE-3 architecture."""
+    cfg = Path(path) / CONFIG_FILE
+    if not cfg.is_file():
+        return False
+    try:
+        return ARCHITECTURE in (json.loads(cfg.read_text()).get("architectures") or [])
+    except (OSError, ValueError):
+        return False
+
+
+def layer_ids(state_layers: tuple[int, ...]) -> dict[str, list[int]]:
+    """The input layers (Hugging Face ``hidden_states`` indices) in each engine's convention:
+    ``{"vllm": [...], "sglang": [...]}`` (SGLang's are one less)."""
+    return {"vllm": [int(i) for i in state_layers], "sglang": [int(i) - 1 for i in state_layers]}
+
+
+def export_eagle3(pred: StatePredictor, out_dir: str | Path, model: torch.nn.Module,
+                  dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``pred`` (an ``eagle3`` predictor trained for ``model``) as an EAGLE-3 folder.
+
+    Args:
+        pred: the predictor; its weights are written in ``dtype``.
+        out_dir: the folder to write (created; existing files of the same names are replaced).
+        model: the target (for ``max_position_embeddings``, token ids and its fingerprint).
+        dtype: the weights' dtype in the file (bfloat16, as the predictor files are).
+
+    Returns the folder.
+    """
+    c = pred.config
+    if not pred.eagle3:
+        raise ConfigError("this is a native SoT predictor: EAGLE-3 has no place for its per-layer input norms "
+                          "and input projection. Train one in EAGLE-3's layout with 'sot train fit --arch eagle3'")
+    if len(c.state_layers) != 3:
+        raise ConfigError(f"EAGLE-3 takes three input layers; this predictor reads {len(c.state_layers)}")
+    if c.window:
+        raise ConfigError(f"this predictor attends within a sliding window of {c.window} tokens, which "
+                          f"{ARCHITECTURE} cannot express")
+    check_compatible(c, model)
+    tcfg = model.config
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    draft = pred.draft_vocab.to(torch.long).cpu()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[draft] = True
+    if int(t2d.sum()) != draft.numel():
+        raise ConfigError("the predictor's draft vocabulary lists a token twice")
+    params = dict(pred.named_parameters())
+    tensors = {NAMES[k]: params[k].detach().to(dtype).cpu().contiguous() for k in NAMES}
+    tensors["d2t"] = (draft - torch.arange(draft.numel())).contiguous()
+    tensors["t2d"] = t2d
+    ids = layer_ids(c.state_layers)
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": int(getattr(tcfg, "max_position_embeddings", 0) or 2048),
+        "vocab_size": vocab,
+        "draft_vocab_size": int(draft.numel()),
+        "target_hidden_size": c.hidden_size,
+        "tie_word_embeddings": False,
+        "norm_before_residual": bool(c.norm_before_residual),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": getattr(tcfg, "bos_token_id", None),
+        "eos_token_id": getattr(tcfg, "eos_token_id", None),
+        "eagle_aux_hidden_state_layer_ids": ids["vllm"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids["sglang"], "use_aux_hidden_state": True},
+        SOT_KEY: {"target": c.target},
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _state_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
+    """SoT's ``state_layers`` from an EAGLE-3 config: vLLM's ids as they are, else SGLang's
+    plus one, else EAGLE-3's default (the inputs of layers 2, L/2 and L-3)."""
+    if cfg.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"])
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return tuple(int(i) + 1 for i in nested)
+    return default_state_layers(num_layers)
+
+
+def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg_file, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not cfg_file.is_file():
+        raise DrafterCompatibilityError(f"{path} has no {CONFIG_FILE}: not an EAGLE-3 checkpoint folder")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except ValueError as exc:
+        raise DrafterCompatibilityError(f"{cfg_file} is not valid JSON: {exc}") from None
+    if ARCHITECTURE not in (cfg.get("architectures") or []):
+        raise DrafterCompatibilityError(
+            f"{cfg_file} names architectures {cfg.get('architectures')}, not {ARCHITECTURE}; "
+            "a folder given as a predictor must hold an EAGLE-3 head")
+    if not weights.is_file():
+        raise DrafterCompatibilityError(f"{path} has no {WEIGHTS_FILE} (EAGLE-3 heads are read from safetensors)")
+    with safe_open(str(weights), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    return cfg, tensors
+
+
+def eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredictorConfig:
+    """SoT's config for the EAGLE-3 head described by ``cfg`` (its ``config.json``) on
+    ``model``; refuses, with the sizes that differ, a head made for another target."""
+    emb = model.get_input_embeddings().weight
+    vocab, d = int(emb.shape[0]), int(emb.shape[1])
+    num_layers = int(model.config.num_hidden_layers)
+    hidden = int(cfg.get("hidden_size", -1))
+    heads = int(cfg.get("num_attention_heads", 0) or 0)
+    problems = []
+    if hidden != d:
+        problems.append(f"hidden_size {hidden}, target {d}")
+    if int(cfg.get("target_hidden_size") or hidden) != d:
+        problems.append(f"target_hidden_size {cfg.get('target_hidden_size')}, target {d}")
+    if int(cfg.get("vocab_size", -1)) != vocab:
+        problems.append(f"vocab_size {cfg.get('vocab_size')}, target {vocab}")
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        problems.append(f"num_hidden_layers {cfg.get('num_hidden_layers')} (SoT reads one-layer heads)")
+    state_layers = _state_layers(cfg, num_layers)
+    if any(not 0 <= i <= num_layers for i in state_layers):
+        problems.append(f"input layers {list(state_layers)}, target has {num_layers} layers")
+    scaling = cfg.get("rope_scaling")
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
+        problems.append(f"rope_scaling {scaling} (SoT's predictor uses plain rope)")
+    if heads <= 0:
+        problems.append("no num_attention_heads")
+    if problems:
+        raise DrafterCompatibilityError(f"EAGLE-3 head {path} does not fit this target: " + "; ".join(problems))
+    sot = cfg.get(SOT_KEY) or {}
+    target = sot.get("target") or target_fingerprint(model)  # a foreign head: checked by sizes only
+    return StatePredictorConfig(
+        hidden_size=d, num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or d // heads), intermediate_size=int(cfg["intermediate_size"]),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        state_layers=state_layers, draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab), target=target,
+        arch=EAGLE3, norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+
+
+def load_eagle3(path: str | Path, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> StatePredictor:
+    """Read the EAGLE-3 folder at ``path`` as a SoT ``eagle3`` predictor for ``model`` (weights
+    in ``dtype``). A head whose sizes do not fit the target is refused with a clear message."""
+    path = Path(path)
+    cfg, tensors = _read(path)
+    c = eagle3_config(cfg, model, path)
+    if SOT_KEY in cfg:
+        check_compatible(c, model, path)
+    wanted = set(NAMES.values()) | {"d2t"}
+    missing = sorted(wanted - set(tensors))
+    unexpected = sorted(set(tensors) - wanted - {"t2d", *IGNORED})
+    if missing or unexpected:
+        raise DrafterCompatibilityError(f"{path}/{WEIGHTS_FILE} does not have the EAGLE-3 layout "
+                                        f"(missing {missing}, unexpected {unexpected})")
+    d2t = tensors["d2t"].to(torch.long)
+    draft = torch.arange(d2t.numel()) + d2t
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    if d2t.numel() != c.draft_vocab_size or draft.min() < 0 or draft.max() >= vocab:
+        raise DrafterCompatibilityError(f"{path}: d2t does not map {c.draft_vocab_size} draft ids onto "
+                                        f"the target's {vocab} tokens")
+    pred = StatePredictor(c, model.get_input_embeddings().weight, model.get_output_embeddings().weight, draft)
+    own = dict(pred.named_parameters())
+    for name, theirs in NAMES.items():
+        if tuple(tensors[theirs].shape) != tuple(own[name].shape):
+            raise DrafterCompatibilityError(f"{path}: {theirs} has shape {tuple(tensors[theirs].shape)}, this "
+                                            f"target needs {tuple(own[name].shape)}")
+    with torch.no_grad():
+        for name, theirs in NAMES.items():
+            own[name].copy_(tensors[theirs].float())
+    return pred.cast_for_inference(dtype)
