@@ -113,7 +113,8 @@ class SoT:
                 ``bfloat16`` or ``float32``. Greedy output is identical to plain decoding in either.
             max_nodes: tree size limit per step, root included.
             max_depth: how many tokens ahead a tree may reach.
-            predictor: a state predictor file (default: the one shipped for the default model).
+            predictor: a state predictor file or an EAGLE-3 head folder (default: the one
+                shipped for the default model).
             top_k: children per expanded node in state-predictor trees.
             policy: the commit policy (default: heuristic, no warm-up).
             suffix_store: a file of earlier answers to draft from (read if it exists; write

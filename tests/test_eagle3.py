@@ -335,3 +335,8 @@ def test_train_an_eagle3_head_export_it_and_draft_with_the_export(tiny_run, tmp_
         res = Engine(target, drafter, TreeBudget(12, 6), policy=static).generate(prompts, params)
         assert [r.token_ids for r in res] == plain
         assert sum(sum(r.accept_lengths) - r.steps for r in res) > 0, f"{source} drafts are accepted"
+    # an EAGLE-3 folder (here the export; as well one trained elsewhere) is fine-tuned in SoT
+    again = fit(replace(cfg, out=str(tmp_path / "again"), arch="eagle3", init_from=str(out), steps=3, eval_every=3))
+    assert load_predictor(again, loaded.model).config.arch == "eagle3"
+    with pytest.raises(ConfigError, match="architecture eagle3; continue it with --arch eagle3"):
+        fit(replace(cfg, out=str(tmp_path / "wrong"), init_from=str(out), steps=3))

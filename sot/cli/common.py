@@ -61,7 +61,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="engine dtype (default auto: bfloat16 on hardware with native bf16 such as AMX, else float32)")
     add_tree_args(p)
     p.add_argument("--predictor", default=None,
-                   help="state predictor file (default: the one shipped for the default model)")
+                   help="state predictor: a SoT predictor file, or an EAGLE-3 head folder (config.json and "
+                        "model.safetensors, as vLLM and SGLang load them); default: the one shipped for the default model")
     add_policy_args(p)
 
 

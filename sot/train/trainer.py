@@ -275,7 +275,7 @@ def fit(cfg: TrainConfig) -> Path:
         pred, added = grow_predictor(cfg.init_from, target, train.layers, cfg.decoder_layers, recounted, cfg.seed,
                                      cfg.init)
         if pred.config.arch != cfg.arch:
-            raise ConfigError(f"{cfg.init_from} is a {pred.config.arch} predictor; continue it with "
+            raise ConfigError(f"{cfg.init_from} is a predictor of architecture {pred.config.arch}; continue it with "
                               f"--arch {pred.config.arch}, or drop --init-from to start a new {cfg.arch} one")
         pred = pred.float().to(device)
     else:

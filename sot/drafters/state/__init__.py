@@ -14,6 +14,11 @@ Inputs and outputs, for a row at position ``t`` (``D`` = target hidden size, ``S
 fuse/inp projections, the layer and the norms are trained and saved. ``draft_vocab`` is an
 index map onto the target vocabulary (the most frequent tokens), or the whole vocabulary.
 
+With ``arch="eagle3"`` the predictor is EAGLE-3's draft layer instead (no input norms or
+``inp`` projection; q/k/v read ``[embedding, state]``; its own ``lm_head``), trained the same
+way and written to or read from the folder layout vLLM and SGLang serve by
+:mod:`sot.drafters.state.eagle3`; :class:`StatePredictor` gives both data flows.
+
 At inference (:class:`StateDrafter`) the predictor keeps its own KV cache of rows built from
 real target states. A tree is grown depth by depth: the ``top_k`` candidates with the highest
 cumulative log-probability are expanded, and the best ``max_nodes - 1`` nodes overall are
