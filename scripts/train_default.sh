@@ -25,10 +25,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+# ARCH=eagle3 trains the same stages in EAGLE-3's layout ('sot export --format eagle3' then
+# writes it for vLLM and SGLang); the shipped file is native
+ARCH=${ARCH:-native}
 # stage 1
 [ -f runs/data/sharegpt/prepare.json ] || \
   $PY -m sot.cli train prepare --out runs/data/sharegpt --tokens 1500000 --eval-conversations 64
-$PY -m sot.cli train fit --data runs/data/sharegpt --out runs/state-default \
+$PY -m sot.cli train fit --arch "$ARCH" --data runs/data/sharegpt --out runs/state-default \
   --steps 1100 --tokens-per-step 2048 --lr 2e-3 --warmup 20 --unroll 3 --draft-vocab 16384 --init target \
   --eval-every 100 --save-every 25 --max-seconds 3900
 # stage 2
@@ -37,17 +40,17 @@ $PY -m sot.cli train gen-data --out runs/selfdistill/answers.jsonl --limit 1520 
 [ -f runs/data/selfdistill/prepare.json ] || \
   $PY -m sot.cli train prepare --data runs/selfdistill/answers.jsonl --out runs/data/selfdistill \
     --tokens 2000000 --eval-conversations 64
-$PY -m sot.cli train fit --data runs/data/selfdistill --out runs/sd-gen --steps 400 --tokens-per-step 2048 \
+$PY -m sot.cli train fit --arch "$ARCH" --data runs/data/selfdistill --out runs/sd-gen --steps 400 --tokens-per-step 2048 \
   --lr 6e-4 --warmup 10 --unroll 3 --init-from runs/state-default/predictor.safetensors --eval-every 100 --save-every 25
 # stage 3
-$PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill --out runs/sd-mix --steps 300 \
+$PY -m sot.cli train fit --arch "$ARCH" --data runs/data/sharegpt,runs/data/selfdistill --out runs/sd-mix --steps 300 \
   --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-gen/predictor.safetensors \
   --eval-every 100 --save-every 25
-$PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill --out runs/sd-long --steps 900 \
+$PY -m sot.cli train fit --arch "$ARCH" --data runs/data/sharegpt,runs/data/selfdistill --out runs/sd-long --steps 900 \
   --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-mix/predictor.safetensors \
   --eval-every 150 --save-every 25
 # stage 4
-$PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill,runs/data/selfdistill --out runs/sd-xl \
+$PY -m sot.cli train fit --arch "$ARCH" --data runs/data/sharegpt,runs/data/selfdistill,runs/data/selfdistill --out runs/sd-xl \
   --steps 1800 --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-long/predictor.safetensors \
   --eval-every 150 --save-every 25
 # stage 5: 2,480 more self-distilled answers (the first 1,520 are stage 2's), drawn twice as often
@@ -58,7 +61,7 @@ $PY -m sot.cli train gen-data --out runs/selfdistill2/answers.jsonl --limit 4000
 [ -f runs/data/selfdistill2/prepare.json ] || \
   $PY -m sot.cli train prepare --data runs/selfdistill2/answers.jsonl --out runs/data/selfdistill2 \
     --tokens 3000000 --eval-conversations 64
-$PY -m sot.cli train fit --data runs/data/sharegpt,runs/data/selfdistill2,runs/data/selfdistill2 --out runs/sd-5 \
+$PY -m sot.cli train fit --arch "$ARCH" --data runs/data/sharegpt,runs/data/selfdistill2,runs/data/selfdistill2 --out runs/sd-5 \
   --steps 1500 --tokens-per-step 2048 --lr 4e-4 --warmup 10 --unroll 3 --init-from runs/sd-xl/predictor.safetensors \
   --eval-every 150 --save-every 25
 # stage 7: code answers, mixed with chat; the held-out curve is ShareGPT's (the first cache's)
@@ -80,7 +83,7 @@ gen --out runs/code/answers.jsonl --limit 450 --match "$CODE"
   $PY -m sot.cli train prepare --data runs/code/new.jsonl --out runs/data/code7 --tokens 2000000 --eval-conversations 16
 [ -f runs/data/sharegpt-sub/prepare.json ] || \
   $PY -m sot.cli train prepare --out runs/data/sharegpt-sub --tokens 200000 --eval-conversations 16
-$PY -m sot.cli train fit --data runs/data/stdlib,runs/data/code7,runs/data/general,runs/data/sharegpt-sub --out runs/sd-7 \
+$PY -m sot.cli train fit --arch "$ARCH" --data runs/data/stdlib,runs/data/code7,runs/data/general,runs/data/sharegpt-sub --out runs/sd-7 \
   --steps 600 --stop-after 225 --tokens-per-step 2048 --lr 2e-4 --warmup 10 --unroll 3 \
   --init-from runs/sd-5/predictor.safetensors --eval-every 100 --save-every 25
 # stage 8: function-completion requests from the installed packages; the last 48 answers are held out
@@ -94,7 +97,7 @@ tail -n 48 runs/code8/answers.jsonl > runs/code8/eval.jsonl
 [ -f runs/data/code8/prepare.json ] || \
   $PY -m sot.cli train prepare --data runs/code8/train.jsonl --eval-data runs/code8/eval.jsonl --eval-conversations 48 \
     --out runs/data/code8 --tokens 2000000
-$PY -m sot.cli train fit --data runs/data/code8,runs/data/code7,runs/data/stdlib,runs/data/general,runs/data/sharegpt-sub \
+$PY -m sot.cli train fit --arch "$ARCH" --data runs/data/code8,runs/data/code7,runs/data/stdlib,runs/data/general,runs/data/sharegpt-sub \
   --out runs/sd-8 --steps 600 --stop-after 300 --tokens-per-step 2048 --lr 2e-4 --warmup 10 --unroll 3 \
   --init-from runs/sd-7/predictor.safetensors --eval-every 100 --save-every 25
 mkdir -p sot/assets
