@@ -108,12 +108,22 @@ def test_untrained_state_drafter_is_lossless(arch: str, dtype: torch.dtype) -> N
     if arch == "llama":  # a two-layer predictor through the same engine
         two = StateDrafter(two_layer_predictor(model, seed=1), top_k=3)
         assert [r.token_ids for r in Engine(target, two, TreeBudget(16, 6)).generate(prompts, params)] == plain
+    if arch == "gemma3":  # the EAGLE-3 layout on a target with sliding layers and (1 + w) norms
+        e3 = StateDrafter(new_predictor(model, LAYERS, None, seed=1, arch="eagle3"), top_k=3)
+        assert [r.token_ids for r in Engine(target, e3, TreeBudget(16, 6)).generate(prompts, params)] == plain
     alone = [Engine(target, drafter, TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
     assert alone == plain
 
 
-@pytest.mark.parametrize("decoder_layers,window", [(1, 0), (2, 0), (1, 5), (2, 5)])
-def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: int) -> None:
+def _predictor(model, decoder_layers: int, arch: str = "native"):
+    if arch == "eagle3":
+        return new_predictor(model, LAYERS, None, seed=2, arch="eagle3")
+    return new_predictor(model, LAYERS, None, seed=2) if decoder_layers == 1 else two_layer_predictor(model, 2)
+
+
+@pytest.mark.parametrize("decoder_layers,window,arch", [(1, 0, "native"), (2, 0, "native"), (1, 5, "native"),
+                                                       (2, 5, "native"), (1, 0, "eagle3"), (1, 5, "eagle3")])
+def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: int, arch: str) -> None:
     """A top-1 chain drafted at inference follows the training unroll step for step: the depth
     ``d`` node's prediction is ``forward_unrolled`` step ``d`` at its row (with one decoder
     layer, and with two, each attending to its own cache; and with a sliding window, which
@@ -123,7 +133,7 @@ def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: 
     from sot.drafters.base import DraftInput
 
     model = tiny_model("mistral", seed=4, sliding_window=window) if window else tiny_model("llama", seed=4)
-    pred = new_predictor(model, LAYERS, None, seed=2) if decoder_layers == 1 else two_layer_predictor(model, 2)
+    pred = _predictor(model, decoder_layers, arch)
     assert pred.config.window == window
     drafter = StateDrafter(copy.deepcopy(pred), top_k=1, lookup=False, min_confidence=0.0)
     (ctx, states), = chain_inputs(model, pred, [12], seed=0)
@@ -145,14 +155,14 @@ def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: 
             assert tree.draft_probs[d] == pytest.approx(math.exp(cum), rel=1e-4)
 
 
-@pytest.mark.parametrize("decoder_layers", [1, 2])
-def test_batched_drafting_equals_drafting_alone(decoder_layers: int) -> None:
+@pytest.mark.parametrize("decoder_layers,arch", [(1, "native"), (2, "native"), (1, "eagle3")])
+def test_batched_drafting_equals_drafting_alone(decoder_layers: int, arch: str) -> None:
     """Sequences drafted together (one predictor pass per depth) get the trees they get alone,
     across several steps, with states arriving in chunks of different sizes."""
     from sot.drafters.base import DraftInput
 
     model = tiny_model("llama", seed=4)
-    pred = new_predictor(model, LAYERS, None, seed=2) if decoder_layers == 1 else two_layer_predictor(model, 2)
+    pred = _predictor(model, decoder_layers, arch)
     seqs = chain_inputs(model, pred, [9, 17, 30], seed=1)
     budget = TreeBudget(10, 5)
     together = StateDrafter(pred, top_k=3)
