@@ -212,11 +212,10 @@ def test_the_exported_key_set_names_shapes_and_dtypes(tmp_path) -> None:
                                    "use_aux_hidden_state": True}
 
 
-def _random_checkpoint(folder: Path, model, seed: int, **config_changes) -> Path:
+def _random_checkpoint(folder: Path, model, seed: int, draft: torch.Tensor = DRAFT, **config_changes) -> Path:
     """An EAGLE-3 folder written from the layout alone (not by SoT), as a published head."""
     gen = torch.Generator().manual_seed(seed)
     d, inter, nh, nkv, hd = 64, 128, 4, 2, 16
-    draft = DRAFT
     shapes = {
         "fc.weight": (d, 3 * d), "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * d),
         "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * d), "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * d),
@@ -263,6 +262,29 @@ def test_a_random_eagle3_checkpoint_drafts_losslessly(tmp_path, dtype: torch.dty
     alone = [Engine(target, drafter, TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
     assert alone == plain
     assert sum(r.steps for r in res) < sum(len(r.token_ids) for r in res), "some drafted tokens are accepted"
+
+
+def test_a_sharded_head_over_the_whole_vocabulary_without_vocabulary_maps(tmp_path) -> None:
+    """Heads published without ``d2t``/``t2d`` (draft vocabulary = the target's) and with their
+    weights in shards (``model.safetensors.index.json``) read as the single-file form does."""
+    model = tiny_model("llama", seed=2)
+    whole = _random_checkpoint(tmp_path / "whole", model, seed=5, draft=torch.arange(VOCAB))
+    with safe_open(str(whole / "model.safetensors"), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys() if k not in ("d2t", "t2d")}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((whole / "config.json").read_text())
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, str(sharded / file))
+        weight_map.update({k: file for k in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    a, b = load_predictor(whole, model), load_predictor(sharded, model)
+    assert torch.equal(b.draft_vocab, torch.arange(VOCAB))
+    seqs = chain_inputs(model, a, [11, 25], seed=4)
+    _same_trees(_trees(a, seqs), _trees(b, seqs))
 
 
 def test_a_head_for_another_target_is_refused(tmp_path) -> None:

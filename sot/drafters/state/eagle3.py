@@ -162,10 +162,22 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise DrafterCompatibilityError(
             f"{cfg_file} names architectures {cfg.get('architectures')}, not {ARCHITECTURE}; "
             "a folder given as a predictor must hold an EAGLE-3 head")
-    if not weights.is_file():
+    index = path / (WEIGHTS_FILE + ".index.json")
+    if weights.is_file():
+        files = [weights]
+    elif index.is_file():  # a sharded checkpoint
+        try:
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DrafterCompatibilityError(f"{index} is not a safetensors index: {exc}") from None
+    else:
         raise DrafterCompatibilityError(f"{path} has no {WEIGHTS_FILE} (EAGLE-3 heads are read from safetensors)")
-    with safe_open(str(weights), framework="pt") as fh:
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise DrafterCompatibilityError(f"{file}, named by {index.name}, is missing")
+        with safe_open(str(file), framework="pt") as fh:
+            tensors.update({k: fh.get_tensor(k) for k in fh.keys()})
     return cfg, tensors
 
 
@@ -214,6 +226,9 @@ def load_eagle3(path: str | Path, model: torch.nn.Module, dtype: torch.dtype = t
     c = eagle3_config(cfg, model, path)
     if SOT_KEY in cfg:
         check_compatible(c, model, path)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    if "d2t" not in tensors and c.draft_vocab_size == vocab:  # a head over the whole vocabulary
+        tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
     wanted = set(NAMES.values()) | {"d2t"}
     missing = sorted(wanted - set(tensors))
     unexpected = sorted(set(tensors) - wanted - {"t2d", *IGNORED})
@@ -222,7 +237,6 @@ def load_eagle3(path: str | Path, model: torch.nn.Module, dtype: torch.dtype = t
                                         f"(missing {missing}, unexpected {unexpected})")
     d2t = tensors["d2t"].to(torch.long)
     draft = torch.arange(d2t.numel()) + d2t
-    vocab = int(model.get_input_embeddings().weight.shape[0])
     if d2t.numel() != c.draft_vocab_size or draft.min() < 0 or draft.max() >= vocab:
         raise DrafterCompatibilityError(f"{path}: d2t does not map {c.draft_vocab_size} draft ids onto "
                                         f"the target's {vocab} tokens")
