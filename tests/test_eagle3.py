@@ -337,8 +337,12 @@ def test_train_an_eagle3_head_export_it_and_draft_with_the_export(tiny_run, tmp_
     assert state["evals"][-1]["chain_tau"] > state["evals"][0]["chain_tau"], "and raises the held-out acceptance"
     out = tmp_path / "head"
     proc = subprocess.run([sys.executable, "-m", "sot.cli", "export", "--format", "eagle3", str(predictor), str(out),
-                           "--model", str(tiny_run["model_dir"])], capture_output=True, text=True, cwd=ROOT)
+                           "--model", str(tiny_run["model_dir"]), "--dtype", "float32"],
+                          capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        assert fh.get_tensor("fc.weight").dtype == torch.float32
     assert "SGLang counts them as [-1, 0, 1]" in proc.stderr
     native = subprocess.run([sys.executable, "-m", "sot.cli", "export", str(tiny_run["predictor"]), str(tmp_path / "n"),
                              "--model", str(tiny_run["model_dir"])], capture_output=True, text=True, cwd=ROOT)

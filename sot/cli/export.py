@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sot.cli.common import DTYPE_CHOICES
+
 #: formats ``sot export`` writes
 EXPORT_FORMATS = ("eagle3",)
-#: weight dtypes of an exported checkpoint
-EXPORT_DTYPES = ("bfloat16", "float32")
+#: weight dtypes of an exported checkpoint: the engine's, without ``auto``
+EXPORT_DTYPES = tuple(d for d in DTYPE_CHOICES if d != "auto")
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,11 +26,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from sot.drafters.state import load_predictor
     from sot.drafters.state.eagle3 import export_eagle3, layer_ids
-    from sot.models.loading import load_model
+    from sot.models.loading import load_model, resolve_dtype
 
     model = load_model(args.model, dtype=torch.float32).model
     pred = load_predictor(args.predictor, model)
-    out = export_eagle3(pred, args.out_dir, model, dtype=getattr(torch, args.dtype))
+    out = export_eagle3(pred, args.out_dir, model, dtype=resolve_dtype(args.dtype))
     ids = layer_ids(pred.config.state_layers)
     print(f"wrote {out}/config.json and model.safetensors: EAGLE-3 head, draft vocabulary "
           f"{pred.draft_vocab.numel():,}, input layers {ids['vllm']} (vLLM; SGLang counts them as {ids['sglang']})",

@@ -239,10 +239,10 @@ def _check_config(cfg: TrainConfig) -> None:
     """Refuse settings that cannot work, before anything loads."""
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}")
-    if cfg.arch == EAGLE3 and cfg.decoder_layers != 1:
-        raise ConfigError(f"an EAGLE-3 predictor has one decoder layer; drop --decoder-layers {cfg.decoder_layers}")
     if cfg.arch not in ARCHES:
         raise ConfigError(f"arch must be one of {', '.join(ARCHES)}, got {cfg.arch!r}")
+    if cfg.arch == EAGLE3 and cfg.decoder_layers != 1:
+        raise ConfigError(f"an EAGLE-3 predictor has one decoder layer; drop --decoder-layers {cfg.decoder_layers}")
     if cfg.stop_after < 0:
         raise ConfigError(f"--stop-after must be a step number >= 0, got {cfg.stop_after}")
     if cfg.recount_vocab and not cfg.init_from:

@@ -29,12 +29,12 @@ from sot.drafters.state.drafter import StateDrafter
 from sot.drafters.state.io import (
     check_compatible, grow_predictor, load_predictor, new_predictor, read_predictor_config, save_predictor,
 )
-from sot.drafters.state.eagle3 import export_eagle3, is_eagle3_dir, load_eagle3
+from sot.drafters.state.eagle3 import export_eagle3, load_eagle3
 from sot.drafters.state.model import DecoderLayer, RMSNorm, StatePredictor
 from sot.fingerprint import embedding_hash, target_fingerprint
 
 __all__ = [
     "FORMAT", "DecoderLayer", "RMSNorm", "StateDrafter", "StatePredictor", "StatePredictorConfig", "check_compatible",
-    "embedding_hash", "export_eagle3", "grow_predictor", "is_eagle3_dir", "load_eagle3", "load_predictor", "new_predictor", "read_predictor_config", "save_predictor",
-    "target_fingerprint",
+    "embedding_hash", "export_eagle3", "grow_predictor", "load_eagle3", "load_predictor", "new_predictor",
+    "read_predictor_config", "save_predictor", "target_fingerprint",
 ]

@@ -53,17 +53,6 @@ NAMES = {
 IGNORED = ("embed_tokens.weight",)
 
 
-def is_eagle3_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a folder whose ``config.json`` names the EAGLE-3 architecture."""
-    cfg = Path(path) / CONFIG_FILE
-    if not cfg.is_file():
-        return False
-    try:
-        return ARCHITECTURE in (json.loads(cfg.read_text()).get("architectures") or [])
-    except (OSError, ValueError):
-        return False
-
-
 def layer_ids(state_layers: tuple[int, ...]) -> dict[str, list[int]]:
     """The input layers (Hugging Face ``hidden_states`` indices) in each engine's convention:
     ``{"vllm": [...], "sglang": [...]}`` (SGLang's are one less)."""

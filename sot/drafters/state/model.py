@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sot.drafters.state.config import EAGLE3, StatePredictorConfig
+from sot.errors import ConfigError
 
 
 class RMSNorm(torch.nn.Module):
@@ -176,8 +177,6 @@ class StatePredictor(torch.nn.Module):
         vocabulary; for comparing the two at inference. Native predictors only: an EAGLE-3
         head is trained over its draft vocabulary."""
         if self.eagle3:
-            from sot.errors import ConfigError
-
             raise ConfigError("an EAGLE-3 predictor proposes from its own draft vocabulary only (no full vocabulary)")
         self.draft_vocab = torch.arange(head.shape[0], device=self.draft_vocab.device)
         self.head = head.detach().to(self.head.dtype)
