@@ -28,7 +28,8 @@ from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.models.rows import ROW_UNIT, round_up
 from sot.policy import (
-    AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, StepOutcome, StepPlan, Trace, resolve_policy,
+    AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, RLPolicyModel, StepOutcome, StepPlan, Trace,
+    resolve_policy, resolve_rl_policy,
 )
 from sot.requests import (
     GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_prompts, check_request,
@@ -56,13 +57,17 @@ class Engine:
             ``budget.max_depth`` (``budget.max_nodes`` is raised to fit it).
         acceptance_model: the model of the ``learned`` policy (default: loaded from
             ``policy.model_path``, or the one shipped for the default model).
-        record_policy: verify every tree whole and log the commit policy's features and the
-            outcome of every node in ``self.policy_trace`` (training data of ``learned``).
+        record_policy: verify every tree whole, with the sequence's free drafts merged in, and
+            log the commit policy's features and the outcome of every node, and every step's
+            trees and target tokens, in ``self.policy_trace`` (training data of ``learned``
+            and ``rl``).
         max_batch: sequences decoded together at most (``None``: every request admitted at
             once); the others wait, first come first served.
         record_steps: keep a :class:`~sot.trace.StepRecord` of every verify step in each
             result (the proposed tree, what the policy kept, what was accepted, the target's
             probabilities, the step's time split; the state drafter's predicted states).
+        rl_model: the network of the ``rl`` policy (default: loaded from ``policy.model_path``,
+            or the one shipped for the default model).
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class Engine:
         record_policy: bool = False,
         max_batch: int | None = None,
         record_steps: bool = False,
+        rl_model: RLPolicyModel | None = None,
     ) -> None:
         budget.check(MAX_TREE_DEPTH)
         if max_batch is not None and max_batch < 1:
@@ -86,6 +92,7 @@ class Engine:
             raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
         self.policy_config, acceptance_model = resolve_policy(policy or PolicyConfig(), drafter, target,
                                                               acceptance_model, record_policy)
+        self.rl_model = resolve_rl_policy(self.policy_config, drafter, target, rl_model, record_policy)
         if self.policy_config.kind is PolicyKind.STATIC and drafter.static_width > 0:
             width = drafter.static_width
             budget = TreeBudget(max_nodes=1 + width * budget.max_depth, max_depth=budget.max_depth, width=width)
@@ -96,6 +103,8 @@ class Engine:
         self.times = PhaseTimes()
         self.trace = trace
         self.record_policy = record_policy
+        # recording verifies each drafted tree with its free drafts merged in (at most twice the size)
+        self._max_tree = budget.max_nodes * (2 if record_policy else 1)
         self.max_batch = max_batch
         self.record_steps = record_steps
         self._proposed: dict[int, tuple[str, DraftTree]] = {}  # this step's, while recording
@@ -121,7 +130,7 @@ class Engine:
         if self._policy is None:
             needs_cost = self.drafter.kind is not DrafterKind.NONE and self.policy_config.kind is not PolicyKind.STATIC
             self._policy = CommitPolicy(self.policy_config, self.cost_model() if needs_cost else None,
-                                        self.acceptance_model, record=self.record_policy)
+                                        self.acceptance_model, record=self.record_policy, rl=self.rl_model)
         return self._policy
 
     @property
@@ -256,7 +265,7 @@ class Engine:
     def _headroom(self) -> int:
         """Slots past a sequence's length that one step may write: its tree (scratch rows,
         rounded up) and the accepted path."""
-        return round_up(self.budget.max_nodes, ROW_UNIT) + self.budget.max_depth + 1
+        return round_up(self._max_tree, ROW_UNIT) + self.budget.max_depth + 1
 
     def _decode_step(self) -> list[TokenEvent]:
         """plan -> draft -> verify -> accept -> commit over the running sequences."""
@@ -303,7 +312,8 @@ class Engine:
         given = {s.id: self._draft_input(s, s.states) for s in seqs}
         # What the drafter offers for free (prompt-lookup matches) lets the policy keep its
         # model idle for a step; sequences that skip the model keep their states until it runs.
-        free = self.drafter.propose_free(list(given.values()), self.budget) if policy.adaptive else None
+        offers = policy.adaptive or policy.record
+        free = self.drafter.propose_free(list(given.values()), self.budget) if offers else None
         plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), self.budget)
         proposed: dict[int, DraftTree] = {}
         if plan.drafting:
@@ -321,7 +331,7 @@ class Engine:
                 seq.result.plain_steps += 1
             root = seq.root
             tree = chosen.get(seq.id) or DraftTree.root_only(root)
-            if tree.tokens[0] != root or tree.size > self.budget.max_nodes or tree.max_depth > self.budget.max_depth:
+            if tree.tokens[0] != root or tree.size > self._max_tree or tree.max_depth > self.budget.max_depth:
                 raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
             trees.append(tree)
         return plan, trees

@@ -10,6 +10,7 @@ from helpers import tiny_model_dir
 from sot.acceptance import Acceptance
 from sot.bench.runner import BenchConfig, run_bench
 from sot.cli import main
+from sot.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +180,20 @@ def test_builtin_multiturn_sets() -> None:
     assert render(agent[0], [], chat=True)["messages"][-1] == {"role": "user", "content": agent[0]["turns"][0]}
     share = load_conversations("sharegpt-multiturn", limit=4)
     assert len(share) == 4 and all(len(r["turns"]) == 3 for r in share)
+
+
+def test_policy_sweep_runs_each_policy_as_a_method(setup) -> None:
+    from sot.bench.runner import parse_sweep
+
+    assert parse_sweep("policy=heuristic,learned,rl") == ("policy", ("heuristic", "learned", "rl"))
+    with pytest.raises(ConfigError, match="distinct policies"):
+        parse_sweep("policy=heuristic,fast")
+    model, prompts, root = setup
+    cfg = _config(model, prompts, root / "sweep-policy", methods=("plain", "pld"), max_new_tokens=16,
+                  sweep=("policy", ("heuristic", "static")))
+    res = run_bench(cfg)
+    assert set(res["methods"]) == {"plain", "pld[heuristic]", "pld[static]"}
+    rows = res["sweep"]["rows"]
+    assert [r["value"] for r in rows] == ["heuristic", "static"]
+    assert all(r["identical_to_plain"] == "3/3" and r["tokens_per_s_vs_plain"] > 0 for r in rows)
+    assert "sequence steps without a drafted tree" in (root / "sweep-policy" / "report.md").read_text()

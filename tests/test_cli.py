@@ -231,7 +231,7 @@ def test_parser_defaults_come_from_the_config_dataclasses() -> None:
             if action.dest in ("help", "data", "out") or not hasattr(config, action.dest):
                 continue
             want_value = getattr(config, action.dest)
-            if action.dest == "temperatures":
+            if action.dest in ("temperatures", "batch_sizes"):
                 want_value = ",".join(f"{t:g}" for t in want_value)
             assert action.default == want_value, (sub_name, action.dest, action.default, want_value)
             checked += 1

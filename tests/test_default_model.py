@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from sot.policy import DEFAULT_ACCEPTANCE_MODEL, PolicyConfig, PolicyKind
+from sot.policy import DEFAULT_ACCEPTANCE_MODEL, DEFAULT_RL_POLICY, PolicyConfig, PolicyKind
 from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget, default_predictor_path, make_drafter
 from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
@@ -69,6 +69,13 @@ def _check(n_prompts: int, new_tokens: int) -> None:
         learned = PolicyConfig(kind=PolicyKind.LEARNED)
         spec = [r.token_ids for r in Engine(bf16, state16, TreeBudget(16, 8), policy=learned).generate(prompts, params)]
         assert spec == plain, "bfloat16 SoT (state, learned commit policy) differs from bfloat16 plain decoding"
+    if state16 is not None:  # the rl policy ships with the default model
+        assert DEFAULT_RL_POLICY.is_file()
+        rl = PolicyConfig(kind=PolicyKind.RL)
+        spec = [r.token_ids for r in Engine(bf16, state16, TreeBudget(16, 8), policy=rl).generate(prompts, params)]
+        assert spec == plain, "bfloat16 SoT (state, rl commit policy) differs from bfloat16 plain decoding"
+        spec = [r.token_ids for r in Engine(target, state32, TreeBudget(16, 8), policy=rl).generate(prompts, params)]
+        assert spec == reference, "float32 SoT (state, rl commit policy) differs from transformers generate()"
 
 
 def test_default_model_quick() -> None:

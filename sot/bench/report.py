@@ -237,7 +237,7 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
                   "|---|---|---|---|---|---|---|"]
         for row in sw["rows"]:
             s = row.get("speedup_vs_plain")
-            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain', 0):.2f}x | "
+            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain') or 0:.2f}x | "
                          f"{row['mean_accept_len']:.2f} | {(s or {}).get('median', 0):.2f}x | "
                          f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain']} |")
         if sw["name"] == "batch-size":
@@ -245,6 +245,9 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
                       "|---|---|---|---|"]
             lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {100 * r['drafting_share']:.0f}% | "
                       f"{100 * r['draft_time_share']:.0f}% |" for r in sw["rows"]]
+        if sw["name"] == "policy":
+            lines += ["", "| policy | sequence steps without a drafted tree |", "|---|---|"]
+            lines += [f"| {r['value']} | {100 * (r.get('plain_step_share') or 0):.0f}% |" for r in sw["rows"]]
     written = plots(result["methods"], out)
     lines += ["", *[f"![{w}]({w})" for w in written]]
     (out / "report.md").write_text("\n".join(lines) + "\n")
@@ -270,5 +273,5 @@ def summary(result: dict) -> str:
     if "sweep" in result:
         sw = result["sweep"]
         text += f"sweep of {sw['name']} ({sw['method']}): " + ", ".join(
-            f"{r['value']}: {r['tokens_per_s_vs_plain']:.2f}x plain, tau {r['mean_accept_len']:.2f}" for r in sw["rows"]) + "\n"
+            f"{r['value']}: {r['tokens_per_s_vs_plain'] or 0:.2f}x plain, tau {r['mean_accept_len']:.2f}" for r in sw["rows"]) + "\n"
     return text + "".join(f"note: {n}\n" for n in result["notes"])

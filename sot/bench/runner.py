@@ -29,7 +29,7 @@ from sot.bench.methods import METHODS, BenchMethod, EngineMethod, HFMethod, Llam
 from sot.bench.prompts import load_prompt_set
 from sot.bench.report import aggregate, sweep_plot, write_report
 from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
-from sot.policy import PolicyConfig
+from sot.policy import PolicyConfig, PolicyKind
 from sot.engine import GenerationParams
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
@@ -39,7 +39,7 @@ from sot.sampling import SamplingMode, SamplingParams
 
 SCHEMA = "sot-bench/1"
 SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "draft-top-k": "draft_top_k",
-             "warmup": "warmup", "batch-size": "batch_size"}
+             "warmup": "warmup", "batch-size": "batch_size", "policy": "kind"}
 
 
 @dataclass(frozen=True)
@@ -67,17 +67,25 @@ class BenchConfig:
     chat: bool | None = None
     ignore_eos: bool = False
     warmup_tokens: int = 16
-    sweep: tuple[str, tuple[int, ...]] | None = None
+    sweep: tuple[str, tuple[int | str, ...]] | None = None
     multiturn: bool = False  # run each record's turns as a conversation (built-in multi-turn sets always do)
     out: str = "bench-out"
     notes: list[str] = field(default_factory=list)
 
 
-def parse_sweep(text: str) -> tuple[str, tuple[int, ...]]:
-    """``"max-depth=1,2,4"`` -> ``("max-depth", (1, 2, 4))``."""
+def parse_sweep(text: str) -> tuple[str, tuple[int | str, ...]]:
+    """``"max-depth=1,2,4"`` -> ``("max-depth", (1, 2, 4))``; ``"policy=heuristic,rl"`` ->
+    ``("policy", ("heuristic", "rl"))``."""
     name, _, values = text.partition("=")
     if name not in SWEEPABLE or not values:
         raise ConfigError(f"--sweep takes NAME=v1,v2,... with NAME one of {', '.join(SWEEPABLE)}")
+    if name == "policy":
+        kinds = tuple(values.split(","))
+        known = [k.value for k in PolicyKind]
+        bad = [k for k in kinds if k not in known]
+        if bad or len(set(kinds)) != len(kinds):
+            raise ConfigError(f"--sweep policy= takes distinct policies among {', '.join(known)}, got {values}")
+        return name, kinds
     try:
         parsed = tuple(int(v) for v in values.split(","))
     except ValueError:
@@ -158,6 +166,12 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
                 methods.append(LlamaCppMethod(gguf))
             except ImportError:
                 cfg.notes.append("llamacpp skipped: llama-cpp-python is not installed (pip install 'sot[llamacpp]')")
+        elif cfg.sweep and cfg.sweep[0] == "policy" and name != "plain":
+            # the policies side by side, as methods of their own in the alternating rounds
+            for kind in cfg.sweep[1]:
+                policy = dataclasses.replace(cfg.policy, kind=PolicyKind(kind))
+                methods.append(EngineMethod(f"{method_label(name)}[{kind}]", target, drafters[name], _budget(cfg),
+                                            policy))
         else:
             methods.append(EngineMethod(method_label(name), target, drafters[name], _budget(cfg), cfg.policy))
     return methods, tokenizer, target
@@ -274,10 +288,30 @@ def run_bench(cfg: BenchConfig) -> dict:
     }
     if multiturn:
         result["turns"] = per_turn(runs, names)
-    if cfg.sweep:
+    if cfg.sweep and cfg.sweep[0] == "policy":
+        result["sweep"] = policy_sweep(cfg, aggregates, out)
+    elif cfg.sweep:
         result["sweep"] = run_sweep(cfg, target, prompts, params, out)
     write_report(result, runs, names, records, out)
     return result
+
+
+def policy_sweep(cfg: BenchConfig, aggregates: dict, out: Path) -> dict:
+    """The rows of ``--sweep policy=...``: each policy's figures from the alternating rounds
+    (tokens/s and its ratio to plain's, tau, verified rows per step, plain steps)."""
+    spec = next((m for m in cfg.methods if m != "plain" and _is_engine(m)), None)
+    if spec is None:
+        raise ConfigError("--sweep policy needs a speculative engine method (state, pld, suffix, auto) in --methods")
+    plain = aggregates.get("plain")
+    rows = []
+    for kind in cfg.sweep[1]:
+        a = aggregates[f"{method_label(spec)}[{kind}]"]
+        rows.append({"value": kind, "tokens_per_s": a["tokens_per_s"], "mean_accept_len": a["mean_accept_len"],
+                     "speedup_vs_plain": a.get("speedup_vs_plain"), "identical_to_plain": a.get("identical_to_plain"),
+                     "tokens_per_s_vs_plain": a["tokens_per_s"] / plain["tokens_per_s"] if plain else None,
+                     "mean_tree_size": a.get("mean_tree_size"), "plain_step_share": a.get("plain_step_share")})
+    sweep_plot("policy", rows, out)
+    return {"name": "policy", "method": spec, "rows": rows}
 
 
 def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[int]], params: GenerationParams, out: Path) -> dict:

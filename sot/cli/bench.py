@@ -49,8 +49,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_policy_args(bench)
     bench.add_argument("--ignore-eos", action="store_true")
     bench.add_argument("--sweep", default=None,
-                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget), draft-top-k, warmup or "
-                            "batch-size")
+                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget), draft-top-k, warmup, "
+                            "batch-size, or policy (e.g. policy=heuristic,learned,rl: each policy runs as a method of "
+                            "its own, alternating with the others on every prompt)")
     bench.add_argument("--out", default="bench-out", help="output folder")
     add_chat_flag(bench)
 

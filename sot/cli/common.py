@@ -83,10 +83,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     """The commit policy's flags; defaults from :class:`~sot.policy.PolicyConfig`."""
     p.add_argument("--policy", choices=[k.value for k in PolicyKind], default=PolicyConfig.kind.value,
                    help="commit policy: heuristic (default: cost model + fallback), learned (a trained acceptance "
-                        "model + cost model + fallback), auto (learned when an acceptance model fits the model, "
-                        "else heuristic) or static (a fixed tree of top-k nodes per depth)")
+                        "model + cost model + fallback), rl (the heuristic's choices made by a network trained "
+                        "by reinforcement on simulated tokens/s), auto (learned when an acceptance model fits the "
+                        "model, else heuristic) or static (a fixed tree of top-k nodes per depth)")
     p.add_argument("--policy-model", default=None,
-                   help="acceptance model of --policy learned (default: the one shipped for the default model)")
+                   help="acceptance model of --policy learned, or network of --policy rl (default: the one "
+                        "shipped for the default model)")
     p.add_argument("--warmup", type=non_negative_int, default=PolicyConfig.warmup,
                    help="tokens decoded plainly at the start of a sequence")
     p.add_argument("--fallback-threshold", type=non_negative_float, default=PolicyConfig.fallback_threshold,

@@ -114,19 +114,30 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                      help="compute precision (auto: bf16 autocast where the hardware computes bf16 natively, "
                           "else float32; master weights and losses are float32 either way)")
 
-    pol = tsub.add_parser("policy", help="train the learned commit policy from logged decoding traces")
+    pol = tsub.add_parser("policy", help="train a commit policy from logged decoding traces: the acceptance "
+                          "model of --policy learned, or the network of --policy rl (--kind rl)")
+    pol.add_argument("--kind", choices=["learned", "rl"], default=PolicyTrainConfig.kind,
+                     help="learned: fit the acceptance model; rl: train the rl policy on simulated speed")
     pol.add_argument("--model", default=PolicyTrainConfig.model)
     pol.add_argument("--predictor", default=PolicyTrainConfig.predictor,
                      help="state predictor file (default: the shipped one)")
     pol.add_argument("--out", required=True,
-                     help="run folder: traces.pt (reused if present), policy.safetensors, report")
+                     help="run folder: traces.pt (reused if present), policy.safetensors or rl-policy.safetensors, "
+                          "report")
     pol.add_argument("--prompts", type=positive_int, default=PolicyTrainConfig.prompts,
                      help="ShareGPT training prompts to decode")
+    pol.add_argument("--code-prompts", type=int, default=PolicyTrainConfig.code_prompts,
+                     help="coding requests (from the standard library's functions) to decode too")
     pol.add_argument("--max-new-tokens", type=positive_int, default=PolicyTrainConfig.max_new_tokens)
     pol.add_argument("--temperatures", default=",".join(f"{t:g}" for t in PolicyTrainConfig.temperatures),
-                     help="comma list of sampling temperatures to decode at")
-    pol.add_argument("--batch-size", type=positive_int, default=PolicyTrainConfig.batch_size)
-    pol.add_argument("--epochs", type=positive_int, default=PolicyTrainConfig.epochs)
+                     help="comma list of sampling temperatures to decode at (coupled sampling)")
+    pol.add_argument("--batch-sizes", default=",".join(str(b) for b in PolicyTrainConfig.batch_sizes),
+                     help="comma list of batch sizes; they take turns over the prompts")
+    pol.add_argument("--dtype", choices=DTYPE_CHOICES, default=PolicyTrainConfig.dtype)
+    pol.add_argument("--epochs", type=positive_int, default=PolicyTrainConfig.epochs,
+                     help="epochs of the acceptance model's fit (--kind learned)")
+    pol.add_argument("--rl-epochs", type=positive_int, default=PolicyTrainConfig.rl_epochs,
+                     help="simulator replays of the training batches (--kind rl)")
     pol.add_argument("--seed", type=int, default=PolicyTrainConfig.seed)
 
 
@@ -184,20 +195,39 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _numbers(text: str, flag: str, kind=float) -> tuple:
+    from sot.errors import ConfigError
+
+    try:
+        return tuple(kind(t) for t in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     from sot.errors import ConfigError
     from sot.train.acceptance import PolicyTrainConfig, train_policy
 
-    try:
-        temps = tuple(float(t) for t in args.temperatures.split(","))
-    except ValueError:
-        raise ConfigError(f"--temperatures takes comma-separated numbers, got {args.temperatures!r}") from None
+    temps = _numbers(args.temperatures, "--temperatures")
     if any(t < 0 for t in temps):
         raise ConfigError("temperatures must be >= 0")
-    cfg = PolicyTrainConfig(model=args.model, predictor=args.predictor, out=args.out, prompts=args.prompts,
-                            max_new_tokens=args.max_new_tokens, temperatures=temps, batch_size=args.batch_size,
-                            epochs=args.epochs, seed=args.seed)
+    sizes = _numbers(args.batch_sizes, "--batch-sizes", int)
+    if any(b < 1 for b in sizes):
+        raise ConfigError("batch sizes must be >= 1")
+    if args.code_prompts < 0:
+        raise ConfigError("--code-prompts must be >= 0")
+    cfg = PolicyTrainConfig(model=args.model, predictor=args.predictor, out=args.out, kind=args.kind,
+                            prompts=args.prompts, code_prompts=args.code_prompts,
+                            max_new_tokens=args.max_new_tokens, temperatures=temps, batch_sizes=sizes,
+                            dtype=args.dtype, epochs=args.epochs, rl_epochs=args.rl_epochs, seed=args.seed)
     path = train_policy(cfg)
+    if args.kind == "rl":
+        report = json.loads((Path(args.out) / "rl-report.json").read_text())
+        row = report["held_out"][0]
+        others = ", ".join(f"{k} {row[k]['speedup']:.3f}x" for k in ("heuristic", "learned") if k in row)
+        print(f"{report['train_batches']} training batches; held-out simulated speed-up over plain: "
+              f"rl {row['rl']['speedup']:.3f}x, {others}; wrote {path}", file=sys.stderr)
+        return 0
     report = json.loads((Path(args.out) / "report.json").read_text())
     ll = report["val_log_loss"]
     print(f"{report['nodes']:,} logged nodes (acceptance {report['accept_rate']:.2f}); held-out log-loss: "

@@ -27,20 +27,26 @@ in the verify pass. The policy decides that per sequence, every step:
 the draft confidences, the node's depth and rank, and the sequence's recent acceptance. Pruning,
 stopping (a root-only choice) and fallback then work as for ``heuristic``.
 
+``rl`` keeps the heuristic's estimates, pruning candidates and fallback, but a small network
+trained by reinforcement on simulated tokens per second (:mod:`sot.policy.rl`,
+:mod:`sot.policy.simulate`, ``sot train policy --kind rl``) picks how many nodes to verify
+and whether a sequence drafts or takes its free draft.
+
 ``static`` verifies a fixed-shape tree: the drafter's best ``width`` nodes at every depth up to
 ``max_depth`` (``1 + width * max_depth`` nodes), with no pruning and no fallback.
 """
 from sot.policy.acceptance_model import (
     DEFAULT_ACCEPTANCE_MODEL, FEATURES, AcceptanceModel, Trace, fitting_acceptance_model, load_acceptance_model,
-    node_features, resolve_policy,
+    node_features, resolve_policy, resolve_rl_policy,
 )
 from sot.policy.commit import CommitPolicy, StepOutcome, StepPlan
 from sot.policy.config import PolicyConfig, PolicyKind
 from sot.policy.cost import CostModel
+from sot.policy.rl import DEFAULT_RL_POLICY, RLPolicyModel, load_rl_policy
 from sot.policy.state import SequencePolicyState, prune, ranked_nodes
 
 __all__ = [
-    "DEFAULT_ACCEPTANCE_MODEL", "FEATURES", "AcceptanceModel", "CommitPolicy", "CostModel", "PolicyConfig", "PolicyKind",
+    "DEFAULT_ACCEPTANCE_MODEL", "DEFAULT_RL_POLICY", "FEATURES", "RLPolicyModel", "load_rl_policy", "AcceptanceModel", "CommitPolicy", "CostModel", "PolicyConfig", "PolicyKind",
     "SequencePolicyState", "StepOutcome", "StepPlan", "Trace", "fitting_acceptance_model", "load_acceptance_model",
-    "node_features", "prune", "ranked_nodes", "resolve_policy",
+    "node_features", "prune", "ranked_nodes", "resolve_policy", "resolve_rl_policy",
 ]

@@ -69,32 +69,44 @@ class AcceptanceModel(torch.nn.Module):
         return torch.sigmoid(self.logits(features))
 
     def save(self, path: str | Path, meta: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
         info = {"format": self.FORMAT, "features": list(FEATURES), "hidden": self.net[0].out_features, **(meta or {})}
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path),
-                  metadata={"sot_policy": json.dumps(info)})
+        write_policy_file(self, path, info)
 
     @classmethod
     def load(cls, path: str | Path) -> "AcceptanceModel":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"commit-policy model {path} does not exist (train one with 'sot train policy')")
-        try:
-            with safe_open(str(path), "pt") as fh:
-                info = json.loads((fh.metadata() or {}).get("sot_policy", "{}"))
-            weights = load_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
-            raise ConfigError(f"{path} is not a commit-policy model: {exc}") from None
+        info, weights = read_policy_file(path, "commit-policy model", "sot train policy")
         if info.get("format") != cls.FORMAT or tuple(info.get("features", ())) != FEATURES:
             raise ConfigError(f"{path} is not a {cls.FORMAT} file with features {', '.join(FEATURES)}")
         model = cls(int(info.get("hidden", 32)))
         model.load_state_dict(weights)
         model.info = info
         return model.eval()
+
+
+def write_policy_file(model: torch.nn.Module, path: str | Path, info: dict) -> None:
+    """Save a policy network's weights as safetensors with ``info`` in its metadata."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path),
+              metadata={"sot_policy": json.dumps(info)})
+
+
+def read_policy_file(path: str | Path, what: str, command: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(info, weights)`` of a policy file written by :func:`write_policy_file`; a missing or
+    unreadable file is a :class:`ConfigError` naming ``what`` it should be and the
+    ``command`` that trains one."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist (train one with '{command}')")
+    try:
+        with safe_open(str(path), "pt") as fh:
+            info = json.loads((fh.metadata() or {}).get("sot_policy", "{}"))
+        return info, load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
+        raise ConfigError(f"{path} is not a {what}: {exc}") from None
 
 
 #: the acceptance model shipped for the default model with its shipped state predictor
@@ -119,11 +131,13 @@ def load_acceptance_model(path: str | Path | None, target: torch.nn.Module | Non
 
 @dataclass
 class Trace:
-    """Logged decisions for training the acceptance model: ``features [M, F]`` of every
-    verified non-root node and ``accepted [M]`` (1 when the target accepted it)."""
+    """Logged decisions: for the acceptance model, ``features [M, F]`` of every verified
+    non-root node and ``accepted [M]`` (1 when the target accepted it); for the rl policy's
+    simulator, ``steps``, one :func:`sot.policy.simulate.step_record` per verify step."""
 
     features: list[torch.Tensor] = field(default_factory=list)
     accepted: list[torch.Tensor] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
 
 
 def fitting_acceptance_model(model_path: str | None, drafter: Drafter, target: TargetModel) -> AcceptanceModel | None:
@@ -157,3 +171,15 @@ def resolve_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel,
             and drafter.kind is not DrafterKind.NONE):
         acceptance_model = load_acceptance_model(config.model_path, target.model)
     return config, acceptance_model
+
+
+def resolve_rl_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel, rl_model, record: bool):
+    """The ``rl`` policy's network: ``rl_model`` when given, else loaded from
+    ``config.model_path`` or the shipped one (checked against ``target``); ``None`` for any
+    other policy, while recording, or for plain decoding."""
+    from sot.drafters.base import DrafterKind
+    from sot.policy.rl import load_rl_policy
+
+    if config.kind is not PolicyKind.RL or record or drafter.kind is DrafterKind.NONE:
+        return None
+    return rl_model if rl_model is not None else load_rl_policy(config.model_path, target.model)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import statistics
 from collections import Counter
 from dataclasses import replace
@@ -13,7 +14,9 @@ from sot.errors import ConfigError
 from sot.policy.acceptance_model import AcceptanceModel, Trace, node_features
 from sot.policy.config import PolicyConfig, PolicyKind
 from sot.policy.cost import CostModel
-from sot.policy.state import SequencePolicyState, StepOutcome, StepPlan, prune, ranked_nodes
+from sot.policy.simulate import step_record, union_tree
+from sot.policy.rl import STEP_FEATURES, RLPolicyModel, select_features
+from sot.policy.state import BatchChoice, SequencePolicyState, StepOutcome, StepPlan, prune, ranked_nodes
 from sot.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -33,6 +36,7 @@ class CommitPolicy:
         cost: verify time by row count (``None`` disables pruning and fallback).
         model: the acceptance model of ``learned``.
         record: keep every tree whole and log a :class:`Trace` (for ``sot train policy``).
+        rl: the network of ``rl``.
     """
 
     #: nodes a tree may grow by from one step to the next (see :meth:`draft_budget`)
@@ -41,14 +45,25 @@ class CommitPolicy:
     compare_free = True
 
     def __init__(self, config: PolicyConfig, cost: CostModel | None, model: AcceptanceModel | None = None,
-                 record: bool = False) -> None:
+                 record: bool = False, rl: RLPolicyModel | None = None) -> None:
         if config.kind is PolicyKind.LEARNED and model is None and cost is not None and not record:
             raise ConfigError("the learned policy needs its acceptance model")
+        if config.kind is PolicyKind.RL and rl is None and cost is not None and not record:
+            raise ConfigError("the rl policy needs its network")
         self.config = config
         self.cost = cost
         self.model = model
+        self.rl = rl
+        #: the candidates of the last :meth:`choose_batch` (``None`` before one)
+        self.choice: BatchChoice | None = None
+        #: rl: the network's inputs of the last choice, ``(candidates [K, F], step [S])``
+        self.last_features: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: rl: key -> the network's inputs of this step's draft-or-free choices
+        self.last_draft_features: dict[int, torch.Tensor] = {}
         self.record = record
         self.trace = Trace()
+        self._record_free: dict[int, DraftTree] = {}  # recording: this step's free drafts
+        self._recorded: dict[int, tuple[DraftTree, DraftTree | None]] = {}  # and its drafted trees
         self.seqs: dict[int, SequencePolicyState] = {}  # by sequence key (the engine's request id)
         self.pass_seconds: list[float] = []  # recent drafting time per predictor pass
         self.passes_per_call = 3.0  # predictor passes per drafting call, smoothed
@@ -91,6 +106,9 @@ class CommitPolicy:
     def plan(self, generated: dict[int, int], free: dict[int, DraftTree], budget: "TreeBudget") -> StepPlan:
         """Decide one step: ``generated`` maps each live sequence's key to its tokens so far;
         ``free`` holds the free drafts the drafter offered (see :meth:`prefers_free`)."""
+        self.last_draft_features = {}
+        if self.record:
+            self._record_free = dict(free)
         if self.config.disable_above and len(generated) > self.config.disable_above:
             return StepPlan((), tuple(generated), {}, budget, len(generated))  # the fixed rule: all plain
         drafting = [b for b, n in generated.items() if self.wants_draft(b, n)]
@@ -117,6 +135,9 @@ class CommitPolicy:
     def select(self, plan: StepPlan, proposed: dict[int, DraftTree]) -> dict[int, DraftTree]:
         """The trees to verify: the drafted trees of ``proposed`` pruned together with the
         plan's free drafts (:meth:`choose_batch`); sequences without a tree are absent."""
+        if self.record:  # every drafted tree whole, with its free drafts: outcomes of both are logged
+            self._recorded = {b: (t, self._record_free.get(b)) for b, t in proposed.items()}
+            return {b: union_tree(t, f) for b, (t, f) in self._recorded.items()}
         trees = dict(proposed)
         trees.update(plan.free)
         return self.choose_batch(trees, plan.batch_rows, calibrated=frozenset(plan.plain))
@@ -126,6 +147,8 @@ class CommitPolicy:
         and per sequence its calibration, speed and fallback."""
         if plan.drafting:
             self.observe_draft(outcome.draft_seconds, outcome.draft_passes)
+        if self.record:
+            self.trace.steps.append(step_record(plan, outcome, self._recorded, self.seqs))
         if self.cost is not None and outcome.verify_seconds > 0 and not self.record:
             self.cost.observe(outcome.rows, outcome.verify_seconds)
         if self.flat:
@@ -256,7 +279,8 @@ class CommitPolicy:
         ``n`` may be 1: a plain step that still paid for drafting, which counts toward fallback.
         The trees of the sequences in ``calibrated`` (free drafts, see
         :meth:`~sot.drafters.base.Drafter.propose_free`) carry acceptance estimates as their
-        ``draft_probs`` and are taken as they are."""
+        ``draft_probs`` and are taken as they are. ``rl`` picks among the same candidates with
+        its network (:class:`~sot.policy.rl.RLPolicyModel`)."""
         if not self.adaptive or not trees:
             return trees
         orders, gains, ests = {}, {}, {}
@@ -277,12 +301,10 @@ class CommitPolicy:
         self.expected_tokens = {}
         if self.flat:
             return self._choose_flat(trees, orders, ests, batch_rows, base, calibrated)
-        best_n, best_rate = 1, base / self.cost.verify(batch_rows)
-        for n in range(2, max(t.size for t in trees.values()) + 1):
-            expected = base + sum(g[min(n - 1, len(g) - 1)] for g in gains.values())
-            rate = expected / self.cost.verify(batch_rows * n)
-            if rate > best_rate:
-                best_n, best_rate = n, rate
+        sizes = range(1, max(t.size for t in trees.values()) + 1)
+        expected = [base + sum(g[min(n - 1, len(g) - 1)] for g in gains.values()) for n in sizes]
+        best_n = sizes[self._pick([batch_rows * n for n in sizes], expected, base, batch_rows, trees, calibrated)]
+        self.choice = BatchChoice(orders, None, [batch_rows * n for n in sizes], best_n - 1)
         out = {}
         for b, tree in trees.items():
             if b not in calibrated:
@@ -291,6 +313,34 @@ class CommitPolicy:
             self.expected_tokens[b] = 1.0 + sum(ests[b][i] for i in keep)
             out[b] = tree if len(keep) == tree.size - 1 else prune(tree, keep)
         return out
+
+    def _pick(self, rows: list[int], expected: list[float], base: float, batch_rows: int,
+              trees: dict[int, DraftTree], calibrated: frozenset[int]) -> int:
+        """Index of the candidate to verify: candidate ``k`` computes ``rows[k]`` rows and
+        is expected to commit ``expected[k]`` tokens. ``heuristic`` and ``learned`` take the
+        most expected tokens per second (the first of equals); ``rl`` asks its network."""
+        if self.config.kind is PolicyKind.RL and self.rl is not None:
+            feats = select_features(rows, expected, self.cost.verify, base, batch_rows)
+            step = self.step_features(list(trees), calibrated, batch_rows)
+            self.last_features = (feats, step)
+            return self.rl.choose(feats, step)
+        best, best_rate = 0, expected[0] / self.cost.verify(rows[0])
+        for k in range(1, len(rows)):
+            rate = expected[k] / self.cost.verify(rows[k])
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def step_features(self, keys: list[int], calibrated: frozenset[int], batch_rows: int) -> torch.Tensor:
+        """``[len(STEP_FEATURES)]`` what the rl network knows about a step beyond its candidates."""
+        states = [self.seqs[b] for b in keys if b in self.seqs]
+        drafting = [self.seqs[b] for b in keys if b in self.seqs and b not in calibrated] or states
+        if not states:
+            return torch.zeros(len(STEP_FEATURES))
+        return torch.tensor([
+            statistics.fmean(s.temperature for s in states), math.log2(max(1, batch_rows)) / 4.0,
+            statistics.fmean(s.calibration for s in drafting), statistics.fmean(s.tau for s in drafting) / 4.0,
+        ], dtype=torch.float32)
 
     def _choose_flat(self, trees: dict[int, DraftTree], orders: dict[int, list[int]], ests: dict[int, list[float]],
                      batch_rows: int, base: int, calibrated: frozenset[int]) -> dict[int, DraftTree]:
@@ -302,13 +352,12 @@ class CommitPolicy:
         Example: estimates ``{0: [.9, .5], 1: [.8]}`` merge as ``.9 (0), .8 (1), .5 (0)``;
         ``k = 2`` keeps one node of each tree."""
         ranked = list(heapq.merge(*[[(-ests[b][i], b) for i in orders[b]] for b in orders]))
-        best_k, best_rate = 0, base / self.cost.verify(batch_rows)
-        tokens = float(base)
-        for k, (neg, _) in enumerate(ranked, start=1):
-            tokens -= neg * self.gain_scale
-            rate = tokens / self.cost.verify(batch_rows + k)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+        expected = [float(base)]
+        for neg, _ in ranked:
+            expected.append(expected[-1] - neg * self.gain_scale)
+        rows = [batch_rows + k for k in range(len(ranked) + 1)]
+        best_k = self._pick(rows, expected, base, batch_rows, trees, calibrated)
+        self.choice = BatchChoice(orders, [b for _, b in ranked], rows, best_k)
         kept = Counter(b for _, b in ranked[:best_k])
         self._expected = Counter()
         for neg, b in ranked[:best_k]:
@@ -371,7 +420,24 @@ class CommitPolicy:
         for n in range(2, free.size + 1):  # a chain: its first n nodes
             gain += probs[n - 1]
             best = max(best, gain * self.cost.verify(1) / self.cost.verify(n))
+        if self.config.kind is PolicyKind.RL and self.rl is not None:
+            x = self.draft_features(b, free, best)
+            self.last_draft_features[b] = x
+            return self.rl.prefers_free(x)
         return best >= statistics.fmean(s.speed)
+
+    def draft_features(self, b: int, free: DraftTree, promise: float) -> torch.Tensor:
+        """``[len(DRAFT_FEATURES)]`` the rl network's inputs for sequence ``b``'s choice between
+        drafting and its free draft ``free``, which promises ``promise`` times plain speed."""
+        s = self.seqs[b]
+        drafting = max(statistics.fmean(s.speed), 1e-3)
+        probs = free.draft_probs or [1.0] + [0.0] * (free.size - 1)
+        pass_ratio = (statistics.median(self.pass_seconds) / self.cost.verify(1)) if self.pass_seconds else 0.0
+        return torch.tensor([
+            math.log(promise / drafting), math.log(drafting), math.log(max(promise, 1e-3)), sum(probs[1:]),
+            free.size / 16.0, s.calibration, s.tau / 4.0, s.temperature, math.log2(max(1, len(self.seqs))) / 4.0,
+            pass_ratio,
+        ], dtype=torch.float32)
 
     def observe_free(self, b: int, tree: DraftTree, path: list[int]) -> None:
         """Update sequence ``b`` after a step with its drafter's model idle, which verified the

@@ -13,6 +13,7 @@ class PolicyKind(str, enum.Enum):
     STATIC = "static"
     HEURISTIC = "heuristic"
     LEARNED = "learned"
+    RL = "rl"  # verify size and draft-or-free chosen by a network trained on simulated speed
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,9 @@ class PolicyConfig:
         kind: ``heuristic`` (default: cost model, calibration, fallback), ``learned`` (the
             same with a trained acceptance predictor), ``auto`` (``learned`` when an
             acceptance model for the target is available, as for the default model, else
-            ``heuristic``) or ``static`` (a fixed-shape tree, verified whole).
+            ``heuristic``), ``rl`` (the heuristic's candidates, chosen by a network trained by
+            reinforcement on tokens per second; see :mod:`sot.policy.rl`) or ``static`` (a
+            fixed-shape tree, verified whole).
         warmup: tokens decoded plainly at the start of every sequence.
         fallback_threshold: fall back when recent speed / plain speed drops below this.
         window: steps of history behind the fallback decision.
@@ -37,7 +40,8 @@ class PolicyConfig:
     window: int = 6
     first_backoff: int = 8
     max_backoff: int = 128
-    #: the acceptance model of ``learned`` (default: the one shipped for the default model)
+    #: the acceptance model of ``learned``, or the network of ``rl`` (default: the one shipped
+    #: for the default model)
     model_path: str | None = None
     #: a fixed rule instead of batch planning, as vLLM's ``speculative_disable_by_batch_size``:
     #: no speculation at all while more than this many sequences run (0: off)

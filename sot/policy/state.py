@@ -83,6 +83,35 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class BatchChoice:
+    """The candidates of one :meth:`CommitPolicy.choose_batch` and the one taken (what the
+    simulator scores, :mod:`sot.policy.simulate`).
+
+    Attributes:
+        orders: key -> the tree's non-root nodes, best first.
+        merged: flat packing: the key of each node of the step's merged ranking (candidate
+            ``k`` keeps the first ``k``); ``None`` when padded (candidate ``k`` keeps the first
+            ``k`` nodes of every tree).
+        rows: ``[K]`` rows of each candidate's verify pass.
+        chosen: the candidate verified.
+    """
+
+    orders: dict[int, list[int]]
+    merged: list[int] | None
+    rows: list[int]
+    chosen: int
+
+    def kept(self, k: int) -> dict[int, int]:
+        """key -> how many of its best nodes candidate ``k`` keeps."""
+        if self.merged is None:
+            return {b: min(k, len(o)) for b, o in self.orders.items()}
+        out = dict.fromkeys(self.orders, 0)
+        for b in self.merged[:k]:
+            out[b] += 1
+        return out
+
+
+@dataclass(frozen=True)
 class StepOutcome:
     """What one step's verify pass found, for :meth:`CommitPolicy.observe_step`.
 

@@ -34,13 +34,17 @@ class PolicyTrainConfig:
     model: str = "default"
     predictor: str | None = None
     out: str = "runs/policy"
+    kind: str = "learned"  # or "rl" (sot.train.rl)
     prompts: int = 48
+    code_prompts: int = 16  # coding requests made from the standard library (sot.train.code_prompts)
     max_new_tokens: int = 128
-    temperatures: tuple[float, ...] = (0.0, 1.0)
-    batch_size: int = 4
+    temperatures: tuple[float, ...] = (0.0, 1.0, 1.5)
+    batch_sizes: tuple[int, ...] = (1, 4)
+    dtype: str = "auto"
     max_nodes: int = TreeBudget.max_nodes
     max_depth: int = TreeBudget.max_depth
     epochs: int = 60
+    rl_epochs: int = 60  # replays of the training runs (kind rl)
     lr: float = 3e-3
     seed: int = 0
 
@@ -59,9 +63,25 @@ def training_prompts(limit: int) -> list[str]:
     return out
 
 
+def code_training_prompts(limit: int, seed: int = 0) -> list[str]:
+    """``limit`` coding requests from the standard library's documented functions."""
+    from sot.data.humaneval import CHAT_INSTRUCTION
+    from sot.train.code_prompts import stdlib_function_stubs
+
+    if limit <= 0:
+        return []
+    stubs = list(stdlib_function_stubs())
+    random.Random(seed).shuffle(stubs)
+    return [CHAT_INSTRUCTION.format(code=stub) for _, stub in stubs[:limit]]
+
+
 def collect_traces(cfg: PolicyTrainConfig) -> dict:
-    """Decode the training prompts at each temperature and return the logged traces:
-    ``features [M, F]``, ``accepted [M]``, ``group [M]`` (which batch each node came from)."""
+    """Decode the training prompts at each temperature and batch size and return the logged
+    traces: ``features [M, F]``, ``accepted [M]``, ``group [M]`` (which batch each node came
+    from) for the acceptance model, and for the rl policy's simulator ``runs`` (per batch,
+    its :func:`~sot.policy.simulate.step_record` steps), the cost model (``cost_rows``,
+    ``cost_seconds``) and whether passes pack flat. Sampling is coupled, so every run is
+    reproducible and the simulator's counterfactuals are exact."""
     from tqdm import tqdm
 
     from sot.drafters import DrafterKind, TreeBudget, make_drafter
@@ -71,32 +91,45 @@ def collect_traces(cfg: PolicyTrainConfig) -> dict:
     from sot.prompts import encode
     from sot.sampling import SamplingParams
 
-    loaded = load_model(cfg.model, dtype=torch.bfloat16)
+    from sot.models.loading import resolve_dtype
+    from sot.sampling import SamplingMode
+
+    loaded = load_model(cfg.model, dtype=resolve_dtype(cfg.dtype))
     drafter = make_drafter(DrafterKind.STATE, loaded.model, cfg.predictor)
     target = TargetModel(loaded.model, state_layers=drafter.state_layers)
     engine = Engine(target, drafter, TreeBudget(cfg.max_nodes, cfg.max_depth), record_policy=True)
-    texts = training_prompts(cfg.prompts)
+    texts = training_prompts(cfg.prompts) + code_training_prompts(cfg.code_prompts, cfg.seed)
     if not texts:
         raise ConfigError("no training prompts found")
     ids = [encode(loaded.tokenizer, {"turns": [t]}, True) for t in texts]
     eos = (int(loaded.tokenizer.eos_token_id),) if loaded.tokenizer.eos_token_id is not None else ()
-    feats, labels, groups = [], [], []
-    runs = [(t, i) for t in cfg.temperatures for i in range(0, len(ids), cfg.batch_size)]
-    with tqdm(total=len(cfg.temperatures) * len(ids), desc="policy traces", unit="seq") as bar:
-        for run, (temp, start) in enumerate(runs):
-            chunk = ids[start : start + cfg.batch_size]
+    feats, labels, groups, steps = [], [], [], []
+    # every prompt at every temperature; the batch sizes take turns over the prompts
+    runs = []
+    for t in cfg.temperatures:
+        for j, bs in enumerate(cfg.batch_sizes):
+            mine = [i for i in range(len(ids)) if i % len(cfg.batch_sizes) == j]
+            runs += [(t, mine[i : i + bs]) for i in range(0, len(mine), bs)]
+    with tqdm(total=sum(len(r[1]) for r in runs), desc="policy traces", unit="seq") as bar:
+        for run, (temp, members) in enumerate(runs):
+            chunk = [ids[i] for i in members]
             params = GenerationParams(max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
-                                      sampling=SamplingParams(temperature=temp, seed=cfg.seed + start))
+                                      sampling=SamplingParams(temperature=temp, seed=cfg.seed + members[0],
+                                                              mode=SamplingMode.COUPLED))
             engine.generate(chunk, params)
             trace = engine.policy_trace
             for f, a in zip(trace.features, trace.accepted):
                 feats.append(f)
                 labels.append(a)
                 groups.append(torch.full((a.numel(),), run))
+            steps.append(trace.steps)
             bar.update(len(chunk))
     from sot.fingerprint import embedding_hash
 
+    cost = engine.cost_model()
     return {"features": torch.cat(feats), "accepted": torch.cat(labels), "group": torch.cat(groups),
+            "runs": steps, "cost_rows": list(cost.rows), "cost_seconds": list(cost.seconds),
+            "flat": bool(engine.policy.flat), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "embed_hash": embedding_hash(loaded.model.get_input_embeddings().weight),
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}}
 
@@ -198,16 +231,28 @@ def write_calibration_plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def train_policy(cfg: PolicyTrainConfig) -> Path:
-    """Collect traces (reused from ``out/traces.pt`` when present), fit, and write the model."""
+def load_or_collect(cfg: PolicyTrainConfig) -> dict:
+    """The traces of ``cfg.out/traces.pt`` when present, else new ones (saved there)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     trace_file = out / "traces.pt"
     if trace_file.is_file():
-        traces = torch.load(trace_file, weights_only=False)
-    else:
-        traces = collect_traces(cfg)
-        torch.save(traces, trace_file)
+        return torch.load(trace_file, weights_only=False)
+    traces = collect_traces(cfg)
+    torch.save(traces, trace_file)
+    return traces
+
+
+def train_policy(cfg: PolicyTrainConfig) -> Path:
+    """Collect traces (reused from ``out/traces.pt`` when present), fit, and write the model:
+    the acceptance model of ``learned``, or with ``kind="rl"`` the rl network
+    (:func:`sot.train.rl.train_rl_policy`)."""
+    if cfg.kind == "rl":
+        from sot.train.rl import train_rl_policy
+
+        return train_rl_policy(cfg)
+    out = Path(cfg.out)
+    traces = load_or_collect(cfg)
     model, report = fit_acceptance(traces, cfg.epochs, cfg.lr, cfg.seed)
     report["config"] = traces.get("config", {})
     path = out / "policy.safetensors"

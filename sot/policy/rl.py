@@ -1,0 +1,138 @@
+"""The ``rl`` commit policy's network: how much of a step's trees to verify, and whether a
+sequence drafts or takes its free draft, trained on speed (``sot train policy --kind rl``).
+
+Both decisions are choices among candidates the heuristic policy already enumerates, so the
+network scores each candidate from the heuristic's own estimate plus learned corrections:
+
+* **verify size** - the step's candidates are "verify the best ``k`` nodes" (flat packing:
+  ``k`` nodes of all trees ranked together; padded: ``k`` rows per sequence). Candidate ``k``
+  is scored ``alpha * gap_k + f(x_k)``, where ``gap_k`` is the log of the heuristic's expected
+  tokens per second of ``k`` minus the best candidate's (``0`` for the heuristic's choice) and
+  ``f`` an MLP over :data:`SELECT_FEATURES` and :data:`STEP_FEATURES`. The policy verifies the
+  highest-scoring candidate.
+* **draft or free** - a sequence that has a free draft (prompt lookup, suffix trees) either
+  runs the drafter or verifies the free draft alone. The logit of "free" is
+  ``beta * gap + g(x)``, with ``gap`` the log of the free draft's promised speed over the
+  sequence's recent drafting speed (the heuristic takes the free draft when ``gap >= 0``) and
+  ``g`` an MLP over :data:`DRAFT_FEATURES`.
+
+``f`` and ``g`` start at zero, so an untrained network decides as the heuristic does; training
+(:mod:`sot.train.rl`) moves it where the simulated reward says the heuristic is wrong.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from sot.errors import ConfigError
+
+#: per candidate verify size: heuristic gap, log verify-cost ratio to the smallest candidate,
+#: expected extra tokens per sequence, the last node's estimate, extra rows per sequence, k = 0
+SELECT_FEATURES = ("gap", "log_cost", "gain", "marginal", "rows", "none")
+#: per step: mean sampling temperature, log2 batch size / 4, mean calibration, mean tau / 4
+STEP_FEATURES = ("temperature", "batch", "calibration", "tau")
+#: per sequence with a free draft: heuristic gap, log drafting speed, log free promise, free
+#: draft's expected tokens, its size / 16, calibration, tau / 4, temperature, batch, predictor
+#: pass time over a one-row verify pass
+DRAFT_FEATURES = ("gap", "draft_speed", "free_speed", "free_gain", "free_size", "calibration", "tau",
+                  "temperature", "batch", "pass_ratio")
+
+
+def _mlp(inputs: int, hidden: int) -> torch.nn.Sequential:
+    net = torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, 1))
+    torch.nn.init.zeros_(net[2].weight)  # starts as the heuristic
+    torch.nn.init.zeros_(net[2].bias)
+    return net
+
+
+class RLPolicyModel(torch.nn.Module):
+    """Scores verify-size candidates and draft-or-free choices (see the module docstring).
+
+    ``select_logits(cand [K, len(SELECT_FEATURES)], step [len(STEP_FEATURES)]) -> [K]``;
+    ``free_logit(x [M, len(DRAFT_FEATURES)]) -> [M]`` (positive: take the free draft).
+    """
+
+    FORMAT = "sot-rl-policy/1"
+
+    def __init__(self, hidden: int = 32, alpha: float = 10.0, beta: float = 10.0) -> None:
+        super().__init__()
+        self.select_net = _mlp(len(SELECT_FEATURES) + len(STEP_FEATURES), hidden)
+        self.draft_net = _mlp(len(DRAFT_FEATURES), hidden)
+        # sharpness of the heuristic prior: the argmax is the heuristic's choice whatever its
+        # value; moderate values leave the softmax soft enough for gradients to flow
+        self.alpha = torch.nn.Parameter(torch.tensor(float(alpha)))
+        self.beta = torch.nn.Parameter(torch.tensor(float(beta)))
+
+    def select_logits(self, cand: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([cand, step.expand(*cand.shape[:-1], step.shape[-1])], dim=-1)
+        return self.alpha * cand[..., 0] + self.select_net(x).squeeze(-1)
+
+    def free_logit(self, x: torch.Tensor) -> torch.Tensor:
+        return self.beta * x[..., 0] + self.draft_net(x).squeeze(-1)
+
+    @torch.no_grad()
+    def choose(self, cand: torch.Tensor, step: torch.Tensor) -> int:
+        """Index of the candidate to verify."""
+        return int(self.select_logits(cand, step).argmax())
+
+    @torch.no_grad()
+    def prefers_free(self, x: torch.Tensor) -> bool:
+        return bool(self.free_logit(x) > 0)
+
+    def save(self, path: str | Path, meta: dict | None = None) -> None:
+        from sot.policy.acceptance_model import write_policy_file
+
+        info = {"format": self.FORMAT, "select_features": list(SELECT_FEATURES), "step_features": list(STEP_FEATURES),
+                "draft_features": list(DRAFT_FEATURES), "hidden": self.select_net[0].out_features, **(meta or {})}
+        write_policy_file(self, path, info)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RLPolicyModel":
+        from sot.policy.acceptance_model import read_policy_file
+
+        info, weights = read_policy_file(path, "commit-policy network of --policy rl", "sot train policy --kind rl")
+        if (info.get("format") != cls.FORMAT or tuple(info.get("select_features", ())) != SELECT_FEATURES
+                or tuple(info.get("draft_features", ())) != DRAFT_FEATURES
+                or tuple(info.get("step_features", ())) != STEP_FEATURES):
+            raise ConfigError(f"{path} is not a {cls.FORMAT} file with this version's features")
+        model = cls(int(info.get("hidden", 32)))
+        model.load_state_dict(weights)
+        model.info = info
+        return model.eval()
+
+
+#: the rl policy shipped for the default model and its shipped state predictor
+DEFAULT_RL_POLICY = Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m-instruct.rl-policy.safetensors"
+
+
+def load_rl_policy(path: str | Path | None, target: torch.nn.Module | None = None) -> RLPolicyModel:
+    """Load the ``rl`` policy's network (default: the shipped one); when the file names the
+    target it was trained for, ``target`` must match it."""
+    model = RLPolicyModel.load(path or DEFAULT_RL_POLICY)
+    expected = model.info.get("embed_hash")
+    if expected and target is not None:
+        from sot.fingerprint import embedding_hash
+
+        found = embedding_hash(target.get_input_embeddings().weight)
+        if found != expected:
+            raise ConfigError(f"rl policy {path or DEFAULT_RL_POLICY} was trained for another target "
+                              f"(embedding hash {expected}, this model has {found}); train one with "
+                              "'sot train policy --kind rl'")
+    return model
+
+
+def select_features(rows: list[int], expected: list[float], verify, base: float, batch_rows: int) -> torch.Tensor:
+    """``[K, len(SELECT_FEATURES)]`` features of ``K`` verify-size candidates: candidate ``k``
+    computes ``rows[k]`` rows and is expected to commit ``expected[k]`` tokens (``base`` of
+    them without any draft); ``verify(rows) -> seconds`` is the cost model."""
+    costs = [verify(r) for r in rows]
+    rates = [math.log(max(e, 1e-9) / max(c, 1e-12)) for e, c in zip(expected, costs)]
+    top = max(rates)
+    out = []
+    for k, (r, e, c) in enumerate(zip(rows, expected, costs)):
+        marginal = e - expected[k - 1] if k else 0.0
+        out.append([rates[k] - top, math.log(max(c, 1e-12) / max(costs[0], 1e-12)), (e - base) / batch_rows,
+                    marginal, (r - rows[0]) / batch_rows / 8.0, float(k == 0)])
+    return torch.tensor(out, dtype=torch.float32)
