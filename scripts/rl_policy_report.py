@@ -15,7 +15,7 @@ POLICIES = ("heuristic", "learned", "rl")
 
 
 def rows(root: Path) -> list[str]:
-    out = ["| set | policy | tok/s | vs plain | vs heuristic | tau | verified rows per step | plain steps | "
+    out = ["| set | policy | tok/s | vs plain | vs heuristic | tau | verified rows per step | steps without the predictor | "
            "identical to plain |", "|---|---|---|---|---|---|---|---|---|"]
     for folder, label in SETS:
         f = root / folder / "results.json"

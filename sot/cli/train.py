@@ -220,14 +220,17 @@ def cmd_policy(args: argparse.Namespace) -> int:
                             prompts=args.prompts, code_prompts=args.code_prompts,
                             max_new_tokens=args.max_new_tokens, temperatures=temps, batch_sizes=sizes,
                             dtype=args.dtype, epochs=args.epochs, rl_epochs=args.rl_epochs, seed=args.seed)
-    path = train_policy(cfg)
     if args.kind == "rl":
+        from sot.train.rl import train_rl_policy
+
+        path = train_rl_policy(cfg)
         report = json.loads((Path(args.out) / "rl-report.json").read_text())
         row = report["held_out"][0]
         others = ", ".join(f"{k} {row[k]['speedup']:.3f}x" for k in ("heuristic", "learned") if k in row)
         print(f"{report['train_batches']} training batches; held-out simulated speed-up over plain: "
               f"rl {row['rl']['speedup']:.3f}x, {others}; wrote {path}", file=sys.stderr)
         return 0
+    path = train_policy(cfg)
     report = json.loads((Path(args.out) / "report.json").read_text())
     ll = report["val_log_loss"]
     print(f"{report['nodes']:,} logged nodes (acceptance {report['accept_rate']:.2f}); held-out log-loss: "

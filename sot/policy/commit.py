@@ -8,14 +8,15 @@ from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from sot.errors import ConfigError
 from sot.policy.acceptance_model import AcceptanceModel, Trace, node_features
 from sot.policy.config import PolicyConfig, PolicyKind
 from sot.policy.cost import CostModel
-from sot.policy.simulate import step_record, union_tree
-from sot.policy.rl import STEP_FEATURES, RLPolicyModel, select_features
+from sot.policy.record import step_record, union_tree
+from sot.policy.rl import STEP_FEATURES, RLPolicyModel, near_best, select_features
 from sot.policy.state import BatchChoice, SequencePolicyState, StepOutcome, StepPlan, prune, ranked_nodes
 from sot.tree import DraftTree
 
@@ -56,10 +57,11 @@ class CommitPolicy:
         self.rl = rl
         #: the candidates of the last :meth:`choose_batch` (``None`` before one)
         self.choice: BatchChoice | None = None
-        #: rl: the network's inputs of the last choice, ``(candidates [K, F], step [S])``
-        self.last_features: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: rl: the network's inputs of the last choice, ``(candidates [K, F], step [S], their
+        #: indices among the choice's candidates)``
+        self.last_features: tuple[np.ndarray, np.ndarray, list[int]] | None = None
         #: rl: key -> the network's inputs of this step's draft-or-free choices
-        self.last_draft_features: dict[int, torch.Tensor] = {}
+        self.last_draft_features: dict[int, np.ndarray] = {}
         self.record = record
         self.trace = Trace()
         self._record_free: dict[int, DraftTree] = {}  # recording: this step's free drafts
@@ -318,29 +320,29 @@ class CommitPolicy:
               trees: dict[int, DraftTree], calibrated: frozenset[int]) -> int:
         """Index of the candidate to verify: candidate ``k`` computes ``rows[k]`` rows and
         is expected to commit ``expected[k]`` tokens. ``heuristic`` and ``learned`` take the
-        most expected tokens per second (the first of equals); ``rl`` asks its network."""
+        most expected tokens per second (the first of equals); ``rl`` asks its network which
+        of the candidates within :data:`~sot.policy.rl.CANDIDATE_WINDOW` of that best to take."""
+        costs = [self.cost.verify(r) for r in rows]
+        rates = [e / c for e, c in zip(expected, costs)]
+        best = max(range(len(rows)), key=lambda k: (rates[k], -k))
         if self.config.kind is PolicyKind.RL and self.rl is not None:
-            feats = select_features(rows, expected, self.cost.verify, base, batch_rows)
+            idx = near_best(rates, best)
+            feats = select_features(idx, rows, expected, costs, base, batch_rows)
             step = self.step_features(list(trees), calibrated, batch_rows)
-            self.last_features = (feats, step)
-            return self.rl.choose(feats, step)
-        best, best_rate = 0, expected[0] / self.cost.verify(rows[0])
-        for k in range(1, len(rows)):
-            rate = expected[k] / self.cost.verify(rows[k])
-            if rate > best_rate:
-                best, best_rate = k, rate
+            self.last_features = (feats, step, idx)
+            return idx[self.rl.choose(feats, step)]
         return best
 
-    def step_features(self, keys: list[int], calibrated: frozenset[int], batch_rows: int) -> torch.Tensor:
+    def step_features(self, keys: list[int], calibrated: frozenset[int], batch_rows: int) -> np.ndarray:
         """``[len(STEP_FEATURES)]`` what the rl network knows about a step beyond its candidates."""
         states = [self.seqs[b] for b in keys if b in self.seqs]
         drafting = [self.seqs[b] for b in keys if b in self.seqs and b not in calibrated] or states
         if not states:
-            return torch.zeros(len(STEP_FEATURES))
-        return torch.tensor([
+            return np.zeros(len(STEP_FEATURES), dtype=np.float32)
+        return np.array([
             statistics.fmean(s.temperature for s in states), math.log2(max(1, batch_rows)) / 4.0,
             statistics.fmean(s.calibration for s in drafting), statistics.fmean(s.tau for s in drafting) / 4.0,
-        ], dtype=torch.float32)
+        ], dtype=np.float32)
 
     def _choose_flat(self, trees: dict[int, DraftTree], orders: dict[int, list[int]], ests: dict[int, list[float]],
                      batch_rows: int, base: int, calibrated: frozenset[int]) -> dict[int, DraftTree]:
@@ -426,18 +428,18 @@ class CommitPolicy:
             return self.rl.prefers_free(x)
         return best >= statistics.fmean(s.speed)
 
-    def draft_features(self, b: int, free: DraftTree, promise: float) -> torch.Tensor:
+    def draft_features(self, b: int, free: DraftTree, promise: float) -> np.ndarray:
         """``[len(DRAFT_FEATURES)]`` the rl network's inputs for sequence ``b``'s choice between
         drafting and its free draft ``free``, which promises ``promise`` times plain speed."""
         s = self.seqs[b]
         drafting = max(statistics.fmean(s.speed), 1e-3)
         probs = free.draft_probs or [1.0] + [0.0] * (free.size - 1)
         pass_ratio = (statistics.median(self.pass_seconds) / self.cost.verify(1)) if self.pass_seconds else 0.0
-        return torch.tensor([
+        return np.array([
             math.log(promise / drafting), math.log(drafting), math.log(max(promise, 1e-3)), sum(probs[1:]),
             free.size / 16.0, s.calibration, s.tau / 4.0, s.temperature, math.log2(max(1, len(self.seqs))) / 4.0,
             pass_ratio,
-        ], dtype=torch.float32)
+        ], dtype=np.float32)
 
     def observe_free(self, b: int, tree: DraftTree, path: list[int]) -> None:
         """Update sequence ``b`` after a step with its drafter's model idle, which verified the

@@ -24,9 +24,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sot.errors import ConfigError
+from sot.policy.files import read_policy_file, write_policy_file
 
 #: per candidate verify size: heuristic gap, log verify-cost ratio to the smallest candidate,
 #: expected extra tokens per sequence, the last node's estimate, extra rows per sequence, k = 0
@@ -72,26 +74,46 @@ class RLPolicyModel(torch.nn.Module):
     def free_logit(self, x: torch.Tensor) -> torch.Tensor:
         return self.beta * x[..., 0] + self.draft_net(x).squeeze(-1)
 
-    @torch.no_grad()
-    def choose(self, cand: torch.Tensor, step: torch.Tensor) -> int:
-        """Index of the candidate to verify."""
-        return int(self.select_logits(cand, step).argmax())
+    def train(self, mode: bool = True) -> "RLPolicyModel":
+        self._cached = None  # weights may change: the inference copy is rebuilt on next use
+        return super().train(mode)
 
-    @torch.no_grad()
-    def prefers_free(self, x: torch.Tensor) -> bool:
-        return bool(self.free_logit(x) > 0)
+    def _weights(self) -> dict:
+        """NumPy copies of the weights for :meth:`choose` and :meth:`prefers_free`: the engine
+        asks every step, and a few NumPy products cost far less than torch's per-op dispatch."""
+        if getattr(self, "_cached", None) is None:
+            with torch.no_grad():
+                w = {k: v.detach().float().numpy().copy() for k, v in self.state_dict().items()}
+            self._cached = w
+        return self._cached
+
+    @staticmethod
+    def _mlp_np(w: dict, prefix: str, x: np.ndarray) -> np.ndarray:
+        h = x @ w[f"{prefix}.0.weight"].T + w[f"{prefix}.0.bias"]
+        h = h / (1.0 + np.exp(-h))  # SiLU
+        return (h @ w[f"{prefix}.2.weight"].T + w[f"{prefix}.2.bias"])[..., 0]
+
+    def choose(self, cand: np.ndarray, step: np.ndarray) -> int:
+        """Index of the candidate to verify: ``select_logits``' argmax, computed in NumPy
+        (``cand [K, len(SELECT_FEATURES)]``, ``step [len(STEP_FEATURES)]``)."""
+        w = self._weights()
+        x = np.empty((cand.shape[0], cand.shape[1] + step.shape[0]), dtype=np.float32)
+        x[:, : cand.shape[1]] = cand
+        x[:, cand.shape[1] :] = step
+        return int(np.argmax(w["alpha"] * cand[:, 0] + self._mlp_np(w, "select_net", x)))
+
+    def prefers_free(self, x: np.ndarray) -> bool:
+        """Whether ``free_logit(x) > 0``, computed in NumPy (``x [len(DRAFT_FEATURES)]``)."""
+        w = self._weights()
+        return bool(w["beta"] * x[0] + self._mlp_np(w, "draft_net", x) > 0)
 
     def save(self, path: str | Path, meta: dict | None = None) -> None:
-        from sot.policy.acceptance_model import write_policy_file
-
         info = {"format": self.FORMAT, "select_features": list(SELECT_FEATURES), "step_features": list(STEP_FEATURES),
                 "draft_features": list(DRAFT_FEATURES), "hidden": self.select_net[0].out_features, **(meta or {})}
         write_policy_file(self, path, info)
 
     @classmethod
     def load(cls, path: str | Path) -> "RLPolicyModel":
-        from sot.policy.acceptance_model import read_policy_file
-
         info, weights = read_policy_file(path, "commit-policy network of --policy rl", "sot train policy --kind rl")
         if (info.get("format") != cls.FORMAT or tuple(info.get("select_features", ())) != SELECT_FEATURES
                 or tuple(info.get("draft_features", ())) != DRAFT_FEATURES
@@ -123,16 +145,30 @@ def load_rl_policy(path: str | Path | None, target: torch.nn.Module | None = Non
     return model
 
 
-def select_features(rows: list[int], expected: list[float], verify, base: float, batch_rows: int) -> torch.Tensor:
-    """``[K, len(SELECT_FEATURES)]`` features of ``K`` verify-size candidates: candidate ``k``
-    computes ``rows[k]`` rows and is expected to commit ``expected[k]`` tokens (``base`` of
-    them without any draft); ``verify(rows) -> seconds`` is the cost model."""
-    costs = [verify(r) for r in rows]
-    rates = [math.log(max(e, 1e-9) / max(c, 1e-12)) for e, c in zip(expected, costs)]
-    top = max(rates)
+#: the candidates the network chooses among: those whose modelled tokens per second are
+#: within this log-ratio of the best (about 20% slower at most), at most ``MAX_CANDIDATES``
+#: of them, nearest the best first; the rest are never worth their features' cost
+CANDIDATE_WINDOW = 0.2
+MAX_CANDIDATES = 12
+
+
+def near_best(rates: list[float], best: int) -> list[int]:
+    """Indices (ascending) of the candidates within :data:`CANDIDATE_WINDOW` of ``rates[best]``."""
+    floor = rates[best] * math.exp(-CANDIDATE_WINDOW)
+    near = sorted((k for k, r in enumerate(rates) if r >= floor), key=lambda k: abs(k - best))
+    return sorted(near[:MAX_CANDIDATES])
+
+
+def select_features(idx: list[int], rows: list[int], expected: list[float], costs: list[float], base: float,
+                    batch_rows: int) -> np.ndarray:
+    """``[len(idx), len(SELECT_FEATURES)]`` features of the candidates ``idx`` of a step whose
+    candidate ``k`` computes ``rows[k]`` rows in ``costs[k]`` seconds and is expected to commit
+    ``expected[k]`` tokens (``base`` of them without any draft)."""
+    top = max(math.log(max(expected[k], 1e-9) / max(costs[k], 1e-12)) for k in idx)
     out = []
-    for k, (r, e, c) in enumerate(zip(rows, expected, costs)):
-        marginal = e - expected[k - 1] if k else 0.0
-        out.append([rates[k] - top, math.log(max(c, 1e-12) / max(costs[0], 1e-12)), (e - base) / batch_rows,
-                    marginal, (r - rows[0]) / batch_rows / 8.0, float(k == 0)])
-    return torch.tensor(out, dtype=torch.float32)
+    for k in idx:
+        marginal = expected[k] - expected[k - 1] if k else 0.0
+        out.append([math.log(max(expected[k], 1e-9) / max(costs[k], 1e-12)) - top,
+                    math.log(max(costs[k], 1e-12) / max(costs[0], 1e-12)), (expected[k] - base) / batch_rows,
+                    marginal, (rows[k] - rows[0]) / batch_rows / 8.0, float(k == 0)])
+    return np.array(out, dtype=np.float32)

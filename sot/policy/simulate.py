@@ -30,48 +30,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sot.tree import DraftTree, merge_trees
+from sot.policy.record import from_dict, step_record, tree_dict, union_tree
+from sot.tree import DraftTree
 
 if TYPE_CHECKING:
     from sot.policy.commit import CommitPolicy
     from sot.policy.cost import CostModel
-    from sot.policy.state import StepOutcome, StepPlan, SequencePolicyState
-
-
-def union_tree(drafted: DraftTree, free: DraftTree | None) -> DraftTree:
-    """``drafted`` with every node of ``free`` merged in (shared prefixes once), none dropped."""
-    if free is None or free.size <= 1:
-        return drafted
-    if drafted.size <= 1:
-        return free
-    return merge_trees([drafted, free], drafted.size + free.size)
-
-
-def tree_dict(tree: DraftTree | None) -> dict | None:
-    """A tree as plain lists (for ``torch.save``)."""
-    if tree is None:
-        return None
-    return {"tokens": list(tree.tokens), "parents": list(tree.parents), "depths": list(tree.depths),
-            "probs": None if tree.draft_probs is None else [float(p) for p in tree.draft_probs]}
-
-
-def from_dict(d: dict) -> DraftTree:
-    return DraftTree(list(d["tokens"]), list(d["parents"]), list(d["depths"]), d["probs"])
-
-
-def step_record(plan: StepPlan, outcome: StepOutcome, recorded: dict[int, tuple[DraftTree, DraftTree | None]],
-                seqs: dict[int, SequencePolicyState]) -> dict:
-    """One recorded step: its timing and, per drafting sequence, the drafted tree, the free
-    draft, and the target's tokens along the accepted path of their union."""
-    out = []
-    for b in plan.drafting:
-        tree, path = outcome.trees[b], outcome.paths[b]
-        drafted, free = recorded.get(b, (DraftTree.root_only(tree.tokens[0]), None))
-        out.append({"key": b, "temperature": seqs[b].temperature if b in seqs else 0.0,
-                    "drafted": tree_dict(drafted), "free": tree_dict(free),
-                    "target": [int(tree.tokens[i]) for i in path[1:]]})
-    return {"batch": plan.batch_rows, "draft_seconds": outcome.draft_seconds, "draft_passes": outcome.draft_passes,
-            "verify_seconds": outcome.verify_seconds, "rows": outcome.rows, "seqs": out}
+    from sot.policy.state import StepPlan
 
 
 def accepted_path(tree: DraftTree, target: list[int]) -> list[int]:
@@ -253,16 +218,19 @@ def _collect(policy: CommitPolicy, plan: StepPlan, trees: dict[int, DraftTree], 
     choice = policy.choice
     if choice is None or policy.last_features is None or not trees or len(choice.rows) < 2:
         return
+    feats, step, idx = policy.last_features
+    if len(idx) < 2:  # nothing to choose
+        policy.choice, policy.last_features = None, None
+        return
     prefmax = {k: _acc_counts(trees[k], choice.orders[k], recs[k]["target"]) for k in choice.orders}
     rewards = []
-    for c, rows in enumerate(choice.rows):
+    for c in idx:
         kept = choice.kept(c)
         tokens = batch + sum(bisect.bisect_left(prefmax[k], kept[k]) for k in prefmax)
-        seconds = draft_seconds + machine.cost.verify(rows)
+        seconds = draft_seconds + machine.cost.verify(choice.rows[c])
         rewards.append((tokens - mu * seconds / unit) / batch)
-    feats, step = policy.last_features
-    res.select.append(SelectSample(feats, step, torch.tensor(rewards), choice.chosen,
-                                   int(feats[:, 0].argmax())))
+    res.select.append(SelectSample(torch.from_numpy(feats), torch.from_numpy(step), torch.tensor(rewards),
+                                   idx.index(choice.chosen), int(feats[:, 0].argmax())))
     policy.choice, policy.last_features = None, None
 
 
@@ -301,7 +269,7 @@ def _collect_draft(policy: CommitPolicy, drafted: dict[int, DraftTree], free: di
         est_d = [1.0] + [min(1.0, s.calibration * p) for p in d.confidences()[1:]]
         tok_d, sec_d = _best_alone(policy, d, est_d, target, batch, machine)
         sec_d += machine.pass_seconds * passes / max(1, batch)
-        res.draft.append(DraftSample(x, tok_f - mu * (sec_f / unit + 1.0), tok_d - mu * (sec_d / unit + 1.0)))
+        res.draft.append(DraftSample(torch.from_numpy(x), tok_f - mu * (sec_f / unit + 1.0), tok_d - mu * (sec_d / unit + 1.0)))
 
 
 def machine_from_traces(traces: dict) -> SimCost:

@@ -244,13 +244,8 @@ def load_or_collect(cfg: PolicyTrainConfig) -> dict:
 
 
 def train_policy(cfg: PolicyTrainConfig) -> Path:
-    """Collect traces (reused from ``out/traces.pt`` when present), fit, and write the model:
-    the acceptance model of ``learned``, or with ``kind="rl"`` the rl network
-    (:func:`sot.train.rl.train_rl_policy`)."""
-    if cfg.kind == "rl":
-        from sot.train.rl import train_rl_policy
-
-        return train_rl_policy(cfg)
+    """Collect traces (reused from ``out/traces.pt`` when present), fit, and write the
+    acceptance model of ``learned`` (``kind="rl"``: :func:`sot.train.rl.train_rl_policy`)."""
     out = Path(cfg.out)
     traces = load_or_collect(cfg)
     model, report = fit_acceptance(traces, cfg.epochs, cfg.lr, cfg.seed)
