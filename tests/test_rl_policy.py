@@ -116,6 +116,7 @@ def test_rl_policy_trains_on_the_simulator_saves_and_stays_lossless(tmp_path) ->
     untrained = replay(policy_for_replay("rl", rl=RLPolicyModel()), runs, machine, collect=True)
     assert untrained.tokens == heuristic.tokens and untrained.rows == heuristic.rows
     assert untrained.select and all(s.chosen == s.heuristic for s in untrained.select)
+    assert untrained.draft, "the draft-or-free head was asked (and decided as the heuristic)"
     assert all(s.reward.shape[0] == s.features.shape[0] for s in untrained.select)
     # training: a curve, and every policy replayed on the held-out batches
     trained, report = train_rl(traces, epochs=3, held_out=0.25, progress=False)

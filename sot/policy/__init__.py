@@ -37,16 +37,17 @@ and whether a sequence drafts or takes its free draft.
 """
 from sot.policy.acceptance_model import (
     DEFAULT_ACCEPTANCE_MODEL, FEATURES, AcceptanceModel, Trace, fitting_acceptance_model, load_acceptance_model,
-    node_features, resolve_policy, resolve_rl_policy,
+    node_features, resolve_policy,
 )
 from sot.policy.commit import CommitPolicy, StepOutcome, StepPlan
 from sot.policy.config import PolicyConfig, PolicyKind
 from sot.policy.cost import CostModel
-from sot.policy.rl import DEFAULT_RL_POLICY, RLPolicyModel, load_rl_policy
+from sot.policy.rl import DEFAULT_RL_POLICY, RLPolicyModel, load_rl_policy, resolve_rl_policy
 from sot.policy.state import SequencePolicyState, prune, ranked_nodes
 
 __all__ = [
-    "DEFAULT_ACCEPTANCE_MODEL", "DEFAULT_RL_POLICY", "FEATURES", "RLPolicyModel", "load_rl_policy", "AcceptanceModel", "CommitPolicy", "CostModel", "PolicyConfig", "PolicyKind",
-    "SequencePolicyState", "StepOutcome", "StepPlan", "Trace", "fitting_acceptance_model", "load_acceptance_model",
-    "node_features", "prune", "ranked_nodes", "resolve_policy", "resolve_rl_policy",
+    "DEFAULT_ACCEPTANCE_MODEL", "DEFAULT_RL_POLICY", "FEATURES", "AcceptanceModel", "CommitPolicy", "CostModel",
+    "PolicyConfig", "PolicyKind", "RLPolicyModel", "SequencePolicyState", "StepOutcome", "StepPlan", "Trace",
+    "fitting_acceptance_model", "load_acceptance_model", "load_rl_policy", "node_features", "prune", "ranked_nodes",
+    "resolve_policy", "resolve_rl_policy",
 ]

@@ -11,7 +11,7 @@ import torch
 
 from sot.errors import ConfigError
 from sot.policy.config import PolicyConfig, PolicyKind
-from sot.policy.files import read_policy_file, write_policy_file
+from sot.policy.files import load_policy_model, write_policy_file
 from sot.policy.state import SequencePolicyState
 from sot.tree import DraftTree
 
@@ -73,17 +73,11 @@ class AcceptanceModel(torch.nn.Module):
         write_policy_file(self, path, info)
 
     @classmethod
-    def load(cls, path: str | Path) -> "AcceptanceModel":
-        info, weights = read_policy_file(path, "commit-policy model", "sot train policy")
-        if info.get("format") != cls.FORMAT or tuple(info.get("features", ())) != FEATURES:
-            raise ConfigError(f"{path} is not a {cls.FORMAT} file with features {', '.join(FEATURES)}")
-        model = cls(int(info.get("hidden", 32)))
-        model.load_state_dict(weights)
-        model.info = info
-        return model.eval()
+    def load(cls, path: str | Path, target: torch.nn.Module | None = None) -> "AcceptanceModel":
+        """The model at ``path`` (checked against ``target`` when given)."""
+        return load_policy_model(cls, path, "commit-policy model", "sot train policy", {"features": FEATURES}, target)
 
 
-#: the acceptance model shipped for the default model with its shipped state predictor
 #: the acceptance model shipped for the default model
 DEFAULT_ACCEPTANCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m-instruct.policy.safetensors"
 
@@ -91,23 +85,14 @@ DEFAULT_ACCEPTANCE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "smo
 def load_acceptance_model(path: str | Path | None, target: torch.nn.Module | None = None) -> AcceptanceModel:
     """Load the ``learned`` policy's model (default: the shipped one); when the file names
     the target it was trained for, ``target`` must match it."""
-    model = AcceptanceModel.load(path or DEFAULT_ACCEPTANCE_MODEL)
-    expected = model.info.get("embed_hash")
-    if expected and target is not None:
-        from sot.fingerprint import embedding_hash
-
-        found = embedding_hash(target.get_input_embeddings().weight)
-        if found != expected:
-            raise ConfigError(f"commit-policy model {path or DEFAULT_ACCEPTANCE_MODEL} was trained for another target "
-                              f"(embedding hash {expected}, this model has {found}); train one with 'sot train policy'")
-    return model
+    return AcceptanceModel.load(path or DEFAULT_ACCEPTANCE_MODEL, target)
 
 
 @dataclass
 class Trace:
     """Logged decisions: for the acceptance model, ``features [M, F]`` of every verified
     non-root node and ``accepted [M]`` (1 when the target accepted it); for the rl policy's
-    simulator, ``steps``, one :func:`sot.policy.simulate.step_record` per verify step."""
+    simulator, ``steps``, one :func:`sot.policy.record.step_record` per verify step."""
 
     features: list[torch.Tensor] = field(default_factory=list)
     accepted: list[torch.Tensor] = field(default_factory=list)
@@ -146,14 +131,3 @@ def resolve_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel,
         acceptance_model = load_acceptance_model(config.model_path, target.model)
     return config, acceptance_model
 
-
-def resolve_rl_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel, rl_model, record: bool):
-    """The ``rl`` policy's network: ``rl_model`` when given, else loaded from
-    ``config.model_path`` or the shipped one (checked against ``target``); ``None`` for any
-    other policy, while recording, or for plain decoding."""
-    from sot.drafters.base import DrafterKind
-    from sot.policy.rl import load_rl_policy
-
-    if config.kind is not PolicyKind.RL or record or drafter.kind is DrafterKind.NONE:
-        return None
-    return rl_model if rl_model is not None else load_rl_policy(config.model_path, target.model)

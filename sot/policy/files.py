@@ -33,3 +33,29 @@ def read_policy_file(path: str | Path, what: str, command: str) -> tuple[dict, d
         return info, load_file(str(path))
     except Exception as exc:  # noqa: BLE001 - any parse failure means a bad file
         raise ConfigError(f"{path} is not a {what}: {exc}") from None
+
+
+def load_policy_model(cls, path: str | Path, what: str, command: str, features: dict[str, tuple[str, ...]],
+                      target: torch.nn.Module | None = None):
+    """An instance of ``cls`` (a policy network with a ``FORMAT`` and a ``hidden`` size) from
+    ``path``, in eval mode, its metadata as ``.info``. The file must carry ``cls.FORMAT`` and,
+    for each key of ``features``, exactly those feature names; when it names the target it was
+    trained for (``embed_hash``), ``target`` must match. Errors name ``what`` the file should
+    be and the ``command`` that trains one."""
+    info, weights = read_policy_file(path, what, command)
+    if info.get("format") != cls.FORMAT or any(tuple(info.get(k, ())) != v for k, v in features.items()):
+        names = "; ".join(f"{k}: {', '.join(v)}" for k, v in features.items())
+        raise ConfigError(f"{path} is not a {cls.FORMAT} file with this version's features ({names})")
+    model = cls(int(info.get("hidden", 32)))
+    model.load_state_dict(weights)
+    model.info = info
+    model.eval()
+    expected = info.get("embed_hash")
+    if expected and target is not None:
+        from sot.fingerprint import embedding_hash
+
+        found = embedding_hash(target.get_input_embeddings().weight)
+        if found != expected:
+            raise ConfigError(f"{what} {path} was trained for another target (embedding hash {expected}, this "
+                              f"model has {found}); train one with '{command}'")
+    return model

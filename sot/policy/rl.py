@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from sot.errors import ConfigError
-from sot.policy.files import read_policy_file, write_policy_file
+from sot.policy.config import PolicyConfig, PolicyKind
+from sot.policy.files import load_policy_model, write_policy_file
+
+if TYPE_CHECKING:
+    from sot.drafters.base import Drafter
+    from sot.models.adapter import TargetModel
 
 #: per candidate verify size: heuristic gap, log verify-cost ratio to the smallest candidate,
 #: expected extra tokens per sequence, the last node's estimate, extra rows per sequence, k = 0
@@ -78,6 +83,10 @@ class RLPolicyModel(torch.nn.Module):
         self._cached = None  # weights may change: the inference copy is rebuilt on next use
         return super().train(mode)
 
+    def load_state_dict(self, *args, **kwargs):
+        self._cached = None
+        return super().load_state_dict(*args, **kwargs)
+
     def _weights(self) -> dict:
         """NumPy copies of the weights for :meth:`choose` and :meth:`prefers_free`: the engine
         asks every step, and a few NumPy products cost far less than torch's per-op dispatch."""
@@ -113,16 +122,12 @@ class RLPolicyModel(torch.nn.Module):
         write_policy_file(self, path, info)
 
     @classmethod
-    def load(cls, path: str | Path) -> "RLPolicyModel":
-        info, weights = read_policy_file(path, "commit-policy network of --policy rl", "sot train policy --kind rl")
-        if (info.get("format") != cls.FORMAT or tuple(info.get("select_features", ())) != SELECT_FEATURES
-                or tuple(info.get("draft_features", ())) != DRAFT_FEATURES
-                or tuple(info.get("step_features", ())) != STEP_FEATURES):
-            raise ConfigError(f"{path} is not a {cls.FORMAT} file with this version's features")
-        model = cls(int(info.get("hidden", 32)))
-        model.load_state_dict(weights)
-        model.info = info
-        return model.eval()
+    def load(cls, path: str | Path, target: torch.nn.Module | None = None) -> "RLPolicyModel":
+        """The network at ``path`` (checked against ``target`` when given)."""
+        features = {"select_features": SELECT_FEATURES, "step_features": STEP_FEATURES,
+                    "draft_features": DRAFT_FEATURES}
+        return load_policy_model(cls, path, "commit-policy network of --policy rl", "sot train policy --kind rl",
+                                 features, target)
 
 
 #: the rl policy shipped for the default model and its shipped state predictor
@@ -132,17 +137,19 @@ DEFAULT_RL_POLICY = Path(__file__).resolve().parents[1] / "assets" / "smollm2-13
 def load_rl_policy(path: str | Path | None, target: torch.nn.Module | None = None) -> RLPolicyModel:
     """Load the ``rl`` policy's network (default: the shipped one); when the file names the
     target it was trained for, ``target`` must match it."""
-    model = RLPolicyModel.load(path or DEFAULT_RL_POLICY)
-    expected = model.info.get("embed_hash")
-    if expected and target is not None:
-        from sot.fingerprint import embedding_hash
+    return RLPolicyModel.load(path or DEFAULT_RL_POLICY, target)
 
-        found = embedding_hash(target.get_input_embeddings().weight)
-        if found != expected:
-            raise ConfigError(f"rl policy {path or DEFAULT_RL_POLICY} was trained for another target "
-                              f"(embedding hash {expected}, this model has {found}); train one with "
-                              "'sot train policy --kind rl'")
-    return model
+
+def resolve_rl_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel, rl_model: RLPolicyModel | None,
+                      record: bool) -> RLPolicyModel | None:
+    """The network an engine's ``rl`` policy runs: ``rl_model`` when given, else loaded from
+    ``config.model_path`` or the shipped one (checked against ``target``); ``None`` for any
+    other policy, while recording, or for plain decoding."""
+    from sot.drafters.base import DrafterKind
+
+    if config.kind is not PolicyKind.RL or record or drafter.kind is DrafterKind.NONE:
+        return None
+    return rl_model if rl_model is not None else load_rl_policy(config.model_path, target.model)
 
 
 #: the candidates the network chooses among: those whose modelled tokens per second are
