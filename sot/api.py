@@ -19,6 +19,7 @@ from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.models.loading import load_model, resolve_dtype
+from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig
 from sot.prompts import PromptItem, encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
@@ -86,6 +87,8 @@ class SoT:
         self.name = name
         #: engine results of the last :meth:`stream` call (statistics of each sequence)
         self.last_stream: list = []
+        #: the test-time adapter of the state predictor (``load(adapt=...)``), or ``None``
+        self.adapter: Adapter | None = None
 
     @classmethod
     def load(
@@ -100,6 +103,7 @@ class SoT:
         policy: PolicyConfig | None = None,
         suffix_store: str | None = None,
         suffix_per_tenant: bool = False,
+        adapt: AdaptConfig | None = None,
     ) -> "SoT":
         """Load a target and build the engine.
 
@@ -121,6 +125,8 @@ class SoT:
                 it back with :meth:`save_suffix_store`).
             suffix_per_tenant: keep earlier answers apart per tenant (``add_request``'s
                 ``tenant``), so one tenant's answers never draft another's.
+            adapt: test-time adaptation of the state predictor (:mod:`sot.online.adapt`);
+                ``None``: the predictor stays as loaded.
         """
         loaded = load_model(model, dtype=resolve_dtype(dtype))
         stores = None
@@ -149,7 +155,10 @@ class SoT:
 
         engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode,
                         policy=policy)
-        return cls(target, tok, engine, loaded.name)
+        out = cls(target, tok, engine, loaded.name)
+        if adapt is not None:
+            out.adapter = Adapter(engine, adapt)
+        return out
 
     # ----------------------------------------------------------------- helpers
     @property

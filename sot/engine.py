@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -25,7 +25,7 @@ from sot.attention import MAX_TREE_DEPTH
 from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError
-from sot.models.adapter import TargetModel
+from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT, round_up
 from sot.policy import (
     AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, RLPolicyModel, StepOutcome, StepPlan, Trace,
@@ -40,7 +40,30 @@ from sot.tree import DraftTree
 from sot.verify import accept_all, accept_tree, pack_trees, record_depths
 
 #: the request and result types live in :mod:`sot.requests`; importing them from here works too
-__all__ = ["Engine", "GenerationParams", "PhaseTimes", "SequenceResult", "StepStats", "TokenEvent", "check_request"]
+__all__ = ["Engine", "GenerationParams", "PhaseTimes", "SequenceResult", "StepObserver", "StepStats", "TokenEvent",
+           "check_request"]
+
+
+class StepObserver(Protocol):
+    """What the engine tells an observer (see ``Engine(observers=...)``)."""
+
+    def prefilled(self, seq: LiveRequest, states: torch.Tensor | None, logits: torch.Tensor) -> None:
+        """A prompt was read: the target's ``states [P, S', D]`` at its positions (all the
+        layers the target returns) and ``logits [V]`` at its last position."""
+
+    def verified(self, seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutput,
+                 paths: list[list[int]], drafted: set[int]) -> None:
+        """A verify pass over ``seqs`` (slot order) ran: their ``trees``, the pass's output
+        (``out.seq_logits(b) [T_b, V]``, ``out.seq_states(b) [T_b, S', D]``), each accepted
+        path (node indices, root first) and the ids of the sequences the drafter drafted for.
+        Called before the accepted tokens are committed."""
+
+    def finished(self, seq: LiveRequest) -> None:
+        """``seq`` left the engine (finished or aborted)."""
+
+    def between_steps(self) -> None:
+        """Called at the start of every step, before anything of it runs (so the previous
+        step's tokens are already out): the place for work that must not delay a step."""
 
 
 class Engine:
@@ -68,6 +91,10 @@ class Engine:
             probabilities, the step's time split; the state drafter's predicted states).
         rl_model: the network of the ``rl`` policy (default: loaded from ``policy.model_path``,
             or the one shipped for the default model).
+        observers: :class:`StepObserver` objects told of every prompt pass, verify pass and
+            finished sequence, and called before each step (on-policy recording, test-time
+            adaptation of the drafter). The target may return more state layers than the
+            drafter reads (e.g. its final state, for a recorder): the drafter gets its own.
     """
 
     def __init__(
@@ -83,6 +110,7 @@ class Engine:
         max_batch: int | None = None,
         record_steps: bool = False,
         rl_model: RLPolicyModel | None = None,
+        observers: list[StepObserver] | None = None,
     ) -> None:
         budget.check(MAX_TREE_DEPTH)
         if max_batch is not None and max_batch < 1:
@@ -115,6 +143,13 @@ class Engine:
         self._cache: KVCache | None = None
         self._policy: CommitPolicy | None = None
         self.last_step = StepStats()
+        self.observers: list[StepObserver] = list(observers or [])
+        #: the test-time adapter of the drafter (:class:`sot.online.adapt.Adapter`), once attached
+        self.adapter = None
+        layers = tuple(target.state_layers)
+        pick = [layers.index(x) for x in drafter.state_layers]
+        # the drafter's layers among the target's, when the target returns more (else None)
+        self._pick = None if pick == list(range(len(layers))) else torch.tensor(pick, dtype=torch.long)
 
     #: tokens of room the cache grows by, past the longest sequence (at least; it grows by half)
     GROW_STEP = 256
@@ -204,6 +239,8 @@ class Engine:
         """Admit waiting requests into free slots (their prompts are read and their first
         token committed), then run one speculative step over every live sequence. Returns the
         tokens committed, one event per request that got any (or finished)."""
+        for obs in self.observers:  # between steps (the last one's tokens are out): never inside one
+            obs.between_steps()
         events = self._admit_waiting()
         self.last_step = StepStats()
         if self._running:
@@ -241,6 +278,9 @@ class Engine:
         self.policy.add_sequence(seq.id, seq.params.sampling.temperature)
         out = self.target.prefill(self._cache, b, torch.tensor(seq.prompt))
         self._cache.set_length(b, len(seq.prompt))
+        for obs in self.observers:
+            obs.prefilled(seq, out.states[0] if out.states is not None else None, out.logits[0, -1])
+        out = self._drafter_view(out)
         root = DraftTree.root_only(seq.prompt[-1])
         acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, root, out.logits[0, -1:],
                           len(seq.prompt) - 1)
@@ -282,7 +322,11 @@ class Engine:
         t2 = time.perf_counter()
         out = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
         t3 = time.perf_counter()
+        full = out
+        out = self._drafter_view(out)
         accepted = accept_all(seqs, batch.trees, out, self._cache, self.trace)
+        for obs in self.observers:
+            obs.verified(seqs, batch.trees, full, [a.path for a in accepted], set(plan.drafting))
         self.policy.observe_step(plan, StepOutcome(
             trees={s.id: t for s, t in zip(seqs, batch.trees)},
             paths={s.id: a.path for s, a in zip(seqs, accepted)},
@@ -302,6 +346,12 @@ class Engine:
         return events
 
     # ----------------------------------------------------------------- stages
+    def _drafter_view(self, out: ForwardOutput) -> ForwardOutput:
+        """``out`` with only the drafter's state layers (the target may return more)."""
+        if self._pick is None or out.states is None:
+            return out
+        return ForwardOutput(out.logits, out.states.index_select(-2, self._pick.to(out.states.device)), out.offsets)
+
     def _draft_input(self, seq: LiveRequest, states: torch.Tensor | None) -> DraftInput:
         return DraftInput(seq.id, seq.context, states, seq.result.index, seq.tenant)
 
@@ -369,6 +419,8 @@ class Engine:
         self._cache.lengths[last] = 0
         self.drafter.release(seq.id)
         self.drafter.remember(seq.prompt, seq.result.token_ids, seq.tenant)
+        for obs in self.observers:
+            obs.finished(seq)
         self.policy.drop_sequence(seq.id)
 
     # ----------------------------------------------------------------- offline loops

@@ -48,6 +48,27 @@ def chain_runs(hits: list[list[bool]], start: int, stop: int, depth: int) -> tup
 
 
 @torch.no_grad()
+def walk_answer(pred, states: torch.Tensor, ids: list[int], prompt_len: int, head: torch.Tensor,
+                depth: int) -> tuple[list[int], int, int, list[tuple[int, int]]]:
+    """One answer: ``states [T, S + 1, D]`` (:func:`~sot.train.data.target_states` of ``ids``),
+    the prompt's length and the target's head ``[V, D]``. Returns the chain at every answer
+    row, the walk's tokens and steps, and the walk's chains as ``(start row, accepted)``."""
+    s, t = states.shape[1] - 1, len(ids) - 1
+    top = (states[1:, s] @ head.T).argmax(-1)  # the target's token after each row's next position
+    outs = pred.forward_unrolled(states[:t, :s].unsqueeze(0).to(next(pred.parameters()).dtype),
+                                 torch.tensor(ids[1:]).unsqueeze(0), depth)
+    hits = torch.stack([pred.draft_vocab[pred.logits(g[0]).argmax(-1)] == top for g in outs]).tolist()
+    start, stop = prompt_len - 1, t - depth
+    every, tokens, steps = chain_runs(hits, start, stop, depth)
+    walked, r = [], start
+    while r < stop:
+        a = every[r - start]
+        walked.append((r, a))
+        r += a + 1
+    return every, tokens, steps, walked
+
+
+@torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bench_dir")
@@ -70,12 +91,8 @@ def main() -> None:
             prompt = encode(tok, items[str(rec["question_id"])], True)
             ids = prompt + rec["choices"][0]["turns"][0]
             states = target_states(model, ids, layers).float()  # [T, S + 1, D]
-            s, t = states.shape[1] - 1, len(ids) - 1
-            top = (states[1:, s] @ head.T).argmax(-1)  # the target's token after each row's next position
             for p, pred in preds.items():
-                outs = pred.forward_unrolled(states[:t, :s].unsqueeze(0), torch.tensor(ids[1:]).unsqueeze(0), d)
-                hits = torch.stack([pred.draft_vocab[pred.logits(g[0]).argmax(-1)] == top for g in outs]).tolist()
-                every, tokens, steps = chain_runs(hits, len(prompt) - 1, t - d, d)
+                every, tokens, steps, _ = walk_answer(pred, states, ids, len(prompt), head, d)
                 acc = totals[p]
                 acc[0], acc[1], acc[2], acc[3] = acc[0] + sum(every), acc[1] + len(every), acc[2] + tokens, acc[3] + steps
         for p, (accepted, positions, tokens, steps) in totals.items():

@@ -41,7 +41,7 @@ def adversarial_prompts(n: int = 20, seed: int = 0) -> list[dict]:
     return out
 
 
-BUILTIN = ("sharegpt-heldout", "humaneval", "long", "adversarial", "mix")
+BUILTIN = ("sharegpt-heldout", "humaneval", "code-edit", "long", "adversarial", "mix")
 
 
 def load_prompt_set(name: str, limit: int | None = None, chat: bool = True) -> list[dict]:
@@ -54,6 +54,10 @@ def load_prompt_set(name: str, limit: int | None = None, chat: bool = True) -> l
         from sot.data.humaneval import humaneval_prompts
 
         records = humaneval_prompts(chat=chat, limit=limit)
+    elif name == "code-edit":  # refactor HumanEval's reference solutions
+        from sot.data.humaneval import code_edit_prompts
+
+        records = code_edit_prompts(limit)
     elif name == "long":
         records = [{"id": f"long-{i}", "turns": [t]} for i, t in enumerate(LONG_PROMPTS)]
     elif name == "adversarial":

@@ -7,6 +7,7 @@ import sys
 from typing import Callable
 
 from sot.drafters.base import DRAFT_TOP_K, TreeBudget
+from sot.online.defaults import ADAPT_BUDGET
 from sot.policy.config import PolicyConfig, PolicyKind
 from sot.requests import GenerationParams
 from sot.sampling import SamplingMode, SamplingParams
@@ -98,6 +99,24 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "run (0: off, the default)")
 
 
+def add_adapt_args(p: argparse.ArgumentParser) -> None:
+    """``--adapt`` and ``--adapt-budget`` (for generate, chat and serve)."""
+    p.add_argument("--adapt", action="store_true",
+                   help="test-time adaptation: the state predictor keeps learning from what the verify passes "
+                        "show, between steps, within --adapt-budget (output is unchanged: the target verifies)")
+    p.add_argument("--adapt-budget", type=probability, default=ADAPT_BUDGET,
+                   help=f"adaptation time as a fraction of decoding time (default {ADAPT_BUDGET})")
+
+
+def adapt_from_args(args: argparse.Namespace):
+    """The :class:`~sot.online.adapt.AdaptConfig` of ``--adapt`` (``None`` without it)."""
+    if not getattr(args, "adapt", False):
+        return None
+    from sot.online.adapt import AdaptConfig
+
+    return AdaptConfig(budget=args.adapt_budget)
+
+
 def policy_from_args(args: argparse.Namespace) -> PolicyConfig:
     return PolicyConfig(kind=PolicyKind(args.policy), warmup=args.warmup, fallback_threshold=args.fallback_threshold,
                         model_path=args.policy_model, disable_above=args.disable_above)
@@ -137,7 +156,8 @@ def load_sot(args: argparse.Namespace):
     return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes,
                     max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
                     policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
-                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user")
+                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
+                    adapt=adapt_from_args(args))
 
 
 def save_suffix_store(sot, args: argparse.Namespace) -> None:

@@ -6,8 +6,8 @@ import json
 import sys
 
 from sot.cli.common import (
-    add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, load_sot, positive_int, save_suffix_store,
-    sampling_kwargs,
+    add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, load_sot, positive_int,
+    save_suffix_store, sampling_kwargs,
 )
 from sot.errors import SoTError
 
@@ -26,6 +26,7 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
                      help="record every step (trees, acceptance, policy, timings, predicted states) to FILE.jsonl; "
                           "'sot trace --from FILE.jsonl' draws it")
     add_model_args(gen)
+    add_adapt_args(gen)
     add_sampling_args(gen)
     add_chat_flag(gen)
 
@@ -45,6 +46,7 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     add_drafter_args(chat)
     chat.add_argument("--system", default=None, help="system message")
     add_model_args(chat)
+    add_adapt_args(chat)
     add_sampling_args(chat)
 
 
@@ -64,6 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
         r = sot.last_stream[0]
         print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+        _adapt_line(sot)
         save_suffix_store(sot, args)
         return 0
     results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=bool(args.trace))
@@ -81,8 +84,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"--- [{i}]")
             print(r.text)
             print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+    _adapt_line(sot)
     save_suffix_store(sot, args)
     return 0
+
+
+def _adapt_line(sot) -> None:
+    """With ``--adapt``: what the adapter did, on stderr."""
+    if sot.adapter is None:
+        return
+    st = sot.adapter.stats()
+    share = st["update_seconds"] / st["step_seconds"] if st["step_seconds"] else 0.0
+    print(f"[adaptation: {st['updates']} updates, {st['rollbacks']} rolled back, {st['resets']} resets; "
+          f"{st['update_seconds']:.2f}s, {share:.1%} of decoding time; drift {st['drift']:.4f}]", file=sys.stderr)
 
 
 def _write_trace(args: argparse.Namespace, sot, ids: list[list[int]], results) -> list:
@@ -149,6 +163,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(file=sys.stderr)
             user = ""
         if not user.strip():
+            _adapt_line(sot)
             save_suffix_store(sot, args)
             return 0
         messages.append({"role": "user", "content": user})

@@ -7,7 +7,7 @@ import sys
 import threading
 
 from sot.cli.common import (
-    add_drafter_args, add_model_args, load_sot, non_negative_float, positive_int, save_suffix_store,
+    add_adapt_args, add_drafter_args, add_model_args, load_sot, non_negative_float, positive_int, save_suffix_store,
 )
 from sot.errors import ConfigError
 
@@ -35,6 +35,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    f"(default {ServerConfig.TRACE_KEPT}) as pages at /trace/{{id}}, the id of the completion")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_model_args(p)
+    add_adapt_args(p)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

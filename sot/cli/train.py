@@ -8,7 +8,9 @@ from pathlib import Path
 
 from sot.cli.common import DTYPE_CHOICES, positive_float, positive_int
 from sot.drafters.state.config import ARCHES, default_state_layers
+from sot.online.loss import OnlineLossConfig
 from sot.train.acceptance import PolicyTrainConfig
+from sot.train.onpolicy import OnPolicyConfig
 from sot.train.trainer import TrainConfig
 
 
@@ -113,6 +115,39 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=TrainConfig.precision,
                      help="compute precision (auto: bf16 autocast where the hardware computes bf16 natively, "
                           "else float32; master weights and losses are float32 either way)")
+
+    op = tsub.add_parser("onpolicy", help="train the state predictor on its own drafts: decode, record what the "
+                         "verify passes computed, train where the drafts went wrong; repeat")
+    op.add_argument("--model", default=OnPolicyConfig.model)
+    op.add_argument("--init-from", default=OnPolicyConfig.init_from,
+                    help="predictor file to start from (default: the one shipped for the default model)")
+    op.add_argument("--out", required=True, help="run folder: buffer/ shards, checkpoint, predictor, report.json")
+    op.add_argument("--iterations", type=positive_int, default=OnPolicyConfig.iterations,
+                    help="rounds of decode, record, train")
+    op.add_argument("--prompts-per-iteration", type=positive_int, default=OnPolicyConfig.prompts_per_iteration)
+    op.add_argument("--code-share", type=float, default=OnPolicyConfig.code_share,
+                    help="share of coding requests among the prompts (the rest: ShareGPT training prompts)")
+    op.add_argument("--prompts", default=OnPolicyConfig.prompts_file, metavar="FILE",
+                    help="JSONL of prompts to decode instead ('id' and 'prompt', or ShareGPT 'conversations')")
+    op.add_argument("--batch-size", type=positive_int, default=OnPolicyConfig.batch_size)
+    op.add_argument("--max-new-tokens", type=positive_int, default=OnPolicyConfig.max_new_tokens)
+    op.add_argument("--temperatures", default=",".join(f"{t:g}" for t in OnPolicyConfig.temperatures),
+                    help="comma list; decode batches take them in turn (0: greedy)")
+    op.add_argument("--steps-per-iteration", type=int, default=OnPolicyConfig.steps_per_iteration)
+    op.add_argument("--tokens-per-step", type=positive_int, default=OnPolicyConfig.tokens_per_step)
+    op.add_argument("--lr", type=positive_float, default=OnPolicyConfig.lr)
+    op.add_argument("--unroll", type=positive_int, default=OnlineLossConfig.unroll)
+    op.add_argument("--uniform", type=float, default=OnlineLossConfig.uniform,
+                    help="weight of every answer row beside the rows the recorded chains visited (fit: 1 and no "
+                         "chains)")
+    op.add_argument("--error-weight", type=float, default=OnlineLossConfig.error_weight,
+                    help="extra weight of the row where a recorded chain was first rejected")
+    op.add_argument("--buffer-gb", type=positive_float, default=OnPolicyConfig.buffer_gb,
+                    help="recorded data kept; the oldest shards go beyond it")
+    op.add_argument("--max-seconds", type=float, default=OnPolicyConfig.max_seconds,
+                    help="stop (with a checkpoint) after this much decoding and training time")
+    op.add_argument("--dtype", choices=DTYPE_CHOICES, default=OnPolicyConfig.dtype)
+    op.add_argument("--seed", type=int, default=OnPolicyConfig.seed)
 
     pol = tsub.add_parser("policy", help="train a commit policy from logged decoding traces: the acceptance "
                           "model of --policy learned, or the network of --policy rl (--kind rl)")
@@ -238,6 +273,29 @@ def cmd_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_onpolicy(args: argparse.Namespace) -> int:
+    from sot.errors import ConfigError
+    from sot.train.onpolicy import train_onpolicy
+
+    if args.uniform < 0 or args.error_weight < 0:
+        raise ConfigError("--uniform and --error-weight must be >= 0")
+    loss = OnlineLossConfig(unroll=args.unroll, uniform=args.uniform, error_weight=args.error_weight)
+    cfg = OnPolicyConfig(model=args.model, init_from=args.init_from, out=args.out, iterations=args.iterations,
+                         prompts_per_iteration=args.prompts_per_iteration, code_share=args.code_share,
+                         prompts_file=args.prompts or "",
+                         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                         temperatures=_numbers(args.temperatures, "--temperatures"),
+                         steps_per_iteration=args.steps_per_iteration, tokens_per_step=args.tokens_per_step,
+                         lr=args.lr, buffer_gb=args.buffer_gb, max_seconds=args.max_seconds, dtype=args.dtype,
+                         seed=args.seed, loss=loss)
+    path = train_onpolicy(cfg)
+    report = json.loads((Path(args.out) / "report.json").read_text())
+    print(f"{report['steps']} steps on {report['buffer_sequences']} recorded sequences "
+          f"({report['buffer_tokens']:,} tokens); decoding {report['decode_seconds']:.0f}s, training "
+          f"{report['train_seconds']:.0f}s; wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     return {"gen-data": cmd_gen_data, "code-prompts": cmd_code_prompts, "prepare": cmd_prepare, "fit": cmd_fit,
-            "policy": cmd_policy}[args.train_command](args)
+            "onpolicy": cmd_onpolicy, "policy": cmd_policy}[args.train_command](args)

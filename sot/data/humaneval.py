@@ -29,3 +29,16 @@ def humaneval_prompts(chat: bool = True, limit: int | None = None) -> list[dict]
         else:
             out.append({"id": p["task_id"], "prompt": p["prompt"]})
     return out
+
+
+EDIT_INSTRUCTION = ("Refactor the following Python function: give its variables descriptive names, add type hints "
+                    "and explain each step in a comment. Reply with the full function in a code block."
+                    "\n\n```python\n{code}```")
+
+
+def code_edit_prompts(limit: int | None = None) -> list[dict]:
+    """Code-edit requests: each HumanEval problem's reference solution, to be refactored (the
+    answer mostly restates code that is in the prompt)."""
+    return [{"id": p["task_id"].replace("HumanEval", "CodeEdit"),
+             "turns": [EDIT_INSTRUCTION.format(code=p["prompt"] + p["canonical_solution"])]}
+            for p in (problems()[:limit] if limit else problems())]

@@ -40,6 +40,18 @@ class ServerMetrics:
                                         "Drafted tokens accepted, by position in the accepted path (0 first)",
                                         ["position"], registry=r)
         self.fallbacks = Counter("sot:fallbacks", "Times a sequence fell back to plain decoding", registry=r)
+        # test-time adaptation (--adapt); zero without it
+        self.adapt_updates = Counter("sot:adapt_updates", "Updates of the state predictor while serving", registry=r)
+        self.adapt_rollbacks = Counter("sot:adapt_rollbacks", "Updates rolled back because acceptance fell after "
+                                       "them", registry=r)
+        self.adapt_resets = Counter("sot:adapt_resets", "Resets to the loaded predictor (drift past the trust "
+                                    "region)", registry=r)
+        self.adapt_seconds = Counter("sot:adapt_seconds", "Seconds spent updating the predictor", registry=r)
+        self.adapt_share = Gauge("sot:adapt_time_share", "Adaptation time as a fraction of the engine's step time",
+                                 registry=r)
+        self.adapt_drift = Gauge("sot:adapt_drift", "Relative distance of the predictor's weights from the loaded "
+                                 "ones", registry=r)
+        self._adapt_seen = {"updates": 0, "rollbacks": 0, "resets": 0, "update_seconds": 0.0}
 
     # ------------------------------------------------------------ updates
     def set_load(self, running: int, waiting: int) -> None:
@@ -65,6 +77,17 @@ class ServerMetrics:
         for pos, n in enumerate(accepted_per_pos):
             if n:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
+
+    def adaptation(self, stats: dict) -> None:
+        """The adapter's :meth:`~sot.online.adapt.Adapter.stats` after a step."""
+        seen = self._adapt_seen
+        for key, metric in (("updates", self.adapt_updates), ("rollbacks", self.adapt_rollbacks),
+                            ("resets", self.adapt_resets), ("update_seconds", self.adapt_seconds)):
+            if stats[key] > seen[key]:
+                metric.inc(stats[key] - seen[key])
+                seen[key] = stats[key]
+        self.adapt_share.set(stats["update_seconds"] / stats["step_seconds"] if stats["step_seconds"] else 0.0)
+        self.adapt_drift.set(stats["drift"])
 
     def finished(self, status: str, result: SequenceResult | None = None) -> None:
         self.requests.labels(status=status).inc()

@@ -175,6 +175,9 @@ class EngineWorker:
         stats = self.engine.last_step
         if stats.batch:
             self.metrics.step(stats.drafted, stats.accepted_per_pos)
+        adapter = getattr(self.engine, "adapter", None)
+        if adapter is not None:
+            self.metrics.adaptation(adapter.stats())
 
     def _deliver(self, ev, now: float) -> None:
         ticket = self._by_engine_id.get(ev.request_id)

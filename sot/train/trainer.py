@@ -94,6 +94,15 @@ def compute_autocast(device: torch.device, precision: str) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
 
+def warmup_cosine(step: int, lr: float, warmup: int, steps: int) -> float:
+    """The learning rate at ``step``: linear warm-up over ``warmup`` steps, then a cosine decay
+    to a tenth of ``lr`` at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
 # ---------------------------------------------------------------------------- distributed
 def _dist_setup() -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -294,10 +303,7 @@ def fit(cfg: TrainConfig) -> Path:
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     def lr_at(step: int) -> float:
-        if step < cfg.warmup:
-            return cfg.lr * (step + 1) / cfg.warmup
-        frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+        return warmup_cosine(step, cfg.lr, cfg.warmup, cfg.steps)
 
     start, history, evals, seen_tokens, elapsed_before = 0, [], [], 0, 0.0
     ckpt = out / "checkpoint.pt"

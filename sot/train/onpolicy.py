@@ -1,0 +1,360 @@
+"""``sot train onpolicy``: train the state predictor on its own drafts.
+
+Each iteration decodes a share of the training prompts with the engine and the current
+predictor (batched; greedy and sampled; the predictor drafts every step, a fixed beam), and
+:class:`~sot.online.record.NodeRecorder` keeps what every verify pass computed along the
+committed path, plus where each drafted chain started and where it was first rejected. Then
+the predictor takes ``steps_per_iteration`` optimiser steps of the on-policy loss
+(:mod:`sot.online.loss`) on the replay buffer: the ``fit`` loss unrolled on the predictor's own
+states, against the target's recorded distributions and states, weighted towards the rows the
+engine's chains actually visited and the rows where they went wrong. The next iteration
+decodes with the improved predictor.
+
+The buffer is sharded (one safetensors file per decoded batch) and bounded: the oldest shards
+go when it passes ``buffer_gb``. A checkpoint after every decode phase and every
+``save_every`` steps makes the run resumable; ``report.json`` records the seconds spent
+decoding and training, so that runs can be compared at equal compute.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sot.errors import ConfigError
+from sot.online.loss import OnlineLossConfig, online_loss
+from sot.online.record import DEFAULT_TOP_K, NodeRecorder, OnPolicySequence
+from sot.train.trainer import warmup_cosine
+
+
+@dataclass
+class OnPolicyConfig:
+    """Everything an ``onpolicy`` run needs; saved as ``config.json`` in the run folder."""
+
+    model: str = "default"
+    #: the predictor to start from (default: the one shipped for the default model)
+    init_from: str = ""
+    out: str = ""
+    iterations: int = 4
+    prompts_per_iteration: int = 32
+    #: share of the prompts that are coding requests (the rest: ShareGPT training prompts)
+    code_share: float = 0.5
+    #: a JSONL file of prompts to use instead (records with 'id' and 'prompt', or ShareGPT
+    #: 'conversations', as ``gen-data --prompts`` reads); taken in order, cycled if short
+    prompts_file: str = ""
+    batch_size: int = 8
+    max_new_tokens: int = 192
+    #: temperatures the decode batches take in turn (0: greedy; others: sampled)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    steps_per_iteration: int = 30
+    tokens_per_step: int = 2048
+    lr: float = 3e-4
+    warmup: int = 10
+    grad_clip: float = 1.0
+    top_k: int = DEFAULT_TOP_K
+    buffer_gb: float = 2.0
+    save_every: int = 10
+    seed: int = 0
+    dtype: str = "auto"
+    #: stop (with a checkpoint) once this many seconds of decoding and training are spent (0: never)
+    max_seconds: float = 0.0
+    loss: OnlineLossConfig = field(default_factory=OnlineLossConfig)
+
+
+def _check(cfg: OnPolicyConfig) -> None:
+    if not cfg.out:
+        raise ConfigError("onpolicy needs --out, the run folder")
+    if cfg.iterations < 1 or cfg.prompts_per_iteration < 1 or cfg.steps_per_iteration < 0:
+        raise ConfigError("--iterations and --prompts-per-iteration must be >= 1, --steps-per-iteration >= 0")
+    if not 0.0 <= cfg.code_share <= 1.0:
+        raise ConfigError(f"--code-share is a fraction in [0, 1], got {cfg.code_share}")
+    if any(t < 0 for t in cfg.temperatures) or not cfg.temperatures:
+        raise ConfigError("--temperatures needs at least one temperature >= 0")
+    if cfg.buffer_gb <= 0:
+        raise ConfigError(f"--buffer-gb must be > 0, got {cfg.buffer_gb}")
+
+
+# ---------------------------------------------------------------------------- the buffer
+def write_shard(path: Path, seqs: list[OnPolicySequence]) -> None:
+    """Write recorded sequences to one safetensors file (concatenated, with offsets)."""
+    if not seqs:
+        return
+    has_final = all(s.final is not None for s in seqs)
+    tensors = {
+        "tokens": torch.cat([s.tokens for s in seqs]),
+        "states": torch.cat([s.states for s in seqs]).contiguous(),
+        "top_ids": torch.cat([s.top_ids for s in seqs]),
+        "top_logp": torch.cat([s.top_logp for s in seqs]),
+        "chains": torch.cat([s.chains for s in seqs]),
+    }
+    if has_final:
+        tensors["final"] = torch.cat([s.final for s in seqs]).contiguous()
+    meta = {"lengths": [s.length for s in seqs], "chains": [int(s.chains.shape[0]) for s in seqs],
+            "prompt_lens": [s.prompt_len for s in seqs], "temperatures": [s.temperature for s in seqs]}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"sot": json.dumps(meta)})
+    tmp.replace(path)
+
+
+def read_shard(path: Path) -> list[OnPolicySequence]:
+    """The sequences of a shard written by :func:`write_shard`."""
+    with safe_open(str(path), framework="pt") as fh:
+        meta = json.loads(fh.metadata()["sot"])
+        t = {k: fh.get_tensor(k) for k in fh.keys()}
+    out, at, ct = [], 0, 0
+    for n, c, p, temp in zip(meta["lengths"], meta["chains"], meta["prompt_lens"], meta["temperatures"]):
+        out.append(OnPolicySequence(t["tokens"][at : at + n], t["states"][at : at + n],
+                                    t["final"][at : at + n] if "final" in t else None, t["top_ids"][at : at + n],
+                                    t["top_logp"][at : at + n], p, t["chains"][ct : ct + c], temp))
+        at, ct = at + n, ct + c
+    return out
+
+
+class ReplayBuffer:
+    """The recorded sequences of a run: shards in ``folder``, oldest dropped past ``max_bytes``."""
+
+    def __init__(self, folder: Path, max_bytes: int) -> None:
+        self.folder = folder
+        self.max_bytes = max_bytes
+        folder.mkdir(parents=True, exist_ok=True)
+        for stray in folder.glob("*.tmp"):
+            stray.unlink()
+        self.items: list[OnPolicySequence] = [s for f in self.shards() for s in read_shard(f)]
+
+    def shards(self) -> list[Path]:
+        return sorted(self.folder.glob("shard-*.safetensors"))
+
+    def add(self, name: str, seqs: list[OnPolicySequence]) -> None:
+        write_shard(self.folder / f"shard-{name}.safetensors", seqs)
+        self.items += seqs
+        files = self.shards()
+        while len(files) > 1 and sum(f.stat().st_size for f in files) > self.max_bytes:
+            gone = read_shard(files[0])
+            files[0].unlink()
+            files = files[1:]
+            self.items = self.items[len(gone):]
+
+    def drop(self, prefix: str) -> None:
+        """Remove the shards whose names start with ``prefix`` (an interrupted decode phase)."""
+        for f in self.folder.glob(f"shard-{prefix}*.safetensors"):
+            f.unlink()
+        self.items = [s for f in self.shards() for s in read_shard(f)]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.items)
+
+
+# ---------------------------------------------------------------------------- prompts
+def onpolicy_prompts(cfg: OnPolicyConfig) -> list[str]:
+    """Every iteration's prompts, in order: ShareGPT training first turns and standard-library
+    coding requests, interleaved by ``code_share``."""
+    from sot.train.acceptance import code_training_prompts, training_prompts
+
+    total = cfg.iterations * cfg.prompts_per_iteration
+    if cfg.prompts_file:
+        from sot.train.selfdistill import read_prompts
+
+        texts = [text for _, text in read_prompts(cfg.prompts_file)]
+        if not texts:
+            raise ConfigError(f"{cfg.prompts_file} holds no prompts")
+        return [texts[i % len(texts)] for i in range(total)]
+    n_code = round(total * cfg.code_share)
+    chat, code = training_prompts(total - n_code), code_training_prompts(n_code, cfg.seed)
+    out, ci, ki = [], 0, 0
+    for i in range(total):  # spread the code prompts evenly
+        want_code = ki < len(code) and (ci >= len(chat) or (ki + 1) / (i + 1) <= cfg.code_share + 1e-9)
+        if want_code:
+            out.append(code[ki])
+            ki += 1
+        elif ci < len(chat):
+            out.append(chat[ci])
+            ci += 1
+    return out
+
+
+# ---------------------------------------------------------------------------- the run
+def _decode(loaded, target, predictor_file: Path, prompts: list[str], temperature: float, cfg: OnPolicyConfig,
+            seed: int) -> list[OnPolicySequence]:
+    """Decode ``prompts`` with the predictor drafting every step; the recorded sequences."""
+    from sot.drafters import make_drafter
+    from sot.drafters.base import TreeBudget
+    from sot.engine import Engine
+    from sot.policy import PolicyConfig, PolicyKind
+    from sot.prompts import encode
+    from sot.requests import GenerationParams
+    from sot.sampling import SamplingParams
+
+    model, tok = loaded.model, loaded.tokenizer
+    drafter = make_drafter("state", model, str(predictor_file), lookup=False)
+    norm = _final_norm(model) if target.fast is not None else None
+    rec = NodeRecorder(len(drafter.state_layers), cfg.top_k, final_norm=norm)
+    engine = Engine(target, drafter, TreeBudget(), policy=PolicyConfig(kind=PolicyKind.STATIC), observers=[rec])
+    eos = tok.eos_token_id
+    params = GenerationParams(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(temperature=temperature,
+                                                                                          seed=seed),
+                              eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ()))
+    ids = [encode(tok, {"turns": [p]}, True) for p in prompts]
+    engine.generate(ids, params, cfg.batch_size)
+    return rec.take()
+
+
+def _final_norm(model: torch.nn.Module):
+    """The target's last norm (applied to the residual stream the fast path returns)."""
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    return backbone.norm
+
+
+def _draw(buffer: ReplayBuffer, tokens: int, rng: random.Random) -> list[OnPolicySequence]:
+    batch, n = [], 0
+    while n < tokens and buffer.items:
+        item = buffer.items[rng.randrange(len(buffer.items))]
+        batch.append(item)
+        n += item.length
+    return batch
+
+
+def train_onpolicy(cfg: OnPolicyConfig) -> Path:
+    """Run (or resume) an on-policy stage; returns the final predictor file."""
+    from tqdm import tqdm
+
+    from sot.drafters import DEFAULT_PREDICTOR
+    from sot.drafters.state import load_predictor, save_predictor
+    from sot.models.adapter import TargetModel
+    from sot.models.loading import load_model, resolve_dtype
+
+    _check(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    start_file = Path(cfg.init_from) if cfg.init_from else DEFAULT_PREDICTOR
+    if not start_file.is_file():
+        raise ConfigError(f"predictor file {start_file} not found")
+    loaded = load_model(cfg.model, dtype=resolve_dtype(cfg.dtype))
+    # the trained copy reads float32 embeddings; the decoding target keeps its own dtype
+    pred = load_predictor(start_file, loaded.model, dtype=torch.float32)
+    for p in pred.parameters():
+        p.requires_grad_(True)
+    pred.head = pred.head.float()
+    layers = tuple(pred.config.state_layers)
+    final_layer = loaded.model.config.num_hidden_layers
+    target = TargetModel(loaded.model, state_layers=layers + ((final_layer,) if final_layer not in layers else ()))
+    opt = torch.optim.AdamW(pred.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    total_steps = cfg.iterations * cfg.steps_per_iteration
+
+    def lr_at(step: int) -> float:
+        return warmup_cosine(step, cfg.lr, cfg.warmup, total_steps)
+
+    state = {"iteration": 0, "decoded": False, "step": 0, "history": [], "decode_seconds": 0.0,
+             "train_seconds": 0.0, "phases": []}
+    ckpt = out / "checkpoint.pt"
+    if ckpt.is_file():
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+        pred.load_state_dict(saved["model"], strict=False)
+        opt.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        tqdm.write(f"resuming {out} at iteration {state['iteration']}, step {state['step']}")
+    buffer = ReplayBuffer(out / "buffer", int(cfg.buffer_gb * 2**30))
+    current = out / "predictor.safetensors"
+
+    def save() -> None:
+        save_predictor(pred, current)
+        tmp = out / "checkpoint.pt.tmp"
+        torch.save({"model": pred.state_dict(), "optimizer": opt.state_dict(), "state": state,
+                    "config": asdict(cfg)}, tmp)
+        tmp.replace(ckpt)
+        (out / "report.json").write_text(json.dumps(_report(state, buffer), indent=2))
+
+    if not current.is_file():
+        save()
+    prompts = onpolicy_prompts(cfg)
+    rng = random.Random(cfg.seed + state["step"])
+    device = torch.device("cpu")
+    bar = tqdm(total=cfg.iterations * (cfg.prompts_per_iteration + cfg.steps_per_iteration), desc="onpolicy",
+               unit="item", dynamic_ncols=True)
+    bar.update(state["iteration"] * (cfg.prompts_per_iteration + cfg.steps_per_iteration)
+               + (cfg.prompts_per_iteration if state["decoded"] else 0)
+               + state["step"] - state["iteration"] * cfg.steps_per_iteration)
+    while state["iteration"] < cfg.iterations:
+        it = state["iteration"]
+        if not state["decoded"]:
+            buffer.drop(f"{it:03d}-")  # what an interrupted decode phase left
+            mine = prompts[it * cfg.prompts_per_iteration : (it + 1) * cfg.prompts_per_iteration]
+            t0 = time.perf_counter()
+            for j in range(0, len(mine), cfg.batch_size):
+                temp = cfg.temperatures[(j // cfg.batch_size + it) % len(cfg.temperatures)]
+                seqs = _decode(loaded, target, current, mine[j : j + cfg.batch_size], temp, cfg,
+                               cfg.seed + 1000 * it + j)
+                buffer.add(f"{it:03d}-{j:05d}", seqs)
+                bar.update(len(mine[j : j + cfg.batch_size]))
+            seconds = time.perf_counter() - t0
+            recorded = [s for s in buffer.items[-len(mine):]]
+            state["decode_seconds"] += seconds
+            state["decoded"] = True
+            state["phases"].append({"iteration": it, "decode_seconds": round(seconds, 2),
+                                    "mean_accepted": _mean_accepted(recorded)})
+            tqdm.write(f"iteration {it}: decoded {len(mine)} prompts in {seconds:.0f}s, mean accepted length "
+                       f"{state['phases'][-1]['mean_accepted']:.3f} per drafted step")
+            save()
+        pred.train()
+        while state["step"] < (it + 1) * cfg.steps_per_iteration:
+            if _out_of_time(cfg, state):
+                break
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(state["step"])
+            opt.zero_grad(set_to_none=True)
+            batch = _draw(buffer, cfg.tokens_per_step, rng)
+            ntok = sum(s.length for s in batch)
+            agg: dict[str, float] = {}
+            for seq in batch:
+                loss, parts = online_loss(pred, pred, seq, cfg.loss, device)
+                (loss * seq.length / ntok).backward()
+                for key, val in parts.items():
+                    agg[key] = agg.get(key, 0.0) + val * seq.length / ntok
+            torch.nn.utils.clip_grad_norm_(pred.parameters(), cfg.grad_clip)
+            opt.step()
+            state["step"] += 1
+            state["train_seconds"] += time.perf_counter() - t0
+            agg.update(step=state["step"], tokens=ntok, seconds=round(state["decode_seconds"] + state["train_seconds"], 2))
+            state["history"].append(agg)
+            bar.update(1)
+            bar.set_postfix(loss=f"{agg.get('loss', 0):.3f}", acc0=f"{agg.get('acc0', 0):.2f}")
+            if state["step"] % cfg.save_every == 0:
+                save()
+        if _out_of_time(cfg, state):
+            save()
+            tqdm.write(f"stopping after {state['decode_seconds'] + state['train_seconds']:.0f}s (--max-seconds)")
+            break
+        state["iteration"] += 1
+        state["decoded"] = False
+        save()
+        save_predictor(pred, out / f"predictor-it{it}.safetensors")
+    bar.close()
+    save()
+    return current
+
+
+def _out_of_time(cfg: OnPolicyConfig, state: dict) -> bool:
+    return bool(cfg.max_seconds) and state["decode_seconds"] + state["train_seconds"] >= cfg.max_seconds
+
+
+def _mean_accepted(seqs: list[OnPolicySequence]) -> float:
+    chains = [s.chains for s in seqs if s.chains.shape[0]]
+    if not chains:
+        return 0.0
+    return float(torch.cat(chains)[:, 1].float().mean())
+
+
+def _report(state: dict, buffer: ReplayBuffer) -> dict:
+    return {"iterations_done": state["iteration"], "steps": state["step"],
+            "decode_seconds": round(state["decode_seconds"], 2), "train_seconds": round(state["train_seconds"], 2),
+            "phases": state["phases"], "buffer_sequences": len(buffer.items), "buffer_tokens": buffer.tokens,
+            "buffer_bytes": sum(f.stat().st_size for f in buffer.shards()),
+            "last": state["history"][-1] if state["history"] else {}}
