@@ -51,13 +51,17 @@ class AdaptConfig:
     tolerance: float = 0.25
     #: finished sequences kept for updates
     queue: int = 4
+    #: the cost assumed for the first update, before one has been timed (seconds)
+    first_guess: float = 0.5
     loss: OnlineLossConfig = field(default_factory=lambda: OnlineLossConfig(unroll=2, uniform=1.0))
 
     def check(self) -> None:
         if not 0.0 < self.budget <= 1.0:
             raise ConfigError(f"the adaptation budget is a fraction of step time in (0, 1], got {self.budget}")
-        if self.lr <= 0 or self.rows < 8 or self.window < 1 or not 0 < self.tolerance < 1 or self.max_drift <= 0:
-            raise ConfigError("adaptation needs lr > 0, rows >= 8, window >= 1, 0 < tolerance < 1 and max_drift > 0")
+        if (self.lr <= 0 or self.rows < 8 or self.window < 1 or not 0 < self.tolerance < 1 or self.max_drift <= 0
+                or self.first_guess < 0):
+            raise ConfigError("adaptation needs lr > 0, rows >= 8, window >= 1, 0 < tolerance < 1, max_drift > 0 "
+                              "and first_guess >= 0")
 
 
 class OnlineLearner:
@@ -209,7 +213,7 @@ class Adapter:
             self._judge()
         if not self.queue:
             return
-        estimate = self.longest_update if self.updates else 0.0
+        estimate = self.longest_update if self.updates else self.config.first_guess
         if self.update_seconds + estimate > cfg.budget * self.step_seconds():
             return
         t0 = time.perf_counter()
