@@ -287,14 +287,15 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
             buffer.drop(f"{it:03d}-")  # what an interrupted decode phase left
             mine = prompts[it * cfg.prompts_per_iteration : (it + 1) * cfg.prompts_per_iteration]
             t0 = time.perf_counter()
+            recorded: list[OnPolicySequence] = []
             for j in range(0, len(mine), cfg.batch_size):
                 temp = cfg.temperatures[(j // cfg.batch_size + it) % len(cfg.temperatures)]
                 seqs = _decode(loaded, target, current, mine[j : j + cfg.batch_size], temp, cfg,
                                cfg.seed + 1000 * it + j)
                 buffer.add(f"{it:03d}-{j:05d}", seqs)
+                recorded += seqs
                 bar.update(len(mine[j : j + cfg.batch_size]))
             seconds = time.perf_counter() - t0
-            recorded = [s for s in buffer.items[-len(mine):]]
             state["decode_seconds"] += seconds
             state["decoded"] = True
             state["phases"].append({"iteration": it, "decode_seconds": round(seconds, 2),
