@@ -197,3 +197,14 @@ def test_policy_sweep_runs_each_policy_as_a_method(setup) -> None:
     assert [r["value"] for r in rows] == ["heuristic", "static"]
     assert all(r["identical_to_plain"] == "3/3" and r["tokens_per_s_vs_plain"] > 0 for r in rows)
     assert "sequence steps without a drafted tree" in (root / "sweep-policy" / "report.md").read_text()
+
+
+def test_code_edit_set_asks_to_refactor_humaneval_solutions() -> None:
+    from sot.bench.prompts import load_prompt_set
+    from sot.data.humaneval import problems
+
+    items = load_prompt_set("code-edit", limit=3)
+    ref = problems()[:3]
+    assert [it["id"] for it in items] == [p["task_id"].replace("HumanEval", "CodeEdit") for p in ref]
+    for it, p in zip(items, ref):
+        assert "Refactor" in it["turns"][0] and p["canonical_solution"] in it["turns"][0]

@@ -47,3 +47,23 @@ def test_walk_matches_a_step_by_step_decode() -> None:
         every, got_tokens, got_steps = chain_runs(hits, 0, stop, depth)
         assert (got_tokens, got_steps) == (tokens, steps)
         assert every == [drafted(r) for r in range(stop)]
+
+
+def test_walk_answer_reports_the_chains_it_walked() -> None:
+    """The walked chains are the walk: one per step, each adding its accepted run plus one."""
+    import torch
+
+    from helpers import tiny_model
+    from sot.drafters.state import new_predictor
+    from sot.train.data import target_states
+
+    model = tiny_model("llama", seed=2)
+    pred = new_predictor(model, (0, 1), None, seed=4)
+    ids = torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        states = target_states(model, ids, (0, 1)).float()
+        every, tokens, steps, walked = walk_acceptance.walk_answer(pred, states, ids, 12,
+                                                                   model.get_output_embeddings().weight, 4)
+    assert len(walked) == steps and sum(a + 1 for _, a in walked) == tokens
+    assert walked[0][0] == 11 and all(b[0] == a[0] + a[1] + 1 for a, b in zip(walked, walked[1:]))
+    assert all(every[r - 11] == a for r, a in walked)

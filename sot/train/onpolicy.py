@@ -102,6 +102,12 @@ def write_shard(path: Path, seqs: list[OnPolicySequence]) -> None:
     tmp.replace(path)
 
 
+def shard_size(path: Path) -> int:
+    """How many sequences a shard holds (its metadata only)."""
+    with safe_open(str(path), framework="pt") as fh:
+        return len(json.loads(fh.metadata()["sot"])["lengths"])
+
+
 def read_shard(path: Path) -> list[OnPolicySequence]:
     """The sequences of a shard written by :func:`write_shard`."""
     with safe_open(str(path), framework="pt") as fh:
@@ -135,10 +141,10 @@ class ReplayBuffer:
         self.items += seqs
         files = self.shards()
         while len(files) > 1 and sum(f.stat().st_size for f in files) > self.max_bytes:
-            gone = read_shard(files[0])
+            gone = shard_size(files[0])
             files[0].unlink()
             files = files[1:]
-            self.items = self.items[len(gone):]
+            self.items = self.items[gone:]
 
     def drop(self, prefix: str) -> None:
         """Remove the shards whose names start with ``prefix`` (an interrupted decode phase)."""
