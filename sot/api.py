@@ -18,7 +18,9 @@ from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, aut
 from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
-from sot.models.loading import load_model, resolve_dtype
+from sot.dtype_choice import DtypeChoice
+from sot.dtype_choice import resolve as resolve_dtype_choice
+from sot.models.loading import load_model
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig
 from sot.prompts import PromptItem, encode, has_chat_template
@@ -89,6 +91,8 @@ class SoT:
         self.last_stream: list = []
         #: the test-time adapter of the state predictor (``load(adapt=...)``), or ``None``
         self.adapter: Adapter | None = None
+        #: how the dtype was chosen (``dtype="auto"``: measured or read from the cache)
+        self.dtype_choice: DtypeChoice | None = None
 
     @classmethod
     def load(
@@ -112,9 +116,9 @@ class SoT:
             drafter: ``auto`` (the state predictor with suffix trees and prompt lookup when
                 a predictor fits the model, otherwise suffix trees and prompt lookup),
                 ``none``, ``pld``, ``suffix`` or ``state`` (the predictor with prompt lookup).
-            dtype: ``auto`` (default: ``bfloat16`` where the hardware computes it natively,
-                i.e. CPUs with AMX or AVX512-BF16 and bf16-capable GPUs, else ``float32``),
-                ``bfloat16`` or ``float32``. Greedy output is identical to plain decoding in either.
+            dtype: ``auto`` (default: the mode that decodes fastest on this machine with this
+                model and drafter, timed once and cached; :mod:`sot.dtype_choice`), ``bfloat16``
+                or ``float32``. Greedy output is identical to plain decoding in either.
             max_nodes: tree size limit per step, root included.
             max_depth: how many tokens ahead a tree may reach.
             predictor: a state predictor file or an EAGLE-3 head folder (default: the one
@@ -128,17 +132,17 @@ class SoT:
             adapt: test-time adaptation of the state predictor (:mod:`sot.online.adapt`);
                 ``None``: the predictor stays as loaded.
         """
-        loaded = load_model(model, dtype=resolve_dtype(dtype))
+        if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
+            choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
+            raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}")
+        choice = resolve_dtype_choice(dtype, model, drafter, predictor)
+        loaded = load_model(model, dtype=choice.torch_dtype)
         stores = None
         if drafter == "auto":
             kind = auto_drafter_kind(loaded.model, predictor)
             stores = SuffixStores(per_tenant=suffix_per_tenant)
         else:
-            try:
-                kind = DrafterKind(drafter)
-            except ValueError:
-                choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
-                raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}") from None
+            kind = DrafterKind(drafter)
         if kind is DrafterKind.SUFFIX and stores is None:
             stores = SuffixStores(per_tenant=suffix_per_tenant)
         if suffix_store is not None:
@@ -156,6 +160,7 @@ class SoT:
         engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode,
                         policy=policy)
         out = cls(target, tok, engine, loaded.name)
+        out.dtype_choice = choice
         if adapt is not None:
             out.adapter = Adapter(engine, adapt)
         return out

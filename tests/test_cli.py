@@ -156,13 +156,15 @@ def test_stream_reports_statistics(model_dir: Path) -> None:
     assert stats.new_tokens == 12 and stats.steps >= 1 and stats.mean_accept_len >= 1.0
 
 
-def test_auto_dtype_follows_native_bf16_support(monkeypatch, model_dir: Path) -> None:
-    """``auto`` takes bfloat16 only where the CPU multiplies it in hardware (AMX or
-    AVX512-BF16) and float32 elsewhere; explicit names are kept, unknown ones are refused."""
+def test_auto_dtype_rule_follows_native_bf16_support(monkeypatch, model_dir: Path) -> None:
+    """The rule (training commands, and ``SOT_DTYPE_AUTO=rule`` instead of measuring) takes
+    bfloat16 only where the CPU multiplies it in hardware (AMX or AVX512-BF16) and float32
+    elsewhere; explicit names are kept, unknown ones are refused."""
     import torch
 
     from sot.models.loading import native_bf16, resolve_dtype
 
+    monkeypatch.setenv("SOT_DTYPE_AUTO", "rule")
     assert resolve_dtype("float32") is torch.float32 and resolve_dtype("bfloat16") is torch.bfloat16
     for amx, avx512_bf16, want in [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
                                    (False, False, torch.float32)]:

@@ -26,12 +26,7 @@ import argparse
 import time
 from typing import Callable
 
-
-def chain_speed(a: float, depth: int, verify: Callable[[int], float], draft_pass: float) -> float:
-    """Speed over plain decoding of a greedy chain of ``depth`` drafted tokens, each accepted
-    with probability ``a`` after its parent; ``verify(rows)`` and ``draft_pass`` in seconds."""
-    tokens = sum(a**k for k in range(depth + 1))
-    return tokens * verify(1) / (verify(depth + 1) + depth * draft_pass)
+from sot.policy.cost import best_speed, chain_speed
 
 
 def required_acceptance(target: float, verify: Callable[[int], float], draft_pass: float,
@@ -50,11 +45,6 @@ def required_acceptance(target: float, verify: Callable[[int], float], draft_pas
         if hi < best[0]:
             best = (hi, depth)
     return best
-
-
-def best_speed(a: float, verify: Callable[[int], float], draft_pass: float, max_depth: int = 12) -> tuple[float, int]:
-    """The highest speed over plain of a chain at acceptance ``a``, and its depth."""
-    return max((chain_speed(a, d, verify, draft_pass), d) for d in range(1, max_depth + 1))
 
 
 def _plain_decoding(sot, prompts: list, tokens: int) -> tuple[float, float]:

@@ -17,7 +17,6 @@ shared machine affects them alike. ``results.json`` schema (``"schema": "sot-ben
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +32,9 @@ from sot.policy import PolicyConfig, PolicyKind
 from sot.engine import GenerationParams
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
-from sot.models.loading import DEFAULT_MODEL, DTYPES, default_gguf_path, load_model, resolve_dtype
+from sot.machine import machine_info
+from sot.dtype_choice import resolve as resolve_choice
+from sot.models.loading import DEFAULT_MODEL, DTYPES, default_gguf_path, load_model
 from sot.prompts import encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 
@@ -130,6 +131,16 @@ def _is_engine(method: str) -> bool:
     return method in ("plain", "pld", "suffix", "state", "auto") or _predictor_file(method) is not None
 
 
+def dtype_drafter(methods: tuple[str, ...], predictor: str | None) -> tuple[str, str | None]:
+    """The drafter (and predictor) ``--dtype auto`` is timed for: the first engine method that
+    drafts (``state=FILE`` with its file), else none."""
+    for m in methods:
+        name, _, file = m.partition("=")
+        if name in ("auto", "pld", "suffix", "state"):
+            return name, file or predictor
+    return "none", predictor
+
+
 def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
     """Load what the requested methods need; returns the methods, tokenizer and engine target."""
     unknown = [m for m in cfg.methods if m not in METHODS and _predictor_file(m) is None]
@@ -142,7 +153,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
         raise ConfigError("--batch-size above 1 compares engine methods only (plain, pld, suffix, state, auto)")
     if cfg.hf_dtype not in DTYPES:
         raise ConfigError(f"--hf-dtype must be one of {', '.join(DTYPES)}, got {cfg.hf_dtype!r}")
-    engine_dtype = resolve_dtype(cfg.dtype)
+    engine_dtype = resolve_choice(cfg.dtype, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor)).torch_dtype
     methods: list[BenchMethod] = []
     tokenizer = None
     target = None
@@ -207,27 +218,6 @@ def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel,
         recs = [r for r in runs if r.method == name]
         same = sum(1 for r in recs if r.token_ids == reference[r.prompt_index])
         entry["identical_to_alone"] = f"{same}/{len(recs)}"
-
-
-def machine_info() -> dict:
-    """What the timings depend on: processor, cores, torch threads and SIMD level."""
-    import platform
-
-    import torch
-
-    from sot.models.loading import native_bf16
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "simd": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16("cpu"),
-            "torch": torch.__version__}
 
 
 def run_bench(cfg: BenchConfig) -> dict:

@@ -58,15 +58,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from sot.bench.report import summary
-    from sot.bench.runner import BenchConfig, parse_sweep, run_bench
-    from sot.models.loading import dtype_name, resolve_dtype
+    from sot.bench.runner import BenchConfig, dtype_drafter, parse_sweep, run_bench
+    from sot.dtype_choice import resolve
 
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    drafter, predictor = dtype_drafter(methods, args.predictor)
     cfg = BenchConfig(
         prompts=args.prompts,
         limit=args.limit,
-        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        methods=methods,
         model=args.model,
-        dtype=dtype_name(resolve_dtype(args.dtype)),  # the report names the dtype that ran
+        # the report names the dtype that ran; auto times the modes for the first speculative method
+        dtype=resolve(args.dtype, args.model, drafter, predictor).dtype,
         hf_dtype=args.hf_dtype,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -90,3 +93,4 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(summary(result))
     print(f"results in {cfg.out}/ (results.json, report.md, per-method JSONL, plots)", file=sys.stderr)
     return 0
+

@@ -59,7 +59,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="engine dtype (default auto: bfloat16 on hardware with native bf16 such as AMX, else float32)")
+                   help="engine dtype (default auto: the mode that decodes fastest here, timed once per machine, "
+                        "model and drafter and kept under ~/.cache/sot)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print how --dtype was chosen, with the timings")
     add_tree_args(p)
     p.add_argument("--predictor", default=None,
                    help="state predictor: a SoT predictor file, or an EAGLE-3 head folder (config.json and "
@@ -149,15 +151,19 @@ class Parser(argparse.ArgumentParser):
 
 def load_sot(args: argparse.Namespace):
     from sot.api import SoT
-    from sot.models.loading import dtype_name, resolve_dtype
+    from sot.dtype_choice import resolve
 
-    print(f"loading {args.model} ({dtype_name(resolve_dtype(args.dtype))}, drafter {args.drafter}) ...",
-          file=sys.stderr)
-    return SoT.load(args.model, drafter=args.drafter, dtype=args.dtype, max_nodes=args.max_nodes,
-                    max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
-                    policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
-                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
-                    adapt=adapt_from_args(args))
+    choice = resolve(args.dtype, args.model, args.drafter, args.predictor)
+    print(f"loading {args.model} ({choice.dtype}, drafter {args.drafter}) ...", file=sys.stderr)
+    if args.verbose:
+        print(choice.summary(), file=sys.stderr)
+    sot = SoT.load(args.model, drafter=args.drafter, dtype=choice.dtype, max_nodes=args.max_nodes,
+                   max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
+                   policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
+                   suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
+                   adapt=adapt_from_args(args))
+    sot.dtype_choice = choice
+    return sot
 
 
 def save_suffix_store(sot, args: argparse.Namespace) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -101,3 +102,15 @@ class CostModel:
                 if round_ > 0:
                     timings[n] = min(timings[n], time.perf_counter() - t0)
         return cls(list(timings), list(timings.values()))
+
+
+def chain_speed(a: float, depth: int, verify: Callable[[int], float], draft_pass: float) -> float:
+    """Speed over plain decoding of a greedy chain of ``depth`` drafted tokens, each accepted
+    with probability ``a`` after its parent; ``verify(rows)`` and ``draft_pass`` in seconds."""
+    tokens = sum(a**k for k in range(depth + 1))
+    return tokens * verify(1) / (verify(depth + 1) + depth * draft_pass)
+
+
+def best_speed(a: float, verify: Callable[[int], float], draft_pass: float, max_depth: int = 12) -> tuple[float, int]:
+    """The highest speed over plain of a chain at acceptance ``a``, and its depth."""
+    return max((chain_speed(a, d, verify, draft_pass), d) for d in range(1, max_depth + 1))

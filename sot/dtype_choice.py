@@ -1,0 +1,279 @@
+"""``--dtype auto``: the exact mode that decodes fastest on this machine, chosen by measurement.
+
+Which of float32 and bfloat16 is faster is not a property of the CPU alone. A model dequantized
+from GGUF 4-bit blocks streams a sixth of the bytes in float32 (SoT's block kernels decode them
+in registers), which wins the one-row pass; where AMX or AVX512-BF16 multiply bfloat16 in
+hardware, a 16-row verify pass costs little more than one row, so the policy verifies bigger
+trees. Neither is best everywhere, so at the first load of a model on a machine each mode is
+timed:
+
+- the target's verify pass of 1, 2, 4, 8 and 16 rows after a 256-token context (the engine's
+  own :meth:`sot.policy.CostModel.measure`: rounds of every size, each keeping its fastest);
+- for a drafter, a short decode with a fixed tree (the ``static`` policy): the drafter's seconds
+  per model pass, and its acceptance (tokens per step ``tau`` gives a per-token rate
+  ``a = (tau - 1) / tau``, pooled over the modes since it belongs to the drafter).
+
+The expected speed of a mode is then the best chain of the break-even model
+(:func:`sot.policy.cost.best_speed`): ``(1 + a + ... + a**d) / (verify(d + 1) + d * draft)``
+tokens per second, the best ``d``; for ``--drafter none`` it is ``1 / verify(1)``. The mode
+with the higher expected speed wins; the choice and its timings are kept in
+``$SOT_CACHE/dtype/`` per machine, model and drafter, so later loads read it back.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from sot.machine import machine_key
+from sot.models.loading import DTYPES, cache_root, native_bf16, resolve_model_path
+
+#: modes timed by ``auto``, in the order they are tried (float32 first: exact everywhere)
+CANDIDATES = ("float32", "bfloat16")
+#: row counts of the timed verify passes
+PROBE_ROWS = (1, 2, 4, 8, 16)
+#: context length before the timed passes
+PROBE_CONTEXT = 256
+#: rounds of timed passes (each size keeps its fastest)
+PROBE_REPEATS = 4
+#: tokens of the probe decode that times the drafter (the first mode's; later modes decode
+#: :data:`PROBE_TOKENS_AGAIN`, enough to time the drafter, since the acceptance is pooled)
+PROBE_TOKENS = 48
+PROBE_TOKENS_AGAIN = 16
+#: the probe decode's prompt
+PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain how it works."
+#: bump when the measurement changes, so older cached choices are measured again
+FORMAT = 1
+#: ``SOT_DTYPE_AUTO=rule`` skips the measurement: bfloat16 where the hardware computes it
+#: natively, else float32 (the rule ``auto`` followed before it measured)
+RULE_ENV = "SOT_DTYPE_AUTO"
+
+
+@dataclass
+class ModeTiming:
+    """What one mode measured. Times in milliseconds."""
+
+    dtype: str
+    verify_ms: dict[int, float]
+    draft_ms: float = 0.0
+    tau: float = 1.0
+    acceptance: float = 0.0
+    depth: int = 0
+    tokens_per_s: float = 0.0
+    #: tokens of this mode's probe decode (0: not decoded, see ``note``)
+    probe_tokens: int = 0
+    note: str = ""
+
+    def verify(self, rows: int) -> float:
+        """Seconds of a pass of ``rows`` rows (linear between timed sizes)."""
+        from sot.policy.cost import CostModel
+
+        pts = sorted(self.verify_ms)
+        return CostModel(pts, [self.verify_ms[r] / 1000 for r in pts]).verify(rows)
+
+
+@dataclass
+class DtypeChoice:
+    """The mode ``auto`` resolved to, how, and what each mode measured.
+
+    ``source``: ``measured`` (timed now), ``cached`` (read from ``path``), ``rule`` (``SOT_DTYPE_AUTO=rule``
+    or a device where the modes are not timed) or ``forced`` (``--dtype`` named a mode)."""
+
+    dtype: str
+    source: str
+    drafter: str = ""
+    modes: list[ModeTiming] = field(default_factory=list)
+    path: Path | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def summary(self) -> str:
+        """A few lines for ``-v``: the choice, where it came from, each mode's timings."""
+        where = f" ({self.path})" if self.path else ""
+        lines = [f"dtype {self.dtype}: {self.source}{where}"]
+        for m in self.modes:
+            curve = ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in sorted(m.verify_ms.items()) if r in (1, 16))
+            spec = ""
+            if m.depth:
+                spec = (f"; drafter {m.draft_ms:.2f} ms a pass, tau {m.tau:.2f} (a = {m.acceptance:.2f}), "
+                        f"best chain {m.depth}")
+            note = f" ({m.note})" if m.note else ""
+            lines.append(f"  {m.dtype:9s} {curve}{spec}; expected {m.tokens_per_s:.1f} tok/s{note}")
+        return "\n".join(lines)
+
+
+def _model_key(model: str, drafter: str, predictor: str | None) -> dict:
+    path = resolve_model_path(model)
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
+    stamp = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
+    pred = None
+    if predictor is not None:
+        pp = Path(predictor)
+        pred = (str(pp.resolve()), pp.stat().st_size if pp.is_file() else 0)
+    return {"model": str(path.resolve()), "files": stamp, "drafter": drafter, "predictor": pred}
+
+
+def cache_path(model: str, drafter: str, predictor: str | None) -> Path:
+    """Where the choice for this machine, model and drafter is kept."""
+    key = json.dumps({"format": FORMAT, "machine": machine_key(), "model": _model_key(model, drafter, predictor)},
+                     sort_keys=True)
+    return cache_root() / "dtype" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _read(path: Path) -> DtypeChoice | None:
+    try:
+        raw = json.loads(path.read_text())
+        modes = [ModeTiming(**{**m, "verify_ms": {int(k): v for k, v in m["verify_ms"].items()}})
+                 for m in raw["modes"]]
+        if raw["dtype"] not in DTYPES:
+            return None
+        return DtypeChoice(raw["dtype"], "cached", raw.get("drafter", ""), modes, path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no cache, or an unreadable one: measure again
+
+
+def _write(choice: DtypeChoice, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"dtype": choice.dtype, "drafter": choice.drafter,
+                               "modes": [asdict(m) for m in choice.modes]}, indent=1))
+    tmp.replace(path)
+
+
+def _positions(model: torch.nn.Module) -> int:
+    """How many positions ``model`` takes (a large number when its config does not say)."""
+    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 20)
+
+
+def _probe_decode(target, draft, tokenizer, tokens: int) -> tuple[float, float, int]:
+    """A short decode of :data:`PROBE_PROMPT` with a fixed tree: the drafter's seconds per model
+    pass (its calls' time per pass; a drafter without a model counts its calls), tokens per step
+    and the tokens decoded."""
+    from sot.drafters.base import TreeBudget
+    from sot.engine import Engine
+    from sot.policy import PolicyConfig, PolicyKind
+    from sot.prompts import encode, has_chat_template
+    from sot.requests import GenerationParams
+
+    budget = TreeBudget()
+    engine = Engine(target, draft, budget, policy=PolicyConfig(kind=PolicyKind.STATIC))
+    room = _positions(target.model) // 2  # the prompt takes at most half, the answer and a tree the rest
+    spent, passes = [0.0], [0]
+    propose = draft.propose
+
+    def timed(inputs, budget):
+        before, t0 = draft.passes, time.perf_counter()
+        out = propose(inputs, budget)
+        spent[0] += time.perf_counter() - t0
+        passes[0] += max(1, draft.passes - before)
+        return out
+
+    draft.propose = timed
+    try:
+        ids = encode(tokenizer, PROBE_PROMPT, has_chat_template(tokenizer))[-room:]
+        new = max(1, min(tokens, room - budget.max_depth - 2))
+        result = engine.generate([ids], GenerationParams(max_new_tokens=new))[0]  # (no end-of-text token: all of them)
+    finally:
+        del draft.propose  # back to the class's method
+    return spent[0] / max(1, passes[0]), max(1.0, result.mean_accept_len), len(result.token_ids)
+
+
+def measure_mode(model: str, dtype: str, drafter: str, predictor: str | None,
+                 earlier: list[ModeTiming] | None = None) -> ModeTiming:
+    """Time ``model`` in ``dtype``: verify passes by rows and, with a drafter, a probe decode.
+
+    A mode whose passes are slower at every timed size than an ``earlier`` mode's cannot be faster
+    with the same drafter; it skips the probe decode (minutes where bfloat16 is emulated), and its
+    drafter pass is taken as the earlier mode's scaled by the ratio of their one-row passes."""
+    from sot.drafters import DrafterKind, auto_drafter_kind, make_drafter
+    from sot.drafters.suffix import SuffixStores
+    from sot.models.adapter import TargetModel
+    from sot.models.loading import load_model
+    from sot.policy import CostModel
+
+    loaded = load_model(model, dtype=DTYPES[dtype])
+    kind = auto_drafter_kind(loaded.model, predictor) if drafter == "auto" else DrafterKind(drafter)
+    stores = SuffixStores() if drafter == "auto" or kind is DrafterKind.SUFFIX else None
+    draft = make_drafter(kind, loaded.model, predictor, suffix=stores)
+    target = TargetModel(loaded.model, state_layers=draft.state_layers)
+    context = min(PROBE_CONTEXT, _positions(loaded.model) - 2 * max(PROBE_ROWS))
+    sizes = list(PROBE_ROWS)
+    # one round first: a mode twice as slow as an earlier one at every size needs no more
+    cost = CostModel.measure(target, max(sizes), context=max(1, context), repeats=1, sizes=sizes)
+    if not any(all(2 * o.verify_ms[r] <= cost.verify(r) * 1000 for r in sizes) for o in earlier or []):
+        cost = CostModel.measure(target, max(sizes), context=max(1, context), repeats=PROBE_REPEATS, sizes=sizes)
+    timing = ModeTiming(dtype, {r: cost.verify(r) * 1000 for r in PROBE_ROWS})
+    if kind is DrafterKind.NONE:
+        return timing
+    for other in earlier or []:
+        if all(other.verify_ms[r] <= timing.verify_ms[r] for r in PROBE_ROWS):
+            timing.draft_ms = other.draft_ms * timing.verify_ms[1] / other.verify_ms[1]
+            timing.tau = other.tau
+            timing.note = f"slower than {other.dtype} at every size: not decoded"
+            return timing
+    draft_s, timing.tau, timing.probe_tokens = _probe_decode(
+        target, draft, loaded.tokenizer, PROBE_TOKENS_AGAIN if earlier else PROBE_TOKENS)
+    timing.draft_ms = draft_s * 1000
+    return timing
+
+
+def _expected(modes: list[ModeTiming], speculative: bool) -> None:
+    """Fill each mode's expected tokens per second (the drafter's acceptance pooled over modes)."""
+    from sot.policy.cost import best_speed
+
+    decoded = [m for m in modes if m.probe_tokens] or modes
+    tau = sum(m.tau * max(1, m.probe_tokens) for m in decoded) / sum(max(1, m.probe_tokens) for m in decoded)
+    a = (tau - 1) / tau
+    for m in modes:
+        one = m.verify(1)
+        if not speculative:
+            m.tokens_per_s = 1 / one
+            continue
+        ratio, depth = best_speed(a, m.verify, m.draft_ms / 1000, max_depth=max(PROBE_ROWS) - 1)
+        if ratio <= 1.0:  # no chain pays: the policy decodes plainly
+            ratio, depth = 1.0, 0
+        m.acceptance, m.depth, m.tokens_per_s = a, depth, ratio / one
+
+
+def choose_dtype(model: str, drafter: str = "auto", predictor: str | None = None, device: str = "cpu",
+                 refresh: bool = False, progress: bool = True) -> DtypeChoice:
+    """The mode ``--dtype auto`` runs ``model`` in with ``drafter`` on this machine: read from the
+    cache, else measured (a few seconds, once) and cached. ``refresh`` measures again.
+    ``progress`` prints a line to stderr while measuring."""
+    if os.environ.get(RULE_ENV) == "rule" or torch.device(device).type != "cpu":
+        return DtypeChoice("bfloat16" if native_bf16(device) else "float32", "rule", drafter)
+    path = cache_path(model, drafter, predictor)
+    if not refresh:
+        cached = _read(path)
+        if cached is not None:
+            return cached
+    if progress:
+        print(f"timing {' and '.join(CANDIDATES)} on this machine for --dtype auto (once; kept in {path.parent})",
+              file=sys.stderr, flush=True)
+    modes: list[ModeTiming] = []
+    for name in CANDIDATES:
+        modes.append(measure_mode(model, name, drafter, predictor, modes))
+    _expected(modes, speculative=drafter != "none")
+    best = max(modes, key=lambda m: m.tokens_per_s)
+    choice = DtypeChoice(best.dtype, "measured", drafter, modes, path)
+    _write(choice, path)
+    return choice
+
+
+def resolve(name: str, model: str, drafter: str = "auto", predictor: str | None = None,
+            device: str = "cpu") -> DtypeChoice:
+    """A ``--dtype`` value as a :class:`DtypeChoice`: ``auto`` by :func:`choose_dtype`, a mode as itself."""
+    from sot.models.loading import resolve_dtype
+
+    if name == "auto":
+        return choose_dtype(model, drafter, predictor, device)
+    resolve_dtype(name)  # a clear error for a bad name
+    return DtypeChoice(name, "forced", drafter)

@@ -1,0 +1,44 @@
+"""What timings on this machine depend on: processor, its instruction set, cores and threads."""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def _cpuinfo() -> tuple[str, str]:
+    """The processor's model name and a digest of its flags (empty where ``/proc/cpuinfo`` is absent)."""
+    cpu, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and not cpu:
+                cpu = value.strip()
+            elif name.strip() == "flags" and not flags:
+                flags = hashlib.sha256(value.strip().encode()).hexdigest()[:12]
+            if cpu and flags:
+                break
+    except OSError:
+        pass
+    return cpu, flags
+
+
+def machine_info() -> dict:
+    """Processor, cores, torch threads, SIMD level, native bf16 and torch version."""
+    from sot.models.loading import native_bf16
+
+    cpu, _ = _cpuinfo()
+    return {"cpu": cpu or platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "simd": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": native_bf16("cpu"), "torch": torch.__version__}
+
+
+def machine_key() -> dict:
+    """:func:`machine_info` with the CPU flags' digest and SoT's version: two machines with the
+    same key time alike."""
+    from sot import __version__
+
+    return {**machine_info(), "flags": _cpuinfo()[1], "sot": __version__}
