@@ -335,6 +335,8 @@ class Engine:
         ))
         events = self._commit_all(seqs, batch.trees, accepted, plan)
         t4 = time.perf_counter()
+        speculative = bool(plan.drafting) or any(t.size > 1 for t in batch.trees)
+        self.policy.observe_wall(len(seqs), sum(len(a.tokens) for a in accepted), t4 - t0, speculative)
         self.times.draft += t1 - t0
         self.times.verify += t3 - t2
         self.times.bookkeeping += (t2 - t1) + (t4 - t3)
@@ -362,7 +364,7 @@ class Engine:
         given = {s.id: self._draft_input(s, s.states) for s in seqs}
         # What the drafter offers for free (prompt-lookup matches) lets the policy keep its
         # model idle for a step; sequences that skip the model keep their states until it runs.
-        offers = policy.adaptive or policy.record
+        offers = (policy.adaptive or policy.record) and not policy.holds_plain(len(seqs))
         free = self.drafter.propose_free(list(given.values()), self.budget) if offers else None
         plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), self.budget)
         proposed: dict[int, DraftTree] = {}

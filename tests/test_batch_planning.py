@@ -138,3 +138,74 @@ def test_the_joint_selection_learns_how_optimistic_its_estimates_are() -> None:
                                               verify_seconds=0.0, rows=chosen[0].size))
     assert policy.gain_scale < 0.5
     assert policy.select(plan, {0: tree})[0].size < first.size
+
+
+def test_the_guard_backs_off_where_speculation_loses_on_the_clock() -> None:
+    from sot.policy.guard import FIRST_BACKOFF, PROBE, REFRESH, SPEC_WINDOW, BatchGuard
+
+    guard = BatchGuard()
+
+    def spec_steps(batch: int, n: int, tokens: int, seconds: float) -> None:
+        for _ in range(n):
+            assert not guard.plain(batch)
+            guard.observe(batch, tokens, seconds, speculative=True)
+
+    def plain_steps(batch: int) -> int:
+        n = 0
+        while guard.plain(batch):
+            guard.observe(batch, batch, 0.010, speculative=False)  # one token each, 10 ms a step
+            n += 1
+        return n
+
+    # batch 4: speculation commits 5 tokens in 12 ms (417 tok/s) against plain's 400: it stays,
+    # with plain measured after the first window and again after REFRESH speculative steps
+    spec_steps(4, SPEC_WINDOW, 5, 0.012)
+    assert plain_steps(4) == PROBE
+    spec_steps(4, REFRESH, 5, 0.012)
+    assert plain_steps(4) == PROBE
+    # it slows to 4.5 tokens in 12 ms (375 tok/s): the batch size backs off, and longer each time
+    slow = 0
+    while not guard.plain(4):
+        guard.observe(4, 4.5, 0.012, speculative=True)
+        slow += 1
+    assert slow < SPEC_WINDOW  # as soon as the window's rate falls below plain's
+    assert plain_steps(4) == FIRST_BACKOFF
+    spec_steps(4, SPEC_WINDOW, 4.5, 0.012)
+    assert plain_steps(4) == 2 * FIRST_BACKOFF
+    # a retry that wins keeps speculating and resets the back-off
+    spec_steps(4, SPEC_WINDOW, 5, 0.012)
+    assert guard.sizes[4].backoff == FIRST_BACKOFF and guard.stats()[4]["holds"] == 2
+    # other batch sizes keep their own measurements; threshold 0 speculates whatever it costs
+    assert not guard.plain(2) and 2 not in guard.sizes
+    off = BatchGuard(threshold=0.0)
+    for _ in range(4 * SPEC_WINDOW):
+        off.observe(4, 1, 1.0, speculative=True)
+    assert not off.plain(4)
+
+
+def test_a_held_batch_size_decodes_plainly_without_drafts_and_identically() -> None:
+    """While the guard holds a batch size, its steps draft nothing and take no free drafts, and
+    the output stays identical; the engine reports every step's wall time to the guard."""
+    from sot.drafters import DrafterKind, make_drafter
+    from sot.policy.guard import _Size
+
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.float32), state_layers=LAYERS)
+    prompts = random_prompts((8, 12, 17, 9), seed=4)  # the fourth runs alone at the end
+    params = GenerationParams(max_new_tokens=24)
+    plain = Engine(target, make_drafter(DrafterKind.NONE), TreeBudget(8, 4)).generate(prompts, params, batch_size=3)
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+    offered: list[int] = []
+    propose_free = drafter.propose_free
+    drafter.propose_free = lambda inputs, budget: offered.append(len(inputs)) or propose_free(inputs, budget)
+    engine = Engine(target, drafter, TreeBudget(8, 4))
+    held = engine.policy.guard.sizes[3] = _Size(plain_left=10**6)
+    seen: list[int] = []
+    observe = engine.policy.observe_wall
+    engine.policy.observe_wall = lambda batch, *rest: seen.append(batch) or observe(batch, *rest)
+    res = engine.generate(prompts, params, batch_size=3)
+    assert [r.token_ids for r in res] == [r.token_ids for r in plain]
+    at_three = seen.count(3)
+    assert at_three > 3 and held.plain_left == 10**6 - at_three, "every step at batch 3 was held plain"
+    assert not held.spec and len(held.plain) == min(at_three, held.plain.maxlen)
+    assert 3 not in offered and offered, "no free drafts at batch 3; the smaller batches of the tail speculate"

@@ -15,6 +15,7 @@ from sot.errors import ConfigError
 from sot.policy.acceptance_model import AcceptanceModel, Trace, node_features
 from sot.policy.config import PolicyConfig, PolicyKind
 from sot.policy.cost import CostModel
+from sot.policy.guard import BatchGuard
 from sot.policy.record import step_record, union_tree
 from sot.policy.rl import STEP_FEATURES, RLPolicyModel, near_best, select_features
 from sot.policy.state import BatchChoice, SequencePolicyState, StepOutcome, StepPlan, prune, ranked_nodes
@@ -81,6 +82,8 @@ class CommitPolicy:
         self.expected_tokens: dict[int, float] = {}
         #: share of the live sequences that drafted, over recent steps
         self.drafting_share = 1.0
+        #: speculative against plain steps on the wall clock, per batch size (see :mod:`sot.policy.guard`)
+        self.guard = BatchGuard(config.fallback_threshold)
 
     @property
     def adaptive(self) -> bool:
@@ -111,8 +114,9 @@ class CommitPolicy:
         self.last_draft_features = {}
         if self.record:
             self._record_free = dict(free)
-        if self.config.disable_above and len(generated) > self.config.disable_above:
-            return StepPlan((), tuple(generated), {}, budget, len(generated))  # the fixed rule: all plain
+        over = self.config.disable_above and len(generated) > self.config.disable_above
+        if over or self.holds_plain(len(generated)):  # the fixed rule, or the guard: all plain
+            return StepPlan((), tuple(generated), {}, budget, len(generated))
         drafting = [b for b, n in generated.items() if self.wants_draft(b, n)]
         taken = [b for b in drafting if b in free and self.prefers_free(b, free[b])]
         drafting = self.worth_drafting([b for b in drafting if b not in taken], len(generated))
@@ -126,6 +130,17 @@ class CommitPolicy:
             budget=self.draft_budget(budget, drafting, len(generated)),
             batch_rows=len(generated),
         )
+
+    def holds_plain(self, batch: int) -> bool:
+        """Whether the guard has a step of ``batch`` live sequences decode plainly (nothing
+        drafted or offered), measuring plain steps or backing off from speculation that lost."""
+        return self.adaptive and self.guard.plain(batch)
+
+    def observe_wall(self, batch: int, tokens: int, seconds: float, speculative: bool) -> None:
+        """A whole step of ``batch`` live sequences committed ``tokens`` in ``seconds`` of wall
+        clock; ``speculative``: it drafted or verified more than the roots (for the guard)."""
+        if self.adaptive:
+            self.guard.observe(batch, tokens, seconds, speculative)
 
     def expects_drafting(self, decoding: int) -> bool:
         """Whether to read a joining sequence's prompt into the drafter at admission, so that
