@@ -298,7 +298,7 @@ class Engine:
             if read_now:  # not in the running batch's next drafting step
                 self.drafter.prepare([self._draft_input(seq, out.states[0])])
             else:
-                seq.states = out.states[0]
+                seq.add_states(out.states[0])
         self.times.prefill += time.perf_counter() - t0
         return event
 
@@ -361,7 +361,7 @@ class Engine:
         """The policy plans the step, the drafter proposes, the policy selects what to
         verify. Returns the plan and ``[B]`` trees in slot order."""
         policy = self.policy
-        given = {s.id: self._draft_input(s, s.states) for s in seqs}
+        given = {s.id: self._draft_input(s, None) for s in seqs}  # (free drafts read contexts only)
         # What the drafter offers for free (prompt-lookup matches) lets the policy keep its
         # model idle for a step; sequences that skip the model keep their states until it runs.
         offers = (policy.adaptive or policy.record) and not policy.holds_plain(len(seqs))
@@ -369,7 +369,9 @@ class Engine:
         plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), self.budget)
         proposed: dict[int, DraftTree] = {}
         if plan.drafting:
-            drafted = self.drafter.propose([given[k] for k in plan.drafting], plan.budget)
+            by_id = {s.id: s for s in seqs}
+            inputs = [self._draft_input(by_id[k], by_id[k].take_states()) for k in plan.drafting]
+            drafted = self.drafter.propose(inputs, plan.budget)
             proposed = dict(zip(plan.drafting, drafted))
         chosen = policy.select(plan, proposed)
         drafting = set(plan.drafting)
@@ -377,9 +379,7 @@ class Engine:
             self._proposed = {k: step_mode(policy.seqs.get(k), k, plan, proposed) for k in given}
         trees = []
         for seq in seqs:
-            if seq.id in drafting:
-                seq.states = None
-            else:
+            if seq.id not in drafting:
                 seq.result.plain_steps += 1
             root = seq.root
             tree = chosen.get(seq.id) or DraftTree.root_only(root)

@@ -171,10 +171,24 @@ class LiveRequest:
     generator: torch.Generator | None
     arrived: float  # when the request was added
     started: float = 0.0  # when it was admitted: its clocks (seconds, first token) run from here
-    #: ``[n, S, D]`` target states of the rows committed since the drafter last saw this sequence
-    states: torch.Tensor | None = None
+    #: target states of the rows committed since the drafter last saw this sequence, in the
+    #: pieces the passes produced (``[n_i, S, D]`` each); joined once, by :meth:`take_states`,
+    #: when the sequence drafts again (joining them every step would copy the whole backlog)
+    state_parts: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
     tenant: str | None = None  # who sent it, for drafters that keep answers per tenant
+
+    def add_states(self, states: torch.Tensor) -> None:
+        """Keep ``states [n, S, D]`` of newly committed rows for the drafter."""
+        self.state_parts.append(states)
+
+    def take_states(self) -> torch.Tensor | None:
+        """``[n, S, D]``: every state kept since the drafter last read this sequence (``None``
+        when there is none); they are handed over, so the next call starts empty."""
+        parts, self.state_parts = self.state_parts, []
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @property
     def context(self) -> list[int]:

@@ -102,7 +102,7 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
                trace: bool = False) -> list[Acceptance]:
     """Accept each sequence's tree against its logits rows (``out.seq_logits(b)``: ``[T, V]``);
     the cache keeps the accepted rows, and the target states of each accepted path
-    (``out.seq_states(b)[path]``: ``[n, S, D]``) wait in ``seq.states`` for the drafter. With
+    (``out.seq_states(b)[path]``: ``[n, S, D]``) wait in the sequence (``add_states``) for the drafter. With
     ``trace``, each committed token's logits row joins its result's ``logit_trace``."""
     lengths = cache.lengths
     accepted, keep = [], []
@@ -113,7 +113,7 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
         keep.append([lengths[b] + i for i in acc.path])
         if out.states is not None:
             new = out.seq_states(b)[acc.path]
-            seq.states = new if seq.states is None else torch.cat((seq.states, new))
+            seq.add_states(new)
         if trace:
             seq.result.logit_trace.extend(logits[i].clone() for i in acc.path)
     cache.narrow(len(seqs)).keep_rows(keep)
