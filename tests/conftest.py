@@ -6,6 +6,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(int(os.environ.get("SOT_TEST_THREADS", "2")))
+# ``--dtype auto`` times both modes once per machine, model and drafter; the suite loads many
+# tiny models and the default one with several drafters, so it takes the rule instead.
+# tests/test_dtype_choice.py lifts this to test the measurement itself.
+os.environ.setdefault("SOT_DTYPE_AUTO", "rule")
 
 
 @pytest.fixture(scope="session")
