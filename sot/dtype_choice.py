@@ -141,11 +141,17 @@ def _read(path: Path) -> DtypeChoice | None:
 
 
 def _write(choice: DtypeChoice, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"dtype": choice.dtype, "drafter": choice.drafter,
-                               "modes": [asdict(m) for m in choice.modes]}, indent=1))
-    tmp.replace(path)
+    """Keep ``choice`` at ``path`` (atomically); an unwritable cache only costs a new measurement next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"dtype": choice.dtype, "drafter": choice.drafter,
+                                   "modes": [asdict(m) for m in choice.modes]}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        print(f"--dtype auto: could not keep the choice in {path} ({exc}); it will be measured again",
+              file=sys.stderr)
+        choice.path = None
 
 
 def _positions(model: torch.nn.Module) -> int:

@@ -92,3 +92,13 @@ def test_the_library_and_the_cli_run_the_mode_auto_chose(model_dir: Path, cache:
     assert f"dtype {sot.dtype_choice.dtype}: cached" in err
     for name in dc.CANDIDATES:  # each mode's timings are printed
         assert any(line.split()[:1] == [name] and "1 rows" in line and "16 rows" in line for line in err.splitlines())
+
+
+def test_an_unwritable_cache_still_chooses(model_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setattr(dc, "cache_root", lambda: blocker / "cache")
+    monkeypatch.delenv(dc.RULE_ENV, raising=False)
+    choice = dc.choose_dtype(str(model_dir), "none", progress=False)
+    assert choice.source == "measured" and choice.path is None and choice.dtype in dc.CANDIDATES
+    assert "could not keep the choice" in capsys.readouterr().err
