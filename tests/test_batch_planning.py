@@ -140,6 +140,7 @@ def test_the_joint_selection_learns_how_optimistic_its_estimates_are() -> None:
     assert policy.select(plan, {0: tree})[0].size < first.size
 
 
+@pytest.mark.guard
 def test_the_guard_backs_off_where_speculation_loses_on_the_clock() -> None:
     from sot.policy.guard import FIRST_BACKOFF, PROBE, REFRESH, SPEC_WINDOW, BatchGuard
 
@@ -183,6 +184,7 @@ def test_the_guard_backs_off_where_speculation_loses_on_the_clock() -> None:
     assert not off.plain(4)
 
 
+@pytest.mark.guard
 def test_a_held_batch_size_decodes_plainly_without_drafts_and_identically() -> None:
     """While the guard holds a batch size, its steps draft nothing and take no free drafts, and
     the output stays identical; the engine reports every step's wall time to the guard."""
