@@ -211,3 +211,19 @@ def test_a_held_batch_size_decodes_plainly_without_drafts_and_identically() -> N
     assert at_three > 3 and held.plain_left == 10**6 - at_three, "every step at batch 3 was held plain"
     assert not held.spec and len(held.plain) == min(at_three, held.plain.maxlen)
     assert 3 not in offered and offered, "no free drafts at batch 3; the smaller batches of the tail speculate"
+
+
+def test_idle_states_are_handed_over_once_in_order() -> None:
+    """A sequence that does not draft keeps its target states in pieces; drafting again takes
+    them all, joined in the order they were committed, and leaves nothing behind."""
+    from sot.requests import LiveRequest, SequenceResult
+
+    seq = LiveRequest(0, [1, 2], GenerationParams(), SequenceResult(0, []), None, 0.0)
+    assert seq.take_states() is None
+    pieces = [torch.full((n, 3, 4), float(i)) for i, n in enumerate((5, 1, 2))]
+    for p in pieces:
+        seq.add_states(p)
+    taken = seq.take_states()
+    assert torch.equal(taken, torch.cat(pieces)) and seq.take_states() is None
+    seq.add_states(pieces[1])
+    assert seq.take_states() is pieces[1]  # a single piece is handed over without a copy
