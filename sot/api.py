@@ -23,6 +23,7 @@ from sot.dtype_choice import resolve as resolve_dtype_choice
 from sot.models.loading import load_model
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig
+from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from sot.prompts import PromptItem, encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 from sot.trace import StepRecord, TracedSequence, compare_states
@@ -108,6 +109,7 @@ class SoT:
         suffix_store: str | None = None,
         suffix_per_tenant: bool = False,
         adapt: AdaptConfig | None = None,
+        prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
     ) -> "SoT":
         """Load a target and build the engine.
 
@@ -131,6 +133,9 @@ class SoT:
                 ``tenant``), so one tenant's answers never draft another's.
             adapt: test-time adaptation of the state predictor (:mod:`sot.online.adapt`);
                 ``None``: the predictor stays as loaded.
+            prefix_cache_mb: memory for prompt chunks already read, reused by later prompts
+                that start with the same tokens (:mod:`sot.prefix_cache`; exact); kept apart
+                per tenant with ``suffix_per_tenant``. 0 turns it off.
         """
         if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
             choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
@@ -157,8 +162,11 @@ class SoT:
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
 
+        if prefix_cache_mb < 0:
+            raise ConfigError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
+        prefix = PrefixCache(prefix_cache_mb << 20, per_tenant=suffix_per_tenant) if prefix_cache_mb else None
         engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode,
-                        policy=policy)
+                        policy=policy, prefix_cache=prefix)
         out = cls(target, tok, engine, loaded.name)
         out.dtype_choice = choice
         if adapt is not None:

@@ -1,8 +1,9 @@
 """The KV cache: the only code that reads or writes KV storage.
 
 Values are stored as ``[L, B, Hkv, S, D]`` (layers, batch, KV heads, slots, head dim). Keys
-use the same layout, or ``[L, B, Hkv, D, S]`` when ``transposed_keys`` is set (the layout of
-the compiled CPU kernel, which scores 16 keys per vector instruction). Sequence ``b`` holds
+use the same layout, or ``[L, B, Hkv, D, S']`` when ``transposed_keys`` is set (the layout of
+the compiled CPU kernel, which scores 16 keys per vector instruction; ``S' >= S`` pads the
+row stride, see :func:`key_stride`). Sequence ``b`` holds
 its committed tokens in slots ``[0, lengths[b])``, the token at position ``p`` always in slot
 ``p``. A forward writes its rows into *scratch* slots starting at ``lengths[b]``;
 :meth:`KVCache.keep_rows` then moves the accepted rows into place.
@@ -14,6 +15,15 @@ import torch
 from sot.models.rows import round_up
 
 SLOT_ALIGN = 64
+
+
+def key_stride(capacity: int) -> int:
+    """Slots allocated per (layer, sequence, head, dim) row of transposed keys: ``capacity``
+    plus 16 when ``capacity / 16`` is even, so the row stride in 64-byte lines is odd. The
+    attention kernel reads one line of each of the head dim's rows per 16 keys; with an even
+    stride those lines share a few cache sets and evict each other (a capacity of 1024 slots
+    put all 64 rows of a head in one set: 1.3x slower attention than 1040)."""
+    return capacity + 16 if (capacity // 16) % 2 == 0 else capacity
 
 
 class KVCache:
@@ -32,7 +42,9 @@ class KVCache:
     ) -> None:
         capacity = round_up(capacity, SLOT_ALIGN)
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        key_shape = (num_layers, batch_size, num_kv_heads, head_dim, capacity) if transposed_keys else shape
+        # transposed keys carry padding slots past the capacity (key_stride); never read
+        key_shape = ((num_layers, batch_size, num_kv_heads, head_dim, key_stride(capacity)) if transposed_keys
+                     else shape)
         # Zeros, not empty: masked slots still enter matmuls (with weight 0) and must be finite.
         self.keys = torch.zeros(key_shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
@@ -87,6 +99,21 @@ class KVCache:
         end = start + keys.shape[1]
         k_store[b, :, start:end] = keys
         v_store[b, :, start:end] = values
+
+    def read_span(self, b: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of sequence ``b``'s rows in slots ``[start, end)`` of every layer: keys
+        ``[L, Hkv, n, D]`` (``[L, Hkv, D, n]`` when transposed) and values ``[L, Hkv, n, D]``."""
+        keys = self.keys[:, b, :, :, start:end] if self.transposed_keys else self.keys[:, b, :, start:end]
+        return keys.clone(), self.values[:, b, :, start:end].clone()
+
+    def write_span(self, b: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put rows read by :meth:`read_span` into sequence ``b``'s slots from ``start``."""
+        n = values.shape[2]
+        if self.transposed_keys:
+            self.keys[:, b, :, :, start:start + n] = keys
+        else:
+            self.keys[:, b, :, start:start + n] = keys
+        self.values[:, b, :, start:start + n] = values
 
     def keep_rows(self, src_slots: list[list[int]]) -> None:
         """Commit accepted rows for every sequence and every layer at once.
@@ -157,7 +184,7 @@ class KVCache:
         old_b, old_s = self.batch_size, self.capacity
         out.values[:, :old_b, :, :old_s] = self.values
         if self.transposed_keys:
-            out.keys[:, :old_b, :, :, :old_s] = self.keys
+            out.keys[:, :old_b, :, :, :old_s] = self.keys[..., :old_s]
         else:
             out.keys[:, :old_b, :, :old_s] = self.keys
         out.lengths[:old_b] = self.lengths[:old_b]

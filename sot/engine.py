@@ -27,6 +27,7 @@ from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError
 from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT, round_up
+from sot.prefix_cache import PREFILL_CHUNK, PrefixCache, PrefixChunk
 from sot.policy import (
     AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, RLPolicyModel, StepOutcome, StepPlan, Trace,
     resolve_policy, resolve_rl_policy,
@@ -95,6 +96,8 @@ class Engine:
             finished sequence, and called before each step (on-policy recording, test-time
             adaptation of the drafter). The target may return more state layers than the
             drafter reads (e.g. its final state, for a recorder): the drafter gets its own.
+        prefix_cache: prompt chunks already read, reused by prompts that start with the same
+            tokens (:mod:`sot.prefix_cache`; exact, so the output is the same without it).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class Engine:
         record_steps: bool = False,
         rl_model: RLPolicyModel | None = None,
         observers: list[StepObserver] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         budget.check(MAX_TREE_DEPTH)
         if max_batch is not None and max_batch < 1:
@@ -144,6 +148,7 @@ class Engine:
         self._policy: CommitPolicy | None = None
         self.last_step = StepStats()
         self.observers: list[StepObserver] = list(observers or [])
+        self.prefix_cache = prefix_cache
         #: the test-time adapter of the drafter (:class:`sot.online.adapt.Adapter`), once attached
         self.adapter = None
         layers = tuple(target.state_layers)
@@ -276,7 +281,7 @@ class Engine:
         b = len(self._running)
         self._running.append(seq)
         self.policy.add_sequence(seq.id, seq.params.sampling.temperature)
-        out = self.target.prefill(self._cache, b, torch.tensor(seq.prompt))
+        out = self._read_prompt(seq, b)
         self._cache.set_length(b, len(seq.prompt))
         for obs in self.observers:
             obs.prefilled(seq, out.states[0] if out.states is not None else None, out.logits[0, -1])
@@ -301,6 +306,36 @@ class Engine:
                 seq.add_states(out.states[0])
         self.times.prefill += time.perf_counter() - t0
         return event
+
+    def _read_prompt(self, seq: LiveRequest, b: int) -> ForwardOutput:
+        """Read ``seq``'s prompt into cache slot ``b`` in chunks of ``PREFILL_CHUNK`` tokens
+        aligned to its start, taking the chunks the prefix cache holds and storing the whole
+        chunks it reads. Returns the last chunk's logits ``[1, 1, V]`` and the whole prompt's
+        states ``[1, T, S, D]`` (``None`` without state layers); ``seq.result.cached_tokens``
+        counts the prompt tokens reused."""
+        prompt, size, store = seq.prompt, PREFILL_CHUNK, self.prefix_cache
+        found = store.lookup(prompt, seq.tenant) if store is not None else []
+        states: list[torch.Tensor | None] = []
+        for j, chunk in enumerate(found):
+            self._cache.write_span(b, j * size, chunk.keys, chunk.values)
+            states.append(chunk.states)
+        keep = store is not None and store.max_bytes > 0
+        read: list[PrefixChunk] = []
+        out = None
+        for start in range(len(found) * size, len(prompt), size):
+            end = min(start + size, len(prompt))
+            out = self.target.prefill(self._cache, b, torch.tensor(prompt[start:end]), start=start)
+            part = out.states[0] if out.states is not None else None
+            states.append(part)
+            if keep and end - start == size:
+                keys, values = self._cache.read_span(b, start, end)
+                read.append(PrefixChunk(tuple(prompt[start:end]), keys, values,
+                                        part.clone() if part is not None else None))
+        if store is not None:
+            store.insert(prompt, seq.tenant, len(found), read)
+        seq.result.cached_tokens = len(found) * size
+        whole = torch.cat(states)[None] if out.states is not None else None
+        return ForwardOutput(out.logits, whole)
 
     def _headroom(self) -> int:
         """Slots past a sequence's length that one step may write: its tree (scratch rows,

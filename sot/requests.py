@@ -58,6 +58,8 @@ class SequenceResult:
     #: the request's id in its engine
     request_id: int = -1
     prompt_tokens: int = 0
+    #: prompt tokens whose KV rows came from the engine's prefix cache (not read again)
+    cached_tokens: int = 0
     #: with ``Engine(record_steps=True)``: one record per verify step (:mod:`sot.trace`)
     step_records: list[StepRecord] = field(default_factory=list)
 

@@ -80,3 +80,48 @@ def test_ngram_index_finds_what_a_full_scan_ranks_first() -> None:
             context += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
             found = scan.candidates(context, 5)
             assert index.best(context, 5) == (found[0] if found else [])
+
+
+def _kernel_attention(q, keys, values, length, paths):
+    """The compiled kernel over one sequence: rows whose ancestors (root first) are ``paths``."""
+    from sot.kernels import cpu_kernels
+
+    width = max(len(p) for p in paths)
+    anc = torch.full((1, len(paths), width), -1, dtype=torch.long)
+    for r, path in enumerate(paths):
+        anc[0, r, : len(path)] = torch.tensor(path)
+    return cpu_kernels().tree_attention_exact(q, keys, values, torch.tensor([length]), anc,
+                                              torch.tensor([len(paths)]), 0.125, 0, 0.0)
+
+
+def test_transposed_keys_pad_their_stride_and_attention_ignores_it() -> None:
+    """Transposed keys get an odd stride in cache lines (1024 slots -> 1040) without changing
+    the capacity, what resizing keeps, or one bit of attention; a tree row's scores, taken in
+    vector blocks, equal the scalar ones taken where the blocks would pass the cache's end."""
+    from sot.cache import key_stride
+    from sot.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    assert key_stride(1024) == 1040 and key_stride(1040) == 1040
+    cache = KVCache(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=16, capacity=1024, transposed_keys=True)
+    assert cache.capacity == 1024 and cache.keys.shape[-1] == 1040
+    gen = torch.Generator().manual_seed(0)
+    keys, values = cache.layer(0)
+    keys[..., :1024] = torch.randn(keys[..., :1024].shape, generator=gen)
+    values.copy_(torch.randn(values.shape, generator=gen))
+    q = torch.randn(1, 6, 4, 16, generator=gen)  # 3 query heads per KV head, 4 tree rows
+    length = 1000
+    paths = [[1000], [1000, 1001], [1000, 1002], [1000, 1001, 1003]]  # root, two children, a grandchild
+    padded = _kernel_attention(q, keys, values, length, paths)
+    plain = _kernel_attention(q, keys[..., :1024].contiguous(), values, length, paths)
+    assert torch.equal(padded, plain)
+    for r, path in enumerate(paths):  # each row alone: the same bits as in the tree
+        assert torch.equal(_kernel_attention(q[:, :, r:r + 1].contiguous(), keys, values, length, [path])[0, 0],
+                           padded[0, r])
+    # A cache that ends right after the tree: the blocks stop short of the last committed
+    # keys and of the tree's, and the scalar loops score those, with the same bits.
+    short = _kernel_attention(q, keys[..., :1004].contiguous(), values[:, :, :1004].contiguous(), length, paths)
+    assert torch.equal(short, padded)
+    bigger = cache.resized(1, 2048)
+    assert bigger.keys.shape[-1] == key_stride(2048) and torch.equal(bigger.keys[..., :1024], keys[None, ..., :1024])

@@ -11,6 +11,7 @@ import torch
 
 from sot.drafters import Drafter, TreeBudget
 from sot.engine import Engine, GenerationParams
+from sot.prefix_cache import PrefixCache
 from sot.models.adapter import TargetModel
 from sot.policy import PolicyConfig
 
@@ -48,9 +49,13 @@ class RunRecord:
 
 
 def forget_answers(method: "BenchMethod") -> None:
-    """Empty the global suffix store of an engine method's drafter (if it keeps one)."""
-    if isinstance(method, EngineMethod) and method.engine.drafter.suffix_stores is not None:
-        method.engine.drafter.suffix_stores.clear()
+    """Empty the global suffix store of an engine method's drafter (if it keeps one) and its
+    prefix cache."""
+    if isinstance(method, EngineMethod):
+        if method.engine.drafter.suffix_stores is not None:
+            method.engine.drafter.suffix_stores.clear()
+        if method.engine.prefix_cache is not None:
+            method.engine.prefix_cache.clear()
 
 
 class BenchMethod(ABC):
@@ -70,9 +75,10 @@ class EngineMethod(BenchMethod):
     uses_engine = True
 
     def __init__(self, name: str, target: TargetModel, drafter: Drafter, budget: TreeBudget,
-                 policy: PolicyConfig | None = None) -> None:
+                 policy: PolicyConfig | None = None, prefix_cache_mb: int = 0) -> None:
         self.name = name
-        self.engine = Engine(target, drafter, budget, policy=policy)
+        prefix = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
+        self.engine = Engine(target, drafter, budget, policy=policy, prefix_cache=prefix)
 
     def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
         return self.run_batch([prompt], params)[0]

@@ -30,6 +30,7 @@ from sot.bench.report import aggregate, sweep_plot, write_report
 from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
 from sot.policy import PolicyConfig, PolicyKind
 from sot.engine import GenerationParams
+from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.machine import machine_info
@@ -70,6 +71,7 @@ class BenchConfig:
     warmup_tokens: int = 16
     sweep: tuple[str, tuple[int | str, ...]] | None = None
     multiturn: bool = False  # run each record's turns as a conversation (built-in multi-turn sets always do)
+    prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB  # each engine method's own prefix cache, as `sot generate` has
     out: str = "bench-out"
     notes: list[str] = field(default_factory=list)
 
@@ -182,9 +184,10 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
             for kind in cfg.sweep[1]:
                 policy = dataclasses.replace(cfg.policy, kind=PolicyKind(kind))
                 methods.append(EngineMethod(f"{method_label(name)}[{kind}]", target, drafters[name], _budget(cfg),
-                                            policy))
+                                            policy, cfg.prefix_cache_mb))
         else:
-            methods.append(EngineMethod(method_label(name), target, drafters[name], _budget(cfg), cfg.policy))
+            methods.append(EngineMethod(method_label(name), target, drafters[name], _budget(cfg), cfg.policy,
+                                        cfg.prefix_cache_mb))
     return methods, tokenizer, target
 
 
@@ -243,7 +246,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     warm = dataclasses.replace(params, max_new_tokens=cfg.warmup_tokens)
     for m in methods:
         m.run(prompts[0], warm)
-        forget_answers(m)  # the warm-up's answer must not draft the first prompt
+        forget_answers(m)  # the warm-up's prompt and answer must not serve the first prompt
     model_rss = current_rss()
     ids_of = [str(r.get("id", i)) if isinstance(r, dict) else str(i) for i, r in enumerate(records)]
     runs: list[RunRecord] = []

@@ -6,8 +6,10 @@ import sys
 
 from sot.bench.runner import BenchConfig
 from sot.cli.common import (
-    DTYPE_CHOICES, add_chat_flag, add_policy_args, add_tree_args, non_negative_float, policy_from_args, positive_int,
+    DTYPE_CHOICES, add_chat_flag, add_policy_args, add_tree_args, non_negative_float, non_negative_int, policy_from_args,
+    positive_int,
 )
+from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.sampling import SamplingMode
 
 
@@ -22,6 +24,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="run each record's 'turns' as a conversation: every turn is answered and appended before "
                             "the next is asked; the report gives each turn apart (multi-turn sets always do this)")
     bench.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts")
+    bench.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
+                       help="each engine method's prefix cache of prompt chunks already read, as sot generate and "
+                            f"sot serve keep one; 0 turns it off (default {DEFAULT_PREFIX_CACHE_MB})")
     bench.add_argument("--methods", default="hf,plain,pld",
                        help="comma list of hf, hf-pld, plain, pld, suffix (suffix trees and prompt lookup), state, "
                             "auto (the default drafter: state with suffix trees), llamacpp; state=FILE adds the state "
@@ -87,6 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         sweep=parse_sweep(args.sweep) if args.sweep else None,
         multiturn=args.multiturn,
+        prefix_cache_mb=args.prefix_cache_mb,
         out=args.out,
     )
     result = run_bench(cfg)

@@ -9,6 +9,7 @@ from typing import Callable
 from sot.drafters.base import DRAFT_TOP_K, TreeBudget
 from sot.online.defaults import ADAPT_BUDGET
 from sot.policy.config import PolicyConfig, PolicyKind
+from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.requests import GenerationParams
 from sot.sampling import SamplingMode, SamplingParams
 
@@ -67,6 +68,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="state predictor: a SoT predictor file, or an EAGLE-3 head folder (config.json and "
                         "model.safetensors, as vLLM and SGLang load them); default: the one shipped for the default model")
     add_policy_args(p)
+    p.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
+                   help="memory for prompt chunks already read, reused by later prompts that start with the same "
+                        "tokens (a chat's next turn, a shared system prompt); exact. 0 turns it off "
+                        f"(default {DEFAULT_PREFIX_CACHE_MB})")
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -161,7 +166,7 @@ def load_sot(args: argparse.Namespace):
                    max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
                    policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
-                   adapt=adapt_from_args(args))
+                   adapt=adapt_from_args(args), prefix_cache_mb=args.prefix_cache_mb)
     sot.dtype_choice = choice
     return sot
 

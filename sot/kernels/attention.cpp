@@ -124,7 +124,8 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
          const torch::Tensor& lengths, const torch::Tensor& ancestors, const torch::Tensor& rows,
          float scale, int64_t window, float softcap, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
-  const int64_t Hkv = keys.size(1), S = keys.size(3), W = ancestors.size(2);
+  // S: the keys' slot stride (it may exceed the values' slots: padding, never read as a key)
+  const int64_t Hkv = keys.size(1), S = keys.size(3), Sv = values.size(2), W = ancestors.size(2);
   const int64_t group = H / Hkv;
   TORCH_CHECK(group <= kMaxGroup, "too many query heads per KV head");
   TORCH_CHECK(D % kLanes == 0 && D <= kMaxD, "head dim must be a multiple of 16, at most 256");
@@ -166,34 +167,48 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
       const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
       const int64_t lo = std::min(first, lp[b]);  // first committed slot read
       const float* kt = kp + (b * Hkv + kvh) * D * S + lo;      // [D][S], from slot lo
-      const float* vbase = vp + ((b * Hkv + kvh) * S + lo) * D;  // [S][D], from slot lo
+      const float* vbase = vp + ((b * Hkv + kvh) * Sv + lo) * D;  // [Sv][D], from slot lo
       const int64_t committed = lp[b] - lo;
       slots.clear();
       for (int64_t w = std::max<int64_t>(0, first - lp[b]); w <= depth; ++w) slots.push_back(anc[w] - lo);
       const int64_t total = committed + static_cast<int64_t>(slots.size());
-      // Whole 16-key blocks over the committed keys; the last block may run into scratch
-      // slots (finite values), whose scores are then overwritten by the scalar loop.
-      int64_t blocks = (committed + kLanes - 1) / kLanes * kLanes;
-      if (blocks > S - lo) blocks = committed / kLanes * kLanes;
+      // Scores in whole 16-key blocks from slot lo: over the committed slots and on through
+      // the scratch slots up to the row's own, whose ancestors' scores are then moved behind
+      // the committed ones. Each lane sums q[d] * k[d] over d in order, the same operations
+      // as the scalar loops, which take whatever the blocks cannot reach (the end of the
+      // cache).
+      const int64_t reach = slots.empty() ? committed : slots.back() + 1;
+      int64_t blocks = (reach + kLanes - 1) / kLanes * kLanes;
+      const bool tail_in_blocks = blocks <= S - lo;
+      if (!tail_in_blocks) {
+        blocks = (committed + kLanes - 1) / kLanes * kLanes;
+        if (blocks > S - lo) blocks = committed / kLanes * kLanes;
+      }
       const int64_t stride = (std::max(total, blocks) + kLanes - 1) / kLanes * kLanes;
       scores.resize(group * stride);
-      // Scores: each lane sums q[d] * k[d] over d in order, the same operations as the
-      // scalar loop used for the rest.
       for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
         score_block<G>(group, qrows.data(), D, kt + k0, S, scale, scores.data() + k0, stride);
-      for (int64_t k = committed; k < total; ++k) {
-        const int64_t slot = slots[k - committed];
-        for (int64_t j = 0; j < group; ++j) {
-          float sc = 0.f;
-          for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + slot];
-          scores[j * stride + k] = sc * scale;
+      if (tail_in_blocks) {
+        // An ancestor's slot is at or past its place in the row's key order, and later
+        // ancestors sit at later slots: moving them in order overwrites nothing still needed.
+        for (int64_t j = 0; j < group; ++j)
+          for (int64_t k = committed; k < total; ++k)
+            scores[j * stride + k] = scores[j * stride + slots[k - committed]];
+      } else {
+        for (int64_t k = committed; k < total; ++k) {
+          const int64_t slot = slots[k - committed];
+          for (int64_t j = 0; j < group; ++j) {
+            float sc = 0.f;
+            for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + slot];
+            scores[j * stride + k] = sc * scale;
+          }
         }
-      }
-      for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
-        for (int64_t j = 0; j < group; ++j) {
-          float sc = 0.f;
-          for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + k];
-          scores[j * stride + k] = sc * scale;
+        for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
+          for (int64_t j = 0; j < group; ++j) {
+            float sc = 0.f;
+            for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + k];
+            scores[j * stride + k] = sc * scale;
+          }
         }
       }
       if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), before the softmax
@@ -236,8 +251,8 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
   });
 }
 
-// q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, D, S] and
-// values: [B, Hkv, S, D], float32, contiguous; lengths: [B] int64; ancestors: [B, R, W] int64
+// q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, D, S'] and
+// values: [B, Hkv, S, D], float32, contiguous (S' >= S); lengths: [B] int64; ancestors: [B, R, W] int64
 // cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence; window:
 // keys per row under a sliding window (0: all); softcap: attention-logit soft cap (0: none).
 // Returns [B, R, H, D] in q's dtype, accumulated in float32 (zeros past rows[b]).

@@ -98,7 +98,8 @@ inline T round_to(float v) { return static_cast<T>(v); }
 
 // Rotary embedding of q and k plus the KV-cache write, in one pass.
 // qkv: [B, T, Hq + 2 Hkv, D] (q heads, k heads, v heads); cos, sin: [B, T, D];
-// keys: [B, Hkv, D, S], values: [B, Hkv, S, D] (one layer of the float32 cache);
+// keys: [B, Hkv, D, S'], values: [B, Hkv, S, D] (one layer of the float32 cache; the keys'
+// slot stride S' >= S may carry padding);
 // slots: [B, T] cache slot per row.
 // Returns q: [B, Hq, T, D]. Every operation rounds to the model dtype exactly as the
 // transformers formula q * cos + rotate_half(q) * sin does, so the bits are the same.
@@ -107,7 +108,7 @@ void rope_write_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const t
                      torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& slots,
                      int64_t hq, torch::Tensor& q_out) {
   const int64_t B = qkv.size(0), Tn = qkv.size(1), Hall = qkv.size(2), D = qkv.size(3);
-  const int64_t hkv = (Hall - hq) / 2, S = keys.size(3), half = D / 2;
+  const int64_t hkv = (Hall - hq) / 2, S = keys.size(3), Sv = values.size(2), half = D / 2;
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
@@ -138,7 +139,7 @@ void rope_write_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const t
       }
       for (int64_t h = 0; h < hkv; ++h) {
         const T* x = src + (bt * Hall + hq + hkv + h) * D;
-        float* dst = vp + ((b * hkv + h) * S + where) * D;
+        float* dst = vp + ((b * hkv + h) * Sv + where) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(x[d]);
       }
     }
@@ -154,7 +155,7 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   sin = sin.contiguous();
   slots = slots.contiguous();
   TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < keys.size(3), "cache slot out of range");
+  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < values.size(2), "cache slot out of range");
   auto q = torch::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
   if (qkv.scalar_type() == torch::kFloat32) {
     rope_write_impl<float>(qkv, cos, sin, keys, values, slots, hq, q);

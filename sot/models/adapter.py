@@ -9,8 +9,10 @@ linear layer is swapped for a row-stable one that multiplies in fixed blocks of
 from __future__ import annotations
 
 import contextvars
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterator
 
 import torch
@@ -248,26 +250,38 @@ class TargetModel:
         )
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> ForwardOutput:
+        """One forward pass. A prompt chunk (``PrefillLayout``) returns the logits of its last
+        row only, ``[1, 1, V]``; a tree pass returns every row's."""
         if self.fast is not None:
             logits, states = self.fast.forward(input_ids, positions, context.cache, context.layout, self.state_layers)
             flat = isinstance(context.layout, TreeLayout) and self.fast.flattens(context.layout, context.cache)
             return ForwardOutput(logits=logits, states=states, offsets=context.layout.flat_offsets if flat else None)
         want_states = bool(self.state_layers)
+        last_only = {"logits_to_keep": 1} if isinstance(context.layout, PrefillLayout) and self._keeps_logits else {}
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
             use_cache=False,
             output_hidden_states=want_states,
             sot_context=context,
+            **last_only,
         )
         states = None
         if want_states:
             states = torch.stack([out.hidden_states[i] for i in self.state_layers], dim=2)
         return ForwardOutput(logits=out.logits, states=states)
 
+    @cached_property
+    def _keeps_logits(self) -> bool:
+        """Whether the model's forward takes ``logits_to_keep`` (most causal LMs do)."""
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
     @torch.inference_mode()
     def prefill(self, cache: KVCache, batch_index: int, input_ids: torch.Tensor, start: int = 0) -> ForwardOutput:
-        """Run prompt tokens ``input_ids [T]`` of one sequence at positions ``start..``."""
+        """Run prompt tokens ``input_ids [T]`` of one sequence at positions ``start..``;
+        logits ``[1, 1, V]`` (the last row's: the first new token's distribution, the only
+        one a prompt's pass is read for; more with a model that cannot skip the others),
+        states ``[1, T, S, D]``."""
         ids = input_ids.to(self.device)[None]
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         return self._run(ids, positions, ForwardContext(cache, PrefillLayout(batch_index, start)))

@@ -155,7 +155,9 @@ class FastLlama:
         h, last = self._add_rms(h, delta, self.norm)
         if len(self.layers) in state_layers:
             states.append(last)
-        logits = self.lm_head(h.reshape(batch * rows, -1), stable).view(batch, rows, -1)
+        if not stable:  # a prompt: only its last row's logits are read (the first token)
+            h = h[:, -1:]
+        logits = self.lm_head(h.reshape(-1, h.shape[-1]), stable).view(batch, h.shape[1], -1)
         stacked = torch.stack(states, dim=2) if state_layers else None
         return logits, stacked
 

@@ -32,6 +32,8 @@ class ServerMetrics:
                              "(a step's gap shared by the tokens it committed)", buckets=_LATENCY_BUCKETS, registry=r)
         self.generated = Counter("sot:generation_tokens", "Generated tokens", registry=r)
         self.prompt = Counter("sot:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prompt_cached = Counter("sot:prefix_cache_hit_tokens", "Prompt tokens of finished requests taken "
+                                     "from the prefix cache (not read again)", registry=r)
         self.drafts = Counter("sot:spec_decode_num_drafts", "Verify steps of a sequence with at least one "
                               "drafted token", registry=r)
         self.draft_tokens = Counter("sot:spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r)
@@ -93,6 +95,7 @@ class ServerMetrics:
         self.requests.labels(status=status).inc()
         if result is not None:
             self.prompt.inc(result.prompt_tokens)
+            self.prompt_cached.inc(result.cached_tokens)
             self.fallbacks.inc(result.fallbacks)
 
     def render(self) -> bytes:

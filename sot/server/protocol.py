@@ -174,9 +174,12 @@ class TextAssembler:
 
 
 def usage_of(prompt: list[int], result: SequenceResult | None, tokens: int) -> dict:
-    """The OpenAI ``usage`` object; ``tokens`` counts the answer when there is no result."""
+    """The OpenAI ``usage`` object (with ``prompt_tokens_details.cached_tokens``: prompt tokens
+    taken from the prefix cache); ``tokens`` counts the answer when there is no result."""
     completion = result.new_tokens if result is not None else tokens
-    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+    cached = result.cached_tokens if result is not None else 0
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sot_figures(result: SequenceResult | None) -> dict | None:
