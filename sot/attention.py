@@ -306,19 +306,20 @@ def prefill_attention(
     _, heads, rows, dim = query.shape
     keys, values = cache.layer_sd(layer)
     end = layout.start + rows
-    k = keys[layout.batch_index, :, :end].float()  # [Hkv, end, D]
-    v = values[layout.batch_index, :, :end].float()
-    group = heads // k.shape[0]
-    k = k.repeat_interleave(group, dim=0)[None]
-    v = v.repeat_interleave(group, dim=0)[None]
+    k = keys[layout.batch_index, :, :end].float()[None]  # [1, Hkv, end, D]
+    v = values[layout.batch_index, :, :end].float()[None]
+    group = heads // k.shape[1]
     positions = torch.arange(layout.start, end, device=query.device)
     slots = torch.arange(end, device=query.device)[None, :]
     mask = slots <= positions[:, None]  # [T, end]
     if window:
         mask &= slots > positions[:, None] - window
     if softcap:  # SDPA has no soft cap: the same attention, written out
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = _soft_cap(torch.matmul(query.float(), k.transpose(-1, -2)).mul_(scaling), softcap)
         weights = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
         return torch.matmul(weights, v).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling)
+    # (query heads share KV heads inside SDPA: no copy of the cache per chunk)
+    out = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling,
+                                                           enable_gqa=group > 1)
     return out.transpose(1, 2)

@@ -185,8 +185,10 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, stable: bool) -> torch.Tensor:
         """``x [M, K] -> [M, N]``; with ``stable`` the product runs in ``ROW_UNIT``-row
-        blocks (``M`` is then a multiple of ``ROW_UNIT``)."""
-        if not stable:
+        blocks (``M`` is then a multiple of ``ROW_UNIT``). SoT's kernel runs every product,
+        stable or not: any row count in one call, at the speed of BLAS on a prompt's chunk
+        (and over the 4-bit blocks where the weight is one)."""
+        if not stable and self.kind != "sot":
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
         if rows == ROW_UNIT or (rows < ROW_UNIT and self.partial_ok) or self.kind == "sot":
