@@ -354,8 +354,10 @@ def test_suffix_stores_per_user_live_with_the_server(tiny_dir, tmp_path) -> None
     from sot.drafters import SuffixStores
 
     store = tmp_path / "answers.store"
+    # (no fallback: the tiny model's noisy step times must not make a sequence decode plainly)
     server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, "--drafter", "suffix",
-                           "--suffix-tenants", "user", "--suffix-store", str(store), log=tmp_path / "suffix.log")
+                           "--suffix-tenants", "user", "--suffix-store", str(store), "--fallback-threshold", "0",
+                           log=tmp_path / "suffix.log")
     try:
         server.wait_ready()
         body = _chat("list: a b c d", max_tokens=40, ignore_eos=True, temperature=0)
