@@ -1,0 +1,93 @@
+"""The exact tree-attention kernel of this checkout against the one of another git revision,
+built side by side in one process: the same inputs (30 layers of random K/V, SmolLM2-135M's
+9 query and 3 KV heads, head dim 64), a chain of R rows after L committed keys, alternating,
+best of N. Prints the time of each and whether every output has the same bits.
+
+    python scripts/attention_ab.py --base be56857
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sot.cache import key_stride  # noqa: E402
+from sot.kernels import cpu_kernels  # noqa: E402
+
+BINDING = ('#include "common.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) '
+           '{ m.def("tree_attention_exact", &tree_attention_exact, "base"); }\n')
+
+
+def build_base(rev: str, where: Path):
+    """The attention kernel of ``rev``, built as its own module."""
+    from torch.utils.cpp_extension import load
+
+    for name in ("attention.cpp", "common.h"):
+        text = subprocess.run(["git", "show", f"{rev}:sot/kernels/{name}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+        (where / name).write_text(text)
+    (where / "module.cpp").write_text(BINDING)
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"] if capability.startswith(("AVX512", "AMX")) \
+        else (["-mavx2", "-mfma"] if capability == "AVX2" else [])
+    return load(name="sot_attention_base", sources=[str(where / "attention.cpp"), str(where / "module.cpp")],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="git revision whose kernel is compared")
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    new = cpu_kernels()
+    if new is None:
+        print("the compiled kernels cannot be built here", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build_base(args.base, Path(tmp))
+        heads, kv_heads, dim, layers = 9, 3, 64, 30
+        gen = torch.Generator().manual_seed(0)
+        print(f"| keys | capacity | rows | {args.base} ms | this checkout ms | speed-up | same bits |")
+        print("|---|---|---|---|---|---|---|")
+        for length, capacity in ((256, 384), (900, 1024), (1500, 1536)):
+            keys = [torch.randn(1, kv_heads, dim, key_stride(capacity), generator=gen) for _ in range(layers)]
+            base_keys = [k[..., :capacity].contiguous() for k in keys]  # the old layout: no padding
+            values = [torch.randn(1, kv_heads, capacity, dim, generator=gen) for _ in range(layers)]
+            for rows in (1, 9, 16):
+                q = torch.randn(1, heads, rows, dim, generator=gen)
+                anc = torch.full((1, rows, rows), -1, dtype=torch.long)
+                for r in range(rows):
+                    anc[0, r, : r + 1] = torch.arange(length, length + r + 1)
+                lengths, real = torch.tensor([length]), torch.tensor([rows])
+
+                def run(mod, ks):
+                    return [mod.tree_attention_exact(q, ks[i], values[i], lengths, anc, real, 0.125, 0, 0.0)
+                            for i in range(layers)]
+
+                same = all(torch.equal(a, b) for a, b in zip(run(base, base_keys), run(new, keys)))
+                old_t, new_t = [], []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    run(base, base_keys)
+                    old_t.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    run(new, keys)
+                    new_t.append(time.perf_counter() - t0)
+                ratio = statistics.median(a / b for a, b in zip(old_t, new_t))
+                print(f"| {length} | {capacity} | {rows} | {min(old_t) * 1e3:.2f} | {min(new_t) * 1e3:.2f} "
+                      f"| {ratio:.2f}x | {'yes' if same else 'NO'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
