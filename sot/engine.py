@@ -27,11 +27,11 @@ from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError
 from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT, round_up
-from sot.prefix_cache import PREFILL_CHUNK, PrefixCache, PrefixChunk
 from sot.policy import (
     AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, RLPolicyModel, StepOutcome, StepPlan, Trace,
     resolve_policy, resolve_rl_policy,
 )
+from sot.prefix_cache import PREFILL_CHUNK, PrefixCache, PrefixChunk
 from sot.requests import (
     GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_prompts, check_request,
 )

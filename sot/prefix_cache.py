@@ -60,9 +60,6 @@ class PrefixCache:
         self.chunk = chunk
         self._chunks: OrderedDict[bytes, PrefixChunk] = OrderedDict()
         self.nbytes = 0
-        #: prompt tokens looked up and found, over the cache's life
-        self.tokens_looked_up = 0
-        self.tokens_hit = 0
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -94,8 +91,6 @@ class PrefixCache:
             found.append((key, entry))
         for key, _ in reversed(found):  # the chain's start is the most recently used
             self._chunks.move_to_end(key)
-        self.tokens_looked_up += len(prompt)
-        self.tokens_hit += len(found) * self.chunk
         return [entry for _, entry in found]
 
     def insert(self, prompt: list[int], tenant: str | None, first: int, chunks: list[PrefixChunk]) -> None:
