@@ -14,6 +14,7 @@ take rows in the verify pass.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Callable, Iterator, Protocol
@@ -481,6 +482,20 @@ class Engine:
         """Like :meth:`generate`, yielding tokens as they are committed; ``results``, when
         given, receives the per-sequence results (complete once the stream is exhausted).
         Prompt ``i`` is the request of index ``i``."""
+        with self.offline_batch(prompts, params, batch_size) as out:
+            if results is not None:
+                results.extend(out)
+            while self.has_unfinished():
+                yield from self.step()
+
+    @contextlib.contextmanager
+    def offline_batch(self, prompts: list[list[int]], params: GenerationParams,
+                      batch_size: int | None = None) -> Iterator[list[SequenceResult]]:
+        """Queue ``prompts`` as one offline call (prompt ``i`` is the request of index ``i``,
+        at most ``batch_size`` decoding together) and yield their results, which fill in as
+        the caller runs :meth:`step` until :meth:`has_unfinished` is false. On leaving, the
+        engine's batch limit is restored and anything left unfinished is aborted. The loop of
+        :meth:`stream`; ``sot bench`` uses it to advance several engines a step at a time."""
         check_prompts(prompts, params, self.target.max_positions, batch_size)
         if self.has_unfinished():
             raise ConfigError("the engine is serving other requests; use add_request and step")
@@ -490,12 +505,8 @@ class Engine:
         self.policy.trace = Trace()  # a recording run logs this call's decisions
         try:
             ids = [self.add_request(p, params, index=i) for i, p in enumerate(prompts)]
-            out = [self.result(r) for r in ids]
-            if results is not None:
-                results.extend(out)
-            while self.has_unfinished():
-                yield from self.step()
+            yield [self.result(r) for r in ids]
         finally:
             self.max_batch = saved
-            for r in list(self._waiting) + list(self._running):  # a stream closed early
+            for r in list(self._waiting) + list(self._running):  # a call left early
                 self.abort(r.id)

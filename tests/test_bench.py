@@ -208,3 +208,52 @@ def test_code_edit_set_asks_to_refactor_humaneval_solutions() -> None:
     assert [it["id"] for it in items] == [p["task_id"].replace("HumanEval", "CodeEdit") for p in ref]
     for it, p in zip(items, ref):
         assert "Refactor" in it["turns"][0] and p["canonical_solution"] in it["turns"][0]
+
+
+def test_lockstep_batches_take_turns_by_step_and_time_each_method_on_its_own_steps() -> None:
+    """Batched methods advance a step at a time in rotating order; each method's records add
+    up to its own steps' time, and its outputs equal its engine decoding alone."""
+    import time
+
+    import torch
+
+    from helpers import random_prompts, tiny_model
+    from sot.bench.methods import EngineMethod, run_lockstep
+    from sot.drafters import DrafterKind, TreeBudget, make_drafter
+    from sot.engine import GenerationParams
+    from sot.models.adapter import TargetModel
+
+    target = TargetModel(tiny_model("llama", seed=3), state_layers=())
+    methods = [EngineMethod("plain", target, make_drafter(DrafterKind.NONE), TreeBudget(8, 4)),
+               EngineMethod("pld", target, make_drafter(DrafterKind.PLD), TreeBudget(8, 4))]
+    prompts = random_prompts((9, 14, 6, 11, 7), seed=2)
+    params = GenerationParams(max_new_tokens=20)
+    order: list[str] = []
+    spent = {"plain": 0.0, "pld": 0.0}
+    for m in methods:
+        step = m.engine.step
+
+        def timed(step=step, name=m.name):
+            order.append(name)
+            t0 = time.perf_counter()
+            out = step()
+            spent[name] += time.perf_counter() - t0
+            return out
+
+        m.engine.step = timed
+    finished = {"plain": 0, "pld": 0}
+    runs = run_lockstep(methods, prompts, params, 2, lambda name, n: finished.__setitem__(name, finished[name] + n))
+    assert finished == {"plain": 5, "pld": 5}
+    both = min(order.count("plain"), order.count("pld"))
+    pairs = [tuple(order[2 * i: 2 * i + 2]) for i in range(both)]
+    assert pairs[0] == ("plain", "pld") and pairs[1] == ("pld", "plain"), "the first to step rotates"
+    assert all(set(p) == {"plain", "pld"} for p in pairs), "neither engine takes two steps in a row while both run"
+    for m in methods:
+        recs = runs[m.name]
+        assert [r.method for r in recs] == [m.name] * 5
+        # the wrapper times inside the method's clock, so that clock is a little more
+        assert spent[m.name] * (1 - 1e-9) <= sum(r.wall_time for r in recs) <= 1.1 * spent[m.name]
+        m.engine.step = type(m.engine).step.__get__(m.engine)
+        alone = m.engine.generate(prompts, params, batch_size=2)
+        assert [r.token_ids for r in recs] == [r.token_ids for r in alone]
+    assert torch.equal(torch.tensor([len(r.token_ids) for r in runs["plain"]]), torch.full((5,), 20))

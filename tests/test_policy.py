@@ -61,6 +61,41 @@ def test_cost_model_measure_times_the_sizes_asked_for() -> None:
     assert all(s > 0 for s in cost.seconds)
 
 
+def test_the_cost_curve_is_kept_per_machine_and_target_and_read_back(monkeypatch, tmp_path) -> None:
+    """The first target measures and keeps its curve; a later load of the same weights reads
+    it back without timing a pass; other weights, another dtype or ``SOT_COST_CACHE=0``
+    measure their own."""
+    from sot.policy import cost as cost_module
+
+    monkeypatch.setattr("sot.models.loading.cache_root", lambda: tmp_path)  # (the kernels' build stays)
+    measured: list[int] = []
+    real = CostModel.measure.__func__
+
+    def counted(cls, target, rows, *args, **kw):
+        measured.append(rows)
+        return real(cls, target, rows, *args, context=128, repeats=1, sizes=[1, 2, 4, 8, rows])
+
+    monkeypatch.setattr(CostModel, "measure", classmethod(counted))
+    first = CostModel.for_target(TargetModel(clone(tiny_model("llama", seed=2), torch.float32)), 16)
+    assert measured == [96] and len(list((tmp_path / "costs").glob("*.json"))) == 1
+    again = CostModel.for_target(TargetModel(clone(tiny_model("llama", seed=2), torch.float32)), 16)
+    assert measured == [96], "the same weights on the same machine read the kept curve"
+    assert again.rows == first.rows and again.seconds == first.seconds
+    CostModel.for_target(TargetModel(clone(tiny_model("llama", seed=3), torch.float32)), 16)
+    CostModel.for_target(TargetModel(clone(tiny_model("llama", seed=2), torch.bfloat16)), 16)
+    assert measured == [96, 96, 96] and len(list((tmp_path / "costs").glob("*.json"))) == 3
+    monkeypatch.setenv("SOT_COST_CACHE", "0")
+    target = TargetModel(clone(tiny_model("llama", seed=2), torch.float32))
+    assert cost_module.cost_cache_path(target, 96) is None
+    CostModel.for_target(target, 16)
+    assert measured == [96] * 4
+    (tmp_path / "costs").rename(tmp_path / "unreadable")
+    (tmp_path / "costs").write_text("not a folder")
+    monkeypatch.delenv("SOT_COST_CACHE")
+    CostModel.for_target(TargetModel(clone(tiny_model("llama", seed=2), torch.float32)), 16)
+    assert measured == [96] * 5, "an unwritable cache only costs a measurement"
+
+
 def test_ranked_prefixes_are_closed_under_parents() -> None:
     tree = tree_from_parents([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 3, 1], draft_probs=[1, 0.5, 0.4, 0.45, 0.3, 0.1])
     order = ranked_nodes(tree)

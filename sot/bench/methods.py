@@ -1,16 +1,18 @@
 """The decoding methods ``sot bench`` compares, behind one interface."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from sot.drafters import Drafter, TreeBudget
-from sot.engine import Engine, GenerationParams
+from sot.bench.memory import PeakRSS, current_rss
+from sot.engine import Engine, GenerationParams, PhaseTimes, SequenceResult
 from sot.prefix_cache import PrefixCache
 from sot.models.adapter import TargetModel
 from sot.policy import PolicyConfig
@@ -91,25 +93,75 @@ class EngineMethod(BenchMethod):
         before = copy.copy(self.engine.times)
         t0 = time.perf_counter()
         results = self.engine.generate(prompts, params, batch_size)
-        wall = time.perf_counter() - t0
-        after = self.engine.times
-        phases = {
-            "draft": after.draft - before.draft,
-            "verify": after.verify - before.verify + after.prefill - before.prefill,
-        }
-        phases["bookkeeping"] = max(0.0, wall - phases["draft"] - phases["verify"])
-        total = max(1, sum(r.new_tokens for r in results))
-        out = []
-        for prompt, res in zip(prompts, results):
-            share = res.new_tokens / total if len(results) > 1 else 1.0
-            out.append(RunRecord(
-                method=self.name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt), new_tokens=res.new_tokens,
-                wall_time=wall * share, ttft=res.first_token_seconds, token_ids=res.token_ids,
-                accept_lengths=res.accept_lengths, depth_attempts=res.depth_attempts, depth_accepts=res.depth_accepts,
-                phase_seconds={k: v * share for k, v in phases.items()}, tree_sizes=res.tree_sizes,
-                plain_steps=res.plain_steps, fallbacks=res.fallbacks,
-            ))
-        return out
+        return _records(self.name, prompts, results, time.perf_counter() - t0, before, self.engine.times)
+
+
+def run_lockstep(methods: list[EngineMethod], prompts: list[list[int]], params: GenerationParams,
+                 batch_size: int, on_done: Callable[[str, int], None] | None = None) -> dict[str, list[RunRecord]]:
+    """Every method decodes all of ``prompts`` as a continuous batch of ``batch_size``, the
+    engines taking turns a step at a time; the method that goes first rotates every round.
+
+    A batch of 16 takes one call per method, tens of seconds, and a shared machine's speed
+    drifts by more than the difference being measured between such calls. Taking turns by
+    step puts both methods in the same seconds of the machine. Each method is timed on its
+    own steps only: a record gets the share of its method's step time proportional to its
+    new tokens (as :meth:`EngineMethod.run_batch` shares one call's time). ``rss_growth`` is
+    what the method's own steps added to the process's RSS; ``peak_rss`` is the process's
+    peak over the whole run, all methods together. ``on_done(method, n)``: ``n`` more of the
+    method's sequences finished."""
+    names = [m.name for m in methods]
+    clock = dict.fromkeys(names, 0.0)
+    grown = dict.fromkeys(names, 0)
+    before = {m.name: copy.copy(m.engine.times) for m in methods}
+    with contextlib.ExitStack() as stack:
+        results = {m.name: stack.enter_context(m.engine.offline_batch(prompts, params, batch_size)) for m in methods}
+        with PeakRSS() as mem:
+            turn = 0
+            while any(m.engine.has_unfinished() for m in methods):
+                for m in methods[turn % len(methods):] + methods[: turn % len(methods)]:
+                    if not m.engine.has_unfinished():
+                        continue
+                    left = m.engine.num_waiting + m.engine.num_running
+                    rss = current_rss()
+                    t0 = time.perf_counter()
+                    m.engine.step()
+                    clock[m.name] += time.perf_counter() - t0
+                    grown[m.name] += max(0, current_rss() - rss)
+                    if on_done is not None:
+                        finished = left - m.engine.num_waiting - m.engine.num_running
+                        if finished:
+                            on_done(m.name, finished)
+                turn += 1
+    out = {}
+    for m in methods:
+        recs = _records(m.name, prompts, results[m.name], clock[m.name], before[m.name], m.engine.times)
+        for r in recs:
+            r.peak_rss, r.rss_growth = mem.peak, grown[m.name]
+        out[m.name] = recs
+    return out
+
+
+def _records(name: str, prompts: list[list[int]], results: list[SequenceResult], wall: float, before: PhaseTimes,
+             after: PhaseTimes) -> list[RunRecord]:
+    """One record per result of a batch that took ``wall`` seconds, each with the share of
+    the wall and phase times proportional to its new tokens (so totals add up)."""
+    phases = {
+        "draft": after.draft - before.draft,
+        "verify": after.verify - before.verify + after.prefill - before.prefill,
+    }
+    phases["bookkeeping"] = max(0.0, wall - phases["draft"] - phases["verify"])
+    total = max(1, sum(r.new_tokens for r in results))
+    out = []
+    for prompt, res in zip(prompts, results):
+        share = res.new_tokens / total if len(results) > 1 else 1.0
+        out.append(RunRecord(
+            method=name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt), new_tokens=res.new_tokens,
+            wall_time=wall * share, ttft=res.first_token_seconds, token_ids=res.token_ids,
+            accept_lengths=res.accept_lengths, depth_attempts=res.depth_attempts, depth_accepts=res.depth_accepts,
+            phase_seconds={k: v * share for k, v in phases.items()}, tree_sizes=res.tree_sizes,
+            plain_steps=res.plain_steps, fallbacks=res.fallbacks,
+        ))
+    return out
 
 
 class _FirstTokenClock:

@@ -1,7 +1,9 @@
 """``sot bench``: run methods side by side over the same prompts and write the results.
 
 For each prompt the methods run in turn (A B C, A B C, ...) after a warm-up, so drift of a
-shared machine affects them alike. ``results.json`` schema (``"schema": "sot-bench/1"``):
+shared machine affects them alike. With ``--batch-size`` above 1, each engine method decodes
+every prompt as one continuous batch, and the engines take turns a step at a time, each timed
+on its own steps (:func:`~sot.bench.methods.run_lockstep`). ``results.json`` schema (``"schema": "sot-bench/1"``):
 
 * ``config``: the run's settings;
 * ``methods``: per method, ``tokens_per_s`` (total new tokens / total time),
@@ -24,7 +26,9 @@ from tqdm import tqdm
 
 from sot.bench.conversations import MULTITURN_SETS, load_conversations, per_turn, render, run_conversations
 from sot.bench.memory import PeakRSS, current_rss
-from sot.bench.methods import METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord, forget_answers
+from sot.bench.methods import (
+    METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord, forget_answers, run_lockstep,
+)
 from sot.bench.prompts import load_prompt_set
 from sot.bench.report import aggregate, sweep_plot, write_report
 from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
@@ -198,17 +202,20 @@ def _run_one(method: BenchMethod, ids: list[int], params: GenerationParams, inde
     return rec
 
 
-def _run_batch(method: BenchMethod, batch: list[list[int]], params: GenerationParams, start: int,
-               ids_of: list[str], width: int) -> list[RunRecord]:
-    """Run ``batch`` (prompts ``start...``) through ``method``: one at a time, or for an engine
-    method with ``width > 1`` as a continuous batch of ``width`` sequences."""
-    if width == 1 or not isinstance(method, EngineMethod):
-        return [_run_one(method, ids, params, start + j, ids_of[start + j]) for j, ids in enumerate(batch)]
-    with PeakRSS() as mem:
-        recs = method.run_batch(batch, params, width)
-    for j, rec in enumerate(recs):
-        rec.prompt_index, rec.prompt_id, rec.peak_rss, rec.rss_growth = start + j, ids_of[start + j], mem.peak, mem.growth
-    return recs
+def _run_lockstep(methods: list[BenchMethod], prompts: list[list[int]], params: GenerationParams, ids_of: list[str],
+                  width: int, bar: tqdm | None = None) -> list[RunRecord]:
+    """Every engine method over all ``prompts`` as a continuous batch of ``width``, taking
+    turns a step at a time (:func:`~sot.bench.methods.run_lockstep`); records in method order."""
+    engines = [m for m in methods if isinstance(m, EngineMethod)]
+    got = run_lockstep(engines, prompts, params, width, (lambda name, n: bar.update(n)) if bar is not None else None)
+    runs = []
+    for m in engines:
+        for j, rec in enumerate(got[m.name]):
+            rec.prompt_index, rec.prompt_id = j, ids_of[j]
+        runs += got[m.name]
+    if bar is not None:
+        bar.set_postfix_str(", ".join(f"{m.name} {sum(r.new_tokens for r in got[m.name]) / max(1e-9, sum(r.wall_time for r in got[m.name])):.1f} tok/s" for m in engines))
+    return runs
 
 
 def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel, prompts: list[list[int]],
@@ -251,20 +258,19 @@ def run_bench(cfg: BenchConfig) -> dict:
     ids_of = [str(r.get("id", i)) if isinstance(r, dict) else str(i) for i, r in enumerate(records)]
     runs: list[RunRecord] = []
     batch = cfg.batch_size
-    # methods alternate on every round of prompts; with batches, a round holds two batches'
-    # worth so that finished sequences are replaced by waiting ones (continuous batching)
-    rounds = 1 if batch == 1 else 2 * batch
     total = sum(len(r["turns"]) for r in records) if multiturn else len(prompts)
     with tqdm(total=total * len(methods), desc="bench", unit="run") as bar:
         if multiturn:
             runs = run_conversations(methods, tokenizer, records, params, chat, _run_one, bar)
-        for start in range(0, len(prompts) if not multiturn else 0, rounds):
-            for m in methods:
-                got = _run_batch(m, prompts[start : start + rounds], params, start, ids_of, batch)
-                runs += got
-                rate = sum(r.new_tokens for r in got) / max(1e-9, sum(r.wall_time for r in got))
-                bar.set_postfix_str(f"{m.name} {rate:.1f} tok/s")
-                bar.update(len(got))
+        elif batch > 1:  # engine methods only: every prompt in one continuous batch each, a step at a time
+            runs = _run_lockstep(methods, prompts, params, ids_of, batch, bar)
+        else:  # methods alternate on every prompt
+            for i, ids in enumerate(prompts):
+                for m in methods:
+                    rec = _run_one(m, ids, params, i, ids_of[i])
+                    runs.append(rec)
+                    bar.set_postfix_str(f"{m.name} {rec.tokens_per_s:.1f} tok/s")
+                    bar.update()
     names = [m.name for m in methods]
     # coupled sampling makes seeded outputs token-identical to plain decoding, like greedy
     aggregates = aggregate(runs, names, model_rss, greedy=cfg.temperature == 0 or cfg.sampling == "coupled")
@@ -359,8 +365,8 @@ def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: Targe
     method = EngineMethod(spec, target, _drafter(cfg, spec, target.model), _budget(cfg), cfg.policy)
     rows = []
     for v in tqdm(values, desc="sweep batch-size", unit="size"):
-        base = _run_batch(plain, prompts, params, 0, [str(i) for i in range(len(prompts))], v)
-        runs = _run_batch(method, prompts, params, 0, [str(i) for i in range(len(prompts))], v)
+        got = _run_lockstep([plain, method], prompts, params, [str(i) for i in range(len(prompts))], v)
+        base, runs = [r for r in got if r.method == "plain"], [r for r in got if r.method == spec]
         agg = aggregate(runs + base, [spec, "plain"], 0, greedy=True)
         a, p = agg[spec], agg["plain"]
         rows.append({"value": v, "tokens_per_s": a["tokens_per_s"], "plain_tokens_per_s": p["tokens_per_s"],

@@ -45,8 +45,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_tree_args(bench)
     bench.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
     bench.add_argument("--batch-size", type=positive_int, default=1,
-                       help="engine methods decode this many prompts together, as a continuous batch; the methods "
-                            "alternate on rounds of twice that many prompts (hf and llamacpp stay at 1)")
+                       help="engine methods decode this many prompts together, as a continuous batch over all "
+                            "the prompts; the methods' engines take turns a step at a time, each timed on its own steps "
+                            "(hf and llamacpp stay at 1)")
     bench.add_argument("--full-vocab", action="store_true",
                        help="state: propose from the whole vocabulary, not the predictor's draft vocabulary")
     bench.add_argument("--no-lookup", dest="lookup", action="store_false",

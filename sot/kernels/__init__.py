@@ -21,6 +21,32 @@ SOURCES = ("attention.cpp", "linear.cpp", "norm_rope.cpp", "module.cpp")
 
 
 @lru_cache(maxsize=1)
+def _build() -> tuple[list[str], str]:
+    """The compiler flags for this machine and the build's key: a digest of the sources, the
+    flags and torch's version."""
+    import torch
+
+    here = Path(__file__).parent
+    sources = [here / name for name in SOURCES]
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+    # Vector width of the build machine (the kernel is built where it runs).
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX512", "AVX512_BF16", "AMX"):
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
+    elif capability == "AVX2":
+        flags += ["-mavx2", "-mfma"]
+    # One build folder per (source, flags, torch): clones of the same code share a build,
+    # and an edited kernel never collides with an old one.
+    code = b"".join(path.read_bytes() for path in sources + [here / "common.h"])
+    return flags, hashlib.sha256(code + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+
+
+def build_key() -> str:
+    """What identifies this machine's build of the kernels (see :func:`cpu_kernels`)."""
+    return _build()[1]
+
+
+@lru_cache(maxsize=1)
 def cpu_kernels() -> ModuleType | None:
     """The compiled CPU kernels (``tree_attention_exact``, ``linear_f32``,
     ``linear_blocks_f32``, ``rms_norm_bf16``, ``rms_norm_f32``, ``rope_write``), or ``None``
@@ -30,26 +56,13 @@ def cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        import torch
-
-        here = Path(__file__).parent
-        sources = [here / name for name in SOURCES]
-        flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
-        # Vector width of the build machine (the kernel is built where it runs).
-        capability = torch.backends.cpu.get_cpu_capability()
-        if capability in ("AVX512", "AVX512_BF16", "AMX"):
-            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
-        elif capability == "AVX2":
-            flags += ["-mavx2", "-mfma"]
-        # One build folder per (source, flags, torch): clones of the same code share a build,
-        # and an edited kernel never collides with an old one.
-        code = b"".join(path.read_bytes() for path in sources + [here / "common.h"])
-        key = hashlib.sha256(code + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+        flags, key = _build()
         build = Path(os.environ.get("SOT_CACHE", Path.home() / ".cache" / "sot")) / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
+        here = Path(__file__).parent
         return load(
             name="sot_cpu_kernels",
-            sources=[str(path) for path in sources],
+            sources=[str(here / name) for name in SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),

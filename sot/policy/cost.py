@@ -1,8 +1,19 @@
-"""The verify cost of a pass by its row count, measured on this machine."""
+"""The verify cost of a pass by its row count, measured on this machine.
+
+Measuring the curve takes a few seconds on the default model (about 90 passes of up to 96
+rows), so it is kept under ``$SOT_CACHE/costs/`` (default ``~/.cache/sot``) per machine, target
+weights, dtype, compute path and kernel build, and later loads read it back; delete the folder
+to measure again. A running engine still rescales the curve to the passes it times
+(:meth:`CostModel.observe`), so a busier machine than at measurement is followed.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -50,12 +61,19 @@ class CostModel:
     @classmethod
     def for_target(cls, target, max_nodes: int) -> "CostModel":
         """Verify time by row count for ``target`` on this machine, measured once per target
-        and tree size (batches are costed by their total rows, so at least 96 are timed)."""
+        and tree size (batches are costed by their total rows, so at least 96 are timed) and
+        kept on disk (see the module)."""
         rows = max(96, max_nodes)
         key = ("sot_cost_model", rows)
         cached = getattr(target, "_sot_costs", {})
         if key not in cached:
-            cached[key] = cls.measure(target, rows)
+            path = cost_cache_path(target, rows)
+            model = _read_curve(path) if path is not None else None
+            if model is None:
+                model = cls.measure(target, rows)
+                if path is not None:
+                    _write_curve(model, path)
+            cached[key] = model
             target._sot_costs = cached
         return cached[key]
 
@@ -102,6 +120,52 @@ class CostModel:
                 if round_ > 0:
                     timings[n] = min(timings[n], time.perf_counter() - t0)
         return cls(list(timings), list(timings.values()))
+
+
+#: bump when the measurement changes, so curves kept by older versions are measured again
+COST_FORMAT = 1
+
+
+def cost_cache_path(target, max_rows: int) -> Path | None:
+    """Where the curve of ``target`` timed up to ``max_rows`` rows is kept on this machine
+    (``None`` when ``SOT_COST_CACHE=0`` or the target is not on the CPU)."""
+    if os.environ.get("SOT_COST_CACHE", "1") == "0" or target.device.type != "cpu":
+        return None
+    from sot.fingerprint import target_fingerprint
+    from sot.kernels import build_key
+    from sot.machine import machine_key
+    from sot.models.loading import cache_root
+
+    model = target.model
+    # the weights' layout (float32 panels, 4-bit blocks, bf16) shows in the tensors' dtypes and shapes
+    layout = sorted({(str(t.dtype), tuple(t.shape)) for t in model.state_dict().values()})
+    key = json.dumps({
+        "format": COST_FORMAT, "machine": machine_key(), "target": target_fingerprint(model),
+        "layout": hashlib.sha256(repr(layout).encode()).hexdigest()[:16], "dtype": str(target.dtype),
+        "fast": target.fast is not None, "row_multiple": target.row_multiple, "rows": max_rows,
+        "kernels": build_key() if not os.environ.get("SOT_NO_KERNELS") else None,
+        "env": {k: os.environ.get(k) for k in ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_KERNELS")},
+    }, sort_keys=True, default=str)
+    return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _read_curve(path: Path) -> CostModel | None:
+    try:
+        raw = json.loads(path.read_text())
+        return CostModel([int(r) for r in raw["rows"]], [float(s) for s in raw["seconds"]])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no curve kept, or an unreadable one: measure again
+
+
+def _write_curve(model: CostModel, path: Path) -> None:
+    """Keep the curve at ``path`` (atomically); an unwritable cache costs a measurement next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"rows": model.rows, "seconds": model.seconds}))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 def chain_speed(a: float, depth: int, verify: Callable[[int], float], draft_pass: float) -> float:
