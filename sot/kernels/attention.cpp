@@ -63,6 +63,9 @@ constexpr int64_t kMaxGroup = 16;
 // One 16-key block of scores for the query heads of one KV head: each lane sums
 // q[d] * k[d] over d in order. G > 0 fixes the head count at compile time, so the
 // accumulators stay in registers; G == 0 takes it from `group`. The operations are the same.
+// Keys ahead of the block being scored whose lines are prefetched (8 blocks of 16).
+constexpr int64_t kPrefetchKeys = 128;
+
 template <int G>
 inline void score_block(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
                         float* scores, int64_t stride) {
@@ -73,6 +76,10 @@ inline void score_block(int64_t group, const float* qrows, int64_t D, const floa
     for (int j = 0; j < G; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
       const __m256 c0 = _mm256_loadu_ps(kt + d * S), c1 = _mm256_loadu_ps(kt + d * S + 8);
+      // The head dim's rows are S slots apart: too many streams for the hardware prefetcher,
+      // so each row's line of a block a few blocks ahead is asked for now (no effect on the
+      // arithmetic; past the cache's end it is a hint, never a fault).
+      _mm_prefetch(reinterpret_cast<const char*>(kt + d * S + kPrefetchKeys), _MM_HINT_T0);
 #pragma GCC unroll 8
       for (int j = 0; j < G; ++j) {
         const __m256 qd = _mm256_set1_ps(qrows[j * D + d]);
