@@ -123,7 +123,7 @@ def test_transposed_keys_pad_their_stride_and_attention_ignores_it() -> None:
     # keys and of the tree's, and the scalar loops score those, with the same bits.
     short = _kernel_attention(q, keys[..., :1004].contiguous(), values[:, :, :1004].contiguous(), length, paths)
     assert torch.equal(short, padded)
-    # One row on two threads: the threads share its key ranges and value lanes, same bits.
+    # One row alone on two threads (fewer tasks than in the tree), at both cache ends: the same bits.
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
