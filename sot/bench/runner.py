@@ -214,7 +214,9 @@ def _run_lockstep(methods: list[BenchMethod], prompts: list[list[int]], params: 
             rec.prompt_index, rec.prompt_id = j, ids_of[j]
         runs += got[m.name]
     if bar is not None:
-        bar.set_postfix_str(", ".join(f"{m.name} {sum(r.new_tokens for r in got[m.name]) / max(1e-9, sum(r.wall_time for r in got[m.name])):.1f} tok/s" for m in engines))
+        rates = {m.name: sum(r.new_tokens for r in got[m.name]) / max(1e-9, sum(r.wall_time for r in got[m.name]))
+                 for m in engines}
+        bar.set_postfix_str(", ".join(f"{name} {rate:.1f} tok/s" for name, rate in rates.items()))
     return runs
 
 
