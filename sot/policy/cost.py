@@ -132,7 +132,7 @@ def cost_cache_path(target, max_rows: int) -> Path | None:
     if os.environ.get("SOT_COST_CACHE", "1") == "0" or target.device.type != "cpu":
         return None
     from sot.fingerprint import target_fingerprint
-    from sot.kernels import build_key
+    from sot.kernels import build_key, cpu_kernels
     from sot.machine import machine_key
     from sot.models.loading import cache_root
 
@@ -143,7 +143,7 @@ def cost_cache_path(target, max_rows: int) -> Path | None:
         "format": COST_FORMAT, "machine": machine_key(), "target": target_fingerprint(model),
         "layout": hashlib.sha256(repr(layout).encode()).hexdigest()[:16], "dtype": str(target.dtype),
         "fast": target.fast is not None, "row_multiple": target.row_multiple, "rows": max_rows,
-        "kernels": build_key() if not os.environ.get("SOT_NO_KERNELS") else None,
+        "kernels": build_key() if cpu_kernels() is not None else None,  # else the PyTorch path
         "env": {k: os.environ.get(k) for k in ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_KERNELS")},
     }, sort_keys=True, default=str)
     return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
@@ -158,12 +158,11 @@ def _read_curve(path: Path) -> CostModel | None:
 
 
 def _write_curve(model: CostModel, path: Path) -> None:
-    """Keep the curve at ``path`` (atomically); an unwritable cache costs a measurement next time."""
+    """Keep the curve at ``path``; an unwritable cache costs a measurement next time."""
+    from sot.models.loading import keep_json
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"rows": model.rows, "seconds": model.seconds}))
-        tmp.replace(path)
+        keep_json(path, {"rows": model.rows, "seconds": model.seconds})
     except OSError:
         pass
 
