@@ -1,6 +1,8 @@
 """Pure tree functions and the KV cache operations."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -129,3 +131,30 @@ def test_transposed_keys_pad_their_stride_and_attention_ignores_it() -> None:
         assert torch.equal(alone[0, 0], padded[0, r])
     bigger = cache.resized(1, 2048)
     assert bigger.keys.shape[-1] == key_stride(2048) and torch.equal(bigger.keys[..., :1024], keys[None, ..., :1024])
+
+
+def test_kernel_sources_are_staged_once_so_a_build_outlives_new_file_times(tmp_path) -> None:
+    """The kernels compile from copies kept in their build folder: a checkout that gives the
+    package's sources new times leaves the copies (and so the build) untouched, and a copy
+    that differs from its source is replaced."""
+    import os
+
+    from sot.kernels import HEADERS, SOURCES, _stage
+
+    import sot.kernels
+
+    here = Path(sot.kernels.__file__).parent
+    staged = _stage(tmp_path)
+    assert [p.name for p in staged] == list(SOURCES)
+    copies = {name: tmp_path / "src" / name for name in SOURCES + HEADERS}
+    for name, copy in copies.items():
+        assert copy.read_bytes() == (here / name).read_bytes()
+        os.utime(copy, (1_000_000_000, 1_000_000_000))  # an old build's time
+    copies["common.h"].write_bytes(b"stale")
+    os.utime(copies["common.h"], (1_000_000_000, 1_000_000_000))
+    _stage(tmp_path)
+    assert copies["common.h"].read_bytes() == (here / "common.h").read_bytes()
+    assert copies["common.h"].stat().st_mtime > 1_000_000_000
+    for name in SOURCES:
+        assert copies[name].stat().st_mtime == 1_000_000_000
+    assert not [p for p in (tmp_path / "src").iterdir() if p.name.startswith(".")]

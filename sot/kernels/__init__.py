@@ -18,6 +18,27 @@ from types import ModuleType
 
 #: the kernel sources, compiled into one module
 SOURCES = ("attention.cpp", "linear.cpp", "norm_rope.cpp", "module.cpp")
+#: what they include from this folder
+HEADERS = ("common.h",)
+
+
+def _stage(build: Path) -> list[Path]:
+    """Copy the sources into ``build/src`` (once: the folder's name is their digest) and
+    return the copies to compile. The build tool compares file times, and a fresh clone or a
+    checkout gives the package's files new ones: compiling these copies, whose times never
+    change, lets a build of the same sources be found again instead of redone."""
+    here = Path(__file__).parent
+    staged = build / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for name in SOURCES + HEADERS:
+        code = (here / name).read_bytes()
+        target = staged / name
+        if target.is_file() and target.read_bytes() == code:
+            continue
+        part = target.with_name(f".{name}.{os.getpid()}")
+        part.write_bytes(code)
+        part.replace(target)  # atomic: a process building beside this one never sees half a file
+    return [staged / name for name in SOURCES]
 
 
 @lru_cache(maxsize=1)
@@ -37,7 +58,7 @@ def _build() -> tuple[list[str], str]:
         flags += ["-mavx2", "-mfma"]
     # One build folder per (source, flags, torch): clones of the same code share a build,
     # and an edited kernel never collides with an old one.
-    code = b"".join(path.read_bytes() for path in sources + [here / "common.h"])
+    code = b"".join(path.read_bytes() for path in sources + [here / name for name in HEADERS])
     return flags, hashlib.sha256(code + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
 
 
@@ -59,10 +80,9 @@ def cpu_kernels() -> ModuleType | None:
         flags, key = _build()
         build = Path(os.environ.get("SOT_CACHE", Path.home() / ".cache" / "sot")) / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
-        here = Path(__file__).parent
         return load(
             name="sot_cpu_kernels",
-            sources=[str(here / name) for name in SOURCES],
+            sources=[str(path) for path in _stage(build)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),

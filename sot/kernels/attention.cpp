@@ -151,9 +151,9 @@ inline void weighted_values(int64_t group, const float* weights, int64_t stride,
 }
 
 template <typename T, int G>
-void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-         const torch::Tensor& lengths, const torch::Tensor& ancestors, const torch::Tensor& rows,
-         float scale, int64_t window, float softcap, torch::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+         const at::Tensor& lengths, const at::Tensor& ancestors, const at::Tensor& rows,
+         float scale, int64_t window, float softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
   // S: the keys' slot stride (it may exceed the values' slots: padding, never read as a key)
   const int64_t Hkv = keys.size(1), S = keys.size(3), Sv = values.size(2), W = ancestors.size(2);
@@ -293,19 +293,19 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
 // cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence; window:
 // keys per row under a sliding window (0: all); softcap: attention-logit soft cap (0: none).
 // Returns [B, R, H, D] in q's dtype, accumulated in float32 (zeros past rows[b]).
-torch::Tensor tree_attention_exact(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                                   torch::Tensor lengths, torch::Tensor ancestors,
-                                   torch::Tensor rows, double scaling, int64_t window, double softcap) {
+at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values,
+                                   at::Tensor lengths, at::Tensor ancestors,
+                                   at::Tensor rows, double scaling, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rank mismatch");
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "the cache must be float32");
   TORCH_CHECK(q.stride(3) == 1, "q's last dim must be contiguous");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
-  auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
+  auto out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 only");
-  const bool f32 = q.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  const bool f32 = q.scalar_type() == at::kFloat;
   switch (q.size(1) / keys.size(1)) {  // query heads per KV head
     case 1: f32 ? run<float, 1>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
                 : run<at::BFloat16, 1>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;

@@ -1,8 +1,14 @@
 // Shared by SoT's CPU kernels: 16-lane float vectors and a dot product with a fixed
 // reduction order. Each kernel file includes this; nothing here depends on the row count.
 #pragma once
-#include <torch/extension.h>
+// ATen's core headers only: <torch/extension.h> takes about 40 s to parse per file, these
+// about 8 s, and the kernels need nothing more (module.cpp adds the Python binding).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <optional>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -34,15 +40,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }  // namespace
 
 // The kernels each file defines, bound into one module by module.cpp.
-torch::Tensor tree_attention_exact(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                                   torch::Tensor lengths, torch::Tensor ancestors,
-                                   torch::Tensor rows, double scaling, int64_t window, double softcap);
-std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps,
-                                         c10::optional<torch::Tensor> residual);
-std::vector<torch::Tensor> rms_norm_f32(torch::Tensor x, torch::Tensor weight, double eps,
-                                        c10::optional<torch::Tensor> residual);
-torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
-                         torch::Tensor values, torch::Tensor slots, int64_t hq);
-torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
-torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tensor scale, torch::Tensor mins,
-                                int64_t N, c10::optional<torch::Tensor> bias, bool fused);
+at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values,
+                                   at::Tensor lengths, at::Tensor ancestors,
+                                   at::Tensor rows, double scaling, int64_t window, double softcap);
+std::vector<at::Tensor> rms_norm_bf16(at::Tensor x, at::Tensor weight, double eps,
+                                         std::optional<at::Tensor> residual);
+std::vector<at::Tensor> rms_norm_f32(at::Tensor x, at::Tensor weight, double eps,
+                                        std::optional<at::Tensor> residual);
+at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
+                         at::Tensor values, at::Tensor slots, int64_t hq);
+at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias);
+at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins,
+                                int64_t N, std::optional<at::Tensor> bias, bool fused);

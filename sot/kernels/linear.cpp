@@ -127,14 +127,14 @@ inline void linear_rows(int64_t rows, const float* x, int64_t K, const float* pa
 
 // The input made contiguous, the output [M, N] and the bias (float32, or null) of a product.
 struct LinearIO {
-  torch::Tensor x, y, b;
+  at::Tensor x, y, b;
   const float* xp;
   float* yp;
   const float* bp = nullptr;
-  LinearIO(const torch::Tensor& input, int64_t N, const c10::optional<torch::Tensor>& bias)
-      : x(input.contiguous()), y(torch::empty({input.size(0), N}, input.options())) {
+  LinearIO(const at::Tensor& input, int64_t N, const std::optional<at::Tensor>& bias)
+      : x(input.contiguous()), y(at::empty({input.size(0), N}, input.options())) {
     if (bias.has_value() && bias->defined()) {
-      b = bias->to(torch::kFloat32).contiguous();
+      b = bias->to(at::kFloat).contiguous();
       TORCH_CHECK(b.numel() == N, "bias size mismatch");
       bp = b.data_ptr<float>();
     }
@@ -147,7 +147,7 @@ struct LinearIO {
 // scratch)` returns np consecutive panels starting at panel p, [np][K][16] floats, either in
 // place or decoded into `scratch` (room for two panels).
 template <typename PanelAt>
-torch::Tensor linear_panels(torch::Tensor x, int64_t P, int64_t N, const c10::optional<torch::Tensor>& bias,
+at::Tensor linear_panels(at::Tensor x, int64_t P, int64_t N, const std::optional<at::Tensor>& bias,
                             PanelAt panel_at) {
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0), K = io.x.size(1);
@@ -174,10 +174,10 @@ torch::Tensor linear_panels(torch::Tensor x, int64_t P, int64_t N, const c10::op
 }
 
 // x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N; bias: [N] or None. Returns [M, N].
-torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
-              packed.scalar_type() == torch::kFloat32 && packed.is_contiguous(), "packed weight mismatch");
+              packed.scalar_type() == at::kFloat && packed.is_contiguous(), "packed weight mismatch");
   TORCH_CHECK(packed.size(0) * kPanel >= N, "N exceeds the packed weight");
   const float* pp = packed.data_ptr<float>();
   const int64_t K = x.size(1);
@@ -356,17 +356,17 @@ void chunked_block_rows(const float* x, int64_t M, int64_t K, int64_t P, int64_t
 #endif
 
 // fused = false decodes every product through a float32 panel copy (for comparison).
-torch::Tensor linear_blocks_f32(torch::Tensor x, torch::Tensor data, torch::Tensor scale, torch::Tensor mins,
-                                int64_t N, c10::optional<torch::Tensor> bias, bool fused) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
+at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins,
+                                int64_t N, std::optional<at::Tensor> bias, bool fused) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   const int64_t K = x.size(1), P = data.size(0);
-  const bool q4 = data.scalar_type() == torch::kUInt8;
+  const bool q4 = data.scalar_type() == at::kByte;
   TORCH_CHECK(data.dim() == 4 && K % 32 == 0 && data.size(1) == K / 32 && data.size(2) == 32 &&
-              data.size(3) == (q4 ? 8 : 16) && (q4 || data.scalar_type() == torch::kInt8) && data.is_contiguous(),
+              data.size(3) == (q4 ? 8 : 16) && (q4 || data.scalar_type() == at::kChar) && data.is_contiguous(),
               "packed weight mismatch");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == P * (K / 32) * kPanel,
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * (K / 32) * kPanel,
               "packed weight mismatch");
-  TORCH_CHECK(!q4 || (mins.scalar_type() == torch::kFloat32 && mins.is_contiguous() && mins.numel() == scale.numel()),
+  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scale.numel()),
               "packed weight mismatch");
   TORCH_CHECK(P * kPanel >= N, "N exceeds the packed weight");
   const uint8_t* dp = reinterpret_cast<const uint8_t*>(data.data_ptr());

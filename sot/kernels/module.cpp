@@ -1,5 +1,7 @@
 // The one Python module of SoT's CPU kernels (built by sot.kernels on first use).
 #include "common.h"
+// pybind11 with ATen's tensor and optional casters, without the C++ frontend
+#include <torch/csrc/utils/pybind.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rotary embedding of q/k and KV-cache write");

@@ -5,20 +5,20 @@
 // RMSNorm of bfloat16 rows, Llama style: w * bf16(x * rsqrt(mean(x^2) + eps)), computed in
 // float32 with a fixed reduction order. With ``residual`` given, x = bf16(x + residual) first
 // and that sum is returned as well.
-std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps,
-                                         c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16, "bfloat16 only");
+std::vector<at::Tensor> rms_norm_bf16(at::Tensor x, at::Tensor weight, double eps,
+                                         std::optional<at::Tensor> residual) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 only");
   x = x.contiguous();
   const int64_t D = x.size(-1), N = x.numel() / D;
-  torch::Tensor sum_out;
+  at::Tensor sum_out;
   const at::BFloat16* rp = nullptr;
   if (residual.has_value()) {
     auto res = residual->contiguous();
     TORCH_CHECK(res.sizes() == x.sizes(), "residual shape mismatch");
-    sum_out = torch::empty_like(x);
+    sum_out = at::empty_like(x);
     rp = res.data_ptr<at::BFloat16>();
   }
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
@@ -52,23 +52,23 @@ std::vector<torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, 
 // transformers formula, with the sum of squares in a fixed order (``dot``). With ``residual``
 // given, x = x + residual first and that sum is returned as well. One call replaces the
 // half-dozen aten operations of the formula, whose per-call overhead dominated at a few rows.
-std::vector<torch::Tensor> rms_norm_f32(torch::Tensor x, torch::Tensor weight, double eps,
-                                        c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 only");
+std::vector<at::Tensor> rms_norm_f32(at::Tensor x, at::Tensor weight, double eps,
+                                        std::optional<at::Tensor> residual) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
   x = x.contiguous();
   const int64_t D = x.size(-1), N = x.numel() / D;
   TORCH_CHECK(weight.numel() == D, "weight size mismatch");
-  torch::Tensor sum_out;
+  at::Tensor sum_out;
   const float* rp = nullptr;
-  torch::Tensor res;
+  at::Tensor res;
   if (residual.has_value()) {
     res = residual->contiguous();
-    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == torch::kFloat32, "residual shape mismatch");
-    sum_out = torch::empty_like(x);
+    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == at::kFloat, "residual shape mismatch");
+    sum_out = at::empty_like(x);
     rp = res.data_ptr<float>();
   }
   auto w = weight.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -104,9 +104,9 @@ inline T round_to(float v) { return static_cast<T>(v); }
 // Returns q: [B, Hq, T, D]. Every operation rounds to the model dtype exactly as the
 // transformers formula q * cos + rotate_half(q) * sin does, so the bits are the same.
 template <typename T>
-void rope_write_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                     torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& slots,
-                     int64_t hq, torch::Tensor& q_out) {
+void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
+                     int64_t hq, at::Tensor& q_out) {
   const int64_t B = qkv.size(0), Tn = qkv.size(1), Hall = qkv.size(2), D = qkv.size(3);
   const int64_t hkv = (Hall - hq) / 2, S = keys.size(3), Sv = values.size(2), half = D / 2;
   const T* src = qkv.data_ptr<T>();
@@ -146,20 +146,20 @@ void rope_write_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const t
   });
 }
 
-torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
-                         torch::Tensor values, torch::Tensor slots, int64_t hq) {
+at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
+                         at::Tensor values, at::Tensor slots, int64_t hq) {
   TORCH_CHECK(qkv.dim() == 4 && cos.dim() == 3 && keys.dim() == 4, "rank mismatch");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   qkv = qkv.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
   slots = slots.contiguous();
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
   TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < values.size(2), "cache slot out of range");
-  auto q = torch::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
-  if (qkv.scalar_type() == torch::kFloat32) {
+  auto q = at::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) {
     rope_write_impl<float>(qkv, cos, sin, keys, values, slots, hq, q);
-  } else if (qkv.scalar_type() == torch::kBFloat16) {
+  } else if (qkv.scalar_type() == at::kBFloat16) {
     rope_write_impl<at::BFloat16>(qkv, cos, sin, keys, values, slots, hq, q);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 only");
