@@ -1,7 +1,8 @@
 """SoT's compiled CPU kernels, built on first use with the local C++ compiler: exact tree
 attention (``attention.cpp``), row-stable float32 products on packed and 4/8-bit block
 weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), and RMSNorm and
-rope with the KV-cache write (``norm_rope.cpp``), bound into one module (``module.cpp``).
+rope with the KV-cache write (``norm_rope.cpp``), and a Llama-family model's decoder layers
+in one call over those kernels (``layers.cpp``), bound into one module (``module.cpp``).
 
 If the build fails (no compiler, no ninja), SoT falls back to its pure-PyTorch path; both
 are exact, each consistent with itself. ``SOT_NO_KERNELS=1`` forces the fallback.
@@ -17,7 +18,7 @@ from types import ModuleType
 
 
 #: the kernel sources, compiled into one module
-SOURCES = ("attention.cpp", "linear.cpp", "norm_rope.cpp", "module.cpp")
+SOURCES = ("attention.cpp", "linear.cpp", "norm_rope.cpp", "layers.cpp", "module.cpp")
 #: what they include from this folder
 HEADERS = ("common.h",)
 

@@ -3,6 +3,8 @@
 // pybind11 with ATen's tensor and optional casters, without the C++ frontend
 #include <torch/csrc/utils/pybind.h>
 
+void bind_llama_layers(pybind11::module_& m);  // layers.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rotary embedding of q/k and KV-cache write");
   m.def("tree_attention_exact", &tree_attention_exact, "exact CPU tree attention");
@@ -10,4 +12,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_f32", &rms_norm_f32, "fused float32 RMSNorm (optionally after a residual add)");
   m.def("linear_f32", &linear_f32, "row-stable float32 linear layer on panel-packed weights");
   m.def("linear_blocks_f32", &linear_blocks_f32, "linear_f32 on float32 weights stored as exact 4/8-bit blocks");
+  bind_llama_layers(m);
 }

@@ -7,6 +7,7 @@ dispatch. A test checks that its logits equal the generic path's bit for bit.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,30 @@ class FastLlama:
         linears = [self.lm_head] + [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         #: passes may have any row count when every product is exact for partial blocks
         self.row_multiple = 1 if all(lin.partial_ok for lin in linears) else ROW_UNIT
+        #: the decoder layers as one compiled call (the same kernels, in the same order), where
+        #: every product is on SoT's kernel; ``None``: the Python loop runs them
+        self.layer_call = self._compile_layers(cfg)
+
+    def _compile_layers(self, cfg) -> object | None:
+        """The compiled layer loop (``layers.cpp``) over this model's packed weights, or ``None``
+        where a pass would leave SoT's kernels (other dtypes or devices, BLAS products,
+        attention-logit soft caps) or ``SOT_NO_LAYER_CALL=1`` asks for the Python loop."""
+        if (self.kernel is None or self.fused_norm is None or self.embed.dtype != torch.float32
+                or os.environ.get("SOT_NO_LAYER_CALL") or getattr(cfg, "attn_logit_softcapping", None)
+                or not hasattr(self.kernel, "LlamaLayers")):
+            return None
+        linears = [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        if any(lin.kind != "sot" for lin in linears):
+            return None
+        call = self.kernel.LlamaLayers(self.eps, self.num_heads, self.num_kv_heads, self.head_dim, self.inter,
+                                       self.scaling)
+        for lay in self.layers:
+            products = (lay.qkv, lay.o, lay.gate_up, lay.down)
+            call.add(lay.ln1, lay.ln2,
+                     [list(lin.packed) if isinstance(lin.packed, tuple) else [lin.packed] for lin in products],
+                     [lin.weight.shape[0] for lin in products], [lin.bias for lin in products],
+                     all(lin.fused for lin in products), lay.window or 0)
+        return call
 
     def _add_rms(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
@@ -126,7 +151,12 @@ class FastLlama:
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         states = [h] if 0 in state_layers else []
         delta = None  # the last residual branch, added to h lazily (fused with the next norm)
-        for idx, layer in enumerate(self.layers):
+        if self.layer_call is not None and stable and cache.transposed_keys and layout.kernel is not None:
+            h, delta, more = self._run_compiled(h.reshape(batch * rows, -1), cos3, sin3, cache, layout, None, 0,
+                                                state_layers)
+            h, delta = h.view(batch, rows, -1), delta.view(batch, rows, -1)
+            states += [s.view(batch, rows, -1) for s in more]
+        for idx, layer in enumerate(self.layers if delta is None else ()):
             x, h = self._add_rms(h, delta, layer.ln1)
             if idx in state_layers and idx > 0:
                 states.append(h)
@@ -161,6 +191,18 @@ class FastLlama:
         stacked = torch.stack(states, dim=2) if state_layers else None
         return logits, stacked
 
+    def _run_compiled(
+        self, h: torch.Tensor, cos3: torch.Tensor, sin3: torch.Tensor, cache, layout: TreeLayout,
+        flat: torch.Tensor | None, real: int, state_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Every decoder layer in one compiled call: ``h [M, D]`` (the embedded rows) ->
+        ``(h, delta, states)``, the residual stream, the last branch still to add, and the
+        residual stream entering each state layer after the first (``[M, D]`` each)."""
+        k = layout.kernel
+        out = self.layer_call.forward(h, cos3, sin3, cache.keys, cache.values, layout.write_slots, k.lengths,
+                                      k.ancestors, k.rows, flat, real, [i for i in state_layers if i > 0])
+        return out[0], out[1], list(out[2:])
+
     def _forward_flat(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache, layout: TreeLayout,
         state_layers: tuple[int, ...],
@@ -178,7 +220,10 @@ class FastLlama:
         states = [h] if 0 in state_layers else []
         delta = None
         grid_index = flat[:real]
-        for idx, layer in enumerate(self.layers):
+        if self.layer_call is not None:
+            h, delta, more = self._run_compiled(h, cos3, sin3, cache, layout, flat, real, state_layers)
+            states += more
+        for idx, layer in enumerate(self.layers if delta is None else ()):
             x, h = self._add_rms(h, delta, layer.ln1)
             if idx in state_layers and idx > 0:
                 states.append(h)
