@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from sot.cache import key_stride  # noqa: E402
 from sot.kernels import cpu_kernels  # noqa: E402
 
-BINDING = ('#include "common.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) '
+BINDING = ('#include "common.h"\n#include <torch/csrc/utils/pybind.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) '
            '{ m.def("tree_attention_exact", &tree_attention_exact, "base"); }\n')
 
 
