@@ -116,16 +116,34 @@ def test_fast_path_matches_generic_path_bit_for_bit() -> None:
             assert torch.equal(logits[0][1], logits[1][1]), (arch, dtype)
 
 
-def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(monkeypatch) -> None:
+@pytest.mark.parametrize("arch,products,dtype", [
+    ("llama", "panels", torch.float32), ("llama", "blocks", torch.float32), ("qwen2", "panels", torch.float32),
+    ("mistral", "blocks", torch.float32), ("llama", "onednn", torch.float32), ("llama", "onednn-short", torch.float32),
+    ("llama", "onednn", torch.bfloat16),
+    ("mistral", "onednn", torch.bfloat16),
+])
+def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, products: str, dtype: torch.dtype,
+                                                                 monkeypatch) -> None:
     """The decoder layers in one compiled call give the same logits and states, bit for bit,
     as the Python loop over the same kernels: padded and flat-packed passes of two sequences,
-    a sliding window (Mistral), a bias (Qwen2), panels and 4-bit blocks."""
-    from sot.kernels.linear import PackedLinear
+    a sliding window (Mistral), a bias (Qwen2); float32 on SoT's panels and 4-bit blocks, and
+    on oneDNN's packed products (as bfloat16 runs where oneDNN packs it: CPUs with AVX-512),
+    also where short blocks must be padded to whole ones ("onednn-short")."""
+    import sot.kernels.linear
+    import sot.models.fast_llama
     from sot.tree import tree_from_paths
     from sot.verify import pack_trees
 
-    if cpu_kernels() is None:
+    kernels = cpu_kernels()
+    if kernels is None:
         pytest.skip("the compiled CPU kernels cannot be built here")
+    if products.startswith("onednn") and dtype == torch.float32:  # products on oneDNN, the rest on SoT's kernels
+        monkeypatch.setattr(sot.kernels.linear, "cpu_kernels", lambda: None)
+        monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+        monkeypatch.setattr(sot.models.fast_llama, "fused_rms_norm", lambda dtype, device: kernels.rms_norm_f32)
+    if products == "onednn-short":
+        monkeypatch.setattr(sot.kernels.linear.PackedLinear, "_probe_partial_blocks", lambda self: False)
+    blocks = products == "blocks"
 
     def blockify(model: torch.nn.Module) -> torch.nn.Module:  # every weight a grid of exact Q4_1 blocks
         for lin in model.model.layers.modules():
@@ -136,36 +154,40 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(monkeypatch) -> 
                 lin.weight.data = (d * torch.round((w - low) / d).clamp(0, 15) + low).reshape(lin.weight.shape)
         return model
 
-    for arch, blocks in (("llama", False), ("llama", True), ("qwen2", False), ("mistral", True)):
-        model = tiny_model(arch, seed=5, **({"sliding_window": 24} if arch == "mistral" else {}))
-        if blocks:
-            model = blockify(model)
-        runs = []
-        for compiled in (True, False):
-            if not compiled:
-                monkeypatch.setenv("SOT_NO_LAYER_CALL", "1")
-            target = TargetModel(clone(model, torch.float32), state_layers=(0, 1, 2))
-            monkeypatch.delenv("SOT_NO_LAYER_CALL", raising=False)
-            assert (target.fast.layer_call is not None) == compiled, arch
-            linears = [lin for lay in target.fast.layers for lin in (lay.qkv, lay.down)]
-            assert all(isinstance(lin.packed, tuple) == blocks for lin in linears if isinstance(lin, PackedLinear))
-            prompts = random_prompts((37, 29), seed=8)
-            outs = []
-            for flat in (False, True):
-                cache = target.new_cache(2, 128)
-                for b, prompt in enumerate(prompts):
-                    target.prefill(cache, b, torch.tensor(prompt))
-                    cache.set_length(b, len(prompt))
-                trees = [tree_from_paths(5, [[6, 7, 8], [9]], max_nodes=8), tree_from_paths(3, [[4]], max_nodes=8)]
-                monkeypatch.setattr(type(target), "packs_flat", lambda self, c, flat=flat: flat)
-                batch = pack_trees(trees, cache, target)
-                assert (batch.layout.flat_index is not None) == flat
-                out = target.verify(cache, batch.ids, batch.positions, batch.layout)
-                outs.append((out.logits, out.states))
-            runs.append(outs)
-        for (logits_c, states_c), (logits_p, states_p) in zip(*runs):
-            assert torch.equal(logits_c, logits_p), arch
-            assert torch.equal(states_c, states_p), arch
+    model = tiny_model(arch, seed=5, **({"sliding_window": 24} if arch == "mistral" else {}))
+    if blocks:
+        model = blockify(model)
+    runs = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setenv("SOT_NO_LAYER_CALL", "1")
+        target = TargetModel(clone(model, dtype), state_layers=(0, 1, 2))
+        monkeypatch.delenv("SOT_NO_LAYER_CALL", raising=False)
+        linears = [lin for lay in target.fast.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        if dtype == torch.bfloat16 and any(lin.kind != "mkldnn" for lin in linears):
+            pytest.skip("oneDNN does not pack bfloat16 weights on this CPU, so its passes stay in Python")
+        assert all(lin.kind == ("mkldnn" if products.startswith("onednn") else "sot") for lin in linears)
+        if products == "onednn-short":
+            assert not any(lin.partial_ok for lin in linears)
+        assert (target.fast.layer_call is not None) == compiled
+        assert all(isinstance(lin.packed, tuple) == blocks for lin in linears)
+        prompts = random_prompts((37, 29), seed=8)
+        outs = []
+        for flat in (False, True):
+            cache = target.new_cache(2, 128)
+            for b, prompt in enumerate(prompts):
+                target.prefill(cache, b, torch.tensor(prompt))
+                cache.set_length(b, len(prompt))
+            trees = [tree_from_paths(5, [[6, 7, 8], [9]], max_nodes=8), tree_from_paths(3, [[4]], max_nodes=8)]
+            monkeypatch.setattr(type(target), "packs_flat", lambda self, c, flat=flat: flat)
+            batch = pack_trees(trees, cache, target)
+            assert (batch.layout.flat_index is not None) == flat
+            out = target.verify(cache, batch.ids, batch.positions, batch.layout)
+            outs.append((out.logits, out.states))
+        runs.append(outs)
+    for (logits_c, states_c), (logits_p, states_p) in zip(*runs):
+        assert torch.equal(logits_c, logits_p)
+        assert torch.equal(states_c, states_p)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2", "mistral"])

@@ -1,12 +1,15 @@
-// The decoder layers of a Llama-family model in one compiled call, for the passes that run on
-// SoT's kernels end to end (float32 rows, products on packed panels or 4/8-bit blocks, the
-// transposed-key cache). It calls the same kernels, in the same order, with the same inputs as
+// The decoder layers of a Llama-family model in one compiled call, for the verify passes on
+// the transposed-key cache: float32 rows with products on SoT's packed panels or 4/8-bit
+// blocks, or bfloat16 rows with oneDNN's packed products. It calls the same kernels, in the same order, with the same inputs as
 // the Python loop in sot/models/fast_llama.py, so every value has the same bits; what it
 // removes is the interpreter and the binding work between the kernels (about ten calls a
 // layer, each a few microseconds, which add up to a tenth of a one-row pass).
 #include "common.h"
 
 #include <torch/csrc/utils/pybind.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
@@ -14,17 +17,43 @@
 
 namespace {
 
-// One product: panels ([P, K, 16] float32) or blocks (data, scale, mins), as PackedLinear
-// holds them.
+// oneDNN's product on a weight packed by torch.ops.mkldnn._reorder_linear_weight.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// One product, as PackedLinear holds it (sot/kernels/linear.py): SoT's panels ([P, K, 16]
+// float32) or blocks (data, scale, mins), or a oneDNN-packed weight, run like
+// PackedLinear.__call__ with stable=True: in blocks of `unit` rows, the last one padded with
+// zero rows unless the kernel gives a short block the bits of a full one (`partial_ok`).
 struct Product {
+  enum Kind { kPanels, kBlocks, kOneDNN } kind = kPanels;
   std::vector<at::Tensor> packed;
   int64_t n = 0;
   std::optional<at::Tensor> bias;
-  bool fused = true;
+  bool fused = true, partial_ok = true;
+  int64_t unit = 16;
+
+  at::Tensor block(const at::Tensor& x) const {
+    if (kind == kPanels) return linear_f32(x, packed[0], n, bias);
+    if (kind == kBlocks) return linear_blocks_f32(x, packed[0], packed[1], packed[2], n, bias, fused);
+    return onednn_linear(x, packed[0], bias);
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (packed.size() == 1) return linear_f32(x, packed[0], n, bias);
-    return linear_blocks_f32(x, packed[0], packed[1], packed[2], n, bias, fused);
+    const int64_t rows = x.size(0);
+    if (kind != kOneDNN || rows == unit || (rows < unit && partial_ok)) return block(x);
+    const int64_t pad = partial_ok ? 0 : (unit - rows % unit) % unit;
+    const at::Tensor padded = pad ? at::constant_pad_nd(x, {0, 0, 0, pad}, 0) : x;
+    std::vector<at::Tensor> parts;
+    for (int64_t i = 0; i < padded.size(0); i += unit) parts.push_back(block(padded.narrow(0, i, std::min(unit, padded.size(0) - i))));
+    const at::Tensor out = at::cat(parts);
+    return pad ? out.narrow(0, 0, rows) : out;
   }
 };
 
@@ -43,16 +72,25 @@ class LlamaLayers {
       : eps_(eps), nq_(heads), nkv_(kv_heads), hd_(head_dim), inter_(inter), scaling_(scaling) {}
 
   // One layer's weights, in order: the two norm weights, then each product as (packed
-  // tensors: 1 for panels, 3 for blocks; output size; bias or None; decode blocks in registers).
+  // tensors: 1 for panels or a oneDNN weight, 3 for blocks; output size; bias or None; its
+  // kind: "panels", "blocks" or "onednn"; short blocks exact), whether blocks decode in
+  // registers, the row unit of padded products, and the sliding window (0: none).
   void add(at::Tensor ln1, at::Tensor ln2, std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t> sizes,
-           std::vector<std::optional<at::Tensor>> biases, bool fused, int64_t window) {
-    TORCH_CHECK(packed.size() == 4 && sizes.size() == 4 && biases.size() == 4, "four products a layer");
+           std::vector<std::optional<at::Tensor>> biases, std::vector<std::string> kinds,
+           std::vector<bool> partial_ok, bool fused, int64_t unit, int64_t window) {
+    TORCH_CHECK(packed.size() == 4 && sizes.size() == 4 && biases.size() == 4 && kinds.size() == 4 &&
+                partial_ok.size() == 4, "four products a layer");
     Layer layer;
     layer.ln1 = ln1.contiguous();
     layer.ln2 = ln2.contiguous();
     Product* products[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(packed[i].size() == 1 || packed[i].size() == 3, "a product is packed as 1 or 3 tensors");
+      const std::string& kind = kinds[i];
+      TORCH_CHECK(kind == "panels" || kind == "blocks" || kind == "onednn", "unknown product kind ", kind);
+      TORCH_CHECK(packed[i].size() == (kind == "blocks" ? 3u : 1u), "a product is packed as 1 or 3 tensors");
+      products[i]->kind = kind == "panels" ? Product::kPanels : kind == "blocks" ? Product::kBlocks : Product::kOneDNN;
+      products[i]->partial_ok = partial_ok[i];
+      products[i]->unit = unit;
       products[i]->packed = packed[i];
       products[i]->n = sizes[i];
       products[i]->bias = biases[i];
@@ -64,7 +102,7 @@ class LlamaLayers {
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
-  // h: [M, D] float32, the pass's rows after the embedding (M = B * T, or the R packed rows
+  // h: [M, D] float32 or bfloat16, the pass's rows after the embedding (M = B * T, or the R packed rows
   // when `flat` is given); cos, sin: [B, T, hd]; keys: [L, B, Hkv, hd, S'] and values:
   // [L, B, Hkv, S, hd], the cache; slots: [B, T] the rows' cache slots; lengths, ancestors,
   // rows: the attention kernel's layout; flat: [R] the packed rows' places on the [B, T] grid
@@ -74,7 +112,9 @@ class LlamaLayers {
   std::vector<at::Tensor> forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
                                   at::Tensor slots, at::Tensor lengths, at::Tensor ancestors, at::Tensor rows,
                                   std::optional<at::Tensor> flat, int64_t real, std::vector<int64_t> state_layers) {
-    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "h must be [M, D] float32");
+    TORCH_CHECK(h.dim() == 2 && (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16),
+                "h must be [M, D] float32 or bfloat16");
+    const auto norm = h.scalar_type() == at::kFloat ? rms_norm_f32 : rms_norm_bf16;
     TORCH_CHECK(cos.dim() == 3, "cos must be [B, T, head_dim]");
     const int64_t batch = cos.size(0), grid_rows = cos.size(0) * cos.size(1), width = (nq_ + 2 * nkv_) * hd_;
     at::Tensor grid_index;
@@ -85,11 +125,11 @@ class LlamaLayers {
       const Layer& layer = layers_[idx];
       at::Tensor x;
       if (delta.defined()) {
-        auto normed = rms_norm_f32(h, layer.ln1, eps_, delta);
+        auto normed = norm(h, layer.ln1, eps_, delta);
         x = normed[0];
         h = normed[1];
       } else {
-        x = rms_norm_f32(h, layer.ln1, eps_, std::nullopt)[0];
+        x = norm(h, layer.ln1, eps_, std::nullopt)[0];
       }
       if (idx > 0 && std::find(state_layers.begin(), state_layers.end(), idx) != state_layers.end())
         out.push_back(h);
@@ -98,10 +138,12 @@ class LlamaLayers {
         qkv = at::zeros({grid_rows, width}, qkv.options()).index_copy_(0, grid_index, qkv.narrow(0, 0, real));
       at::Tensor k = keys.select(0, idx), v = values.select(0, idx);
       at::Tensor q = rope_write(qkv.view({batch, grid_rows / batch, nq_ + 2 * nkv_, hd_}), cos, sin, k, v, slots, nq_);
-      at::Tensor att = tree_attention_exact(q, k, v, lengths, ancestors, rows, scaling_, layer.window, 0.0);
-      att = att.reshape({grid_rows, nq_ * hd_});
+      // (the kernel takes the cache's dtype, float32, and returns it)
+      at::Tensor att = tree_attention_exact(q.to(k.scalar_type()), k, v, lengths, ancestors, rows, scaling_,
+                                            layer.window, 0.0);
+      att = att.to(h.scalar_type()).reshape({grid_rows, nq_ * hd_});
       if (flat.has_value()) att = at::index_select(att, 0, *flat);
-      auto normed = rms_norm_f32(h, layer.ln2, eps_, layer.o(att));
+      auto normed = norm(h, layer.ln2, eps_, layer.o(att));
       x = normed[0];
       h = normed[1];
       at::Tensor gu = layer.gate_up(x);

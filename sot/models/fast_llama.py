@@ -85,14 +85,15 @@ class FastLlama:
 
     def _compile_layers(self, cfg) -> object | None:
         """The compiled layer loop (``layers.cpp``) over this model's packed weights, or ``None``
-        where a pass would leave SoT's kernels (other dtypes or devices, BLAS products,
-        attention-logit soft caps) or ``SOT_NO_LAYER_CALL=1`` asks for the Python loop."""
-        if (self.kernel is None or self.fused_norm is None or self.embed.dtype != torch.float32
-                or os.environ.get("SOT_NO_LAYER_CALL") or getattr(cfg, "attn_logit_softcapping", None)
-                or not hasattr(self.kernel, "LlamaLayers")):
+        where a pass would leave the compiled kernels (other devices, products outside SoT's
+        kernels and oneDNN's, attention-logit soft caps) or ``SOT_NO_LAYER_CALL=1`` asks for
+        the Python loop."""
+        if (self.kernel is None or self.fused_norm is None or os.environ.get("SOT_NO_LAYER_CALL")
+                or getattr(cfg, "attn_logit_softcapping", None) or not hasattr(self.kernel, "LlamaLayers")):
             return None
+        kinds = {"sot": "panels", "mkldnn": "onednn"}
         linears = [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
-        if any(lin.kind != "sot" for lin in linears):
+        if any(lin.kind not in kinds for lin in linears):
             return None
         call = self.kernel.LlamaLayers(self.eps, self.num_heads, self.num_kv_heads, self.head_dim, self.inter,
                                        self.scaling)
@@ -101,7 +102,9 @@ class FastLlama:
             call.add(lay.ln1, lay.ln2,
                      [list(lin.packed) if isinstance(lin.packed, tuple) else [lin.packed] for lin in products],
                      [lin.weight.shape[0] for lin in products], [lin.bias for lin in products],
-                     all(lin.fused for lin in products), lay.window or 0)
+                     ["blocks" if isinstance(lin.packed, tuple) else kinds[lin.kind] for lin in products],
+                     [lin.partial_ok for lin in products], all(lin.fused for lin in products), ROW_UNIT,
+                     lay.window or 0)
         return call
 
     def _add_rms(
