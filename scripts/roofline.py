@@ -6,7 +6,9 @@ the default model after a 256-token context:
 - the products alone (every packed weight of the pass, at 1 and 16 rows): achieved GB/s of weight
   bytes at one row, achieved GFLOP/s at 16 rows;
 - a breakdown of each pass by part: products, attention, norms, rope with the cache write, and the
-  rest (embedding, activation, Python and dispatch), timed by wrapping each part's function.
+  rest (embedding, activation, Python and dispatch), timed by wrapping each part's function; where
+  the layers run as one compiled call, the breakdown is of the Python loop over the same kernels
+  (the call's parts are out of the wrappers' reach), and both passes are timed whole.
 The machine's peaks are measured the same way: a streaming read of 512 MiB (GB/s) and large matrix
 products in float32 and bfloat16 (GFLOP/s).
 
@@ -150,6 +152,8 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
         pos[0, :rows] = torch.tensor(tree.depths) + CONTEXT
         layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], padded, cache)
         whole = best_of(lambda: target.verify(cache, ids, pos, layout))
+        call, fast.layer_call = fast.layer_call, None  # the loop: its parts can be timed
+        loop = best_of(lambda: target.verify(cache, ids, pos, layout)) if call is not None else whole
         xs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).to(dtype) for lin in linears}
         products = best_of(lambda: [lin(xs[lin.weight.shape[1]], True) for lin in linears])
         parts: dict[str, float] = {}
@@ -163,8 +167,11 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
             parts.setdefault("_total", []).append(total)
         med = {k: sorted(v)[len(v) // 2] for k, v in parts.items()}
         med["rest"] = max(0.0, med["_total"] - sum(v for k, v in med.items() if k != "_total"))
+        fast.layer_call = call
         out[f"rows{rows}"] = {
             "pass_ms": whole * 1000,
+            "loop_pass_ms": loop * 1000,
+            "layer_call": call is not None,
             "products_ms": products * 1000,
             "gb_s": nbytes / products / 1e9,
             "gflop_s": 2 * params * rows / products / 1e9,
@@ -203,7 +210,17 @@ def report(data: dict) -> str:
             f"| {r1['gb_s']:.1f} ({r1['gb_s'] / peaks['gb_s']:.0%}) | {r16['pass_ms']:.2f} ms "
             f"| {r16['products_ms']:.2f} ms | {r16['gflop_s']:.0f} ({r16['gflop_s'] / peak_f:.0%}) "
             f"| {r16['pass_ms'] / r1['pass_ms']:.2f}x |")
-    lines += ["", "Where a pass's time goes (median pass with every part timed; the wrappers add a little):", "",
+    calls = [p for p in data["paths"] if p["rows1"].get("layer_call")]
+    if calls:
+        lines += ["", "The layers as one compiled call against the Python loop over the same kernels (fastest pass of "
+                  "each):", "", "| path | rows | one call | Python loop | loop / call |", "|---|---|---|---|---|"]
+        for p in calls:
+            for rows in (1, 16):
+                r = p[f"rows{rows}"]
+                lines.append(f"| {p['path']} | {rows} | {r['pass_ms']:.2f} ms | {r['loop_pass_ms']:.2f} ms "
+                             f"| {r['loop_pass_ms'] / r['pass_ms']:.2f}x |")
+    lines += ["", "Where a pass's time goes (median pass with every part timed, in the Python loop over the "
+              "layers; the wrappers add a little):", "",
               "| path | rows | pass | products | attention | norms | rope + cache write | rest |",
               "|---|---|---|---|---|---|---|---|"]
     for p in data["paths"]:
