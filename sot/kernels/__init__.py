@@ -57,10 +57,13 @@ def _build() -> tuple[list[str], str]:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
     elif capability == "AVX2":
         flags += ["-mavx2", "-mfma"]
-    # One build folder per (source, flags, torch): clones of the same code share a build,
-    # and an edited kernel never collides with an old one.
+    # One build folder per (source, flags, torch and where it is installed): clones of the same
+    # code in one environment share a build, two environments never rebuild over each other's
+    # (the build records torch's include paths), and an edited kernel never collides with an
+    # old one.
     code = b"".join(path.read_bytes() for path in sources + [here / name for name in HEADERS])
-    return flags, hashlib.sha256(code + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:16]
+    where = str(Path(torch.__file__).resolve().parent).encode()
+    return flags, hashlib.sha256(code + " ".join(flags).encode() + torch.__version__.encode() + where).hexdigest()[:16]
 
 
 def build_key() -> str:
