@@ -32,7 +32,7 @@ def main() -> None:
     target = TargetModel(loaded.model)
     compiled = target.fast.layer_call
     if compiled is None:
-        raise SystemExit("the compiled layer loop is not available here (no kernels, or not float32)")
+        raise SystemExit("the compiled layer loop is not available here (no compiled kernels, or products outside them)")
     vocab = loaded.model.get_input_embeddings().weight.shape[0]
     print(f"{'keys':>5} {'rows':>4} {'python ms':>10} {'compiled ms':>12} {'speed-up':>9}")
     for context in args.contexts:

@@ -294,8 +294,8 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
 // keys per row under a sliding window (0: all); softcap: attention-logit soft cap (0: none).
 // Returns [B, R, H, D] in q's dtype, accumulated in float32 (zeros past rows[b]).
 at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values,
-                                   at::Tensor lengths, at::Tensor ancestors,
-                                   at::Tensor rows, double scaling, int64_t window, double softcap) {
+                                at::Tensor lengths, at::Tensor ancestors,
+                                at::Tensor rows, double scaling, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rank mismatch");
   TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "the cache must be float32");

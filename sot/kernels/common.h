@@ -41,14 +41,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // The kernels each file defines, bound into one module by module.cpp.
 at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values,
-                                   at::Tensor lengths, at::Tensor ancestors,
-                                   at::Tensor rows, double scaling, int64_t window, double softcap);
+                                at::Tensor lengths, at::Tensor ancestors,
+                                at::Tensor rows, double scaling, int64_t window, double softcap);
 std::vector<at::Tensor> rms_norm_bf16(at::Tensor x, at::Tensor weight, double eps,
-                                         std::optional<at::Tensor> residual);
+                                      std::optional<at::Tensor> residual);
 std::vector<at::Tensor> rms_norm_f32(at::Tensor x, at::Tensor weight, double eps,
-                                        std::optional<at::Tensor> residual);
+                                     std::optional<at::Tensor> residual);
 at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
-                         at::Tensor values, at::Tensor slots, int64_t hq);
+                      at::Tensor values, at::Tensor slots, int64_t hq);
 at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias);
 at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins,
-                                int64_t N, std::optional<at::Tensor> bias, bool fused);
+                             int64_t N, std::optional<at::Tensor> bias, bool fused);

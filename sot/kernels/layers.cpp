@@ -1,9 +1,10 @@
 // The decoder layers of a Llama-family model in one compiled call, for the verify passes on
 // the transposed-key cache: float32 rows with products on SoT's packed panels or 4/8-bit
-// blocks, or bfloat16 rows with oneDNN's packed products. It calls the same kernels, in the same order, with the same inputs as
-// the Python loop in sot/models/fast_llama.py, so every value has the same bits; what it
-// removes is the interpreter and the binding work between the kernels (about ten calls a
-// layer, each a few microseconds, which add up to a tenth of a one-row pass).
+// blocks, or rows (bfloat16 on AVX-512 CPUs) with oneDNN's packed products. It calls the same
+// kernels, in the same order, with the same inputs as the Python loop in
+// sot/models/fast_llama.py, so every value has the same bits; what it removes is the
+// interpreter and the binding work between the kernels (about ten calls a layer, each a few
+// microseconds: a fifth of a one-row pass of the default model on a 2-core AVX2 CPU).
 #include "common.h"
 
 #include <torch/csrc/utils/pybind.h>
@@ -37,7 +38,7 @@ struct Product {
   int64_t n = 0;
   std::optional<at::Tensor> bias;
   bool fused = true, partial_ok = true;
-  int64_t unit = 16;
+  int64_t unit = 0;  // set by LlamaLayers::add (ROW_UNIT)
 
   at::Tensor block(const at::Tensor& x) const {
     if (kind == kPanels) return linear_f32(x, packed[0], n, bias);
@@ -51,7 +52,8 @@ struct Product {
     const int64_t pad = partial_ok ? 0 : (unit - rows % unit) % unit;
     const at::Tensor padded = pad ? at::constant_pad_nd(x, {0, 0, 0, pad}, 0) : x;
     std::vector<at::Tensor> parts;
-    for (int64_t i = 0; i < padded.size(0); i += unit) parts.push_back(block(padded.narrow(0, i, std::min(unit, padded.size(0) - i))));
+    for (int64_t i = 0; i < padded.size(0); i += unit)
+      parts.push_back(block(padded.narrow(0, i, std::min(unit, padded.size(0) - i))));
     const at::Tensor out = at::cat(parts);
     return pad ? out.narrow(0, 0, rows) : out;
   }

@@ -148,7 +148,7 @@ struct LinearIO {
 // place or decoded into `scratch` (room for two panels).
 template <typename PanelAt>
 at::Tensor linear_panels(at::Tensor x, int64_t P, int64_t N, const std::optional<at::Tensor>& bias,
-                            PanelAt panel_at) {
+                         PanelAt panel_at) {
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0), K = io.x.size(1);
   const float *xp = io.xp, *bp = io.bp;
@@ -357,7 +357,7 @@ void chunked_block_rows(const float* x, int64_t M, int64_t K, int64_t P, int64_t
 
 // fused = false decodes every product through a float32 panel copy (for comparison).
 at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins,
-                                int64_t N, std::optional<at::Tensor> bias, bool fused) {
+                             int64_t N, std::optional<at::Tensor> bias, bool fused) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   const int64_t K = x.size(1), P = data.size(0);
   const bool q4 = data.scalar_type() == at::kByte;

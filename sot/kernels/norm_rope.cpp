@@ -6,7 +6,7 @@
 // float32 with a fixed reduction order. With ``residual`` given, x = bf16(x + residual) first
 // and that sum is returned as well.
 std::vector<at::Tensor> rms_norm_bf16(at::Tensor x, at::Tensor weight, double eps,
-                                         std::optional<at::Tensor> residual) {
+                                      std::optional<at::Tensor> residual) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 only");
   x = x.contiguous();
   const int64_t D = x.size(-1), N = x.numel() / D;
@@ -53,7 +53,7 @@ std::vector<at::Tensor> rms_norm_bf16(at::Tensor x, at::Tensor weight, double ep
 // given, x = x + residual first and that sum is returned as well. One call replaces the
 // half-dozen aten operations of the formula, whose per-call overhead dominated at a few rows.
 std::vector<at::Tensor> rms_norm_f32(at::Tensor x, at::Tensor weight, double eps,
-                                        std::optional<at::Tensor> residual) {
+                                     std::optional<at::Tensor> residual) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
   x = x.contiguous();
   const int64_t D = x.size(-1), N = x.numel() / D;
@@ -147,7 +147,7 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 }
 
 at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
-                         at::Tensor values, at::Tensor slots, int64_t hq) {
+                      at::Tensor values, at::Tensor slots, int64_t hq) {
   TORCH_CHECK(qkv.dim() == 4 && cos.dim() == 3 && keys.dim() == 4, "rank mismatch");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   qkv = qkv.contiguous();

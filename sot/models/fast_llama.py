@@ -80,7 +80,7 @@ class FastLlama:
         #: passes may have any row count when every product is exact for partial blocks
         self.row_multiple = 1 if all(lin.partial_ok for lin in linears) else ROW_UNIT
         #: the decoder layers as one compiled call (the same kernels, in the same order), where
-        #: every product is on SoT's kernel; ``None``: the Python loop runs them
+        #: every product is on SoT's kernels or oneDNN's; ``None``: the Python loop runs them
         self.layer_call = self._compile_layers(cfg)
 
     def _compile_layers(self, cfg) -> object | None:
