@@ -20,7 +20,7 @@ def main() -> None:
     from sot.models.adapter import TargetModel
     from sot.models.loading import load_model
     from sot.tree import tree_from_parents
-    from sot.verify import pack_trees
+    from sot.packing import pack_trees
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 900])

@@ -119,14 +119,6 @@ def flat_packing(sizes: list[int], rows: int, multiple: int) -> tuple[torch.Tens
     return torch.tensor(index), tuple(offsets)
 
 
-@dataclass(frozen=True)
-class PrefillLayout:
-    """A prompt chunk of one sequence: rows at positions ``start .. start + T - 1``."""
-
-    batch_index: int
-    start: int
-
-
 def _tail_slots(
     length: int, depths: torch.Tensor, ancestors: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -289,37 +281,3 @@ def tree_attention(
     if n < rows:
         out = torch.cat([out, out.new_zeros(batch, rows - n, heads, dim)], dim=1)
     return out
-
-
-def prefill_attention(
-    query: torch.Tensor, cache: KVCache, layer: int, layout: PrefillLayout, scaling: float,
-    window: int | None = None, softcap: float | None = None,
-) -> torch.Tensor:
-    """Causal attention of one sequence's prompt chunk over its cache (chunk K/V written).
-
-    Args:
-        query: ``[1, H, T, D]``.
-        window, softcap: as for :func:`tree_attention`.
-    Returns:
-        ``[1, T, H, D]`` float32.
-    """
-    _, heads, rows, dim = query.shape
-    keys, values = cache.layer_sd(layer)
-    end = layout.start + rows
-    k = keys[layout.batch_index, :, :end].float()[None]  # [1, Hkv, end, D]
-    v = values[layout.batch_index, :, :end].float()[None]
-    group = heads // k.shape[1]
-    positions = torch.arange(layout.start, end, device=query.device)
-    slots = torch.arange(end, device=query.device)[None, :]
-    mask = slots <= positions[:, None]  # [T, end]
-    if window:
-        mask &= slots > positions[:, None] - window
-    if softcap:  # SDPA has no soft cap: the same attention, written out
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = _soft_cap(torch.matmul(query.float(), k.transpose(-1, -2)).mul_(scaling), softcap)
-        weights = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-        return torch.matmul(weights, v).transpose(1, 2)
-    # (query heads share KV heads inside SDPA: no copy of the cache per chunk)
-    out = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling,
-                                                           enable_gqa=group > 1)
-    return out.transpose(1, 2)

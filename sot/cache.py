@@ -89,17 +89,6 @@ class KVCache:
             k_store[b, :, start:end] = keys[b]
             v_store[b, :, start:end] = values[b]
 
-    def write_sequence(self, layer: int, b: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append ``T`` contiguous rows of sequence ``b`` at ``start`` (prefill).
-
-        Args:
-            keys, values: ``[Hkv, T, D]``.
-        """
-        k_store, v_store = self.layer_sd(layer)
-        end = start + keys.shape[1]
-        k_store[b, :, start:end] = keys
-        v_store[b, :, start:end] = values
-
     def read_span(self, b: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of sequence ``b``'s rows in slots ``[start, end)`` of every layer: keys
         ``[L, Hkv, n, D]`` (``[L, Hkv, D, n]`` when transposed) and values ``[L, Hkv, n, D]``."""
@@ -159,6 +148,17 @@ class KVCache:
         view.keys, view.values = self.keys[:, :n], self.values[:, :n]
         view.transposed_keys = self.transposed_keys
         view.lengths = self.lengths
+        return view
+
+    def single(self, b: int) -> "KVCache":
+        """Sequence ``b`` alone, as a cache of batch 1 over the same storage, with a length
+        of its own (a copy of ``lengths[b]``: the caller commits to this cache)."""
+        if not 0 <= b < self.batch_size:
+            raise ValueError(f"no sequence {b} in a cache of {self.batch_size}")
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = self.keys[:, b:b + 1], self.values[:, b:b + 1]
+        view.transposed_keys = self.transposed_keys
+        view.lengths = [self.lengths[b]]
         return view
 
     def move(self, src: int, dst: int) -> None:

@@ -32,14 +32,15 @@ from sot.policy import (
     AcceptanceModel, CommitPolicy, CostModel, PolicyConfig, PolicyKind, RLPolicyModel, StepOutcome, StepPlan, Trace,
     resolve_policy, resolve_rl_policy,
 )
-from sot.prefix_cache import PREFILL_CHUNK, PrefixCache, PrefixChunk
+from sot.packing import pack_trees
+from sot.prefix_cache import PrefixCache, PrefixHit
 from sot.requests import (
     GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_prompts, check_request,
 )
 from sot.sampling import sequence_generator
 from sot.trace import build_record, record_step, step_mode
 from sot.tree import DraftTree
-from sot.verify import accept_all, accept_tree, pack_trees, record_depths
+from sot.verify import accept_all, accept_tree, record_depths
 
 #: the request and result types live in :mod:`sot.requests`; importing them from here works too
 __all__ = ["Engine", "GenerationParams", "PhaseTimes", "SequenceResult", "StepObserver", "StepStats", "TokenEvent",
@@ -309,34 +310,38 @@ class Engine:
         return event
 
     def _read_prompt(self, seq: LiveRequest, b: int) -> ForwardOutput:
-        """Read ``seq``'s prompt into cache slot ``b`` in chunks of ``PREFILL_CHUNK`` tokens
-        aligned to its start, taking the chunks the prefix cache holds and storing the whole
-        chunks it reads. Returns the last chunk's logits ``[1, 1, V]`` and the whole prompt's
-        states ``[1, T, S, D]`` (``None`` without state layers); ``seq.result.cached_tokens``
-        counts the prompt tokens reused."""
-        prompt, size, store = seq.prompt, PREFILL_CHUNK, self.prefix_cache
-        found = store.lookup(prompt, seq.tenant) if store is not None else []
+        """Read ``seq``'s prompt into cache slot ``b``, taking the rows the prefix cache holds
+        for its start and storing the chunks it lacks. Returns the last row's logits
+        ``[1, 1, V]`` and the whole prompt's states ``[1, T, S, D]`` (``None`` without state
+        layers); ``seq.result.cached_tokens`` counts the prompt tokens reused."""
+        prompt, store = seq.prompt, self.prefix_cache
+        hit = store.lookup(prompt, seq.tenant) if store is not None else PrefixHit([], 0)
         states: list[torch.Tensor | None] = []
-        for j, chunk in enumerate(found):
-            self._cache.write_span(b, j * size, chunk.keys, chunk.values)
-            states.append(chunk.states)
-        keep = store is not None and store.max_bytes > 0
-        read: list[PrefixChunk] = []
-        out = None
-        for start in range(len(found) * size, len(prompt), size):
-            end = min(start + size, len(prompt))
-            out = self.target.prefill(self._cache, b, torch.tensor(prompt[start:end]), start=start)
-            part = out.states[0] if out.states is not None else None
-            states.append(part)
-            if keep and end - start == size:
-                keys, values = self._cache.read_span(b, start, end)
-                read.append(PrefixChunk(tuple(prompt[start:end]), keys, values,
-                                        part.clone() if part is not None else None))
+        size = store.chunk if store is not None else 0
+        for j, chunk in enumerate(hit.chunks):  # the last chunk may be taken in part
+            n = min(len(chunk.tokens), hit.tokens - j * size)
+            keys = chunk.keys[..., :n] if self._cache.transposed_keys else chunk.keys[:, :, :n]
+            self._cache.write_span(b, j * size, keys, chunk.values[:, :, :n])
+            states.append(chunk.states[:n] if chunk.states is not None else None)
+        self._cache.lengths[b] = hit.tokens
+        out = self.target.prefill(self._cache, b, torch.tensor(prompt[hit.tokens:]), start=hit.tokens)
+        seq.result.cached_tokens = hit.tokens
+        whole = torch.cat([*states, out.states[0]]) if out.states is not None else None
         if store is not None:
-            store.insert(prompt, seq.tenant, len(found), read)
-        seq.result.cached_tokens = len(found) * size
-        whole = torch.cat(states)[None] if out.states is not None else None
-        return ForwardOutput(out.logits, whole)
+            if whole is not None:  # the answer's states join these (_decode_step)
+                seq.history = [whole]
+            self._store_prefix(seq, b, prompt, whole)
+        return ForwardOutput(out.logits, whole[None] if whole is not None else None)
+
+    def _store_prefix(self, seq: LiveRequest, b: int, tokens: list[int], states: torch.Tensor | None) -> None:
+        """Put the chunks of ``tokens`` (a start of ``seq``'s context, every row in cache slot
+        ``b``, with the target states ``states [T', S, D]``, ``T' >= len(tokens)``, where the
+        target returns any) that the prefix cache lacks into it."""
+        def read(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            keys, values = self._cache.read_span(b, start, end)
+            return keys, values, states[start:end].clone() if states is not None else None
+
+        self.prefix_cache.insert(tokens, seq.tenant, read)
 
     def _headroom(self) -> int:
         """Slots past a sequence's length that one step may write: its tree (scratch rows,
@@ -361,6 +366,10 @@ class Engine:
         full = out
         out = self._drafter_view(out)
         accepted = accept_all(seqs, batch.trees, out, self._cache, self.trace)
+        if full.states is not None and self.prefix_cache is not None:  # kept for the prefix cache
+            for b, (seq, acc) in enumerate(zip(seqs, accepted)):
+                if seq.history is not None:
+                    seq.history.append(full.seq_states(b)[acc.path])
         for obs in self.observers:
             obs.verified(seqs, batch.trees, full, [a.path for a in accepted], set(plan.drafting))
         self.policy.observe_step(plan, StepOutcome(
@@ -450,6 +459,10 @@ class Engine:
         """Sequence in slot ``b`` leaves; the last running sequence takes its slot."""
         seq = self._running[b]
         last = len(self._running) - 1
+        # the answer too, where its states were kept (or none are read): a chat's next turn starts with it
+        if self.prefix_cache is not None and (seq.history is not None or not self.target.state_layers):
+            states = torch.cat(seq.history) if seq.history is not None else None
+            self._store_prefix(seq, b, seq.context[: self._cache.lengths[b]], states)
         if b != last:
             self._cache.move(last, b)
             self._running[b] = self._running[last]

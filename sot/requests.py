@@ -179,6 +179,9 @@ class LiveRequest:
     state_parts: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
     tenant: str | None = None  # who sent it, for drafters that keep answers per tenant
+    #: with a prefix cache, the target states of every committed row (``[n_i, S, D]`` pieces),
+    #: stored with the rows when the sequence leaves
+    history: list[torch.Tensor] | None = None
 
     def add_states(self, states: torch.Tensor) -> None:
         """Keep ``states [n, S, D]`` of newly committed rows for the drafter."""

@@ -132,7 +132,7 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
     import sot.kernels.linear
     import sot.models.fast_llama
     from sot.tree import tree_from_paths
-    from sot.verify import pack_trees
+    from sot.packing import pack_trees
 
     kernels = cpu_kernels()
     if kernels is None:

@@ -9,21 +9,22 @@ linear layer is swapped for a row-stable one that multiplies in fixed blocks of
 from __future__ import annotations
 
 import contextvars
-import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Iterator
 
 import torch
 
-from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention, use_kernel
+from sot.attention import TreeLayout, tree_attention, use_kernel
 from sot.cache import KVCache
 from sot.errors import UnsupportedModelError
 from sot.kernels import cpu_kernels
 from sot.kernels.linear import PackedLinear, fused_rms_norm
 from sot.models.fast_llama import FAST_FAMILIES, FastLlama
 from sot.models.rows import ROW_UNIT
+from sot.packing import pack_trees
+from sot.prefix_cache import PREFILL_CHUNK
+from sot.tree import chain_tree
 
 ATTN_NAME = "sot"
 
@@ -101,7 +102,7 @@ class ForwardContext:
     """What the attention function needs for one forward: the cache and the row layout."""
 
     cache: KVCache
-    layout: TreeLayout | PrefillLayout
+    layout: TreeLayout
 
 
 def sot_attention(
@@ -128,12 +129,8 @@ def sot_attention(
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     cache, layout = sot_context.cache, sot_context.layout
-    if isinstance(layout, TreeLayout):
-        cache.write(layer, layout.write_slots, key, value)
-        out = tree_attention(query, cache, layer, layout, scale, window, softcap)
-    else:
-        cache.write_sequence(layer, layout.batch_index, layout.start, key[0], value[0])
-        out = prefill_attention(query, cache, layer, layout, scale, window, softcap)
+    cache.write(layer, layout.write_slots, key, value)
+    out = tree_attention(query, cache, layer, layout, scale, window, softcap)
     return out.to(query.dtype), None
 
 
@@ -246,42 +243,56 @@ class TargetModel:
             torch.float32 if kernel else self.dtype, transposed_keys=kernel,
         )
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> ForwardOutput:
-        """One forward pass. A prompt chunk (``PrefillLayout``) returns the logits of its last
-        row only, ``[1, 1, V]``; a tree pass returns every row's."""
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+             last_row: int | None = None) -> ForwardOutput:
+        """One verify forward; with ``last_row``, only that row's logits (``[1, V]``)."""
         if self.fast is not None:
-            logits, states = self.fast.forward(input_ids, positions, context.cache, context.layout, self.state_layers)
-            flat = isinstance(context.layout, TreeLayout) and self.fast.flattens(context.layout, context.cache)
+            logits, states = self.fast.forward(input_ids, positions, context.cache, context.layout, self.state_layers,
+                                               last_row)
+            flat = self.fast.flattens(context.layout, context.cache)
             return ForwardOutput(logits=logits, states=states, offsets=context.layout.flat_offsets if flat else None)
         want_states = bool(self.state_layers)
-        last_only = {"logits_to_keep": 1} if isinstance(context.layout, PrefillLayout) and self._keeps_logits else {}
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
             use_cache=False,
             output_hidden_states=want_states,
             sot_context=context,
-            **last_only,
         )
         states = None
         if want_states:
             states = torch.stack([out.hidden_states[i] for i in self.state_layers], dim=2)
-        return ForwardOutput(logits=out.logits, states=states)
-
-    @cached_property
-    def _keeps_logits(self) -> bool:
-        """Whether the model's forward takes ``logits_to_keep`` (most causal LMs do)."""
-        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        logits = out.logits if last_row is None else out.logits[0, last_row:last_row + 1]
+        return ForwardOutput(logits=logits, states=states)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, batch_index: int, input_ids: torch.Tensor, start: int = 0) -> ForwardOutput:
-        """Run prompt tokens ``input_ids [T]`` of one sequence at positions ``start..``;
-        logits ``[1, 1, V]`` (the last row's: the first new token's distribution, the only
-        one a prompt's pass is read for; more with a model that cannot skip the others),
-        states ``[1, T, S, D]``."""
-        ids = input_ids.to(self.device)[None]
-        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        return self._run(ids, positions, ForwardContext(cache, PrefillLayout(batch_index, start)))
+        """Read prompt tokens ``input_ids [T]`` of one sequence into its cache slots from
+        ``start`` (its committed length becomes ``start + T``). Returns the last row's logits
+        ``[1, 1, V]`` (the first new token's distribution, the only one a prompt is read for)
+        and the states ``[1, T, S, D]``.
+
+        The tokens go through verify passes, as chains of at most ``PREFILL_CHUNK`` rows: each
+        row is computed exactly as plain decoding computes its token, so a prompt's rows and
+        a decoded answer's are interchangeable bit for bit, however the prompt is split (what
+        lets the prefix cache reuse earlier answers, :mod:`sot.prefix_cache`)."""
+        ids = input_ids.tolist()
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        view = cache.single(batch_index)
+        states = []
+        for s in range(0, len(ids), PREFILL_CHUNK):
+            piece = ids[s:s + PREFILL_CHUNK]
+            view.lengths[0] = start + s
+            batch = pack_trees([chain_tree(piece[0], piece[1:])], view, self)
+            with row_stable():
+                out = self._run(batch.ids.to(self.device), batch.positions.to(self.device),
+                                ForwardContext(view, batch.layout), last_row=len(piece) - 1)
+            if out.states is not None:
+                states.append(out.seq_states(0)[:len(piece)])
+        cache.lengths[batch_index] = start + len(ids)
+        whole = (states[0] if len(states) == 1 else torch.cat(states))[None] if states else None
+        return ForwardOutput(logits=out.logits.reshape(1, 1, -1), states=whole)
 
     @torch.inference_mode()
     def verify(

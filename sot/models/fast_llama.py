@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sot.attention import PrefillLayout, TreeLayout, prefill_attention, tree_attention
+from sot.attention import TreeLayout, tree_attention
 from sot.kernels import cpu_kernels
 from sot.kernels.linear import PackedLinear, fused_rms_norm
 from sot.models.rows import ROW_UNIT
@@ -129,32 +129,32 @@ class FastLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
 
-    def flattens(self, layout: TreeLayout | PrefillLayout, cache) -> bool:
+    def flattens(self, layout: TreeLayout, cache) -> bool:
         """Whether :meth:`forward` runs ``layout`` flat-packed (the compiled kernel's path)."""
-        return (isinstance(layout, TreeLayout) and layout.flat_index is not None and cache.transposed_keys
-                and self.kernel is not None)
+        return layout.flat_index is not None and cache.transposed_keys and self.kernel is not None
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         cache,
-        layout: TreeLayout | PrefillLayout,
+        layout: TreeLayout,
         state_layers: tuple[int, ...],
+        last_row: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_ids, positions [B, T]`` -> logits ``[B, T, V]`` and states ``[B, T, S, D]``;
-        flat-packed (:meth:`flattens`): logits ``[R, V]`` and states ``[R, S, D]`` of the real rows."""
+        flat-packed (:meth:`flattens`): logits ``[R, V]`` and states ``[R, S, D]`` of the real
+        rows. With ``last_row`` (one sequence), only that row's logits: ``[1, V]``."""
         if self.flattens(layout, cache):
-            return self._forward_flat(input_ids, positions, cache, layout, state_layers)
+            return self._forward_flat(input_ids, positions, cache, layout, state_layers, last_row)
         batch, rows = input_ids.shape
-        stable = isinstance(layout, TreeLayout)
         h = F.embedding(input_ids, self.embed)  # [B, T, D]
         cos3, sin3 = self.rotary(h, positions)  # [B, T, hd]
         cos, sin = cos3[:, None], sin3[:, None]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         states = [h] if 0 in state_layers else []
         delta = None  # the last residual branch, added to h lazily (fused with the next norm)
-        if self.layer_call is not None and stable and cache.transposed_keys and layout.kernel is not None:
+        if self.layer_call is not None and cache.transposed_keys and layout.kernel is not None:
             h, delta, more = self._run_compiled(h.reshape(batch * rows, -1), cos3, sin3, cache, layout, None, 0,
                                                 state_layers)
             h, delta = h.view(batch, rows, -1), delta.view(batch, rows, -1)
@@ -164,33 +164,28 @@ class FastLlama:
             if idx in state_layers and idx > 0:
                 states.append(h)
             x = x.reshape(batch * rows, -1)
-            qkv = layer.qkv(x, stable).view(batch, rows, nq + 2 * nkv, hd)
-            if stable and cache.transposed_keys:  # the kernel's cache layout
+            qkv = layer.qkv(x, True).view(batch, rows, nq + 2 * nkv, hd)
+            if cache.transposed_keys:  # the kernel's cache layout
                 # One compiled call: rope on q and k, K/V into their cache slots.
                 keys, values = cache.layer(idx)
                 q = self.kernel.rope_write(qkv, cos3, sin3, keys, values, layout.write_slots, nq)
-                att = tree_attention(q, cache, idx, layout, self.scaling, layer.window)
             else:
                 qk = self._rope(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)  # q and k heads at once
                 q, k = qk[:, :nq], qk[:, nq:]
-                v = qkv[:, :, nq + nkv :].transpose(1, 2)
-                if stable:
-                    cache.write(idx, layout.write_slots, k, v)
-                    att = tree_attention(q, cache, idx, layout, self.scaling, layer.window)
-                else:
-                    cache.write_sequence(idx, layout.batch_index, layout.start, k[0], v[0])
-                    att = prefill_attention(q, cache, idx, layout, self.scaling, layer.window)
+                cache.write(idx, layout.write_slots, k, qkv[:, :, nq + nkv :].transpose(1, 2))
+            att = tree_attention(q, cache, idx, layout, self.scaling, layer.window)
             att = att.to(h.dtype).reshape(batch * rows, nq * hd)
-            x, h = self._add_rms(h, layer.o(att, stable).view(batch, rows, -1), layer.ln2)
-            gu = layer.gate_up(x.reshape(batch * rows, -1), stable)
+            x, h = self._add_rms(h, layer.o(att, True).view(batch, rows, -1), layer.ln2)
+            gu = layer.gate_up(x.reshape(batch * rows, -1), True)
             gate, up = gu[:, : self.inter], gu[:, self.inter :]
-            delta = layer.down(F.silu(gate) * up, stable).view(batch, rows, -1)
+            delta = layer.down(F.silu(gate) * up, True).view(batch, rows, -1)
         h, last = self._add_rms(h, delta, self.norm)
         if len(self.layers) in state_layers:
             states.append(last)
-        if not stable:  # a prompt: only its last row's logits are read (the first token)
-            h = h[:, -1:]
-        logits = self.lm_head(h.reshape(-1, h.shape[-1]), stable).view(batch, h.shape[1], -1)
+        if last_row is not None:
+            h = h[:1, last_row:last_row + 1]
+        logits = self.lm_head(h.reshape(-1, h.shape[-1]), True)
+        logits = logits if last_row is not None else logits.view(batch, rows, -1)
         stacked = torch.stack(states, dim=2) if state_layers else None
         return logits, stacked
 
@@ -208,7 +203,7 @@ class FastLlama:
 
     def _forward_flat(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache, layout: TreeLayout,
-        state_layers: tuple[int, ...],
+        state_layers: tuple[int, ...], last_row: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The products over the ``R`` rows of ``layout.flat_index`` only; attention (rope, the
         K/V writes and the kernel) on the ``[B, T]`` grid, whose padding rows stay zero and
@@ -244,6 +239,6 @@ class FastLlama:
         h, last = self._add_rms(h, delta, self.norm)
         if len(self.layers) in state_layers:
             states.append(last)
-        logits = self.lm_head(h, True)[:real]
+        logits = self.lm_head(h[last_row:last_row + 1] if last_row is not None else h, True)[:real]
         stacked = torch.stack(states, dim=1)[:real] if state_layers else None
         return logits, stacked
