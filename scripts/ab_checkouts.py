@@ -3,7 +3,8 @@
 Each checkout runs in a worker process of its own (its ``sot`` on ``PYTHONPATH``); both stay
 loaded for the whole run and take turns prompt by prompt (A then B, then B then A), so a busy
 moment on the machine slows both alike. Reports whether the outputs are token-identical and
-each method's tokens/s ratio B/A with tau.
+each method's tokens/s ratio B/A with tau, and the median time to the first token (the prompt's
+reading) of each.
 
     python scripts/ab_checkouts.py --a /tmp/base --b . --set sharegpt-heldout --limit 8
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -31,7 +33,8 @@ for line in sys.stdin:
     ids = sot.encode(prompts[job["prompt"]])
     params = sot.params(max_new_tokens=args["tokens"])
     c = sot.generate_ids([ids], params)[0]
-    print(json.dumps({"ids": c.token_ids, "seconds": c.seconds, "tau": c.mean_accept_len}), flush=True)
+    print(json.dumps({"ids": c.token_ids, "seconds": c.seconds, "tau": c.mean_accept_len,
+                      "ttft": c.first_token_seconds}), flush=True)
 """
 
 
@@ -70,7 +73,7 @@ def main() -> None:
     n = min(counts.values())
     rows = []
     for method in args.methods.split(","):
-        tot = {"a": [0, 0.0, []], "b": [0, 0.0, []]}
+        tot = {"a": [0, 0.0, [], []], "b": [0, 0.0, [], []]}
         identical = 0
         for i in range(n):
             order = ("a", "b") if i % 2 == 0 else ("b", "a")
@@ -80,15 +83,18 @@ def main() -> None:
                 tot[k][0] += len(got[k]["ids"])
                 tot[k][1] += got[k]["seconds"]
                 tot[k][2].append(got[k]["tau"])
+                tot[k][3].append(got[k]["ttft"])
         speed = {k: tot[k][0] / tot[k][1] for k in "ab"}
         tau = {k: sum(tot[k][2]) / len(tot[k][2]) for k in "ab"}
+        ttft = {k: statistics.median(tot[k][3]) for k in "ab"}
         rows.append(f"| {method} | {identical}/{n} | {speed['a']:.1f} | {speed['b']:.1f} | "
-                    f"{speed['b'] / speed['a']:.3f} | {tau['a']:.2f} | {tau['b']:.2f} |")
+                    f"{speed['b'] / speed['a']:.3f} | {tau['a']:.2f} | {tau['b']:.2f} | "
+                    f"{ttft['a']:.3f} | {ttft['b']:.3f} |")
     for p in procs.values():
         p.stdin.close()
         p.wait()
-    print("| method | identical | A tok/s | B tok/s | B/A | A tau | B tau |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | identical | A tok/s | B tok/s | B/A | A tau | B tau | A first token s | B first token s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

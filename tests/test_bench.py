@@ -163,6 +163,9 @@ def test_multiturn_conversations_report_each_turn(setup, tmp_path) -> None:
     # a later turn's prompt holds the earlier answers: it is longer than the first turn's
     plain = sorted((r for r in res["records"] if r["method"] == "plain"), key=lambda r: r["prompt_index"])
     assert plain[2]["prompt_tokens"] > plain[1]["prompt_tokens"] > plain[0]["prompt_tokens"] + 24
+    # ... and it reuses the earlier turn's rows, its prompt and (as far as it re-tokenizes the same) its answer
+    assert plain[1]["cached_tokens"] >= plain[0]["prompt_tokens"] and plain[2]["cached_tokens"] >= plain[1]["prompt_tokens"]
+    assert res["turns"]["3"]["plain"]["cached_share"] > 0.5 and "prompt reused" in (out / "report.md").read_text()
 
 
 def test_builtin_multiturn_sets() -> None:

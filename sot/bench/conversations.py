@@ -164,8 +164,10 @@ def run_conversations(methods: list, tokenizer, records: list[dict], params, cha
 
 
 def per_turn(runs: list, names: list[str]) -> dict:
-    """Per turn and method: ``tokens_per_s`` (total tokens over total time), ``mean_accept_len``
-    and ``vs_<method>`` ratios of tokens/s against each other method."""
+    """Per turn and method: ``tokens_per_s`` (total tokens over total time), ``mean_accept_len``,
+    ``prompt_share`` (time to the first token over the total: reading the prompt),
+    ``cached_share`` (prompt tokens taken from the prefix cache) and ``vs_<method>`` ratios of
+    tokens/s against each other method."""
     out: dict[str, dict] = {}
     for turn in sorted({r.turn for r in runs}):
         rows = {}
@@ -176,7 +178,10 @@ def per_turn(runs: list, names: list[str]) -> dict:
             steps = sum(len(r.accept_lengths) for r in recs)
             rows[name] = {"tokens_per_s": tokens / seconds if seconds else 0.0,
                           "mean_accept_len": sum(sum(r.accept_lengths) for r in recs) / steps if steps else None,
-                          "prompts": len(recs)}
+                          "prompts": len(recs),
+                          "prompt_share": sum(r.ttft for r in recs) / seconds if seconds else 0.0,
+                          "cached_share": (sum(r.cached_tokens for r in recs) / sum(r.prompt_tokens for r in recs)
+                                           if recs else 0.0)}
         for name, row in rows.items():
             for other, base in rows.items():
                 if other != name and base["tokens_per_s"]:
@@ -186,16 +191,20 @@ def per_turn(runs: list, names: list[str]) -> dict:
 
 
 def turn_table(turns: dict, names: list[str]) -> list[str]:
-    """Markdown lines: tokens/s and tau per turn and method, and each method against the
-    ``state`` method (or ``plain`` when there is no ``state``)."""
+    """Markdown lines: tokens/s and tau per turn and method, each method against the ``state``
+    method (or ``plain`` when there is no ``state``), and the prompt tokens reused and the
+    share of the time spent reading prompts (of the base method's time)."""
     base = "state" if "state" in names else ("plain" if "plain" in names else None)
     head = "| turn | " + " | ".join(f"{n} tok/s (tau)" for n in names)
     head += f" | {' | '.join(f'{n} vs {base}' for n in names if n != base)} |" if base else " |"
-    cols = len(names) + (len([n for n in names if n != base]) if base else 0) + 1
+    head += " prompt reused | prompt reading |"
+    cols = len(names) + (len([n for n in names if n != base]) if base else 0) + 3
     lines = [head, "|" + "---|" * cols]
     for turn, rows in turns.items():
         cells = [f"{rows[n]['tokens_per_s']:.1f} ({rows[n]['mean_accept_len'] or 0:.2f})" for n in names]
         if base:
             cells += [f"{rows[n].get(f'vs_{base}', 0):.2f}x" for n in names if n != base]
+        first = rows[base or names[0]]
+        cells += [f"{first.get('cached_share', 0):.0%}", f"{first.get('prompt_share', 0):.0%}"]
         lines.append(f"| {turn} | " + " | ".join(cells) + " |")
     return lines

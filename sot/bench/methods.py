@@ -44,6 +44,7 @@ class RunRecord:
     peak_rss: int = 0
     rss_growth: int = 0
     turn: int = 0  # 1-based turn of a conversation (0: a single-turn prompt)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
     @property
     def tokens_per_s(self) -> float:
@@ -159,7 +160,7 @@ def _records(name: str, prompts: list[list[int]], results: list[SequenceResult],
             wall_time=wall * share, ttft=res.first_token_seconds, token_ids=res.token_ids,
             accept_lengths=res.accept_lengths, depth_attempts=res.depth_attempts, depth_accepts=res.depth_accepts,
             phase_seconds={k: v * share for k, v in phases.items()}, tree_sizes=res.tree_sizes,
-            plain_steps=res.plain_steps, fallbacks=res.fallbacks,
+            plain_steps=res.plain_steps, fallbacks=res.fallbacks, cached_tokens=res.cached_tokens,
         ))
     return out
 
