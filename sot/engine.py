@@ -35,7 +35,8 @@ from sot.policy import (
 from sot.packing import pack_trees
 from sot.prefix_cache import PrefixCache, PrefixHit
 from sot.requests import (
-    GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StepStats, TokenEvent, check_prompts, check_request,
+    GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StagedPrompt, StepStats, TokenEvent, check_prompts,
+    check_request,
 )
 from sot.sampling import sequence_generator
 from sot.trace import build_record, record_step, step_mode
@@ -100,6 +101,10 @@ class Engine:
             drafter reads (e.g. its final state, for a recorder): the drafter gets its own.
         prefix_cache: prompt chunks already read, reused by prompts that start with the same
             tokens (:mod:`sot.prefix_cache`; exact, so the output is the same without it).
+        prompt_budget: while sequences are decoding, the prompt tokens a step reads at most
+            (``None``: every admitted prompt whole). A longer prompt is read over several steps
+            into a cache of its own, so the running sequences keep getting tokens meanwhile;
+            the output is the same either way (a prompt's rows do not depend on its split).
     """
 
     def __init__(
@@ -117,10 +122,13 @@ class Engine:
         rl_model: RLPolicyModel | None = None,
         observers: list[StepObserver] | None = None,
         prefix_cache: PrefixCache | None = None,
+        prompt_budget: int | None = None,
     ) -> None:
         budget.check(MAX_TREE_DEPTH)
         if max_batch is not None and max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
+        if prompt_budget is not None and prompt_budget < 1:
+            raise ConfigError(f"prompt_budget must be >= 1, got {prompt_budget}")
         missing = set(drafter.state_layers) - set(target.state_layers)
         if missing:
             raise ConfigError(f"the drafter needs target states of layers {sorted(missing)}")
@@ -151,6 +159,7 @@ class Engine:
         self.last_step = StepStats()
         self.observers: list[StepObserver] = list(observers or [])
         self.prefix_cache = prefix_cache
+        self.prompt_budget = prompt_budget
         #: the test-time adapter of the drafter (:class:`sot.online.adapt.Adapter`), once attached
         self.adapter = None
         layers = tuple(target.state_layers)
@@ -257,7 +266,19 @@ class Engine:
 
     def _admit_waiting(self) -> list[TokenEvent]:
         room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self._running)
-        admitted, self._waiting = self._waiting[: max(0, room)], self._waiting[max(0, room):]
+        budget = self.prompt_budget if self._running and self.prompt_budget is not None else None
+        count = 0
+        while count < min(room, len(self._waiting)):  # the queue's head first, as far as the budget goes
+            seq = self._waiting[count]
+            unread = len(seq.prompt) - self._read_so_far(seq)
+            if budget is not None and unread > budget:
+                if budget > 0:  # read what the budget allows now, the rest on later steps
+                    self._stage(seq, budget)
+                break
+            if budget is not None:
+                budget -= unread
+            count += 1
+        admitted, self._waiting = self._waiting[:count], self._waiting[count:]
         if not admitted:
             return []
         # room for each prompt and its first steps; the cache grows as answers do (_decode_step)
@@ -266,6 +287,33 @@ class Engine:
         since = time.perf_counter()  # the clocks of a step's admissions start together
         read_now = self.policy.expects_drafting(len(self._running))
         return [self._admit(seq, since, read_now) for seq in admitted]
+
+    def _read_so_far(self, seq: LiveRequest) -> int:
+        """Prompt tokens of a waiting sequence already in a cache: read on earlier steps, or
+        held by the prefix cache."""
+        if seq.staged is not None:
+            return seq.staged.length
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.lookup(seq.prompt, seq.tenant).tokens
+
+    def _stage(self, seq: LiveRequest, n: int) -> None:
+        """Read the next ``n`` tokens of a waiting sequence's prompt into a cache of its own
+        (made on its first call, from the prefix cache's rows); its clock starts then."""
+        t0 = time.perf_counter()
+        st = seq.staged
+        if st is None:
+            cache = self.target.new_cache(1, len(seq.prompt) + self.target.row_multiple)
+            hit = self.prefix_cache.lookup(seq.prompt, seq.tenant) if self.prefix_cache is not None else PrefixHit([], 0)
+            states = self._write_hit(cache, 0, hit)
+            st = seq.staged = StagedPrompt(cache, [x for x in states if x is not None], hit.tokens)
+            seq.result.cached_tokens = hit.tokens
+            seq.started = t0
+        out = self.target.prefill(st.cache, 0, torch.tensor(seq.prompt[st.length:st.length + n]), start=st.length)
+        if out.states is not None:
+            st.states.append(out.states[0])
+        st.length += n
+        self.times.prefill += time.perf_counter() - t0
 
     def _ensure_cache(self, batch: int, capacity: int) -> None:
         if self._cache is None:
@@ -279,7 +327,8 @@ class Engine:
         ``read_now`` the drafter reads the prompt now, else on the sequence's first drafting
         step. The sequence's clock runs from ``since``."""
         t0 = time.perf_counter()
-        seq.started = since
+        if seq.staged is None:  # (a prompt read over earlier steps started its clock then)
+            seq.started = since
         b = len(self._running)
         self._running.append(seq)
         self.policy.add_sequence(seq.id, seq.params.sampling.temperature)
@@ -315,23 +364,35 @@ class Engine:
         ``[1, 1, V]`` and the whole prompt's states ``[1, T, S, D]`` (``None`` without state
         layers); ``seq.result.cached_tokens`` counts the prompt tokens reused."""
         prompt, store = seq.prompt, self.prefix_cache
-        hit = store.lookup(prompt, seq.tenant) if store is not None else PrefixHit([], 0)
-        states: list[torch.Tensor | None] = []
-        size = store.chunk if store is not None else 0
-        for j, chunk in enumerate(hit.chunks):  # the last chunk may be taken in part
-            n = min(len(chunk.tokens), hit.tokens - j * size)
-            keys = chunk.keys[..., :n] if self._cache.transposed_keys else chunk.keys[:, :, :n]
-            self._cache.write_span(b, j * size, keys, chunk.values[:, :, :n])
-            states.append(chunk.states[:n] if chunk.states is not None else None)
-        self._cache.lengths[b] = hit.tokens
-        out = self.target.prefill(self._cache, b, torch.tensor(prompt[hit.tokens:]), start=hit.tokens)
-        seq.result.cached_tokens = hit.tokens
+        if seq.staged is not None:  # read over earlier steps: its rows move into slot b
+            st, seq.staged = seq.staged, None
+            keys, values = st.cache.read_span(0, 0, st.length)
+            self._cache.write_span(b, 0, keys, values)
+            start, states = st.length, list(st.states)
+        else:
+            hit = store.lookup(prompt, seq.tenant) if store is not None else PrefixHit([], 0)
+            start, states = hit.tokens, self._write_hit(self._cache, b, hit)
+            seq.result.cached_tokens = hit.tokens
+        self._cache.lengths[b] = start
+        out = self.target.prefill(self._cache, b, torch.tensor(prompt[start:]), start=start)
         whole = torch.cat([*states, out.states[0]]) if out.states is not None else None
         if store is not None:
             if whole is not None:  # the answer's states join these (_decode_step)
                 seq.history = [whole]
             self._store_prefix(seq, b, prompt, whole)
         return ForwardOutput(out.logits, whole[None] if whole is not None else None)
+
+    def _write_hit(self, cache: KVCache, b: int, hit: PrefixHit) -> list[torch.Tensor | None]:
+        """Write the rows a prefix-cache lookup found into ``cache`` slot ``b``; returns their
+        states, a ``[n_j, S, D]`` piece (or ``None``) per chunk."""
+        states: list[torch.Tensor | None] = []
+        size = self.prefix_cache.chunk if self.prefix_cache is not None else 0
+        for j, chunk in enumerate(hit.chunks):  # the last chunk may be taken in part
+            n = min(len(chunk.tokens), hit.tokens - j * size)
+            keys = chunk.keys[..., :n] if cache.transposed_keys else chunk.keys[:, :, :n]
+            cache.write_span(b, j * size, keys, chunk.values[:, :, :n])
+            states.append(chunk.states[:n] if chunk.states is not None else None)
+        return states
 
     def _store_prefix(self, seq: LiveRequest, b: int, tokens: list[int], states: torch.Tensor | None) -> None:
         """Put the chunks of ``tokens`` (a start of ``seq``'s context, every row in cache slot

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from sot.cache import KVCache
 from sot.errors import ConfigError, PromptTooLongError, SoTError
 from sot.sampling import SamplingParams
 from sot.trace import StepRecord
@@ -162,6 +163,17 @@ def check_request(prompt: list[int], params: GenerationParams, max_positions: in
 
 
 @dataclass
+class StagedPrompt:
+    """A prompt read in part over earlier steps (the engine's ``prompt_budget``): its first
+    ``length`` rows in slot 0 of a cache of its own, and their target states (``[n_i, S, D]``
+    pieces; empty without state layers)."""
+
+    cache: KVCache
+    states: list[torch.Tensor]
+    length: int
+
+
+@dataclass
 class LiveRequest:
     """A request the engine holds: its settings, its result so far, its random stream and the
     target states the drafter has not read yet."""
@@ -182,6 +194,8 @@ class LiveRequest:
     #: with a prefix cache, the target states of every committed row (``[n_i, S, D]`` pieces),
     #: stored with the rows when the sequence leaves
     history: list[torch.Tensor] | None = None
+    #: while waiting: the part of the prompt already read (``None``: none)
+    staged: StagedPrompt | None = None
 
     def add_states(self, states: torch.Tensor) -> None:
         """Keep ``states [n, S, D]`` of newly committed rows for the drafter."""

@@ -106,3 +106,53 @@ def test_the_cache_grows_with_the_answers() -> None:
     tight._decode_step = watched
     assert [r.token_ids for r in tight.generate(prompts, params)] == expected
     assert len(set(capacities)) >= 2, "the cache grew during decoding"
+
+
+def test_a_prompt_budget_reads_long_prompts_over_steps_and_changes_no_token() -> None:
+    """With a prompt budget, a long prompt that arrives while another request decodes is read
+    a part per step (the running request gets tokens on each of those steps), through the
+    prefix cache's rows where it has them; every output equals decoding alone."""
+    from sot.prefix_cache import PrefixCache
+
+    model = tiny_model("llama", seed=6)
+    target = TargetModel(model, state_layers=LAYERS)
+    short, long_, other = random_prompts((9, 300, 140), seed=12)
+    shared = long_[:200] + other
+    params = {"short": GenerationParams(max_new_tokens=60), "long": GenerationParams(max_new_tokens=16),
+              "shared": GenerationParams(max_new_tokens=16)}
+    prompts = {"short": short, "long": long_, "shared": shared}
+    expected = {name: _alone(target, prompts[name], params[name]) for name in prompts}
+    engine = Engine(target, StateDrafter(new_predictor(model, LAYERS, None, seed=2), top_k=2), TreeBudget(8, 4),
+                    prefix_cache=PrefixCache(64 << 20), prompt_budget=50)
+    read: list[int] = []
+    prefill = target.prefill
+
+    def counted(cache, b, ids, start=0):
+        read[-1] += len(ids)
+        return prefill(cache, b, ids, start)
+
+    target.prefill = counted
+    try:
+        names = {engine.add_request(short, params["short"]): "short"}
+        tokens: dict[str, list[int]] = {}
+        results = {}
+        shared_steps = 0
+        while engine.has_unfinished():
+            if len(read) == 2:  # the long prompt, then one that starts like it, arrive mid-answer
+                names[engine.add_request(long_, params["long"])] = "long"
+                names[engine.add_request(shared, params["shared"])] = "shared"
+            running = engine.num_running
+            read.append(0)
+            events = engine.step()
+            assert running == 0 or read[-1] <= 50, f"a step read {read[-1]} prompt tokens, past its budget"
+            got = {names[ev.request_id] for ev in events}
+            shared_steps += read[-1] > 0 and "short" in got and running > 0
+            for ev in events:
+                tokens.setdefault(names[ev.request_id], []).extend(ev.token_ids)
+                if ev.finished:
+                    results[names[ev.request_id]] = ev.result
+    finally:
+        target.prefill = prefill
+    assert shared_steps >= 6, "the running request kept decoding while the long prompts were read"
+    assert tokens == expected
+    assert results["shared"].cached_tokens >= 200  # the long prompt's rows, staged or stored

@@ -7,7 +7,8 @@ import sys
 import threading
 
 from sot.cli.common import (
-    add_adapt_args, add_drafter_args, add_model_args, load_sot, non_negative_float, positive_int, save_suffix_store,
+    add_adapt_args, add_drafter_args, add_model_args, load_sot, non_negative_float, non_negative_int, positive_int,
+    save_suffix_store,
 )
 from sot.errors import ConfigError
 
@@ -28,6 +29,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=positive_int, default=ServerConfig.max_batch, help="sequences decoded together")
     p.add_argument("--max-queue", type=positive_int, default=ServerConfig.max_queue,
                    help="requests that may wait for a slot; beyond that the server answers 429")
+    p.add_argument("--prompt-budget", type=non_negative_int, default=ServerConfig.prompt_budget,
+                   help="prompt tokens a step reads at most while other requests decode; a longer prompt is read "
+                        "over several steps, so running streams keep going (0: read each prompt whole; the output "
+                        "is the same either way)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=ServerConfig.shutdown_timeout,
                    help="seconds running requests get to finish after SIGTERM before they are ended")
     p.add_argument("--trace", type=int, nargs="?", const=ServerConfig.TRACE_KEPT, default=ServerConfig.trace,
@@ -47,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
-                          max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, trace=args.trace)
+                          max_queue=args.max_queue, prompt_budget=args.prompt_budget, shutdown_timeout=args.shutdown_timeout, trace=args.trace)
     if args.trace < 0:
         raise ConfigError(f"--trace takes a count of requests to keep, got {args.trace}")
     app = create_app(lambda: load_sot(args), config)

@@ -44,6 +44,8 @@ class ServerConfig:
         api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
         max_batch: sequences decoded together.
         max_queue: requests waiting for a slot beyond ``max_batch``; more are answered 429.
+        prompt_budget: prompt tokens a step reads at most while others decode (0: whole
+            prompts), so a long prompt does not stall the running streams for its whole read.
         shutdown_timeout: seconds running requests get to finish after SIGTERM.
         trace: finished requests whose step traces are kept for ``/trace/{id}`` (0: off).
     """
@@ -52,6 +54,7 @@ class ServerConfig:
     api_key: str | None = None
     max_batch: int = 8
     max_queue: int = 64
+    prompt_budget: int = 256
     shutdown_timeout: float = 30.0
     #: keep the step traces of the last ``trace`` finished requests, each served as a page
     #: at ``/trace/{id}`` (0: no tracing)
@@ -103,6 +106,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         try:
             sot = load()
             sot.engine.max_batch = config.max_batch
+            sot.engine.prompt_budget = config.prompt_budget or None
             sot.engine.record_steps = config.trace > 0
             _ = sot.engine.policy  # measure the verify cost model before serving
             state.sot = sot
