@@ -84,7 +84,7 @@ def test_ngram_index_finds_what_a_full_scan_ranks_first() -> None:
             assert index.best(context, 5) == (found[0] if found else [])
 
 
-def _kernel_attention(q, keys, values, length, paths):
+def _kernel_attention(q, keys, values, length, paths, window=0):
     """The compiled kernel over one sequence: rows whose ancestors (root first) are ``paths``."""
     from sot.kernels import cpu_kernels
 
@@ -93,7 +93,38 @@ def _kernel_attention(q, keys, values, length, paths):
     for r, path in enumerate(paths):
         anc[0, r, : len(path)] = torch.tensor(path)
     return cpu_kernels().tree_attention_exact(q, keys, values, torch.tensor([length]), anc,
-                                              torch.tensor([len(paths)]), 0.125, 0, 0.0)
+                                              torch.tensor([len(paths)]), 0.125, window, 0.0)
+
+
+@pytest.mark.parametrize("length,window", [(100, 0), (703, 0), (703, 300), (1000, 0)])
+def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length: int, window: int) -> None:
+    """Rows with many keys are attended in two halves split where their position says (so
+    one-row passes spread over the threads): a tree row still gives the bits plain decoding
+    gives its token, and the merged halves are the attention computed in float64."""
+    from sot.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(1, 2, 16, 1040, generator=gen)  # [B, Hkv, D, S'] transposed
+    values = torch.randn(1, 2, 1024, 16, generator=gen)
+    q = torch.randn(1, 6, 4, 16, generator=gen) * 3  # 3 query heads per KV head, 4 tree rows
+    paths = [[length], [length, length + 1], [length, length + 2], [length, length + 1, length + 3]]
+    tree = _kernel_attention(q, keys, values, length, paths, window)
+    for r, path in enumerate(paths):
+        # plain decoding of the same token: its ancestors committed at their positions
+        k2, v2 = keys.clone(), values.clone()
+        pos = length + len(path) - 1
+        k2[..., length:pos + 1] = keys[..., path]
+        v2[:, :, length:pos + 1] = values[:, :, path]
+        plain = _kernel_attention(q[:, :, r:r + 1].contiguous(), k2, v2, pos, [[pos]], window)
+        assert torch.equal(plain[0, 0], tree[0, r]), f"row {r}"
+        first = max(0, pos - window + 1) if window else 0
+        kk = k2[0, :, :, first:pos + 1].double().repeat_interleave(3, dim=0)  # [H, D, n]
+        vv = v2[0, :, first:pos + 1].double().repeat_interleave(3, dim=0)  # [H, n, D]
+        weights = torch.softmax(torch.einsum("hd,hdn->hn", q[0, :, r].double(), kk) * 0.125, dim=-1)
+        expected = torch.einsum("hn,hnd->hd", weights, vv)
+        assert torch.allclose(tree[0, r].double(), expected, atol=1e-5, rtol=1e-4), f"row {r}"
 
 
 def test_transposed_keys_pad_their_stride_and_attention_ignores_it() -> None:

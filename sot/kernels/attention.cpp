@@ -4,6 +4,9 @@
 // position order: the committed slots 0 .. length-1, then the row's ancestors (root first,
 // itself last). Nothing depends on how many rows, trees or sequences share the call, so a
 // tree row produces the same bits as plain decoding of the same token.
+// A row of many keys is attended in two halves split at a point its position fixes, and the
+// halves merged by a fixed formula, so that that too is the same in every pass; the halves
+// are separate tasks, which spreads a one-row pass over the threads.
 #include "common.h"
 
 typedef int32_t vec16i __attribute__((vector_size(64)));
@@ -150,6 +153,98 @@ inline void weighted_values(int64_t group, const float* weights, int64_t stride,
   for (int64_t j = 0; j < g; ++j) acc[j * nv] = lane[j];
 }
 
+// A row with at least this many keys is attended as two halves, split at a point its own
+// position fixes (so a tree row and plain decoding split alike), and the halves' softmaxes are
+// merged by a fixed formula: a one-row pass then spreads its KV heads' halves over the threads
+// instead of leaving a thread with one head more than another.
+constexpr int64_t kSplitKeys = 256;
+
+// One row's attention over its keys from slot `lo`: the `committed` slots from there, then
+// its ancestors at `slots` (relative to `lo`). Leaves, per query head j, the weighted value sums
+// in acc[j * nv ...], the largest score in tops[j] and the sum of the weights in sums[j].
+template <int G>
+void attend_part(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, int64_t room,
+                 const float* vbase, int64_t committed, const std::vector<int64_t>& slots, float scale,
+                 float softcap, std::vector<float>& scores, vec16* accv, float* tops, float* sums) {
+  const int64_t nv = D / kLanes;
+  const int64_t total = committed + static_cast<int64_t>(slots.size());
+  // Scores in whole 16-key blocks from slot lo: over the committed slots and on through the
+  // scratch slots up to the row's own, whose ancestors' scores are then moved behind the
+  // committed ones. Each lane sums q[d] * k[d] over d in order, the same operations as the
+  // scalar loops, which take whatever the blocks cannot reach (the end of the cache).
+  const int64_t reach = slots.empty() ? committed : slots.back() + 1;
+  int64_t blocks = (reach + kLanes - 1) / kLanes * kLanes;
+  const bool tail_in_blocks = blocks <= room;
+  if (!tail_in_blocks) {
+    blocks = (committed + kLanes - 1) / kLanes * kLanes;
+    if (blocks > room) blocks = committed / kLanes * kLanes;
+  }
+  const int64_t stride = (std::max(total, blocks) + kLanes - 1) / kLanes * kLanes;
+  scores.resize(group * stride);
+  for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
+    score_block<G>(group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
+  if (tail_in_blocks) {
+    // An ancestor's slot is at or past its place in the row's key order, and later
+    // ancestors sit at later slots: moving them in order overwrites nothing still needed.
+    for (int64_t j = 0; j < group; ++j)
+      for (int64_t k = committed; k < total; ++k)
+        scores[j * stride + k] = scores[j * stride + slots[k - committed]];
+  } else {
+    for (int64_t k = committed; k < total; ++k) {
+      const int64_t slot = slots[k - committed];
+      for (int64_t j = 0; j < group; ++j) {
+        float sc = 0.f;
+        for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + slot];
+        scores[j * stride + k] = sc * scale;
+      }
+    }
+    for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
+      for (int64_t j = 0; j < group; ++j) {
+        float sc = 0.f;
+        for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + k];
+        scores[j * stride + k] = sc * scale;
+      }
+    }
+  }
+  if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), before the softmax
+    for (int64_t j = 0; j < group; ++j)
+      for (int64_t k = 0; k < total; ++k) {
+        float& s = scores[j * stride + k];
+        s = std::tanh(s / softcap) * softcap;
+      }
+  for (int64_t j = 0; j < group; ++j) {
+    float* sc = scores.data() + j * stride;
+    float top = -INFINITY;
+    for (int64_t k = 0; k < total; ++k) top = sc[k] > top ? sc[k] : top;
+    for (int64_t k = total; k < stride; ++k) sc[k] = top;  // padding, zeroed below
+#if defined(__AVX2__)
+    const __m256 top8 = _mm256_set1_ps(top);
+    for (int64_t k = 0; k < stride; k += 8)  // now weights
+      _mm256_storeu_ps(sc + k, softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), top8)));
+#else
+    for (int64_t k = 0; k < stride; k += kLanes) {
+      vec16 v;
+      std::memcpy(&v, sc + k, sizeof(v));
+      v = softmax_exp(v - top);  // now weights
+      std::memcpy(sc + k, &v, sizeof(v));
+    }
+#endif
+    for (int64_t k = total; k < stride; ++k) sc[k] = 0.f;
+    float lanes[kLanes] = {0};
+    int64_t k = 0;
+    for (; k + kLanes <= total; k += kLanes)
+      for (int l = 0; l < kLanes; ++l) lanes[l] += sc[k + l];
+    for (int l = 0; k < total; ++k, ++l) lanes[l] += sc[k];
+    for (int w = kLanes / 2; w > 0; w /= 2)
+      for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+    sums[j] = lanes[0];
+    tops[j] = top;
+  }
+  for (int64_t i = 0; i < nv; ++i)
+    weighted_values<G>(group, scores.data(), stride, vbase + i * kLanes, D, committed, slots.data(), total,
+                       accv + i, nv);
+}
+
 template <typename T, int G>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
          const at::Tensor& lengths, const at::Tensor& ancestors, const at::Tensor& rows,
@@ -169,23 +264,29 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   const int64_t* ap = ancestors.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+  // the halves of split rows: weighted value sums, largest scores and weight sums per head
+  const int64_t units = B * Hkv * R;
+  std::vector<vec16> half_acc(units * 2 * group * nv);
+  std::vector<float> half_top(units * 2 * group), half_sum(units * 2 * group);
+  std::vector<char> split_rows(units, 0);
 
-  at::parallel_for(0, B * Hkv * R, 1, [&](int64_t begin, int64_t end) {
+  // One task is one half of one (sequence, KV head, row); a row that is not split is all
+  // in its first half's task.
+  at::parallel_for(0, units * 2, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qrows(group * D);
     std::vector<int64_t> slots;
     std::vector<vec16> accv(group * nv);
+    float tops[kMaxGroup], sums[kMaxGroup];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (Hkv * R), kvh = (task / R) % Hkv, r = task % R;
+      const int64_t unit = task / 2, half = task % 2;
+      const int64_t b = unit / (Hkv * R), kvh = (unit / R) % Hkv, r = unit % R;
       if (r >= rp[b]) {
-        for (int64_t j = 0; j < group; ++j) {
-          T* o = op + ((b * R + r) * H + kvh * group + j) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = T(0.f);
-        }
+        if (half == 0)
+          for (int64_t j = 0; j < group; ++j) {
+            T* o = op + ((b * R + r) * H + kvh * group + j) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] = T(0.f);
+          }
         continue;
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        const T* qsrc = qp + b * qs0 + (kvh * group + j) * qs1 + r * qs2;
-        for (int64_t d = 0; d < D; ++d) qrows[j * D + d] = static_cast<float>(qsrc[d]);
       }
       const int64_t* anc = ap + (b * R + r) * W;
       int64_t depth = -1;
@@ -197,92 +298,60 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
       const int64_t position = lp[b] + depth;
       const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
       const int64_t lo = std::min(first, lp[b]);  // first committed slot read
-      const float* kt = kp + (b * Hkv + kvh) * D * S + lo;      // [D][S], from slot lo
-      const float* vbase = vp + ((b * Hkv + kvh) * Sv + lo) * D;  // [Sv][D], from slot lo
       const int64_t committed = lp[b] - lo;
-      slots.clear();
-      for (int64_t w = std::max<int64_t>(0, first - lp[b]); w <= depth; ++w) slots.push_back(anc[w] - lo);
-      const int64_t total = committed + static_cast<int64_t>(slots.size());
-      // Scores in whole 16-key blocks from slot lo: over the committed slots and on through
-      // the scratch slots up to the row's own, whose ancestors' scores are then moved behind
-      // the committed ones. Each lane sums q[d] * k[d] over d in order, the same operations
-      // as the scalar loops, which take whatever the blocks cannot reach (the end of the
-      // cache).
-      const int64_t reach = slots.empty() ? committed : slots.back() + 1;
-      int64_t blocks = (reach + kLanes - 1) / kLanes * kLanes;
-      const bool tail_in_blocks = blocks <= S - lo;
-      if (!tail_in_blocks) {
-        blocks = (committed + kLanes - 1) / kLanes * kLanes;
-        if (blocks > S - lo) blocks = committed / kLanes * kLanes;
-      }
-      const int64_t stride = (std::max(total, blocks) + kLanes - 1) / kLanes * kLanes;
-      scores.resize(group * stride);
-      for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
-        score_block<G>(group, qrows.data(), D, kt + k0, S, scale, scores.data() + k0, stride);
-      if (tail_in_blocks) {
-        // An ancestor's slot is at or past its place in the row's key order, and later
-        // ancestors sit at later slots: moving them in order overwrites nothing still needed.
-        for (int64_t j = 0; j < group; ++j)
-          for (int64_t k = committed; k < total; ++k)
-            scores[j * stride + k] = scores[j * stride + slots[k - committed]];
-      } else {
-        for (int64_t k = committed; k < total; ++k) {
-          const int64_t slot = slots[k - committed];
-          for (int64_t j = 0; j < group; ++j) {
-            float sc = 0.f;
-            for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + slot];
-            scores[j * stride + k] = sc * scale;
-          }
-        }
-        for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
-          for (int64_t j = 0; j < group; ++j) {
-            float sc = 0.f;
-            for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + k];
-            scores[j * stride + k] = sc * scale;
-          }
-        }
-      }
-      if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), before the softmax
-        for (int64_t j = 0; j < group; ++j)
-          for (int64_t k = 0; k < total; ++k) {
-            float& s = scores[j * stride + k];
-            s = std::tanh(s / softcap) * softcap;
-          }
-      float sums[kMaxGroup];
+      const int64_t total = committed + depth + 1 - std::max<int64_t>(0, first - lp[b]);
+      // the split: a whole number of 16-key blocks, among the committed keys
+      int64_t split = total >= kSplitKeys ? total / 2 / kLanes * kLanes : 0;
+      if (split > committed) split = 0;  // (never, with trees of at most 64 levels: a guard)
+      if (half == 1 && split == 0) continue;
       for (int64_t j = 0; j < group; ++j) {
-        float* sc = scores.data() + j * stride;
-        float top = -INFINITY;
-        for (int64_t k = 0; k < total; ++k) top = sc[k] > top ? sc[k] : top;
-        for (int64_t k = total; k < stride; ++k) sc[k] = top;  // padding, zeroed below
-#if defined(__AVX2__)
-        const __m256 top8 = _mm256_set1_ps(top);
-        for (int64_t k = 0; k < stride; k += 8)  // now weights
-          _mm256_storeu_ps(sc + k, softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), top8)));
-#else
-        for (int64_t k = 0; k < stride; k += kLanes) {
-          vec16 v;
-          std::memcpy(&v, sc + k, sizeof(v));
-          v = softmax_exp(v - top);  // now weights
-          std::memcpy(sc + k, &v, sizeof(v));
-        }
-#endif
-        for (int64_t k = total; k < stride; ++k) sc[k] = 0.f;
-        float lanes[kLanes] = {0};
-        int64_t k = 0;
-        for (; k + kLanes <= total; k += kLanes)
-          for (int l = 0; l < kLanes; ++l) lanes[l] += sc[k + l];
-        for (int l = 0; k < total; ++k, ++l) lanes[l] += sc[k];
-        for (int w = kLanes / 2; w > 0; w /= 2)
-          for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-        sums[j] = lanes[0];
+        const T* qsrc = qp + b * qs0 + (kvh * group + j) * qs1 + r * qs2;
+        for (int64_t d = 0; d < D; ++d) qrows[j * D + d] = static_cast<float>(qsrc[d]);
       }
-      for (int64_t i = 0; i < nv; ++i)
-        weighted_values<G>(group, scores.data(), stride, vbase + i * kLanes, D, committed, slots.data(), total,
-                           accv.data() + i, nv);
+      const int64_t from = lo + (half == 1 ? split : 0);  // this part's first slot
+      slots.clear();
+      if (split == 0 || half == 1)
+        for (int64_t w = std::max<int64_t>(0, first - lp[b]); w <= depth; ++w) slots.push_back(anc[w] - from);
+      const int64_t part_committed = split == 0 ? committed : (half == 0 ? split : committed - split);
+      const float* kt = kp + (b * Hkv + kvh) * D * S + from;      // [D][S], from slot `from`
+      const float* vbase = vp + ((b * Hkv + kvh) * Sv + from) * D;  // [Sv][D], from slot `from`
+      vec16* acc = split == 0 ? accv.data() : half_acc.data() + (unit * 2 + half) * group * nv;
+      attend_part<G>(group, qrows.data(), D, kt, S, S - from, vbase, part_committed, slots, scale, softcap,
+                     scores, acc, tops, sums);
+      if (split > 0) {
+        split_rows[unit] = 1;
+        for (int64_t j = 0; j < group; ++j) {
+          half_top[(unit * 2 + half) * group + j] = tops[j];
+          half_sum[(unit * 2 + half) * group + j] = sums[j];
+        }
+        continue;
+      }
       for (int64_t j = 0; j < group; ++j) {
         T* o = op + ((b * R + r) * H + kvh * group + j) * D;
         for (int64_t i = 0; i < nv; ++i)
           for (int l = 0; l < kLanes; ++l) o[i * kLanes + l] = static_cast<T>(accv[j * nv + i][l] / sums[j]);
+      }
+    }
+  });
+  // Split rows: each half's weights are scaled to the larger of the two maxima, then summed.
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      if (!split_rows[unit]) continue;
+      const int64_t b = unit / (Hkv * R), kvh = (unit / R) % Hkv, r = unit % R;
+      for (int64_t j = 0; j < group; ++j) {
+        const float t0 = half_top[unit * 2 * group + j], t1 = half_top[(unit * 2 + 1) * group + j];
+        const float top = t0 > t1 ? t0 : t1;
+        vec16 x{};
+        x[0] = t0 - top;
+        x[1] = t1 - top;
+        const vec16 f = softmax_exp(x);
+        const float denom = half_sum[unit * 2 * group + j] * f[0] + half_sum[(unit * 2 + 1) * group + j] * f[1];
+        const vec16* a0 = half_acc.data() + (unit * 2) * group * nv + j * nv;
+        const vec16* a1 = half_acc.data() + (unit * 2 + 1) * group * nv + j * nv;
+        T* o = op + ((b * R + r) * H + kvh * group + j) * D;
+        for (int64_t i = 0; i < nv; ++i)
+          for (int l = 0; l < kLanes; ++l)
+            o[i * kLanes + l] = static_cast<T>((a0[i][l] * f[0] + a1[i][l] * f[1]) / denom);
       }
     }
   });
