@@ -49,6 +49,8 @@ class Completion:
     tree_sizes: list[int] = field(default_factory=list)
     plain_steps: int = 0
     fallbacks: int = 0
+    #: prompt tokens taken from the prefix cache (rows of earlier prompts and answers)
+    cached_tokens: int = 0
     #: with ``trace=True``: one :class:`~sot.trace.StepRecord` per verify step
     step_records: list[StepRecord] = field(default_factory=list)
 
@@ -278,6 +280,7 @@ class SoT:
                         tree_sizes=res.tree_sizes,
                         plain_steps=res.plain_steps,
                         fallbacks=res.fallbacks,
+                        cached_tokens=res.cached_tokens,
                         step_records=res.step_records,
                     )
                 )

@@ -58,6 +58,10 @@ def test_python_api_generate_and_stream(model_dir: Path) -> None:
     assert sum(len(e.token_ids) for e in streamed) == 16
     assert "".join(e.text for e in streamed) == out[0].text
     assert streamed[-1].finished
+    # a prompt that continues the first one's answer takes its rows from the prefix cache
+    ids = sot.encode("abcabcabc", chat=False)
+    again = sot.generate_ids([ids + out[0].token_ids + ids], sot.params(max_new_tokens=4))[0]
+    assert out[0].cached_tokens == 0 and again.cached_tokens >= len(ids) + 15
 
 
 def test_auto_drafter_is_suffix_without_a_fitting_predictor(model_dir: Path) -> None:
