@@ -416,8 +416,6 @@ class Engine:
         if longest + self._headroom() > self._cache.capacity:  # answers grew: room for GROW_STEP more
             self._ensure_cache(len(seqs), longest + self.GROW_STEP + self._headroom())
         t0 = time.perf_counter()
-        if self.policy.cost is not None:  # price this step's passes at its sequences' mean length
-            self.policy.cost.at(sum(s.length for s in seqs) // len(seqs))
         passes = self.drafter.passes
         self.drafter.record_states = self.record_steps
         plan, trees = self._plan_and_draft(seqs)

@@ -40,46 +40,17 @@ def test_cost_model_measure_times_every_size_in_turn_and_keeps_the_fastest(monke
 
     def fake_clock() -> float:  # read twice per pass: at its start and at its end
         if clock["reads"] % 2 == 1:
-            clock["now"] += per_round[(len(calls) - 1) // (2 * len(sizes))]
+            clock["now"] += per_round[(len(calls) - 1) // len(sizes)]
         clock["reads"] += 1
         return clock["now"]
 
     monkeypatch.setattr("sot.policy.cost.time.perf_counter", fake_clock)
     cost = CostModel.measure(target, 16, context=32, repeats=3)
-    first = calls[: 2 * len(sizes)]  # every size after 32 keys, then after 128
-    assert len(set(first)) == 2 * len(sizes) and calls == first * 4, \
-        "a warm-up round, then 3 rounds of all passes in turn"
-    assert cost.rows == sizes and (cost.context, cost.far_context) == (32, 128)
+    first = calls[: len(sizes)]
+    assert len(set(first)) == len(sizes) and calls == first * 4, "a warm-up round, then 3 rounds of all sizes in turn"
+    assert cost.rows == sizes
     # the fastest measured round (0.3 s), not the warm-up (0.1 s) nor the median (0.5 s)
-    assert cost.seconds == pytest.approx([0.3] * len(sizes)) and cost.far_seconds == pytest.approx([0.3] * len(sizes))
-
-
-def test_cost_model_prices_passes_at_the_context() -> None:
-    """With curves after two contexts, a pass is priced linearly between them by the context
-    the engine sets; the observed passes rescale both; the curves survive the disk."""
-    from sot.policy.cost import _read_curve, _write_curve
-
-    cost = CostModel([1, 16], [0.010, 0.040], context=256, far=(1024, [0.012, 0.056]))
-    assert cost.verify(16) == pytest.approx(0.040)  # at the near context until told otherwise
-    cost.at(640)  # halfway
-    assert cost.verify(1) == pytest.approx(0.011) and cost.verify(16) == pytest.approx(0.048)
-    cost.at(0)
-    assert cost.verify(16) == pytest.approx(0.040 - 0.016 / 3)  # extrapolated down to no keys
-    cost.at(10**6)
-    assert cost.verify(16) == pytest.approx(0.040 + 4 * 0.016)  # at most 4 spans past the far one
-    cost.at(1024)
-    cost.observe(16, 0.112, rate=1.0)  # twice the price: both curves double
-    assert cost.verify(16) == pytest.approx(0.112) and cost.seconds == pytest.approx([0.020, 0.080])
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        _write_curve(cost, Path(tmp) / "c.json")
-        back = _read_curve(Path(tmp) / "c.json")
-    assert (back.rows, back.seconds, back.context, back.far_context, back.far_seconds) == \
-        (cost.rows, cost.seconds, cost.context, cost.far_context, cost.far_seconds)
-    with pytest.raises(ValueError):
-        CostModel([1, 16], [0.01, 0.04], context=256, far=(128, [0.01, 0.04]))
+    assert cost.seconds == pytest.approx([0.3] * len(sizes))
 
 
 def test_cost_model_measure_times_the_sizes_asked_for() -> None:

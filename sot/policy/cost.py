@@ -1,7 +1,7 @@
 """The verify cost of a pass by its row count, measured on this machine.
 
-Measuring the curve takes some seconds on the default model (about 90 passes of up to 96 rows
-after a 256-token context, and as many after a 1024-token one), so it is kept under ``$SOT_CACHE/costs/`` (default ``~/.cache/sot``) per machine, target
+Measuring the curve takes a few seconds on the default model (about 90 passes of up to 96
+rows), so it is kept under ``$SOT_CACHE/costs/`` (default ``~/.cache/sot``) per machine, target
 weights, dtype, compute path and kernel build, and later loads read it back; delete the folder
 to measure again. A running engine still rescales the curve to the passes it times
 (:meth:`CostModel.observe`), so a busier machine than at measurement is followed.
@@ -21,46 +21,22 @@ import torch
 from sot.models.rows import round_up
 
 
-def _monotone(seconds: list[float]) -> list[float]:
-    """Verify time never decreases with more rows; measurement noise can make it look so."""
-    out: list[float] = []
-    for t in seconds:
-        out.append(max([t] + out[-1:]))
-    return out
-
-
 class CostModel:
     """Seconds of one verify pass as a function of its row count (batch of one sequence),
-    interpolated linearly between measured points.
+    interpolated linearly between measured points."""
 
-    With a second curve timed after a longer context (``far``), a pass is priced at the
-    context set by :meth:`at`, linearly between the two: each row's attention grows with the
-    keys it reads, so wide passes cost relatively more in a long conversation.
-    """
-
-    #: how far past the longer timed context the price is extrapolated, in spans between the two
-    MAX_SPANS = 4.0
-
-    def __init__(self, rows: list[int], seconds: list[float], context: int = 0,
-                 far: tuple[int, list[float]] | None = None) -> None:
-        if not rows or len(rows) != len(seconds) or (far is not None and len(far[1]) != len(rows)):
+    def __init__(self, rows: list[int], seconds: list[float]) -> None:
+        if not rows or len(rows) != len(seconds):
             raise ValueError("a cost model needs matching rows and seconds")
-        if far is not None and far[0] <= context:
-            raise ValueError("the second curve must be timed after a longer context")
         order = sorted(range(len(rows)), key=lambda i: rows[i])
         self.rows = [rows[i] for i in order]
-        self.seconds = _monotone([seconds[i] for i in order])
-        self.context = context  # keys before the timed passes
-        self.far_context = far[0] if far is not None else None
-        self.far_seconds = _monotone([far[1][i] for i in order]) if far is not None else None
-        self.keys = context  # the context passes are priced at (:meth:`at`)
+        # verify time never decreases with more rows; measurement noise can make it look so
+        self.seconds = []
+        for i in order:
+            self.seconds.append(max([seconds[i]] + self.seconds[-1:]))
 
-    def at(self, keys: int) -> None:
-        """Price the coming passes as after ``keys`` committed keys (a step's mean length)."""
-        self.keys = keys
-
-    def _curve(self, seconds: list[float], rows: int) -> float:
-        r, s = self.rows, seconds
+    def verify(self, rows: int) -> float:
+        r, s = self.rows, self.seconds
         if rows <= r[0]:
             return s[0]
         for i in range(1, len(r)):
@@ -70,27 +46,17 @@ class CostModel:
         slope = (s[-1] - s[-2]) / (r[-1] - r[-2]) if len(r) > 1 else 0.0
         return s[-1] + slope * (rows - r[-1])
 
-    def verify(self, rows: int) -> float:
-        near = self._curve(self.seconds, rows)
-        if self.far_seconds is None:
-            return near
-        span = self.far_context - self.context
-        w = min(max((self.keys - self.context) / span, -self.context / span), self.MAX_SPANS)
-        return max(near + w * (self._curve(self.far_seconds, rows) - near), 0.5 * near)
-
     def observe(self, rows: int, seconds: float, rate: float = 0.1) -> None:
         """Refine the curve with a pass of ``rows`` rows that took ``seconds`` (a step's own
-        timing, at the context :meth:`at` set): the whole curve is scaled toward it by ``rate``,
-        so the model follows the machine's load in a long-running server, and the cost that a
-        batch of many sequences adds over the one-sequence passes timed at start-up. A single
-        pass moves the curve by at most a factor of 2 ** rate."""
+        timing): the whole curve is scaled toward it by ``rate``, so the model follows the
+        machine's load in a long-running server, and the cost that a batch of many sequences
+        adds over the one-sequence passes timed at start-up. A single pass moves the curve by at
+        most a factor of 2 ** rate."""
         predicted = self.verify(rows)
         if predicted <= 0 or seconds <= 0:
             return
         factor = min(2.0, max(0.5, seconds / predicted)) ** rate
         self.seconds = [t * factor for t in self.seconds]
-        if self.far_seconds is not None:
-            self.far_seconds = [t * factor for t in self.far_seconds]
 
     @classmethod
     def for_target(cls, target, max_nodes: int) -> "CostModel":
@@ -113,15 +79,13 @@ class CostModel:
 
     @classmethod
     def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5,
-                sizes: list[int] | None = None, far_context: int | None = None) -> "CostModel":
+                sizes: list[int] | None = None) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
-        after a ``context``-token prefill and after a ``far_context``-token one (default four
-        times as long, where the model's positions allow; ``0``: one context only): one
-        warm-up round, then ``repeats`` rounds in which every (context, size) takes its turn;
-        each keeps its fastest pass. In a batch, a pass over ``B`` sequences of ``n`` rows is
-        costed as ``verify(B * n)``. ``sizes``: the row counts to time (default 1, 2, 4, 8,
-        12, 16, 24, 32, 48, 64 up to ``max_rows``, and ``max_rows``, plus the first row count
-        past each multiple of 16); the others are interpolated."""
+        after a ``context``-token prefill: one warm-up round, then ``repeats`` rounds in which
+        every size takes its turn; each size keeps its fastest pass. In a batch, a pass over
+        ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``. ``sizes``: the row counts
+        to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to ``max_rows``, and
+        ``max_rows``, plus the first row count past each multiple of 16); the others are interpolated."""
         from sot.attention import build_tree_layout
         from sot.tree import ancestor_table, tree_from_parents
 
@@ -129,45 +93,37 @@ class CostModel:
             points = {1, 2, 4, 8, 12, 16, 17, 24, 32, 33, 48, 49, 64, 65, 80, 96, 97, 128}
             sizes = sorted(points & set(range(1, max_rows + 1)) | {max_rows})
         unit = target.row_multiple
-        if far_context is None:
-            far_context = 4 * context
-            if target.max_positions and far_context + max(sizes) + unit > target.max_positions:
-                far_context = 0
-        contexts = [context] + ([far_context] if far_context else [])
+        cache = target.new_cache(1, context + max(sizes) + unit + 16)
         gen = torch.Generator().manual_seed(0)
         vocab = target.model.get_input_embeddings().weight.shape[0]
-        passes = []  # (context, size, cache, ids, positions, layout)
-        for ctx in contexts:
-            cache = target.new_cache(1, ctx + max(sizes) + unit + 16)
-            prompt = torch.randint(0, vocab, (ctx,), generator=gen)
-            target.prefill(cache, 0, prompt)
-            cache.set_length(0, ctx)
-            for n in sizes:
-                tree = tree_from_parents(prompt[-n:].tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
-                rows = round_up(n, unit)
-                ids = torch.full((1, rows), int(tree.tokens[0]))
-                ids[0, :n] = torch.tensor(tree.tokens)
-                pos = torch.full((1, rows), ctx)
-                pos[0, :n] = torch.tensor(tree.depths) + ctx
-                layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows, cache)
-                passes.append((ctx, n, cache, ids, pos, layout))
-        # Passes take turns, round after round (the first round warms up), and each keeps its
-        # fastest time: a busy moment then slows one round of every pass instead of bending
+        prompt = torch.randint(0, vocab, (context,), generator=gen)
+        target.prefill(cache, 0, prompt)
+        cache.set_length(0, context)
+        passes = []
+        for n in sizes:
+            tree = tree_from_parents(prompt[-n:].tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
+            rows = round_up(n, unit)
+            ids = torch.full((1, rows), int(tree.tokens[0]))
+            ids[0, :n] = torch.tensor(tree.tokens)
+            pos = torch.full((1, rows), context)
+            pos[0, :n] = torch.tensor(tree.depths) + context
+            layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows, cache)
+            passes.append((ids, pos, layout))
+        # Sizes take turns, round after round (the first round warms up), and each keeps its
+        # fastest pass: a busy moment then slows one round of every size instead of bending
         # the curve, and the minimum is the most repeatable timing of a pass.
-        timings = {(ctx, n): math.inf for ctx, n, *_ in passes}
+        timings = {n: math.inf for n in sizes}
         for round_ in range(repeats + 1):
-            for ctx, n, cache, ids, pos, layout in passes:
+            for n, (ids, pos, layout) in zip(sizes, passes):
                 t0 = time.perf_counter()
                 target.verify(cache, ids, pos, layout)
                 if round_ > 0:
-                    timings[ctx, n] = min(timings[ctx, n], time.perf_counter() - t0)
-        near = [timings[context, n] for n in sizes]
-        far = (far_context, [timings[far_context, n] for n in sizes]) if far_context else None
-        return cls(list(sizes), near, context, far)
+                    timings[n] = min(timings[n], time.perf_counter() - t0)
+        return cls(list(timings), list(timings.values()))
 
 
 #: bump when the measurement changes, so curves kept by older versions are measured again
-COST_FORMAT = 2
+COST_FORMAT = 1
 
 
 def cost_cache_path(target, max_rows: int) -> Path | None:
@@ -196,8 +152,7 @@ def cost_cache_path(target, max_rows: int) -> Path | None:
 def _read_curve(path: Path) -> CostModel | None:
     try:
         raw = json.loads(path.read_text())
-        far = (int(raw["far_context"]), [float(s) for s in raw["far_seconds"]]) if raw.get("far_seconds") else None
-        return CostModel([int(r) for r in raw["rows"]], [float(s) for s in raw["seconds"]], int(raw["context"]), far)
+        return CostModel([int(r) for r in raw["rows"]], [float(s) for s in raw["seconds"]])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no curve kept, or an unreadable one: measure again
 
@@ -207,8 +162,7 @@ def _write_curve(model: CostModel, path: Path) -> None:
     from sot.models.loading import keep_json
 
     try:
-        keep_json(path, {"rows": model.rows, "seconds": model.seconds, "context": model.context,
-                         "far_context": model.far_context, "far_seconds": model.far_seconds})
+        keep_json(path, {"rows": model.rows, "seconds": model.seconds})
     except OSError:
         pass
 
