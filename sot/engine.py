@@ -99,8 +99,9 @@ class Engine:
             finished sequence, and called before each step (on-policy recording, test-time
             adaptation of the drafter). The target may return more state layers than the
             drafter reads (e.g. its final state, for a recorder): the drafter gets its own.
-        prefix_cache: prompt chunks already read, reused by prompts that start with the same
-            tokens (:mod:`sot.prefix_cache`; exact, so the output is the same without it).
+        prefix_cache: the rows of earlier prompts and answers, reused by prompts that start
+            with the same tokens (:mod:`sot.prefix_cache`; exact, so the output is the same
+            without it).
         prompt_budget: while sequences are decoding, the prompt tokens a step reads at most
             (``None``: every admitted prompt whole). A longer prompt is read over several steps
             into a cache of its own, so the running sequences keep getting tokens meanwhile;
@@ -269,13 +270,13 @@ class Engine:
         budget = self.prompt_budget if self._running and self.prompt_budget is not None else None
         count = 0
         while count < min(room, len(self._waiting)):  # the queue's head first, as far as the budget goes
-            seq = self._waiting[count]
-            unread = len(seq.prompt) - self._read_so_far(seq)
-            if budget is not None and unread > budget:
-                if budget > 0:  # read what the budget allows now, the rest on later steps
-                    self._stage(seq, budget)
-                break
             if budget is not None:
+                seq = self._waiting[count]
+                unread = len(seq.prompt) - self._read_so_far(seq)
+                if unread > budget:
+                    if budget > 0:  # read what the budget allows now, the rest on later steps
+                        self._stage(seq, budget)
+                    break
                 budget -= unread
             count += 1
         admitted, self._waiting = self._waiting[:count], self._waiting[count:]
@@ -376,7 +377,7 @@ class Engine:
         self._cache.lengths[b] = start
         out = self.target.prefill(self._cache, b, torch.tensor(prompt[start:]), start=start)
         whole = torch.cat([*states, out.states[0]]) if out.states is not None else None
-        if store is not None:
+        if store is not None and store.max_bytes > 0:
             if whole is not None:  # the answer's states join these (_decode_step)
                 seq.history = [whole]
             self._store_prefix(seq, b, prompt, whole)
@@ -521,7 +522,8 @@ class Engine:
         seq = self._running[b]
         last = len(self._running) - 1
         # the answer too, where its states were kept (or none are read): a chat's next turn starts with it
-        if self.prefix_cache is not None and (seq.history is not None or not self.target.state_layers):
+        store = self.prefix_cache
+        if store is not None and store.max_bytes > 0 and (seq.history is not None or not self.target.state_layers):
             states = torch.cat(seq.history) if seq.history is not None else None
             self._store_prefix(seq, b, seq.context[: self._cache.lengths[b]], states)
         if b != last:
