@@ -50,14 +50,18 @@ def _walk(tree: DraftTree, choose: "callable") -> Acceptance:
         node = child
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | None = None) -> Acceptance:
     """Longest path whose tokens equal the target argmax, plus the argmax after it.
 
     Args:
         logits: ``[N, V]`` target logits at each tree node.
+        argmax: the argmax of each node's logits row, when the caller took them already
+            (``logits`` is then not read).
     """
-    assert logits.dim() == 2 and logits.shape[0] >= tree.size
-    argmax = logits[: tree.size].argmax(dim=-1).tolist()
+    if argmax is None:
+        assert logits.dim() == 2 and logits.shape[0] >= tree.size
+        argmax = logits[: tree.size].argmax(dim=-1).tolist()
+    assert len(argmax) >= tree.size
 
     def choose(node: int, children: list[int]) -> tuple[int | None, int]:
         want = argmax[node]

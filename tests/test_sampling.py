@@ -29,6 +29,26 @@ def test_greedy_keeps_exactly_the_argmax_prefix() -> None:
     assert acc.path == [0, 2, 3] and acc.tokens == [3, 1, 4]
 
 
+def test_batched_argmax_rows_give_each_sequence_its_own_greedy_path() -> None:
+    """accept_all takes every row's argmax in one call; each sequence's slice of it must walk
+    its tree exactly as its own logits do, flat-packed or padded."""
+    from sot.models.adapter import ForwardOutput
+    from sot.verify import _argmax_rows
+
+    trees = [tree_from_parents([9, 2, 3, 1], [-1, 0, 0, 2]), tree_from_parents([5, 0, 1], [-1, 0, 1])]
+    rows = _logits(8, 6, seed=3)
+    for start, tree in zip((0, 4), trees):  # each root row's argmax is its first child: paths go past the root
+        rows[start, tree.tokens[1]] = 50.0
+    flat = ForwardOutput(rows, None, (0, 4, 7))
+    padded = ForwardOutput(torch.stack([rows[0:4], torch.cat([rows[4:7], rows[7:8]])]), None)
+    for out in (flat, padded):
+        ids = _argmax_rows(out)
+        for b, tree in enumerate(trees):
+            alone = accept_greedy(tree, out.seq_logits(b))
+            assert accept_greedy(tree, out.seq_logits(b), ids[b]) == alone
+    assert len(accept_greedy(trees[0], flat.seq_logits(0), _argmax_rows(flat)[0]).path) > 1
+
+
 def test_greedy_rejects_everything_when_no_child_matches() -> None:
     logits = _logits(3, 8)
     best = int(logits[0].argmax())
