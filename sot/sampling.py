@@ -13,10 +13,20 @@ import torch
 
 
 class SamplingMode(str, enum.Enum):
-    """How tokens are drawn when ``temperature > 0``."""
+    """How tokens are drawn when ``temperature > 0``. Both draw exactly from the target's
+    distribution and accept a drafted token with the same probability.
 
-    REJECTION = "rejection"  # lossless in distribution (recursive rejection sampling)
-    COUPLED = "coupled"  # Gumbel-max with noise keyed to (seed, sequence, position): reproducible
+    ``coupled`` (the default) takes the Gumbel-max of the logits with noise keyed to (seed,
+    sequence, position), so a seeded sample is the same text whatever was drafted, whatever
+    the batch and whatever the commit policy decided: it equals seeded plain decoding's
+    token for token. ``rejection`` (recursive rejection sampling) draws from the request's
+    random stream, whose use depends on the drafted trees, so the same seed can give another
+    sample when the drafts differ (another earlier answer in the suffix store, another
+    decision timed on a busier machine).
+    """
+
+    REJECTION = "rejection"
+    COUPLED = "coupled"
 
 
 @dataclass(frozen=True)
@@ -27,7 +37,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    mode: SamplingMode = SamplingMode.REJECTION
+    mode: SamplingMode = SamplingMode.COUPLED
 
     @property
     def greedy(self) -> bool:

@@ -143,10 +143,13 @@ def test_coupled_sampling_equals_seeded_plain_decoding(dtype: torch.dtype) -> No
     assert [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, other)] != plain
 
 
-@pytest.mark.parametrize("drafter_kind", ["oracle", "state", "suffix"])
-def test_engine_rejection_sampling_distribution(drafter_kind: str) -> None:
-    """Through the whole engine: the second generated token under tree speculation follows
-    the target's exact marginal ``sum_t1 p(t1) p(t2 | t1)`` (chi-square, small vocabulary).
+@pytest.mark.parametrize("drafter_kind,mode", [("oracle", SamplingMode.REJECTION), ("state", SamplingMode.REJECTION),
+                                               ("suffix", SamplingMode.REJECTION), ("oracle", SamplingMode.COUPLED),
+                                               ("suffix", SamplingMode.COUPLED)])
+def test_engine_sampling_distribution(drafter_kind: str, mode: SamplingMode) -> None:
+    """Through the whole engine, in both sampling modes: the second generated token under
+    tree speculation follows the target's exact marginal ``sum_t1 p(t1) p(t2 | t1)``
+    (chi-square, small vocabulary).
     ``oracle`` drafts 3 likely children; ``state`` is the state drafter (untrained predictor);
     ``suffix`` drafts from a store of likely answers, which grows with every sample."""
     from helpers import VOCAB
@@ -184,7 +187,7 @@ def test_engine_rejection_sampling_distribution(drafter_kind: str) -> None:
     # policy would rightly stop drafting; threshold 0 keeps the drafts coming)
     engine = Engine(target, drafter, TreeBudget(8, 3), policy=PolicyConfig(fallback_threshold=0))
     for seed in range(trials):
-        sp = SamplingParams(temperature=1.0, seed=seed)
+        sp = SamplingParams(temperature=1.0, seed=seed, mode=mode)
         res = engine.generate([prompt], GenerationParams(max_new_tokens=3, sampling=sp))[0]
         counts[res.token_ids[1]] += 1
         accepted += res.accept_lengths[0] > 1 if res.accept_lengths else 0

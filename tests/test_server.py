@@ -128,21 +128,21 @@ async def _served_tokens(url: str, body: dict, delay: float) -> list[int]:
 def test_concurrent_requests_equal_offline_generate(default_server, tmp_path) -> None:
     """12 greedy requests of mixed lengths, started at random offsets, each equal
     ``sot generate`` token for token (a greedy answer cut at k tokens is the first k tokens
-    of a longer one); the same seeded ``coupled`` request sent twice, at different moments,
-    equals its offline seeded sample both times (one offline call: each costs a model load)."""
+    of a longer one); the same seeded request sent twice, at different moments, equals its
+    offline seeded sample both times, once naming ``coupled`` and once by default (one
+    offline call: each costs a model load)."""
     rng = random.Random(3)
     limits = [rng.choice([8, 16, 24, 40, 56]) for _ in PROMPTS]
     reference = _offline(PROMPTS, tmp_path, "--max-new-tokens", str(max(limits)))
-    coupled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--sampling", "coupled",
-               "--max-new-tokens", "24"]
+    coupled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7", "--max-new-tokens", "24"]
     coupled_ref = _offline(PROMPTS[:1], tmp_path, *coupled)[0]
 
     def body(prompt: str, **kw) -> dict:
         return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "return_token_ids": True, **kw}
 
     bodies = [body(p, max_tokens=n, temperature=0) for p, n in zip(PROMPTS, limits)]
-    bodies += [body(PROMPTS[0], max_tokens=24, temperature=0.9, top_p=0.95, seed=7, sampling_mode="coupled")
-               for _ in range(2)]
+    bodies += [body(PROMPTS[0], max_tokens=24, temperature=0.9, top_p=0.95, seed=7, **mode)
+               for mode in ({"sampling_mode": "coupled"}, {})]
     delays = [rng.uniform(0, 1.5) for _ in bodies]
 
     async def run_all():
@@ -169,6 +169,12 @@ BAD = [
     ("n > 1", json.dumps(_chat("hi", n=2)).encode(), 400),
     ("temperature out of range", json.dumps(_chat("hi", temperature=2.5)).encode(), 400),
     ("negative temperature", json.dumps(_chat("hi", temperature=-1)).encode(), 400),
+    # OpenAI features the server does not provide are refused, not silently ignored
+    ("logprobs", json.dumps(_chat("hi", logprobs=True, top_logprobs=2)).encode(), 400),
+    ("json output", json.dumps(_chat("hi", response_format={"type": "json_object"})).encode(), 400),
+    ("tools", json.dumps(_chat("hi", tools=[{"type": "function", "function": {"name": "f"}}])).encode(), 400),
+    ("logit bias", json.dumps(_chat("hi", logit_bias={"5": 100})).encode(), 400),
+    ("frequency penalty", json.dumps(_chat("hi", frequency_penalty=0.5)).encode(), 400),
 ]
 
 
@@ -179,6 +185,19 @@ def test_bad_input_gets_a_json_error(tiny_server, name, payload, status) -> None
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["message"] and error["type"] and "Traceback" not in resp.text
+
+
+def test_unsupported_features_are_named_and_neutral_values_pass(tiny_server) -> None:
+    """A field the server cannot honour is refused with its name; the same fields at their
+    neutral values (as many clients send them) are accepted."""
+    neutral = _chat("hi", max_tokens=2, logprobs=False, tools=[], tool_choice="none", frequency_penalty=0,
+                    response_format={"type": "text"})
+    assert httpx.post(f"{tiny_server.url}/v1/chat/completions", json=neutral, headers=AUTH, timeout=60).status_code == 200
+    for field, value in (("echo", True), ("logprobs", 0), ("best_of", 3)):
+        resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": TINY, "prompt": "ab", "max_tokens": 2, field: value})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
+        assert field in resp.json()["error"]["message"]
 
 
 def test_api_key_is_required(tiny_server) -> None:

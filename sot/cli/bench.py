@@ -40,8 +40,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--temperature", type=non_negative_float, default=BenchConfig.temperature)
     bench.add_argument("--seed", type=int, default=BenchConfig.seed)
     bench.add_argument("--sampling", choices=[m.value for m in SamplingMode], default=BenchConfig.sampling,
-                       help="engine sampling: rejection (default) or coupled (seeded outputs equal plain decoding's, "
-                            "so speed compares on the same tokens)")
+                       help="engine sampling: coupled (default: seeded outputs equal plain decoding's, so speed "
+                            "compares on the same tokens) or rejection")
     add_tree_args(bench)
     bench.add_argument("--predictor", default=None, help="state predictor file (default: the shipped one)")
     bench.add_argument("--batch-size", type=positive_int, default=1,

@@ -137,7 +137,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=non_negative_int, default=SamplingParams.top_k, help="sampling top-k (0: off)")
     p.add_argument("--seed", type=int, default=SamplingParams.seed)
     p.add_argument("--sampling", choices=[m.value for m in SamplingMode], default=SamplingParams.mode.value,
-                   help="rejection: exact in distribution; coupled: seeded output equals plain decoding's")
+                   help="coupled (default): a seeded sample is the same text whatever was drafted, as plain "
+                        "decoding's; rejection: recursive rejection sampling. Both are exact in distribution")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 

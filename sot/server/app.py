@@ -260,6 +260,7 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
                        param="model", code="model_not_found")
     if body.n != 1:
         raise APIError(400, "n must be 1 (one choice per request)", param="n")
+    body.check_supported()
     context = state.context
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sot.sampling import SamplingParams
+
 if TYPE_CHECKING:
     from sot.requests import SequenceResult
 
@@ -52,14 +54,26 @@ class _GenerationRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    #: ``rejection`` (exact in distribution) or ``coupled`` (a seeded sample equals plain decoding's)
-    sampling_mode: Literal["rejection", "coupled"] = "rejection"
+    #: ``coupled`` (a seeded sample is the same text whatever was drafted, as plain decoding's)
+    #: or ``rejection``; both exact in distribution (see :class:`~sot.sampling.SamplingMode`)
+    sampling_mode: Literal["rejection", "coupled"] = SamplingParams.mode.value
     ignore_eos: bool = False
     #: the end user (OpenAI's field); with ``sot serve --suffix-tenants user`` it keys the
     #: earlier answers that drafts come from
     user: str | None = None
     #: add the generated ``token_ids`` to each choice (and ``prompt_token_ids`` to the response)
     return_token_ids: bool = False
+
+    def check_supported(self) -> None:
+        """Raise a 400 :class:`APIError` when the request asks for an OpenAI feature this
+        server does not provide (log probabilities, echo, tools, structured output, logit
+        bias, penalties, best-of): an answer that silently ignored it would not be what the
+        client asked for. Fields at their neutral values (``logprobs: false``, ``tools: []``,
+        ``response_format: {"type": "text"}``, a penalty of 0) are accepted."""
+        for name, value in (self.model_extra or {}).items():
+            reason = _UNSUPPORTED.get(name)
+            if reason is not None and _asks_for(name, value):
+                raise APIError(400, f"{name}: {reason} is not supported by this server", param=name)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -73,6 +87,37 @@ class _GenerationRequest(BaseModel):
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+#: OpenAI (and vLLM) request fields this server does not act on, with what they ask for
+_UNSUPPORTED = {
+    "logprobs": "returning log probabilities", "top_logprobs": "returning log probabilities",
+    "echo": "echoing the prompt", "suffix": "a suffix after the completion", "best_of": "best-of sampling",
+    "tools": "tool calling", "functions": "function calling", "tool_choice": "tool calling",
+    "function_call": "function calling", "response_format": "structured output",
+    "guided_json": "structured output", "guided_regex": "structured output", "guided_choice": "structured output",
+    "logit_bias": "logit bias", "presence_penalty": "a presence penalty", "frequency_penalty": "a frequency penalty",
+    "repetition_penalty": "a repetition penalty", "min_tokens": "a minimum length",
+}
+
+
+def _asks_for(name: str, value: Any) -> bool:
+    """Whether ``value`` of the unsupported field ``name`` asks for anything (``None``,
+    ``false``, empty, 0, a penalty of 0, ``best_of`` 1, ``response_format`` text and
+    ``tool_choice`` none or auto do not)."""
+    if value is None or value is False or value == [] or value == {} or value == "":
+        return False
+    if name in ("presence_penalty", "frequency_penalty", "top_logprobs", "min_tokens"):
+        return value != 0
+    if name == "repetition_penalty":
+        return value != 1
+    if name == "best_of":
+        return value != 1
+    if name == "response_format":
+        return not (isinstance(value, dict) and value.get("type") == "text")
+    if name in ("tool_choice", "function_call"):
+        return value not in ("none", "auto")
+    return True
 
 
 class ContentPart(BaseModel):
