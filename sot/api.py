@@ -25,7 +25,7 @@ from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from sot.prompts import PromptItem, encode, has_chat_template
-from sot.sampling import SamplingMode, SamplingParams
+from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.trace import StepRecord, TracedSequence, compare_states
 
 
@@ -51,12 +51,16 @@ class Completion:
     fallbacks: int = 0
     #: prompt tokens taken from the prefix cache (rows of earlier prompts and answers)
     cached_tokens: int = 0
+    #: with ``logprobs`` asked for: one :class:`~sot.sampling.TokenLogprob` per token of ``token_ids``
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     #: with ``trace=True``: one :class:`~sot.trace.StepRecord` per verify step
     step_records: list[StepRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("step_records")  # large; written by sot.trace.write_trace instead
+        if not self.logprobs:
+            out.pop("logprobs")
         return out
 
 
@@ -220,11 +224,15 @@ class SoT:
         sampling: str | SamplingMode = SamplingParams.mode,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
+        logprobs: int | None = None,
     ) -> GenerationParams:
-        """Validated :class:`GenerationParams`."""
+        """Validated :class:`GenerationParams` (``logprobs``: ``None``, or return each
+        generated token's log probability with that many alternatives, 0 to 20)."""
         _check_sampling(temperature, top_p, top_k)
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
         try:
             mode = SamplingMode(sampling)
         except ValueError:
@@ -235,6 +243,7 @@ class SoT:
             sampling=sp,
             stop=tuple(stop),
             eos_token_ids=() if ignore_eos else self.eos_ids(),
+            logprobs=logprobs,
         )
 
     @property
@@ -281,6 +290,7 @@ class SoT:
                         plain_steps=res.plain_steps,
                         fallbacks=res.fallbacks,
                         cached_tokens=res.cached_tokens,
+                        logprobs=res.logprobs,
                         step_records=res.step_records,
                     )
                 )

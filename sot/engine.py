@@ -38,7 +38,7 @@ from sot.requests import (
     GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StagedPrompt, StepStats, TokenEvent, check_prompts,
     check_request,
 )
-from sot.sampling import sequence_generator
+from sot.sampling import sequence_generator, token_logprobs
 from sot.trace import build_record, record_step, step_mode
 from sot.tree import DraftTree
 from sot.verify import accept_all, accept_tree, record_depths
@@ -343,6 +343,8 @@ class Engine:
                           len(seq.prompt) - 1)
         if self.trace:
             seq.result.logit_trace.append(out.logits[0, -1].clone())
+        if seq.params.logprobs is not None:
+            seq.result.logprobs.extend(token_logprobs(out.logits[0, -1:], acc.tokens, seq.params.logprobs))
         now = time.perf_counter()
         seq.result.first_token_seconds = now - seq.started
         event = seq.commit(acc.tokens, now, False, self.decode)

@@ -9,7 +9,7 @@ import torch
 
 from sot.cache import KVCache
 from sot.errors import ConfigError, PromptTooLongError, SoTError
-from sot.sampling import SamplingParams
+from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from sot.trace import StepRecord
 
 
@@ -22,12 +22,16 @@ class GenerationParams:
         sampling: temperature / top-k / top-p / seed / mode (temperature 0 is greedy).
         stop: strings that end a sequence when they appear in its text.
         eos_token_ids: tokens that end a sequence (included in ``token_ids``).
+        logprobs: ``None``: none; ``k >= 0``: each generated token's log probability under
+            the model, with the ``k`` most likely tokens at its position
+            (:class:`~sot.sampling.TokenLogprob`).
     """
 
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
 
 @dataclass
@@ -61,6 +65,8 @@ class SequenceResult:
     prompt_tokens: int = 0
     #: prompt tokens whose KV rows came from the engine's prefix cache (not read again)
     cached_tokens: int = 0
+    #: with ``GenerationParams.logprobs``: one per token of ``token_ids``
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     #: with ``Engine(record_steps=True)``: one record per verify step (:mod:`sot.trace`)
     step_records: list[StepRecord] = field(default_factory=list)
 
@@ -111,6 +117,8 @@ class TokenEvent:
     finish_reason: str | None = None
     #: the request's result, on its last event (the engine forgets the request after it)
     result: SequenceResult | None = field(default=None, compare=False, repr=False)
+    #: with ``GenerationParams.logprobs``: one per token of ``token_ids``
+    logprobs: list[TokenLogprob] = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -155,6 +163,8 @@ def check_request(prompt: list[int], params: GenerationParams, max_positions: in
         raise ConfigError("the prompt is empty")
     if params.max_new_tokens < 1:
         raise ConfigError("max_new_tokens must be at least 1")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise ConfigError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.logprobs}")
     if max_positions and len(prompt) + params.max_new_tokens > max_positions:
         raise PromptTooLongError(
             f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
@@ -234,6 +244,7 @@ class LiveRequest:
         them; ``step`` records the count as an accepted length (the prompt's first token is
         not one)."""
         res, params = self.result, self.params
+        before = len(res.token_ids)
         taken: list[int] = []
         reason = None
         for tok in tokens:
@@ -252,7 +263,9 @@ class LiveRequest:
             if any(s in text for s in params.stop):
                 reason = "stop"
         res.seconds = now - self.started
+        # the acceptance added a log probability per offered token: keep those committed
+        del res.logprobs[len(res.token_ids):]
         if reason is not None:
             self.finish(reason, decode)
         return TokenEvent(sequence=res.index, token_ids=taken, finished=self.done, request_id=self.id,
-                          finish_reason=reason, result=res if self.done else None)
+                          finish_reason=reason, result=res if self.done else None, logprobs=res.logprobs[before:])

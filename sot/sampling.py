@@ -96,3 +96,37 @@ def gumbel_noise(seed: int, sequence: int, position: int, vocab: int) -> torch.T
 def sequence_generator(seed: int, sequence: int) -> torch.Generator:
     """The random stream of one sequence in rejection mode."""
     return torch.Generator().manual_seed(_key(seed, sequence, -1))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model, with the most likely tokens at
+    its position: the log-softmax of the raw logits (before temperature, top-k and top-p), as
+    vLLM reports them by default.
+
+    Attributes:
+        token: the generated token.
+        logprob: its log probability.
+        top: ``(token, log probability)`` of the most likely tokens, most likely first.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+#: most alternatives a request may ask for per token
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """The :class:`TokenLogprob` of each of ``tokens`` given ``logits [n, V]``, the rows that
+    decided them (row ``i`` decided ``tokens[i]``), with ``top`` alternatives each. The rows
+    are the ones plain decoding computes, bit for bit, so the figures are too."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if top <= 0:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+    vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
+    return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, idx.tolist(), vals.tolist())]
+

@@ -9,7 +9,7 @@ from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rej
 from sot.cache import KVCache
 from sot.models.adapter import ForwardOutput
 from sot.requests import LiveRequest, SequenceResult
-from sot.sampling import SamplingMode, SamplingParams
+from sot.sampling import SamplingMode, SamplingParams, token_logprobs
 from sot.tree import DraftTree
 
 
@@ -64,6 +64,8 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
             seq.add_states(new)
         if trace:
             seq.result.logit_trace.extend(logits[i].clone() for i in acc.path)
+        if seq.params.logprobs is not None:  # (commit keeps those of the tokens it takes)
+            seq.result.logprobs.extend(token_logprobs(logits[acc.path], acc.tokens, seq.params.logprobs))
     cache.narrow(len(seqs)).keep_rows(keep)
     return accepted
 

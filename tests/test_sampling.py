@@ -143,6 +143,40 @@ def test_coupled_sampling_equals_seeded_plain_decoding(dtype: torch.dtype) -> No
     assert [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, other)] != plain
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_logprobs_equal_plain_decoding_and_the_model(dtype: torch.dtype) -> None:
+    """Each generated token's log probability and top alternatives: the same bits under
+    speculation, alone or in a batch, as in plain decoding; one per token even when EOS or
+    the length cut a step's accepted path; and (float32) the model's own log-softmax."""
+    model = tiny_model("llama", seed=4)
+    target = TargetModel(clone(model, dtype))
+    prompts = random_prompts((9, 33), seed=8)
+    greedy = GenerationParams(max_new_tokens=20, logprobs=3)
+    plain = Engine(target, NoDrafter()).generate(prompts, greedy)
+    eos = plain[0].token_ids[7]  # ends the first answer early, in the middle of a drafted path
+    for params in (greedy, GenerationParams(max_new_tokens=20, logprobs=3, eos_token_ids=(eos,)),
+                   GenerationParams(max_new_tokens=20, logprobs=0,
+                                    sampling=SamplingParams(temperature=1.0, seed=5))):
+        ref = Engine(target, NoDrafter()).generate(prompts, params)
+        drafter = RandomTreeDrafter([r.token_ids for r in ref], [len(p) for p in prompts], hit=0.8)
+        for batch in (1, 2):
+            spec = Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params, batch_size=batch)
+            assert any(n > 1 for r in spec for n in r.accept_lengths), "speculation should accept drafts"
+            for s, r in zip(spec, ref):
+                assert s.token_ids == r.token_ids and s.logprobs == r.logprobs
+                assert [lp.token for lp in s.logprobs] == s.token_ids
+                assert all(len(lp.top) == params.logprobs for lp in s.logprobs)
+    if dtype == torch.float32:
+        first = plain[0]
+        ids = torch.tensor([prompts[0] + first.token_ids])
+        with torch.no_grad():
+            expect = torch.log_softmax(model(ids).logits[0, len(prompts[0]) - 1:-1].float(), -1)
+        got = torch.tensor([lp.logprob for lp in first.logprobs])
+        assert torch.allclose(got, expect[torch.arange(len(got)), torch.tensor(first.token_ids)], atol=1e-4)
+        best = first.logprobs[0].top
+        assert [t for t, _ in best] == expect[0].topk(3).indices.tolist() and best[0][1] >= best[1][1] >= best[2][1]
+
+
 @pytest.mark.parametrize("drafter_kind,mode", [("oracle", SamplingMode.REJECTION), ("state", SamplingMode.REJECTION),
                                                ("suffix", SamplingMode.REJECTION), ("oracle", SamplingMode.COUPLED),
                                                ("suffix", SamplingMode.COUPLED)])

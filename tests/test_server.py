@@ -86,6 +86,36 @@ def test_openai_client_chat_completions_and_models(default_server) -> None:
     assert streamed == text.choices[0].text
 
 
+def test_openai_client_reads_logprobs(default_server) -> None:
+    """Log probabilities in OpenAI's formats: the reported tokens spell the returned text
+    (a stop string cuts both), a greedy token is its position's most likely one, and a
+    stream reports what the whole answer does."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused")
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=16,
+               temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(**ask).choices[0]
+    content = chat.logprobs.content
+    assert "".join(t.token for t in content) == chat.message.content and len(content) > 3
+    for t in content:
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and t.logprob == tops[0] <= 0
+        assert bytes(t.bytes).decode("utf-8") == t.token
+    streamed = [(t.token, t.logprob) for ev in client.chat.completions.create(**ask, stream=True)
+                for c in ev.choices if c.logprobs and c.logprobs.content for t in c.logprobs.content]
+    assert streamed == [(t.token, t.logprob) for t in content]
+    free = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, logprobs=2)
+    stop = free.choices[0].text[4:6]
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, logprobs=2,
+                                    stop=[stop]).choices[0]
+    lp = cut.logprobs
+    assert cut.text == free.choices[0].text[: free.choices[0].text.index(stop)]
+    assert "".join(lp.tokens).startswith(cut.text) and len("".join(lp.tokens[:-1])) < len(cut.text) or not cut.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(set(top) >= {tok} for tok, top in zip(lp.tokens, lp.top_logprobs))
+
+
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "What is the capital of France?",
@@ -170,7 +200,8 @@ BAD = [
     ("temperature out of range", json.dumps(_chat("hi", temperature=2.5)).encode(), 400),
     ("negative temperature", json.dumps(_chat("hi", temperature=-1)).encode(), 400),
     # OpenAI features the server does not provide are refused, not silently ignored
-    ("logprobs", json.dumps(_chat("hi", logprobs=True, top_logprobs=2)).encode(), 400),
+    ("top_logprobs without logprobs", json.dumps(_chat("hi", top_logprobs=2)).encode(), 400),
+    ("too many top_logprobs", json.dumps(_chat("hi", logprobs=True, top_logprobs=21)).encode(), 400),
     ("json output", json.dumps(_chat("hi", response_format={"type": "json_object"})).encode(), 400),
     ("tools", json.dumps(_chat("hi", tools=[{"type": "function", "function": {"name": "f"}}])).encode(), 400),
     ("logit bias", json.dumps(_chat("hi", logit_bias={"5": 100})).encode(), 400),
@@ -193,7 +224,7 @@ def test_unsupported_features_are_named_and_neutral_values_pass(tiny_server) -> 
     neutral = _chat("hi", max_tokens=2, logprobs=False, tools=[], tool_choice="none", frequency_penalty=0,
                     response_format={"type": "text"})
     assert httpx.post(f"{tiny_server.url}/v1/chat/completions", json=neutral, headers=AUTH, timeout=60).status_code == 200
-    for field, value in (("echo", True), ("logprobs", 0), ("best_of", 3)):
+    for field, value in (("echo", True), ("suffix", "end"), ("best_of", 3)):
         resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
                           json={"model": TINY, "prompt": "ab", "max_tokens": 2, field: value})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text

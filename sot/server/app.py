@@ -29,8 +29,8 @@ from sot.engine import GenerationParams, SequenceResult
 from sot.sampling import SamplingMode, SamplingParams
 from sot.server.metrics import ServerMetrics
 from sot.server.protocol import (
-    FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, TextAssembler, _GenerationRequest,
-    sot_figures, sse, usage_of, validation_message,
+    FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, LogprobWriter, TextAssembler,
+    _GenerationRequest, sot_figures, sse, usage_of, validation_message,
 )
 from sot.server.worker import EngineWorker, Update
 
@@ -279,7 +279,8 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), seed=seed,
                               mode=SamplingMode(body.sampling_mode))
     eos = () if body.ignore_eos else state.sot.eos_ids()
-    return GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos)
+    return GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
+                            logprobs=body.logprob_count())
 
 
 def _admit(state: ServerState) -> None:
@@ -300,14 +301,15 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         state.in_flight -= 1
         raise
     text = TextAssembler(state.sot.tokenizer, params.stop)
+    logprobs = LogprobWriter(state.sot.tokenizer, chat) if params.logprobs is not None else None
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(state, ticket, updates, text, rid, body.model, chat, prompt, include_usage,
-                                         body.return_token_ids),
+                                         body.return_token_ids, logprobs),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        final = await _collect(request, state, ticket, updates, text)
+        final = await _collect(request, state, ticket, updates, text, logprobs)
     finally:
         state.in_flight -= 1
     if final.error:
@@ -315,9 +317,13 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     state.keep_trace(rid, prompt, final.result)
     reason = FINISH_REASONS.get(final.finish_reason or "length", final.finish_reason)
     content = text.final_text()
-    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+    lp = logprobs.upto(len(content)) if logprobs is not None else None
+    if logprobs is not None and lp is None:  # asked for, but no token made text
+        lp = {"content": [], "refusal": None} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                            "text_offset": []}
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": lp,
                "finish_reason": reason} if chat else
-              {"index": 0, "text": content, "logprobs": None, "finish_reason": reason})
+              {"index": 0, "text": content, "logprobs": lp, "finish_reason": reason})
     response = {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
         "model": body.model, "choices": [choice], "usage": usage_of(prompt, final.result, len(text.ids)),
@@ -330,7 +336,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
 
 
 async def _collect(request: Request, state: ServerState, ticket: int, updates: asyncio.Queue,
-                   text: TextAssembler) -> Update:
+                   text: TextAssembler, logprobs: LogprobWriter | None = None) -> Update:
     """Wait for a request's last update; abort it if the client disconnects meanwhile."""
     while True:
         try:
@@ -340,6 +346,8 @@ async def _collect(request: Request, state: ServerState, ticket: int, updates: a
                 state.worker.abort(ticket)
                 return Update([], finish_reason="abort")
             continue
+        if logprobs is not None:
+            logprobs.add(update.logprobs)
         if update.error or update.finish_reason is not None:
             text.add(update.token_ids, final=True)
             return update
@@ -348,19 +356,19 @@ async def _collect(request: Request, state: ServerState, ticket: int, updates: a
 
 async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text: TextAssembler, rid: str,
                   model: str, chat: bool, prompt: list[int], include_usage: bool,
-                  token_ids: bool = False) -> AsyncIterator[str]:
+                  token_ids: bool = False, logprobs: LogprobWriter | None = None) -> AsyncIterator[str]:
     """Server-sent events of one request; if the client goes away the generator is closed
     and the request aborted."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | None, reason: str | None = None, role: bool = False, extra: dict | None = None,
-              ids: list[int] | None = None) -> str:
+              ids: list[int] | None = None, lp: dict | None = None) -> str:
         if chat:
             d: dict = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": reason}
         if token_ids and not role:
             choice["token_ids"] = ids or []
         payload = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
@@ -381,8 +389,12 @@ async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text:
                 break
             last = update.finish_reason is not None
             delta = text.add(update.token_ids, final=last)
-            if delta or (token_ids and update.token_ids):
-                yield chunk(delta, ids=update.token_ids)
+            lp = None
+            if logprobs is not None:  # those of the tokens whose text this chunk completes
+                logprobs.add(update.logprobs)
+                lp = logprobs.upto(text.sent)
+            if delta or lp or (token_ids and update.token_ids):
+                yield chunk(delta, ids=update.token_ids, lp=lp)
             if last:
                 finished = True
                 state.keep_trace(rid, prompt, update.result)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sot.sampling import SamplingParams
+from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from sot.requests import SequenceResult
@@ -88,10 +88,13 @@ class _GenerationRequest(BaseModel):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to return with log probabilities (``None``: none)."""
+        return None
+
 
 #: OpenAI (and vLLM) request fields this server does not act on, with what they ask for
 _UNSUPPORTED = {
-    "logprobs": "returning log probabilities", "top_logprobs": "returning log probabilities",
     "echo": "echoing the prompt", "suffix": "a suffix after the completion", "best_of": "best-of sampling",
     "tools": "tool calling", "functions": "function calling", "tool_choice": "tool calling",
     "function_call": "function calling", "response_format": "structured output",
@@ -148,13 +151,24 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
@@ -216,6 +230,53 @@ class TextAssembler:
 
     def final_text(self) -> str:
         return self.text[: self.sent] if self.sent <= len(self.text) else self.text
+
+
+class LogprobWriter:
+    """The ``logprobs`` objects of one request's choice (or of each chunk of its stream): the
+    tokens that make up the text returned so far, each with its log probability and
+    alternatives, in the chat format (``{"content": [{"token", "logprob", "bytes",
+    "top_logprobs"}]}``) or the completions one (``tokens``, ``token_logprobs``,
+    ``top_logprobs``, ``text_offset``). Tokens past a stop string, or that add no text (an
+    end-of-sequence token), are not reported."""
+
+    def __init__(self, tokenizer: Any, chat: bool) -> None:
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.entries: list[TokenLogprob] = []  # every generated token's, in order
+        self.reported = 0
+
+    def add(self, entries: list[TokenLogprob]) -> None:
+        self.entries.extend(entries)
+
+    def _text(self, n: int) -> str:
+        return self.tokenizer.decode([e.token for e in self.entries[:n]], skip_special_tokens=True)
+
+    def upto(self, chars: int) -> dict | None:
+        """The object for the tokens not reported yet whose text lies within the first
+        ``chars`` characters of the answer (``None`` when there are none)."""
+        start, n = self.reported, self.reported
+        while n < len(self.entries) and len(self._text(n)) < chars:
+            n += 1
+        if n == start:
+            return None
+        self.reported = n
+        return self._format(start, n)
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _format(self, start: int, end: int) -> dict:
+        entries = self.entries[start:end]
+        if self.chat:
+            def item(token: int, logprob: float) -> dict:
+                s = self._piece(token)
+                return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+            return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                                for e in entries], "refusal": None}
+        return {"tokens": [self._piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._piece(t): v for t, v in ((e.token, e.logprob),) + e.top} for e in entries],
+                "text_offset": [len(self._text(i)) for i in range(start, end)]}
 
 
 def usage_of(prompt: list[int], result: SequenceResult | None, tokens: int) -> dict:

@@ -28,6 +28,8 @@ class Update:
     finish_reason: str | None = None
     result: SequenceResult | None = None
     error: str | None = None
+    #: with log probabilities asked for: one per token of ``token_ids``
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -198,7 +200,8 @@ class EngineWorker:
             del self._by_engine_id[ev.request_id]
             result = ev.result
             self.metrics.finished(ev.finish_reason or "length", result)
-        self._send(t, Update(list(ev.token_ids), ev.finish_reason if ev.finished else None, result))
+        self._send(t, Update(list(ev.token_ids), ev.finish_reason if ev.finished else None, result,
+                             logprobs=list(ev.logprobs)))
 
     def _fail_all(self, message: str) -> None:
         for ticket in list(self._tickets):
