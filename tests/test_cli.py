@@ -90,6 +90,15 @@ def test_missing_model_is_a_clean_error() -> None:
     assert "Traceback" not in res.stderr
 
 
+def test_unknown_prompt_set_is_refused_before_any_model_loads(tmp_path: Path, capsys) -> None:
+    """The message names every built-in set, multi-turn ones too; no model is loaded for it
+    (the model path does not exist, so a load would fail with another message)."""
+    rc = main(["bench", "--prompts", "no-such-set", "--model", "/no/such/model", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown prompt set 'no-such-set'" in err
+    assert "agent-loop" in err and "sharegpt-heldout" in err and "model path" not in err
+
+
 def test_bad_flag_value_is_a_clean_error() -> None:
     res = run_cli("generate", "hi", "--temperature", "-1")
     assert res.returncode == 2 and "temperature" not in res.stdout

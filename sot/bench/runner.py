@@ -29,7 +29,7 @@ from sot.bench.memory import PeakRSS, current_rss
 from sot.bench.methods import (
     METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord, forget_answers, run_lockstep,
 )
-from sot.bench.prompts import load_prompt_set
+from sot.bench.prompts import BUILTIN, load_prompt_set
 from sot.bench.report import aggregate, sweep_plot, write_report
 from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
 from sot.policy import PolicyConfig, PolicyKind
@@ -234,6 +234,10 @@ def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel,
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark and write its outputs into ``cfg.out``; returns the results dict."""
+    known = BUILTIN + MULTITURN_SETS
+    if cfg.prompts not in known and Path(cfg.prompts).suffix != ".jsonl" and not Path(cfg.prompts).exists():
+        # (before the models load: a typo should not cost a model load)
+        raise ConfigError(f"unknown prompt set {cfg.prompts!r}: use a .jsonl file or one of {', '.join(known)}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     methods, tokenizer, target = build_methods(cfg)
