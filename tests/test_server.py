@@ -116,6 +116,35 @@ def test_openai_client_reads_logprobs(default_server) -> None:
     assert all(set(top) >= {tok} for tok, top in zip(lp.tokens, lp.top_logprobs))
 
 
+def test_n_samples_and_prompt_lists_are_choices_in_order(default_server) -> None:
+    """``n`` samples of a seeded request: distinct, the same every time, streamed as they are
+    returned whole, sample 0 equal to the same request with ``n = 1``; a list of prompts gives
+    one choice per prompt, each the answer that prompt gets alone; usage counts each prompt once."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused")
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=1.0,
+               seed=4)
+    three = client.chat.completions.create(**ask, n=3)
+    texts = [c.message.content for c in sorted(three.choices, key=lambda c: c.index)]
+    assert [c.index for c in three.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert [c.message.content for c in client.chat.completions.create(**ask, n=3).choices] == texts
+    assert client.chat.completions.create(**ask).choices[0].message.content == texts[0]
+    parts: dict[int, list[str]] = {}
+    for ev in client.chat.completions.create(**ask, n=3, stream=True):
+        for c in ev.choices:
+            parts.setdefault(c.index, []).append(c.delta.content or "")
+    assert ["".join(parts[i]) for i in range(3)] == texts
+    single = client.chat.completions.create(**ask)
+    assert three.usage.prompt_tokens == single.usage.prompt_tokens
+    prompts = ["The capital of France is", "def add(a, b):", "1, 2, 3,"]
+    many = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    assert [c.text for c in many.choices] == [a.choices[0].text for a in alone]
+    assert many.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "What is the capital of France?",
@@ -196,7 +225,8 @@ BAD = [
     ("max_tokens 0", json.dumps(_chat("hi", max_tokens=0)).encode(), 400),
     ("max_tokens above the context", json.dumps(_chat("hi", max_tokens=600)).encode(), 400),
     ("prompt longer than the context", json.dumps(_chat("x" * 700, max_tokens=4)).encode(), 400),
-    ("n > 1", json.dumps(_chat("hi", n=2)).encode(), 400),
+    ("n = 0", json.dumps(_chat("hi", n=0)).encode(), 400),
+    ("more choices than allowed", json.dumps(_chat("hi", n=17)).encode(), 400),
     ("temperature out of range", json.dumps(_chat("hi", temperature=2.5)).encode(), 400),
     ("negative temperature", json.dumps(_chat("hi", temperature=-1)).encode(), 400),
     # OpenAI features the server does not provide are refused, not silently ignored

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import random
 import secrets
@@ -201,27 +202,22 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         sot = state.sot
         prompt = sot.encode({"messages": messages}, chat=sot.is_chat_model)
-        return await _generate(request, state, body, prompt, chat=True)
+        return await _generate(request, state, body, [prompt], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         _check_key(request, config)
         body = CompletionRequest.model_validate(await _json(request))
         _check_ready(state)
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            if len(body.prompt) != 1:
-                raise APIError(400, "one prompt per request is supported", param="prompt")
-            text: str | None = body.prompt[0]
-        else:
-            text = body.prompt if isinstance(body.prompt, str) else None
-        if text is not None:
-            prompt = state.sot.encode({"prompt": text}, chat=False)
-        else:
-            prompt = list(body.prompt)
+        if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
+            texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+            prompts = [state.sot.encode({"prompt": text}, chat=False) for text in texts]
+        else:  # token ids
+            prompts = [list(body.prompt)]
             vocab = state.sot.target.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
+            if any(not 0 <= t < vocab for t in prompts[0]):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return await _generate(request, state, body, prompt, chat=False)
+        return await _generate(request, state, body, prompts, chat=False)
 
     return app
 
@@ -254,12 +250,10 @@ def _check_ready(state: ServerState) -> None:
 
 
 def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> GenerationParams:
-    """Validated generation settings of one request."""
+    """Validated generation settings of one prompt of a request."""
     if body.model != state.model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
-    if body.n != 1:
-        raise APIError(400, "n must be 1 (one choice per request)", param="n")
     body.check_supported()
     context = state.context
     if not prompt:
@@ -283,92 +277,168 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
                             logprobs=body.logprob_count())
 
 
-def _admit(state: ServerState) -> None:
+#: choices one request may ask for (its prompts times ``n``)
+MAX_CHOICES = 16
+
+
+def _nth_sample(params: GenerationParams, k: int) -> GenerationParams:
+    """The settings of sample ``k`` of a prompt: seed ``seed + k``, so that the samples of
+    ``n > 1`` differ and a seeded request still gives the same choices every time."""
+    if k == 0:
+        return params
+    s = params.sampling
+    return dataclasses.replace(params, sampling=dataclasses.replace(s, seed=(s.seed + k) % (1 << 63)))
+
+
+def _admit(state: ServerState, count: int = 1) -> None:
     limit = state.config.max_batch + state.config.max_queue
-    if state.in_flight >= limit:
+    if count > limit:
+        raise APIError(400, f"the request asks for {count} choices; this server holds at most {limit} at once",
+                       param="n")
+    if state.in_flight + count > limit:
         state.metrics.finished("rejected")
         raise APIError(429, f"the server is at capacity ({state.in_flight} requests in flight); retry later",
                        headers={"Retry-After": "1"})
 
 
-async def _generate(request: Request, state: ServerState, body: _GenerationRequest, prompt: list[int], chat: bool):
-    params = _params(state, body, prompt)
-    _admit(state)
-    state.in_flight += 1
+@dataclass
+class _Choice:
+    """One choice of a response: its prompt, engine request and text so far."""
+
+    index: int
+    prompt: list[int]
+    first_sample: bool  # the first of its prompt's ``n`` (whose prompt counts in ``usage``)
+    ticket: int
+    updates: asyncio.Queue
+    text: TextAssembler
+    logprobs: LogprobWriter | None
+    done: bool = False
+
+
+def _usage(choices: list[_Choice], results: list[SequenceResult | None]) -> dict:
+    """``usage`` of a response: each prompt counted once (as OpenAI counts ``n`` samples)."""
+    each = [usage_of(c.prompt, r, len(c.text.ids)) for c, r in zip(choices, results)]
+    firsts = [u for u, c in zip(each, choices) if c.first_sample]
+    prompt = sum(u["prompt_tokens"] for u in firsts)
+    completion = sum(u["completion_tokens"] for u in each)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _figures(results: list[SequenceResult | None]) -> dict | None:
+    """SoT's figures of a response: those of its one choice, or summed over its choices
+    (``mean_accept_len`` over all their steps)."""
+    known = [r for r in results if r is not None]
+    if len(results) == 1 or not known:
+        return sot_figures(results[0])
+    each = [sot_figures(r) for r in known]
+    steps = sum(f["steps"] for f in each)
+    tokens = sum(sum(r.accept_lengths) for r in known)
+    out = {k: sum(f[k] for f in each) for k in ("steps", "drafted_tokens", "accepted_tokens", "plain_steps")}
+    return {"mean_accept_len": round(tokens / steps, 4) if steps else 0.0, **out}
+
+
+def _empty_logprobs(chat: bool) -> dict:
+    return ({"content": [], "refusal": None} if chat else
+            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+
+
+async def _generate(request: Request, state: ServerState, body: _GenerationRequest, prompts: list[list[int]],
+                    chat: bool):
+    """Answer a request: ``n`` choices for each of ``prompts``, decoded side by side as
+    requests of the engine (choice ``i * n + k`` is sample ``k`` of prompt ``i``)."""
+    if body.n < 1:
+        raise APIError(400, f"n must be at least 1, got {body.n}", param="n")
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompt(s) times n={body.n} is more than {MAX_CHOICES} choices",
+                       param="n")
+    asked = []
+    for prompt in prompts:
+        params = _params(state, body, prompt)
+        asked += [(prompt, _nth_sample(params, k), k == 0) for k in range(body.n)]
+    _admit(state, len(asked))
+    state.in_flight += len(asked)
+    choices: list[_Choice] = []
     try:
-        ticket, updates = state.worker.submit(prompt, params, tenant=body.user)
+        for i, (prompt, params, first) in enumerate(asked):
+            ticket, updates = state.worker.submit(prompt, params, tenant=body.user)
+            lp = LogprobWriter(state.sot.tokenizer, chat) if params.logprobs is not None else None
+            choices.append(_Choice(i, prompt, first, ticket, updates, TextAssembler(state.sot.tokenizer, params.stop),
+                                   lp))
     except BaseException:
-        state.in_flight -= 1
+        for c in choices:
+            state.worker.abort(c.ticket)
+        state.in_flight -= len(asked)
         raise
-    text = TextAssembler(state.sot.tokenizer, params.stop)
-    logprobs = LogprobWriter(state.sot.tokenizer, chat) if params.logprobs is not None else None
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(state, ticket, updates, text, rid, body.model, chat, prompt, include_usage,
-                                         body.return_token_ids, logprobs),
+        return StreamingResponse(_stream(state, choices, rid, body.model, chat, include_usage, body.return_token_ids),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        final = await _collect(request, state, ticket, updates, text, logprobs)
+        finals = await asyncio.gather(*(_collect(request, state, c) for c in choices))
     finally:
-        state.in_flight -= 1
-    if final.error:
-        raise APIError(500, final.error)
-    state.keep_trace(rid, prompt, final.result)
-    reason = FINISH_REASONS.get(final.finish_reason or "length", final.finish_reason)
-    content = text.final_text()
-    lp = logprobs.upto(len(content)) if logprobs is not None else None
-    if logprobs is not None and lp is None:  # asked for, but no token made text
-        lp = {"content": [], "refusal": None} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                                            "text_offset": []}
-    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": lp,
-               "finish_reason": reason} if chat else
-              {"index": 0, "text": content, "logprobs": lp, "finish_reason": reason})
+        state.in_flight -= len(asked)
+    for final in finals:
+        if final.error:
+            raise APIError(500, final.error)
+    state.keep_trace(rid, choices[0].prompt, finals[0].result)
+    out = []
+    for c, final in zip(choices, finals):
+        reason = FINISH_REASONS.get(final.finish_reason or "length", final.finish_reason)
+        content = c.text.final_text()
+        lp = None
+        if c.logprobs is not None:
+            lp = c.logprobs.upto(len(content)) or _empty_logprobs(chat)
+        choice = ({"index": c.index, "message": {"role": "assistant", "content": content}, "logprobs": lp,
+                   "finish_reason": reason} if chat else
+                  {"index": c.index, "text": content, "logprobs": lp, "finish_reason": reason})
+        if body.return_token_ids:
+            choice["token_ids"] = list(c.text.ids)
+        out.append(choice)
+    results = [f.result for f in finals]
     response = {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-        "model": body.model, "choices": [choice], "usage": usage_of(prompt, final.result, len(text.ids)),
-        "sot": sot_figures(final.result),
+        "model": body.model, "choices": out, "usage": _usage(choices, results), "sot": _figures(results),
     }
     if body.return_token_ids:
-        choice["token_ids"] = list(text.ids)
-        response["prompt_token_ids"] = prompt
+        response["prompt_token_ids"] = choices[0].prompt if len(prompts) == 1 else [p for p in prompts]
     return JSONResponse(response)
 
 
-async def _collect(request: Request, state: ServerState, ticket: int, updates: asyncio.Queue,
-                   text: TextAssembler, logprobs: LogprobWriter | None = None) -> Update:
-    """Wait for a request's last update; abort it if the client disconnects meanwhile."""
+async def _collect(request: Request, state: ServerState, choice: _Choice) -> Update:
+    """Wait for a choice's last update; abort it if the client disconnects meanwhile."""
     while True:
         try:
-            update: Update = await asyncio.wait_for(updates.get(), timeout=0.5)
+            update: Update = await asyncio.wait_for(choice.updates.get(), timeout=0.5)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                state.worker.abort(ticket)
+                state.worker.abort(choice.ticket)
                 return Update([], finish_reason="abort")
             continue
-        if logprobs is not None:
-            logprobs.add(update.logprobs)
+        if choice.logprobs is not None:
+            choice.logprobs.add(update.logprobs)
         if update.error or update.finish_reason is not None:
-            text.add(update.token_ids, final=True)
+            choice.text.add(update.token_ids, final=True)
             return update
-        text.add(update.token_ids, final=False)
+        choice.text.add(update.token_ids, final=False)
 
 
-async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text: TextAssembler, rid: str,
-                  model: str, chat: bool, prompt: list[int], include_usage: bool,
-                  token_ids: bool = False, logprobs: LogprobWriter | None = None) -> AsyncIterator[str]:
-    """Server-sent events of one request; if the client goes away the generator is closed
-    and the request aborted."""
+async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: str, chat: bool,
+                  include_usage: bool, token_ids: bool = False) -> AsyncIterator[str]:
+    """Server-sent events of one request's choices, in the order their tokens come; if the
+    client goes away the generator is closed and every unfinished choice aborted."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, reason: str | None = None, role: bool = False, extra: dict | None = None,
-              ids: list[int] | None = None, lp: dict | None = None) -> str:
+    def chunk(index: int, delta: str | None, reason: str | None = None, role: bool = False,
+              extra: dict | None = None, ids: list[int] | None = None, lp: dict | None = None) -> str:
         if chat:
             d: dict = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": reason}
+            choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": reason}
+            choice = {"index": index, "text": delta or "", "logprobs": lp, "finish_reason": reason}
         if token_ids and not role:
             choice["token_ids"] = ids or []
         payload = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
@@ -377,35 +447,52 @@ async def _stream(state: ServerState, ticket: int, updates: asyncio.Queue, text:
         payload.update(extra or {})
         return sse(payload)
 
-    finished = False
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(c: _Choice) -> None:
+        while True:
+            update: Update = await c.updates.get()
+            await merged.put((c, update))
+            if update.error or update.finish_reason is not None:
+                return
+
+    pumps = [asyncio.create_task(forward(c)) for c in choices]
+    results: list[SequenceResult | None] = [None] * len(choices)
     try:
         if chat:
-            yield chunk(None, role=True)
-        while True:
-            update: Update = await updates.get()
+            for c in choices:
+                yield chunk(c.index, None, role=True)
+        left = len(choices)
+        while left:
+            c, update = await merged.get()
             if update.error:
-                finished = True
                 yield sse(APIError(500, update.error).body())
                 break
             last = update.finish_reason is not None
-            delta = text.add(update.token_ids, final=last)
+            delta = c.text.add(update.token_ids, final=last)
             lp = None
-            if logprobs is not None:  # those of the tokens whose text this chunk completes
-                logprobs.add(update.logprobs)
-                lp = logprobs.upto(text.sent)
+            if c.logprobs is not None:  # those of the tokens whose text this chunk completes
+                c.logprobs.add(update.logprobs)
+                lp = c.logprobs.upto(c.text.sent)
             if delta or lp or (token_ids and update.token_ids):
-                yield chunk(delta, ids=update.token_ids, lp=lp)
+                yield chunk(c.index, delta, ids=update.token_ids, lp=lp)
             if last:
-                finished = True
-                state.keep_trace(rid, prompt, update.result)
+                c.done = True
+                left -= 1
+                results[c.index] = update.result
+                if c.index == 0:
+                    state.keep_trace(rid, c.prompt, update.result)
                 reason = FINISH_REASONS.get(update.finish_reason, update.finish_reason)
-                yield chunk(None, reason, extra={"sot": sot_figures(update.result)})
-                if include_usage:
-                    yield sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-                                "usage": usage_of(prompt, update.result, len(text.ids))})
-                break
+                yield chunk(c.index, None, reason, extra={"sot": sot_figures(update.result)})
+        else:
+            if include_usage:
+                yield sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                           "usage": _usage(choices, results)})
         yield "data: [DONE]\n\n"
     finally:
-        state.in_flight -= 1
-        if not finished:
-            state.worker.abort(ticket)
+        for task in pumps:
+            task.cancel()
+        state.in_flight -= len(choices)
+        for c in choices:
+            if not c.done:
+                state.worker.abort(c.ticket)
