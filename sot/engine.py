@@ -259,6 +259,7 @@ class Engine:
         for obs in self.observers:  # between steps (the last one's tokens are out): never inside one
             obs.between_steps()
         events = self._admit_waiting()
+        self._release_finished()  # a request can end on its first token (EOS, or max_new_tokens 1)
         self.last_step = StepStats()
         if self._running:
             events += self._decode_step()
@@ -294,9 +295,31 @@ class Engine:
         held by the prefix cache."""
         if seq.staged is not None:
             return seq.staged.length
-        if self.prefix_cache is None:
-            return 0
-        return self.prefix_cache.lookup(seq.prompt, seq.tenant).tokens
+        return self._lookup(seq).tokens
+
+    def _lookup(self, seq: LiveRequest) -> PrefixHit:
+        """The start of ``seq``'s prompt the prefix cache holds (none when the prompt's log
+        probabilities are asked for: every row's logits are needed, and stored rows keep none)."""
+        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
+            return PrefixHit([], 0)
+        return self.prefix_cache.lookup(seq.prompt, seq.tenant)
+
+    def _prompt_rows(self, seq: LiveRequest, start: int) -> Callable[[torch.Tensor, int], None] | None:
+        """With prompt log probabilities asked for, what receives the logits of a read of
+        ``seq``'s prompt from token ``start`` (row ``j`` of a chunk at ``offset`` decides
+        prompt token ``start + offset + j + 1``)."""
+        k = seq.params.prompt_logprobs
+        if k is None:
+            return None
+        if start == 0:
+            seq.result.prompt_logprobs = [None]  # the first token has no distribution to come from
+
+        def take(logits: torch.Tensor, offset: int) -> None:
+            first = start + offset + 1
+            tokens = seq.prompt[first:first + logits.shape[0]]
+            if tokens:
+                seq.result.prompt_logprobs.extend(token_logprobs(logits[:len(tokens)], tokens, k))
+        return take
 
     def _stage(self, seq: LiveRequest, n: int) -> None:
         """Read the next ``n`` tokens of a waiting sequence's prompt into a cache of its own
@@ -305,12 +328,13 @@ class Engine:
         st = seq.staged
         if st is None:
             cache = self.target.new_cache(1, len(seq.prompt) + self.target.row_multiple)
-            hit = self.prefix_cache.lookup(seq.prompt, seq.tenant) if self.prefix_cache is not None else PrefixHit([], 0)
+            hit = self._lookup(seq)
             states = self._write_hit(cache, 0, hit)
             st = seq.staged = StagedPrompt(cache, [x for x in states if x is not None], hit.tokens)
             seq.result.cached_tokens = hit.tokens
             seq.started = t0
-        out = self.target.prefill(st.cache, 0, torch.tensor(seq.prompt[st.length:st.length + n]), start=st.length)
+        out = self.target.prefill(st.cache, 0, torch.tensor(seq.prompt[st.length:st.length + n]), start=st.length,
+                                  on_rows=self._prompt_rows(seq, st.length))
         if out.states is not None:
             st.states.append(out.states[0])
         st.length += n
@@ -373,11 +397,12 @@ class Engine:
             self._cache.write_span(b, 0, keys, values)
             start, states = st.length, list(st.states)
         else:
-            hit = store.lookup(prompt, seq.tenant) if store is not None else PrefixHit([], 0)
+            hit = self._lookup(seq)
             start, states = hit.tokens, self._write_hit(self._cache, b, hit)
             seq.result.cached_tokens = hit.tokens
         self._cache.lengths[b] = start
-        out = self.target.prefill(self._cache, b, torch.tensor(prompt[start:]), start=start)
+        out = self.target.prefill(self._cache, b, torch.tensor(prompt[start:]), start=start,
+                                  on_rows=self._prompt_rows(seq, start))
         whole = torch.cat([*states, out.states[0]]) if out.states is not None else None
         if store is not None and store.max_bytes > 0:
             if whole is not None:  # the answer's states join these (_decode_step)

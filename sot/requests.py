@@ -32,6 +32,9 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    #: ``None``: none; ``k >= 0``: the log probability of each prompt token after the first,
+    #: with ``k`` alternatives (the prompt is then read whole, not taken from the prefix cache)
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -67,6 +70,8 @@ class SequenceResult:
     cached_tokens: int = 0
     #: with ``GenerationParams.logprobs``: one per token of ``token_ids``
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: with ``GenerationParams.prompt_logprobs``: one per prompt token (``None`` for the first)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     #: with ``Engine(record_steps=True)``: one record per verify step (:mod:`sot.trace`)
     step_records: list[StepRecord] = field(default_factory=list)
 
@@ -163,8 +168,10 @@ def check_request(prompt: list[int], params: GenerationParams, max_positions: in
         raise ConfigError("the prompt is empty")
     if params.max_new_tokens < 1:
         raise ConfigError("max_new_tokens must be at least 1")
-    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
-        raise ConfigError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}")
     if max_positions and len(prompt) + params.max_new_tokens > max_positions:
         raise PromptTooLongError(
             f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "

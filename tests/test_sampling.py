@@ -177,6 +177,36 @@ def test_logprobs_equal_plain_decoding_and_the_model(dtype: torch.dtype) -> None
         assert [t for t, _ in best] == expect[0].topk(3).indices.tolist() and best[0][1] >= best[1][1] >= best[2][1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prompt_logprobs_equal_the_logprobs_decoding_gave(dtype: torch.dtype) -> None:
+    """A prompt's log probabilities are those decoding assigned the same tokens, bit for bit:
+    read an answer back as a prompt (whole, in parts under a prompt budget, beside a prefix
+    cache that holds it) and its tokens get the figures they were generated with."""
+    from sot.prefix_cache import PrefixCache
+
+    model = tiny_model("llama", seed=4)
+    target = TargetModel(clone(model, dtype))
+    prompt = random_prompts((9,), seed=8)[0]
+    answer = Engine(target, NoDrafter()).generate([prompt], GenerationParams(max_new_tokens=150, logprobs=2))[0]
+    again = prompt + answer.token_ids[:-1]
+    ask = GenerationParams(max_new_tokens=1, prompt_logprobs=2, logprobs=2)
+    engines = [Engine(target, NoDrafter()), Engine(target, NoDrafter(), prefix_cache=PrefixCache(64 << 20))]
+    engines[1].generate([again], GenerationParams(max_new_tokens=1))  # the cache now holds the whole prompt
+    for engine in engines:
+        res = engine.generate([again], ask)[0]
+        assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(again)
+        assert res.prompt_logprobs[len(prompt):] == answer.logprobs[:-1]
+        assert res.logprobs == answer.logprobs[-1:] and res.cached_tokens == 0
+    # in parts: a long prompt arrives while another sequence decodes, under a budget of 40 a step
+    budget = Engine(target, NoDrafter(), prompt_budget=40)
+    budget.add_request(prompt, GenerationParams(max_new_tokens=30))
+    rid = budget.add_request(again, ask)
+    done = []
+    while budget.has_unfinished():
+        done += [e.result for e in budget.step() if e.request_id == rid and e.finished]
+    assert done[0].prompt_logprobs[len(prompt):] == answer.logprobs[:-1]
+
+
 @pytest.mark.parametrize("drafter_kind,mode", [("oracle", SamplingMode.REJECTION), ("state", SamplingMode.REJECTION),
                                                ("suffix", SamplingMode.REJECTION), ("oracle", SamplingMode.COUPLED),
                                                ("suffix", SamplingMode.COUPLED)])

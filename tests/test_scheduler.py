@@ -127,10 +127,10 @@ def test_a_prompt_budget_reads_long_prompts_over_steps_and_changes_no_token() ->
     read: list[int] = []
     prefill = target.prefill
 
-    def counted(cache, b, ids, start=0):
+    def counted(cache, b, ids, start=0, **kw):
         if read:  # (not the cost model's own passes, timed when the first request comes)
             read[-1] += len(ids)
-        return prefill(cache, b, ids, start)
+        return prefill(cache, b, ids, start, **kw)
 
     target.prefill = counted
     try:
@@ -173,3 +173,26 @@ def test_a_prompt_read_in_part_can_be_aborted() -> None:
     while engine.has_unfinished():
         tokens += [t for ev in engine.step() if ev.request_id == kept for t in ev.token_ids]
     assert tokens == _alone(target, short, params)
+
+
+def test_a_request_that_ends_on_its_first_token_gets_no_more() -> None:
+    """EOS as the first token, or max_new_tokens 1: one token and one event, whether the
+    request arrives alone or beside a running sequence, which goes on undisturbed."""
+    model = tiny_model("llama", seed=4)
+    target = TargetModel(clone(model, torch.float32))
+    prompt, other = random_prompts((9, 14), seed=8)
+    first = _alone(target, prompt, GenerationParams(max_new_tokens=4))[0]
+    long = GenerationParams(max_new_tokens=12)
+    for params, reason in ((GenerationParams(max_new_tokens=1), "length"),
+                           (GenerationParams(max_new_tokens=8, eos_token_ids=(first,)), "eos")):
+        res = Engine(target, NoDrafter()).generate([prompt], params)[0]
+        assert res.token_ids == [first] and res.finish_reason == reason
+        engine = Engine(target, PromptLookupDrafter())
+        running = engine.add_request(other, long)
+        events = engine.step()
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            events += engine.step()
+        mine = [e for e in events if e.request_id == rid]
+        assert [e.token_ids for e in mine] == [[first]] and mine[0].finished and mine[0].finish_reason == reason
+        assert sum((e.token_ids for e in events if e.request_id == running), []) == _alone(target, other, long)

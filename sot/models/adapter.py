@@ -266,7 +266,8 @@ class TargetModel:
         return ForwardOutput(logits=logits, states=states)
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, batch_index: int, input_ids: torch.Tensor, start: int = 0) -> ForwardOutput:
+    def prefill(self, cache: KVCache, batch_index: int, input_ids: torch.Tensor, start: int = 0,
+                on_rows: Callable[[torch.Tensor, int], None] | None = None) -> ForwardOutput:
         """Read prompt tokens ``input_ids [T]`` of one sequence into its cache slots from
         ``start`` (its committed length becomes ``start + T``). Returns the last row's logits
         ``[1, 1, V]`` (the first new token's distribution, the only one a prompt is read for)
@@ -275,7 +276,11 @@ class TargetModel:
         The tokens go through verify passes, as chains of at most ``PREFILL_CHUNK`` rows: each
         row is computed exactly as plain decoding computes its token, so a prompt's rows and
         a decoded answer's are interchangeable bit for bit, however the prompt is split (what
-        lets the prefix cache reuse earlier answers, :mod:`sot.prefix_cache`)."""
+        lets the prefix cache reuse earlier answers, :mod:`sot.prefix_cache`).
+
+        ``on_rows(logits, offset)``, when given, receives every row's logits ``[n, V]`` of each
+        chunk, ``offset`` its first token's index in ``input_ids`` (for prompt log
+        probabilities; the LM head is row-stable, so they are the rows decoding would give)."""
         ids = input_ids.tolist()
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -287,12 +292,17 @@ class TargetModel:
             batch = pack_trees([chain_tree(piece[0], piece[1:])], view, self)
             with row_stable():
                 out = self._run(batch.ids.to(self.device), batch.positions.to(self.device),
-                                ForwardContext(view, batch.layout), last_row=len(piece) - 1)
+                                ForwardContext(view, batch.layout), last_row=None if on_rows else len(piece) - 1)
+            last = out.logits
+            if on_rows is not None:
+                rows = out.seq_logits(0)[:len(piece)]
+                on_rows(rows, s)
+                last = rows[-1:]
             if out.states is not None:
                 states.append(out.seq_states(0)[:len(piece)])
         cache.lengths[batch_index] = start + len(ids)
         whole = (states[0] if len(states) == 1 else torch.cat(states))[None] if states else None
-        return ForwardOutput(logits=out.logits.reshape(1, 1, -1), states=whole)
+        return ForwardOutput(logits=last.reshape(1, 1, -1), states=whole)
 
     @torch.inference_mode()
     def verify(
