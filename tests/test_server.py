@@ -116,6 +116,31 @@ def test_openai_client_reads_logprobs(default_server) -> None:
     assert all(set(top) >= {tok} for tok, top in zip(lp.tokens, lp.top_logprobs))
 
 
+def test_echo_scores_a_text_with_the_figures_generation_gives(default_server) -> None:
+    """``echo`` with ``max_tokens`` 0 returns the prompt alone with its tokens' log
+    probabilities (the first has none): a token scored in a prompt has the log probability
+    it gets when generated there. With tokens asked for, the prompt comes first, streamed too."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused")
+    head = "The capital of France is"
+    gen = client.completions.create(model=MODEL, prompt=head, max_tokens=2, temperature=0, logprobs=1).choices[0]
+    first = gen.logprobs.tokens[0]
+    scored = client.completions.create(model=MODEL, prompt=head + first, max_tokens=0, echo=True, logprobs=1)
+    ch = scored.choices[0]
+    assert ch.text == head + first and scored.usage.completion_tokens == 0
+    assert "".join(ch.logprobs.tokens) == head + first and ch.logprobs.token_logprobs[0] is None
+    assert ch.logprobs.tokens[-1] == first and ch.logprobs.token_logprobs[-1] == gen.logprobs.token_logprobs[0]
+    both = client.completions.create(model=MODEL, prompt=head, max_tokens=2, temperature=0, echo=True).choices[0]
+    assert both.text == head + gen.text
+    streamed = "".join(ev.choices[0].text for ev in client.completions.create(
+        model=MODEL, prompt=head, max_tokens=2, temperature=0, echo=True, stream=True) if ev.choices)
+    assert streamed == both.text
+    refused = httpx.post(f"{default_server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": head, "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
 def test_n_samples_and_prompt_lists_are_choices_in_order(default_server) -> None:
     """``n`` samples of a seeded request: distinct, the same every time, streamed as they are
     returned whole, sample 0 equal to the same request with ``n = 1``; a list of prompts gives
@@ -254,7 +279,7 @@ def test_unsupported_features_are_named_and_neutral_values_pass(tiny_server) -> 
     neutral = _chat("hi", max_tokens=2, logprobs=False, tools=[], tool_choice="none", frequency_penalty=0,
                     response_format={"type": "text"})
     assert httpx.post(f"{tiny_server.url}/v1/chat/completions", json=neutral, headers=AUTH, timeout=60).status_code == 200
-    for field, value in (("echo", True), ("suffix", "end"), ("best_of", 3)):
+    for field, value in (("suffix", "end"), ("best_of", 3), ("presence_penalty", 1.0)):
         resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
                           json={"model": TINY, "prompt": "ab", "max_tokens": 2, field: value})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text

@@ -31,7 +31,7 @@ from sot.sampling import SamplingMode, SamplingParams
 from sot.server.metrics import ServerMetrics
 from sot.server.protocol import (
     FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, LogprobWriter, TextAssembler,
-    _GenerationRequest, sot_figures, sse, usage_of, validation_message,
+    _GenerationRequest, prompt_logprobs_block, sot_figures, sse, usage_of, validation_message,
 )
 from sot.server.worker import EngineWorker, Update
 
@@ -217,7 +217,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
             vocab = state.sot.target.vocab_size
             if any(not 0 <= t < vocab for t in prompts[0]):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return await _generate(request, state, body, prompts, chat=False)
+            texts = [state.sot.tokenizer.decode(prompts[0])]
+        return await _generate(request, state, body, prompts, chat=False, texts=texts)
 
     return app
 
@@ -262,10 +263,12 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
         raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {context} tokens",
                        param="messages", code="context_length_exceeded")
     limit = body.token_limit()
+    echo = bool(getattr(body, "echo", False))
     if limit is None:
         limit = context - len(prompt) if context else 256
-    if limit < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {limit}", param="max_tokens")
+    if limit < 1 and not (limit == 0 and echo):
+        raise APIError(400, f"max_tokens must be at least 1 (0 with echo), got {limit}", param="max_tokens")
+    limit = max(limit, 1)  # max_tokens 0: one token is decoded and dropped
     if context and len(prompt) + limit > context:
         raise APIError(400, f"the prompt's {len(prompt)} tokens plus max_tokens={limit} exceed this model's context "
                        f"of {context} tokens", param="max_tokens", code="context_length_exceeded")
@@ -273,8 +276,9 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), seed=seed,
                               mode=SamplingMode(body.sampling_mode))
     eos = () if body.ignore_eos else state.sot.eos_ids()
+    k = body.logprob_count()
     return GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
-                            logprobs=body.logprob_count())
+                            logprobs=k, prompt_logprobs=k if echo else None)
 
 
 #: choices one request may ask for (its prompts times ``n``)
@@ -313,6 +317,10 @@ class _Choice:
     text: TextAssembler
     logprobs: LogprobWriter | None
     done: bool = False
+    #: with ``echo``: the prompt's text, returned before the completion
+    echo: str | None = None
+    #: with ``echo`` and ``max_tokens`` 0: the decoded token is dropped
+    drop: bool = False
 
 
 def _usage(choices: list[_Choice], results: list[SequenceResult | None]) -> dict:
@@ -345,7 +353,7 @@ def _empty_logprobs(chat: bool) -> dict:
 
 
 async def _generate(request: Request, state: ServerState, body: _GenerationRequest, prompts: list[list[int]],
-                    chat: bool):
+                    chat: bool, texts: list[str] | None = None):
     """Answer a request: ``n`` choices for each of ``prompts``, decoded side by side as
     requests of the engine (choice ``i * n + k`` is sample ``k`` of prompt ``i``)."""
     if body.n < 1:
@@ -353,19 +361,24 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompt(s) times n={body.n} is more than {MAX_CHOICES} choices",
                        param="n")
+    echo = isinstance(body, CompletionRequest) and body.echo
+    drop = echo and body.token_limit() == 0
+    if echo and body.stream and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported in a stream; ask without stream", param="echo")
     asked = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         params = _params(state, body, prompt)
-        asked += [(prompt, _nth_sample(params, k), k == 0) for k in range(body.n)]
+        asked += [(prompt, _nth_sample(params, k), k == 0, texts[i] if echo and texts else None)
+                  for k in range(body.n)]
     _admit(state, len(asked))
     state.in_flight += len(asked)
     choices: list[_Choice] = []
     try:
-        for i, (prompt, params, first) in enumerate(asked):
+        for i, (prompt, params, first, echoed) in enumerate(asked):
             ticket, updates = state.worker.submit(prompt, params, tenant=body.user)
             lp = LogprobWriter(state.sot.tokenizer, chat) if params.logprobs is not None else None
             choices.append(_Choice(i, prompt, first, ticket, updates, TextAssembler(state.sot.tokenizer, params.stop),
-                                   lp))
+                                   lp, echo=echoed, drop=drop))
     except BaseException:
         for c in choices:
             state.worker.abort(c.ticket)
@@ -387,17 +400,25 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     out = []
     for c, final in zip(choices, finals):
         reason = FINISH_REASONS.get(final.finish_reason or "length", final.finish_reason)
-        content = c.text.final_text()
+        content = "" if c.drop else c.text.final_text()
         lp = None
         if c.logprobs is not None:
-            lp = c.logprobs.upto(len(content)) or _empty_logprobs(chat)
+            lp = (c.logprobs.upto(len(content)) if content else None) or _empty_logprobs(chat)
+        if c.echo is not None:
+            if lp is not None and final.result is not None:
+                head = prompt_logprobs_block(state.sot.tokenizer, c.prompt, final.result.prompt_logprobs)
+                lp["text_offset"] = [x + len(c.echo) for x in lp["text_offset"]]
+                lp = {key: head[key] + lp[key] for key in head}
+            content = c.echo + content
         choice = ({"index": c.index, "message": {"role": "assistant", "content": content}, "logprobs": lp,
                    "finish_reason": reason} if chat else
                   {"index": c.index, "text": content, "logprobs": lp, "finish_reason": reason})
         if body.return_token_ids:
-            choice["token_ids"] = list(c.text.ids)
+            choice["token_ids"] = [] if c.drop else list(c.text.ids)
         out.append(choice)
     results = [f.result for f in finals]
+    if drop:  # nothing was asked for past the prompt
+        results = [dataclasses.replace(r, token_ids=[]) if r is not None else None for r in results]
     response = {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
         "model": body.model, "choices": out, "usage": _usage(choices, results), "sot": _figures(results),
@@ -462,6 +483,9 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
         if chat:
             for c in choices:
                 yield chunk(c.index, None, role=True)
+        for c in choices:
+            if c.echo:
+                yield chunk(c.index, c.echo)
         left = len(choices)
         while left:
             c, update = await merged.get()
@@ -469,9 +493,9 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
                 yield sse(APIError(500, update.error).body())
                 break
             last = update.finish_reason is not None
-            delta = c.text.add(update.token_ids, final=last)
+            delta = c.text.add(update.token_ids, final=last) if not c.drop else ""
             lp = None
-            if c.logprobs is not None:  # those of the tokens whose text this chunk completes
+            if c.logprobs is not None and not c.drop:  # those of the tokens whose text this chunk completes
                 c.logprobs.add(update.logprobs)
                 lp = c.logprobs.upto(c.text.sent)
             if delta or lp or (token_ids and update.token_ids):
@@ -480,6 +504,8 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
                 c.done = True
                 left -= 1
                 results[c.index] = update.result
+                if c.drop and update.result is not None:
+                    results[c.index] = dataclasses.replace(update.result, token_ids=[])
                 if c.index == 0:
                     state.keep_trace(rid, c.prompt, update.result)
                 reason = FINISH_REASONS.get(update.finish_reason, update.finish_reason)

@@ -95,7 +95,7 @@ class _GenerationRequest(BaseModel):
 
 #: OpenAI (and vLLM) request fields this server does not act on, with what they ask for
 _UNSUPPORTED = {
-    "echo": "echoing the prompt", "suffix": "a suffix after the completion", "best_of": "best-of sampling",
+    "suffix": "a suffix after the completion", "best_of": "best-of sampling",
     "tools": "tool calling", "functions": "function calling", "tool_choice": "tool calling",
     "function_call": "function calling", "response_format": "structured output",
     "guided_json": "structured output", "guided_regex": "structured output", "guided_choice": "structured output",
@@ -166,6 +166,9 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: return the prompt before the completion (with ``logprobs``, its tokens' too); with
+    #: ``max_tokens`` 0, the prompt alone (how evaluation harnesses score a text)
+    echo: bool = False
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -277,6 +280,19 @@ class LogprobWriter:
         return {"tokens": [self._piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self._piece(t): v for t, v in ((e.token, e.logprob),) + e.top} for e in entries],
                 "text_offset": [len(self._text(i)) for i in range(start, end)]}
+
+
+def prompt_logprobs_block(tokenizer: Any, prompt: list[int], entries: list[TokenLogprob | None]) -> dict:
+    """The completions-format ``logprobs`` of an echoed prompt: its first token has none."""
+    pieces = [tokenizer.decode([t]) for t in prompt]
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return {"tokens": pieces, "token_logprobs": [e.logprob if e is not None else None for e in entries],
+            "top_logprobs": [None if e is None else {tokenizer.decode([t]): v for t, v in ((e.token, e.logprob),) + e.top}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def usage_of(prompt: list[int], result: SequenceResult | None, tokens: int) -> dict:
