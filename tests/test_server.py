@@ -334,6 +334,22 @@ def test_a_disconnect_frees_the_slot(default_server) -> None:
     assert server.metric('sot:requests_total{status="abort"}') == aborted + 1
 
 
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slots(default_server) -> None:
+    """Without a stream, tokens keep coming while the client waits, and the server must still
+    notice that it left: both choices of an ``n = 2`` request are aborted."""
+    server = default_server
+    aborted = server.metric('sot:requests_total{status="abort"}')
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 3000,
+            "temperature": 1.0, "seed": 1, "ignore_eos": True, "n": 2}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=2.0)
+    deadline = time.monotonic() + 10
+    while _running(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(server) == 0, "the requests of a client that left still hold their slots"
+    assert server.metric('sot:requests_total{status="abort"}') == aborted + 2
+
+
 async def _post(client: httpx.AsyncClient, url: str, body: dict) -> httpx.Response:
     return await client.post(f"{url}/v1/chat/completions", json=body, headers=AUTH)
 

@@ -428,15 +428,26 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     return JSONResponse(response)
 
 
+#: seconds between looks at whether a client waiting for a whole answer is still there
+DISCONNECT_POLL = 0.5
+
+
 async def _collect(request: Request, state: ServerState, choice: _Choice) -> Update:
-    """Wait for a choice's last update; abort it if the client disconnects meanwhile."""
+    """Wait for a choice's last update; abort it if the client disconnects meanwhile (looked
+    at every ``DISCONNECT_POLL`` seconds, also while tokens keep coming)."""
+    checked = time.monotonic()
     while True:
         try:
-            update: Update = await asyncio.wait_for(choice.updates.get(), timeout=0.5)
+            update: Update | None = await asyncio.wait_for(choice.updates.get(), timeout=DISCONNECT_POLL)
         except asyncio.TimeoutError:
+            update = None
+        final = update is not None and (update.error or update.finish_reason is not None)
+        if not final and time.monotonic() - checked >= DISCONNECT_POLL:
+            checked = time.monotonic()
             if await request.is_disconnected():
                 state.worker.abort(choice.ticket)
                 return Update([], finish_reason="abort")
+        if update is None:
             continue
         if choice.logprobs is not None:
             choice.logprobs.add(update.logprobs)
