@@ -33,6 +33,18 @@ def test_generate_json_fields(model_dir: Path, capsys) -> None:
     assert record["mean_accept_len"] >= 1.0
 
 
+def test_generate_json_logprobs(model_dir: Path, capsys) -> None:
+    rc = main(["generate", "hello there", "--model", str(model_dir), "--max-new-tokens", "6", "--json", "--ignore-eos",
+               "--logprobs", "2"])
+    assert rc == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    entries = record["logprobs"]
+    assert [e["token"] for e in entries] == record["token_ids"] and all(len(e["top"]) == 2 for e in entries)
+    assert all(e["logprob"] <= 0 and isinstance(e["text"], str) for e in entries)
+    assert main(["generate", "hello there", "--model", str(model_dir), "--logprobs", "2"]) == 2
+    assert "--logprobs needs --json" in capsys.readouterr().err
+
+
 def test_generate_jsonl_formats_and_batches(model_dir: Path, tmp_path: Path, capsys) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(

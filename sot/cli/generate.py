@@ -7,7 +7,7 @@ import sys
 
 from sot.cli.common import (
     add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, load_sot, positive_int,
-    save_suffix_store, sampling_kwargs,
+    non_negative_int, save_suffix_store, sampling_kwargs,
 )
 from sot.errors import SoTError
 
@@ -22,6 +22,9 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
                      help="sequences decoded together; a finished one's place goes to the next prompt")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
+                     help="with --json: each token's log probability under the model, with the K most likely "
+                          "tokens at its position (0-20)")
     gen.add_argument("--trace", metavar="FILE.jsonl",
                      help="record every step (trees, acceptance, policy, timings, predicted states) to FILE.jsonl; "
                           "'sot trace --from FILE.jsonl' draws it")
@@ -56,9 +59,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts is None):
         raise SoTError("give either a PROMPT or --prompts FILE.jsonl")
     items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
+    if args.logprobs is not None and not args.json:
+        raise SoTError("--logprobs needs --json (the figures are printed in each prompt's JSON object)")
     sot = load_sot(args)
     ids = [sot.encode(item, args.chat) for item in items]
-    params = sot.params(stop=args.stop, **sampling_kwargs(args))
+    params = sot.params(stop=args.stop, logprobs=args.logprobs, **sampling_kwargs(args))
     stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty() and not args.trace
     if stream_one:
         for event in sot.stream(items, chat=args.chat, stop=args.stop, **sampling_kwargs(args)):
@@ -78,6 +83,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             record.pop("depth_attempts")
             record.pop("depth_accepts")
             record["index"] = i
+            for entry in record.get("logprobs", []):  # (the token's text beside its id)
+                entry["text"] = sot.tokenizer.decode([entry["token"]])
             print(json.dumps(record), flush=True)
         else:
             if len(results) > 1:
