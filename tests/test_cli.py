@@ -245,7 +245,8 @@ def test_parser_defaults_come_from_the_config_dataclasses() -> None:
             assert "--top-k" not in subs[name]._option_string_actions, "bench's draft width is --draft-top-k only"
         if name == "serve":
             want.update(max_batch=ServerConfig.max_batch, max_queue=ServerConfig.max_queue,
-                        shutdown_timeout=ServerConfig.shutdown_timeout, trace=ServerConfig.trace, prompt_budget=ServerConfig.prompt_budget)
+                        shutdown_timeout=ServerConfig.shutdown_timeout, trace=ServerConfig.trace,
+                        prompt_budget=ServerConfig.prompt_budget)
         for dest, value in want.items():
             assert defaults[dest] == value, (name, dest, defaults[dest], value)
             checked += 1

@@ -278,7 +278,8 @@ def test_unsupported_features_are_named_and_neutral_values_pass(tiny_server) -> 
     neutral values (as many clients send them) are accepted."""
     neutral = _chat("hi", max_tokens=2, logprobs=False, tools=[], tool_choice="none", frequency_penalty=0,
                     response_format={"type": "text"})
-    assert httpx.post(f"{tiny_server.url}/v1/chat/completions", json=neutral, headers=AUTH, timeout=60).status_code == 200
+    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=neutral, headers=AUTH, timeout=60)
+    assert resp.status_code == 200, resp.text
     for field, value in (("suffix", "end"), ("best_of", 3), ("presence_penalty", 1.0)):
         resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
                           json={"model": TINY, "prompt": "ab", "max_tokens": 2, field: value})

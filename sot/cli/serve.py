@@ -52,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
-                          max_queue=args.max_queue, prompt_budget=args.prompt_budget, shutdown_timeout=args.shutdown_timeout, trace=args.trace)
+                          max_queue=args.max_queue, prompt_budget=args.prompt_budget,
+                          shutdown_timeout=args.shutdown_timeout, trace=args.trace)
     if args.trace < 0:
         raise ConfigError(f"--trace takes a count of requests to keep, got {args.trace}")
     app = create_app(lambda: load_sot(args), config)

@@ -66,10 +66,10 @@ class _GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise a 400 :class:`APIError` when the request asks for an OpenAI feature this
-        server does not provide (log probabilities, echo, tools, structured output, logit
-        bias, penalties, best-of): an answer that silently ignored it would not be what the
-        client asked for. Fields at their neutral values (``logprobs: false``, ``tools: []``,
-        ``response_format: {"type": "text"}``, a penalty of 0) are accepted."""
+        server does not provide (tools, structured output, logit bias, penalties, best-of,
+        a suffix): an answer that silently ignored it would not be what the client asked
+        for. Fields at their neutral values (``tools: []``, ``response_format: {"type":
+        "text"}``, a penalty of 0) are accepted."""
         for name, value in (self.model_extra or {}).items():
             reason = _UNSUPPORTED.get(name)
             if reason is not None and _asks_for(name, value):
@@ -110,7 +110,7 @@ def _asks_for(name: str, value: Any) -> bool:
     ``tool_choice`` none or auto do not)."""
     if value is None or value is False or value == [] or value == {} or value == "":
         return False
-    if name in ("presence_penalty", "frequency_penalty", "top_logprobs", "min_tokens"):
+    if name in ("presence_penalty", "frequency_penalty", "min_tokens"):
         return value != 0
     if name == "repetition_penalty":
         return value != 1
@@ -248,18 +248,22 @@ class LogprobWriter:
         self.chat = chat
         self.entries: list[TokenLogprob] = []  # every generated token's, in order
         self.reported = 0
+        self._lengths: dict[int, int] = {}  # n -> characters of the first n tokens' text
 
     def add(self, entries: list[TokenLogprob]) -> None:
         self.entries.extend(entries)
 
-    def _text(self, n: int) -> str:
-        return self.tokenizer.decode([e.token for e in self.entries[:n]], skip_special_tokens=True)
+    def _text_length(self, n: int) -> int:
+        if n not in self._lengths:
+            ids = [e.token for e in self.entries[:n]]
+            self._lengths[n] = len(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return self._lengths[n]
 
     def upto(self, chars: int) -> dict | None:
         """The object for the tokens not reported yet whose text lies within the first
         ``chars`` characters of the answer (``None`` when there are none)."""
         start, n = self.reported, self.reported
-        while n < len(self.entries) and len(self._text(n)) < chars:
+        while n < len(self.entries) and self._text_length(n) < chars:
             n += 1
         if n == start:
             return None
@@ -278,8 +282,13 @@ class LogprobWriter:
             return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
                                 for e in entries], "refusal": None}
         return {"tokens": [self._piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._piece(t): v for t, v in ((e.token, e.logprob),) + e.top} for e in entries],
-                "text_offset": [len(self._text(i)) for i in range(start, end)]}
+                "top_logprobs": [_top_dict(self.tokenizer, e) for e in entries],
+                "text_offset": [self._text_length(i) for i in range(start, end)]}
+
+
+def _top_dict(tokenizer: Any, entry: TokenLogprob) -> dict[str, float]:
+    """The completions format's ``top_logprobs`` item: the token itself and its alternatives."""
+    return {tokenizer.decode([t]): v for t, v in ((entry.token, entry.logprob),) + entry.top}
 
 
 def prompt_logprobs_block(tokenizer: Any, prompt: list[int], entries: list[TokenLogprob | None]) -> dict:
@@ -290,8 +299,7 @@ def prompt_logprobs_block(tokenizer: Any, prompt: list[int], entries: list[Token
         offsets.append(at)
         at += len(p)
     return {"tokens": pieces, "token_logprobs": [e.logprob if e is not None else None for e in entries],
-            "top_logprobs": [None if e is None else {tokenizer.decode([t]): v for t, v in ((e.token, e.logprob),) + e.top}
-                             for e in entries],
+            "top_logprobs": [None if e is None else _top_dict(tokenizer, e) for e in entries],
             "text_offset": offsets}
 
 
