@@ -19,6 +19,7 @@ from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
+from sot.detokenize import IncrementalText
 from sot.dtype_choice import resolve as resolve_dtype_choice
 from sot.models.loading import load_model
 from sot.online.adapt import AdaptConfig, Adapter
@@ -337,14 +338,18 @@ class SoT:
         ``batch_size`` at a time, as a continuous batch; default: all at once)."""
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in prompts]
-        tokens: list[list[int]] = [[] for _ in ids]
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+        texts = [IncrementalText(decode) for _ in ids]
         shown = [0] * len(ids)
         self.last_stream = []
         for event in self.engine.stream(ids, params, self.last_stream, batch_size):
-            tokens[event.sequence].extend(event.token_ids)
-            text = self.tokenizer.decode(tokens[event.sequence], skip_special_tokens=True)
+            texts[event.sequence].extend(event.token_ids)
+            decoded = texts[event.sequence]
+            text = decoded.text
             # Hold back an incomplete multi-byte character until its last token arrives.
-            stable = len(text) if event.finished or not text.endswith("\ufffd") else len(text) - 1
+            stable = len(text) if event.finished else decoded.settled_length
             delta = text[shown[event.sequence] : stable]
             shown[event.sequence] = max(shown[event.sequence], stable)
             yield StreamEvent(event.sequence, delta, event.token_ids, event.finished)

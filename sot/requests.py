@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from sot.cache import KVCache
+from sot.detokenize import IncrementalText
 from sot.errors import ConfigError, PromptTooLongError, SoTError
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from sot.trace import StepRecord
@@ -213,6 +214,8 @@ class LiveRequest:
     history: list[torch.Tensor] | None = None
     #: while waiting: the part of the prompt already read (``None``: none)
     staged: StagedPrompt | None = None
+    #: with stop strings: the answer's text so far, decoded as tokens come
+    decoded: IncrementalText | None = None
 
     def add_states(self, states: torch.Tensor) -> None:
         """Keep ``states [n, S, D]`` of newly committed rows for the drafter."""
@@ -266,8 +269,13 @@ class LiveRequest:
         if step:
             res.accept_lengths.append(len(taken))
         if params.stop and reason is None:
-            text = decode(res.token_ids)
-            if any(s in text for s in params.stop):
+            if self.decoded is None:
+                self.decoded = IncrementalText(decode)
+            # the settled text held no stop string: look from its last characters on
+            start = max(0, self.decoded.settled_length - max(len(s) for s in params.stop))
+            self.decoded.extend(res.token_ids[len(self.decoded.ids):])
+            text = self.decoded.text
+            if any(text.find(s, start) >= 0 for s in params.stop):
                 reason = "stop"
         res.seconds = now - self.started
         # the acceptance added a log probability per offered token: keep those committed

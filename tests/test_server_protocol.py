@@ -28,7 +28,8 @@ def test_streamed_deltas_join_to_the_text_cut_at_the_stop_string() -> None:
 def test_an_incomplete_character_waits_for_its_last_token() -> None:
     text = TextAssembler(_CharTokenizer(), ())
     assert text.add(_ids("ab") + [0xFFFD], final=False) == "ab"
-    assert text.add(_ids("c"), final=True) == "\ufffdc"
+    assert text.add([0xFFFD], final=False) == ""
+    assert text.add(_ids("c"), final=True) == "\ufffd\ufffdc"
 
 
 def test_validation_messages_name_the_parameter() -> None:

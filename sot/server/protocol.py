@@ -3,10 +3,11 @@ stream of tokens turns into (stop strings cut, incomplete characters held back).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sot.detokenize import IncrementalText
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -195,32 +196,38 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 class TextAssembler:
     """Turns a request's committed tokens into text deltas.
 
-    The whole text is decoded again at every update (a few hundred tokens at most), which
-    keeps multi-token characters and tokenizer spacing exact. A stop string ends the text
-    before it; while the request runs, text that might begin a stop string and an incomplete
-    character at the end are held back until the next tokens decide them.
+    The text is decoded incrementally (:class:`~sot.detokenize.IncrementalText`), so an update
+    costs the same early and late in a long answer. A stop string ends the text before it;
+    while the request runs, text that might begin a stop string and an incomplete character
+    at the end are held back until the next tokens decide them.
     """
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
         self.stop = stop
-        self.ids: list[int] = []
+        self._decoded = IncrementalText(_skipping_specials(tokenizer))
+        self._longest_stop = max((len(s) for s in stop), default=0)
         self.sent = 0
         self.text = ""
 
+    @property
+    def ids(self) -> list[int]:
+        """Every token added so far."""
+        return self._decoded.ids
+
     def add(self, token_ids: list[int], final: bool) -> str:
         """The new text after ``token_ids``; ``final`` releases everything held back."""
-        self.ids.extend(token_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self._decoded.extend(token_ids)
+        text = self._decoded.text
         cut = len(text)
         stopped = False
+        # what was sent holds no stop string and ends in none's beginning: look past it only
+        start = max(0, self.sent - self._longest_stop)
         for s in self.stop:
-            i = text.find(s)
+            i = text.find(s, start)
             if 0 <= i < cut:
                 cut, stopped = i, True
         if not final and not stopped:
-            if text[:cut].endswith("\ufffd"):
-                cut -= 1
+            cut = min(cut, self._decoded.settled_length)  # an incomplete character waits
             for s in self.stop:  # the longest tail that could still grow into a stop string
                 for k in range(min(len(s) - 1, cut), 0, -1):
                     if text[cut - k : cut] == s[:k]:
@@ -248,15 +255,16 @@ class LogprobWriter:
         self.chat = chat
         self.entries: list[TokenLogprob] = []  # every generated token's, in order
         self.reported = 0
-        self._lengths: dict[int, int] = {}  # n -> characters of the first n tokens' text
+        self._decoded = IncrementalText(_skipping_specials(tokenizer))
+        self._lengths = [0]  # [n]: characters of the first n tokens' text
 
     def add(self, entries: list[TokenLogprob]) -> None:
         self.entries.extend(entries)
+        for e in entries:
+            self._decoded.extend([e.token])
+            self._lengths.append(len(self._decoded))
 
     def _text_length(self, n: int) -> int:
-        if n not in self._lengths:
-            ids = [e.token for e in self.entries[:n]]
-            self._lengths[n] = len(self.tokenizer.decode(ids, skip_special_tokens=True))
         return self._lengths[n]
 
     def upto(self, chars: int) -> dict | None:
@@ -284,6 +292,12 @@ class LogprobWriter:
         return {"tokens": [self._piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [_top_dict(self.tokenizer, e) for e in entries],
                 "text_offset": [self._text_length(i) for i in range(start, end)]}
+
+
+def _skipping_specials(tokenizer: Any) -> Callable[[list[int]], str]:
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return decode
 
 
 def _top_dict(tokenizer: Any, entry: TokenLogprob) -> dict[str, float]:
