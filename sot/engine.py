@@ -15,6 +15,7 @@ take rows in the verify pass.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from typing import Callable, Iterator, Protocol
@@ -372,6 +373,8 @@ class Engine:
         now = time.perf_counter()
         seq.result.first_token_seconds = now - seq.started
         event = seq.commit(acc.tokens, now, False, self.decode)
+        if seq.params.prompt_logprobs is not None:
+            event = dataclasses.replace(event, prompt_logprobs=list(seq.result.prompt_logprobs))
         if self.record_steps:  # the first token, from the prompt's pass: step 0
             rec = build_record(0, len(seq.prompt) - 1, "prefill", root, root, acc.path, event.token_ids,
                                out.logits[0, -1:], None, None)

@@ -125,6 +125,9 @@ class TokenEvent:
     result: SequenceResult | None = field(default=None, compare=False, repr=False)
     #: with ``GenerationParams.logprobs``: one per token of ``token_ids``
     logprobs: list[TokenLogprob] = field(default_factory=list, compare=False, repr=False)
+    #: with ``GenerationParams.prompt_logprobs``, on the request's first event: one per prompt
+    #: token (``None`` for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

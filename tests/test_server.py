@@ -136,9 +136,16 @@ def test_echo_scores_a_text_with_the_figures_generation_gives(default_server) ->
     streamed = "".join(ev.choices[0].text for ev in client.completions.create(
         model=MODEL, prompt=head, max_tokens=2, temperature=0, echo=True, stream=True) if ev.choices)
     assert streamed == both.text
-    refused = httpx.post(f"{default_server.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": head, "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    ask = dict(model=MODEL, prompt=head, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    whole = client.completions.create(**ask).choices[0]
+    lp = whole.logprobs
+    assert whole.text.startswith(head) and len(lp.tokens) == len(lp.text_offset) > 3
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = [ev.choices[0] for ev in client.completions.create(**ask, stream=True) if ev.choices]
+    assert chunks[0].text == head and len(chunks[0].logprobs.tokens) == len(scored.choices[0].logprobs.tokens) - 1
+    assert "".join(c.text for c in chunks) == whole.text
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks if c.logprobs for x in getattr(c.logprobs, key)] == getattr(lp, key), key
 
 
 def test_n_samples_and_prompt_lists_are_choices_in_order(default_server) -> None:

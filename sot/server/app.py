@@ -363,8 +363,6 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
                        param="n")
     echo = isinstance(body, CompletionRequest) and body.echo
     drop = echo and body.token_limit() == 0
-    if echo and body.stream and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported in a stream; ask without stream", param="echo")
     asked = []
     for i, prompt in enumerate(prompts):
         params = _params(state, body, prompt)
@@ -376,7 +374,8 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     try:
         for i, (prompt, params, first, echoed) in enumerate(asked):
             ticket, updates = state.worker.submit(prompt, params, tenant=body.user)
-            lp = LogprobWriter(state.sot.tokenizer, chat) if params.logprobs is not None else None
+            lp = (LogprobWriter(state.sot.tokenizer, chat, offset=len(echoed or ""))
+                  if params.logprobs is not None else None)
             choices.append(_Choice(i, prompt, first, ticket, updates, TextAssembler(state.sot.tokenizer, params.stop),
                                    lp, echo=echoed, drop=drop))
     except BaseException:
@@ -407,7 +406,6 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         if c.echo is not None:
             if lp is not None and final.result is not None:
                 head = prompt_logprobs_block(state.sot.tokenizer, c.prompt, final.result.prompt_logprobs)
-                lp["text_offset"] = [x + len(c.echo) for x in lp["text_offset"]]
                 lp = {key: head[key] + lp[key] for key in head}
             content = c.echo + content
         choice = ({"index": c.index, "message": {"role": "assistant", "content": content}, "logprobs": lp,
@@ -494,8 +492,8 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
         if chat:
             for c in choices:
                 yield chunk(c.index, None, role=True)
-        for c in choices:
-            if c.echo:
+        for c in choices:  # with logprobs, an echoed prompt waits for its figures (the first update)
+            if c.echo and c.logprobs is None:
                 yield chunk(c.index, c.echo)
         left = len(choices)
         while left:
@@ -503,6 +501,9 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
             if update.error:
                 yield sse(APIError(500, update.error).body())
                 break
+            if c.echo and c.logprobs is not None and update.prompt_logprobs is not None:
+                yield chunk(c.index, c.echo, lp=prompt_logprobs_block(state.sot.tokenizer, c.prompt,
+                                                                      update.prompt_logprobs))
             last = update.finish_reason is not None
             delta = c.text.add(update.token_ids, final=last) if not c.drop else ""
             lp = None

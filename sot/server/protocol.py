@@ -248,11 +248,13 @@ class LogprobWriter:
     alternatives, in the chat format (``{"content": [{"token", "logprob", "bytes",
     "top_logprobs"}]}``) or the completions one (``tokens``, ``token_logprobs``,
     ``top_logprobs``, ``text_offset``). Tokens past a stop string, or that add no text (an
-    end-of-sequence token), are not reported."""
+    end-of-sequence token), are not reported. ``text_offset`` counts from the start of the
+    returned text, where ``offset`` characters (an echoed prompt) come before the answer."""
 
-    def __init__(self, tokenizer: Any, chat: bool) -> None:
+    def __init__(self, tokenizer: Any, chat: bool, offset: int = 0) -> None:
         self.tokenizer = tokenizer
         self.chat = chat
+        self.offset = offset  # characters before the answer in the returned text (an echoed prompt)
         self.entries: list[TokenLogprob] = []  # every generated token's, in order
         self.reported = 0
         self._decoded = IncrementalText(_skipping_specials(tokenizer))
@@ -291,7 +293,7 @@ class LogprobWriter:
                                 for e in entries], "refusal": None}
         return {"tokens": [self._piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [_top_dict(self.tokenizer, e) for e in entries],
-                "text_offset": [self._text_length(i) for i in range(start, end)]}
+                "text_offset": [self.offset + self._text_length(i) for i in range(start, end)]}
 
 
 def _skipping_specials(tokenizer: Any) -> Callable[[list[int]], str]:

@@ -30,6 +30,9 @@ class Update:
     error: str | None = None
     #: with log probabilities asked for: one per token of ``token_ids``
     logprobs: list = field(default_factory=list)
+    #: with the prompt's log probabilities asked for: on the first update, one per prompt
+    #: token (``None`` for the first)
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -201,7 +204,7 @@ class EngineWorker:
             result = ev.result
             self.metrics.finished(ev.finish_reason or "length", result)
         self._send(t, Update(list(ev.token_ids), ev.finish_reason if ev.finished else None, result,
-                             logprobs=list(ev.logprobs)))
+                             logprobs=list(ev.logprobs), prompt_logprobs=ev.prompt_logprobs))
 
     def _fail_all(self, message: str) -> None:
         for ticket in list(self._tickets):
