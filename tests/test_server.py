@@ -512,7 +512,8 @@ def test_trace_pages_of_finished_requests(tiny_server, default_server) -> None:
     ids = []
     for prompt in ("abcabc", "xyzxyz", "hello hello"):
         resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
-                          json={"model": TINY, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+                          json={"model": TINY, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                "ignore_eos": True})
         ids.append(resp.json()["id"])
     page = httpx.get(f"{tiny_server.url}/trace/{ids[-1]}", timeout=60)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

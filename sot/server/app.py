@@ -181,7 +181,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         _check_ready(state)
         kept = state.traces.get(rid)
         if kept is None:
-            raise APIError(404, f"no trace of request {rid!r} (only the last {config.trace} finished requests are kept)")
+            raise APIError(404, f"no trace of request {rid!r} "
+                                f"(only the last {config.trace} finished requests are kept)")
         prompt, result = kept
 
         def render() -> str:  # the state comparison runs the model: on the worker thread
