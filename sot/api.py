@@ -26,6 +26,7 @@ from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from sot.prompts import PromptItem, encode, has_chat_template
+from sot.requests import check_logit_rules
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.trace import StepRecord, TracedSequence, compare_states
 
@@ -226,9 +227,22 @@ class SoT:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        min_tokens: int = GenerationParams.min_tokens,
+        repetition_penalty: float = SamplingParams.repetition_penalty,
+        frequency_penalty: float = SamplingParams.frequency_penalty,
+        presence_penalty: float = SamplingParams.presence_penalty,
+        logit_bias: dict[int, float] | None = None,
     ) -> GenerationParams:
-        """Validated :class:`GenerationParams` (``logprobs``: ``None``, or return each
-        generated token's log probability with that many alternatives, 0 to 20)."""
+        """Validated :class:`GenerationParams`.
+
+        Args:
+            logprobs: ``None``, or return each generated token's log probability with that
+                many alternatives, 0 to 20.
+            min_tokens: no end-of-sequence token before this many tokens.
+            repetition_penalty, frequency_penalty, presence_penalty, logit_bias: change the
+                logits before a token is chosen, as OpenAI and vLLM define them
+                (:mod:`sot.logit_rules`); ``logit_bias`` maps token ids to -100..100.
+        """
         _check_sampling(temperature, top_p, top_k)
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -238,14 +252,20 @@ class SoT:
             mode = SamplingMode(sampling)
         except ValueError:
             raise ConfigError(f"sampling must be 'rejection' or 'coupled', got {sampling!r}") from None
-        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, mode=mode)
-        return GenerationParams(
+        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, mode=mode,
+                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty,
+                            logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())))
+        params = GenerationParams(
             max_new_tokens=max_new_tokens,
             sampling=sp,
             stop=tuple(stop),
             eos_token_ids=() if ignore_eos else self.eos_ids(),
             logprobs=logprobs,
+            min_tokens=min_tokens,
         )
+        check_logit_rules(params, self.target.vocab_size)
+        return params
 
     @property
     def phase_times(self) -> PhaseTimes:

@@ -27,6 +27,7 @@ from sot.attention import MAX_TREE_DEPTH
 from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError
+from sot.logit_rules import adjusted_rows, adjusts
 from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT, round_up
 from sot.policy import (
@@ -204,7 +205,7 @@ class Engine:
             tenant: who sent it (an API key or user); drafters that keep earlier answers
                 per tenant draft its answer from that tenant's only.
         """
-        check_request(prompt, params, self.target.max_positions)
+        check_request(prompt, params, self.target.max_positions, self.target.vocab_size)
         _ = self.policy  # the cost model is measured before the first request's clock starts
         seq = LiveRequest(
             id=next(self._ids),
@@ -364,8 +365,10 @@ class Engine:
             obs.prefilled(seq, out.states[0] if out.states is not None else None, out.logits[0, -1])
         out = self._drafter_view(out)
         root = DraftTree.root_only(seq.prompt[-1])
-        acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, root, out.logits[0, -1:],
-                          len(seq.prompt) - 1)
+        scores = out.logits[0, -1:]
+        if adjusts(seq.params):
+            scores = adjusted_rows(scores, root, seq)
+        acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, root, scores, len(seq.prompt) - 1)
         if self.trace:
             seq.result.logit_trace.append(out.logits[0, -1].clone())
         if seq.params.logprobs is not None:
@@ -602,7 +605,7 @@ class Engine:
         the caller runs :meth:`step` until :meth:`has_unfinished` is false. On leaving, the
         engine's batch limit is restored and anything left unfinished is aborted. The loop of
         :meth:`stream`; ``sot bench`` uses it to advance several engines a step at a time."""
-        check_prompts(prompts, params, self.target.max_positions, batch_size)
+        check_prompts(prompts, params, self.target.max_positions, batch_size, self.target.vocab_size)
         if self.has_unfinished():
             raise ConfigError("the engine is serving other requests; use add_request and step")
         saved = self.max_batch

@@ -36,6 +36,8 @@ class GenerationParams:
     #: ``None``: none; ``k >= 0``: the log probability of each prompt token after the first,
     #: with ``k`` alternatives (the prompt is then read whole, not taken from the prefix cache)
     prompt_logprobs: int | None = None
+    #: the end-of-sequence tokens are not chosen before this many tokens are generated
+    min_tokens: int = 0
 
 
 @dataclass
@@ -152,7 +154,7 @@ class StepStats:
 
 
 def check_prompts(prompts: list[list[int]], params: GenerationParams, max_positions: int | None,
-                  batch_size: int | None) -> None:
+                  batch_size: int | None, vocab_size: int | None = None) -> None:
     """Raise a :class:`~sot.errors.SoTError` naming the first prompt of an offline call that
     cannot run (or a bad ``batch_size``)."""
     if not prompts:
@@ -161,12 +163,13 @@ def check_prompts(prompts: list[list[int]], params: GenerationParams, max_positi
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     for i, p in enumerate(prompts):
         try:
-            check_request(p, params, max_positions)
+            check_request(p, params, max_positions, vocab_size)
         except SoTError as exc:
             raise type(exc)(f"prompt {i}: {exc}") from None
 
 
-def check_request(prompt: list[int], params: GenerationParams, max_positions: int | None) -> None:
+def check_request(prompt: list[int], params: GenerationParams, max_positions: int | None,
+                  vocab_size: int | None = None) -> None:
     """Raise a :class:`~sot.errors.SoTError` naming what is wrong with one request."""
     if not prompt:
         raise ConfigError("the prompt is empty")
@@ -176,11 +179,39 @@ def check_request(prompt: list[int], params: GenerationParams, max_positions: in
         k = getattr(params, name)
         if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
             raise ConfigError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}")
+    check_logit_rules(params, vocab_size)
     if max_positions and len(prompt) + params.max_new_tokens > max_positions:
         raise PromptTooLongError(
             f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
             f"the model's context of {max_positions} tokens"
         )
+
+
+#: the largest magnitude of a logit bias (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0
+#: the largest magnitude of a presence or frequency penalty (OpenAI's range)
+MAX_PENALTY = 2.0
+
+
+def check_logit_rules(params: GenerationParams, vocab_size: int | None = None) -> None:
+    """Raise a :class:`~sot.errors.ConfigError` naming a penalty, bias or minimum length out
+    of range (bias tokens are checked against ``vocab_size`` when given)."""
+    sp = params.sampling
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        if not -MAX_PENALTY <= v <= MAX_PENALTY:
+            raise ConfigError(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {v}")
+    if not sp.repetition_penalty > 0:
+        raise ConfigError(f"repetition_penalty must be > 0, got {sp.repetition_penalty}")
+    for token, bias in sp.logit_bias:
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ConfigError(f"logit_bias of token {token} must be between -{MAX_LOGIT_BIAS:g} and "
+                              f"{MAX_LOGIT_BIAS:g}, got {bias}")
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ConfigError(f"logit_bias names token {token}, outside the vocabulary of {vocab_size} tokens")
+    if not 0 <= params.min_tokens <= params.max_new_tokens:
+        raise ConfigError(f"min_tokens must be between 0 and max_new_tokens ({params.max_new_tokens}), "
+                          f"got {params.min_tokens}")
 
 
 @dataclass
@@ -219,6 +250,15 @@ class LiveRequest:
     staged: StagedPrompt | None = None
     #: with stop strings: the answer's text so far, decoded as tokens come
     decoded: IncrementalText | None = None
+    #: with a repetition penalty: which tokens the prompt holds (``[V]`` bool)
+    _prompt_seen: torch.Tensor | None = field(default=None, repr=False)
+
+    def prompt_seen(self, vocab: int) -> torch.Tensor:
+        """``[V]`` bool: the tokens that occur in the prompt (made once)."""
+        if self._prompt_seen is None:
+            self._prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+            self._prompt_seen[torch.tensor(self.prompt, dtype=torch.long)] = True
+        return self._prompt_seen
 
     def add_states(self, states: torch.Tensor) -> None:
         """Keep ``states [n, S, D]`` of newly committed rows for the drafter."""

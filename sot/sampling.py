@@ -31,13 +31,24 @@ class SamplingMode(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings; ``temperature == 0`` means greedy."""
+    """Sampling settings; ``temperature == 0`` means greedy. The penalties and the bias
+    change the logits before temperature, top-k and top-p, in greedy decoding too
+    (:mod:`sot.logit_rules`)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
     mode: SamplingMode = SamplingMode.COUPLED
+    #: over the prompt and the answer: a seen token's logit is divided by it when positive,
+    #: multiplied by it otherwise (1: none)
+    repetition_penalty: float = 1.0
+    #: over the answer: subtracted from a token's logit once per time it occurs
+    frequency_penalty: float = 0.0
+    #: over the answer: subtracted from the logit of every token that occurs
+    presence_penalty: float = 0.0
+    #: ``(token, bias)`` pairs added to the logits
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:

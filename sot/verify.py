@@ -7,6 +7,7 @@ import torch
 
 from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
 from sot.cache import KVCache
+from sot.logit_rules import adjusted_rows, adjusts
 from sot.models.adapter import ForwardOutput
 from sot.requests import LiveRequest, SequenceResult
 from sot.sampling import SamplingMode, SamplingParams, token_logprobs
@@ -50,13 +51,16 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
     accepted, keep = [], []
     # greedy sequences: every row's argmax in one call (a call per sequence costs more than
     # the arithmetic at batch 16); the same values, so the same tokens
-    greedy = _argmax_rows(out) if any(s.params.sampling.greedy for s in seqs) else None
+    rules = [adjusts(s.params) for s in seqs]
+    plain_greedy = [s.params.sampling.greedy and not r for s, r in zip(seqs, rules)]
+    greedy = _argmax_rows(out) if any(plain_greedy) else None
     for b, (seq, tree) in enumerate(zip(seqs, trees)):
         logits = out.seq_logits(b)
-        if greedy is not None and seq.params.sampling.greedy:
+        if greedy is not None and plain_greedy[b]:
             acc = accept_greedy(tree, logits, greedy[b])
-        else:
-            acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, logits, lengths[b])
+        else:  # with logit rules, each node's row adjusted for its own context first
+            scores = adjusted_rows(logits, tree, seq) if rules[b] else logits
+            acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, scores, lengths[b])
         accepted.append(acc)
         keep.append([lengths[b] + i for i in acc.path])
         if out.states is not None:

@@ -266,8 +266,14 @@ BAD = [
     ("too many top_logprobs", json.dumps(_chat("hi", logprobs=True, top_logprobs=21)).encode(), 400),
     ("json output", json.dumps(_chat("hi", response_format={"type": "json_object"})).encode(), 400),
     ("tools", json.dumps(_chat("hi", tools=[{"type": "function", "function": {"name": "f"}}])).encode(), 400),
-    ("logit bias", json.dumps(_chat("hi", logit_bias={"5": 100})).encode(), 400),
-    ("frequency penalty", json.dumps(_chat("hi", frequency_penalty=0.5)).encode(), 400),
+    # logit rules out of range
+    ("logit bias too large", json.dumps(_chat("hi", logit_bias={"5": 150})).encode(), 400),
+    ("logit bias on a word", json.dumps(_chat("hi", logit_bias={"hello": 1})).encode(), 400),
+    ("logit bias past the vocabulary", json.dumps(_chat("hi", logit_bias={"99999": 1})).encode(), 400),
+    ("frequency penalty out of range", json.dumps(_chat("hi", frequency_penalty=2.5)).encode(), 400),
+    ("repetition penalty 0", json.dumps(_chat("hi", repetition_penalty=0)).encode(), 400),
+    ("min_tokens above max_tokens", json.dumps(_chat("hi", max_tokens=3, min_tokens=4)).encode(), 400),
+    ("stop token past the vocabulary", json.dumps(_chat("hi", stop_token_ids=[99999])).encode(), 400),
 ]
 
 
@@ -287,11 +293,55 @@ def test_unsupported_features_are_named_and_neutral_values_pass(tiny_server) -> 
                     response_format={"type": "text"})
     resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=neutral, headers=AUTH, timeout=60)
     assert resp.status_code == 200, resp.text
-    for field, value in (("suffix", "end"), ("best_of", 3), ("presence_penalty", 1.0)):
+    for field, value in (("suffix", "end"), ("best_of", 3), ("guided_regex", "[ab]+")):
         resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
                           json={"model": TINY, "prompt": "ab", "max_tokens": 2, field: value})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
         assert field in resp.json()["error"]["message"]
+
+
+def test_logit_rules_and_stop_tokens(tiny_server) -> None:
+    """logit_bias forces or bans tokens, stop_token_ids end the answer, min_tokens holds the
+    end off, and the penalties change the answer the same way every time."""
+    def ask(**kw) -> dict:
+        body = {"model": TINY, "prompt": "abcabcab", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, **kw}
+        resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]
+
+    free = ask()["token_ids"]
+    assert ask(logit_bias={"9": 100})["token_ids"] == [9] * 12
+    assert free[0] not in ask(logit_bias={str(free[0]): -100})["token_ids"]
+    stop = free[3]
+    cut = ask(stop_token_ids=[stop])
+    assert cut["finish_reason"] == "stop" and cut["token_ids"] == free[: free.index(stop) + 1]
+    held = ask(stop_token_ids=[stop], min_tokens=free.index(stop) + 2)["token_ids"]
+    assert len(held) > free.index(stop) + 1 and stop not in held[: free.index(stop) + 2]
+    penalised = ask(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)["token_ids"]
+    assert penalised != free and ask(frequency_penalty=1.5, presence_penalty=0.5,
+                                     repetition_penalty=1.3)["token_ids"] == penalised
+
+
+def test_tokenize_and_detokenize(tiny_server) -> None:
+    """vLLM's routes: a prompt's tokens (chat messages with the template the chat route
+    applies, so the count is the prompt's usage) and back."""
+    def post(route: str, **body) -> httpx.Response:
+        return httpx.post(f"{tiny_server.url}{route}", headers=AUTH, timeout=60, json=body)
+
+    got = post("/tokenize", model=TINY, prompt="abcab").json()
+    assert got["count"] == len(got["tokens"]) == 5 and got["max_model_len"] == 512
+    assert post("/detokenize", tokens=got["tokens"]).json() == {"prompt": "abcab"}
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = post("/tokenize", messages=messages).json()
+    used = post("/v1/chat/completions", model=TINY, messages=messages, max_tokens=1).json()["usage"]
+    assert chat["count"] == used["prompt_tokens"] > 11
+    for body, status, param in ((dict(), 400, "prompt"), (dict(prompt="a", messages=messages), 400, "prompt"),
+                                (dict(prompt="a", model="gpt-9"), 404, "model")):
+        resp = post("/tokenize", **body)
+        assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
+    resp = post("/detokenize", tokens=[10**6])
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tokens"
 
 
 def test_api_key_is_required(tiny_server) -> None:

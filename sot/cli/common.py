@@ -140,6 +140,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="coupled (default): a seeded sample is the same text whatever was drafted, as plain "
                         "decoding's; rejection: recursive rejection sampling. Both are exact in distribution")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--min-tokens", type=non_negative_int, default=GenerationParams.min_tokens,
+                   help="no end-of-sequence token before this many tokens")
+    p.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty,
+                   help="divide (multiply, if negative) the logit of every token seen in the prompt or the "
+                        "answer by this (1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty,
+                   help="subtract this from a token's logit per time it occurs in the answer (-2 to 2)")
+    p.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty,
+                   help="subtract this from the logit of every token in the answer (-2 to 2)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS", type=_logit_bias,
+                   help="add BIAS (-100 to 100) to token id TOKEN's logit (repeatable)")
 
 
 def add_chat_flag(p: argparse.ArgumentParser) -> None:
@@ -180,6 +191,14 @@ def save_suffix_store(sot, args: argparse.Namespace) -> None:
         print(f"suffix store written to {path} ({sot.suffix_stores.tokens} tokens)", file=sys.stderr)
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS (a token id and a number), got {text!r}") from None
+
+
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         max_new_tokens=args.max_new_tokens,
@@ -189,4 +208,9 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         sampling=args.sampling,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        logit_bias=dict(args.logit_bias),
     )

@@ -27,11 +27,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sot.engine import GenerationParams, SequenceResult
+from sot.errors import ConfigError
+from sot.requests import check_logit_rules
 from sot.sampling import SamplingMode, SamplingParams
 from sot.server.metrics import ServerMetrics
 from sot.server.protocol import (
-    FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, LogprobWriter, TextAssembler,
-    _GenerationRequest, prompt_logprobs_block, sot_figures, sse, usage_of, validation_message,
+    FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LogprobWriter,
+    TextAssembler, TokenizeRequest, _GenerationRequest, prompt_logprobs_block, sot_figures, sse, usage_of,
+    validation_message,
 )
 from sot.server.worker import EngineWorker, Update
 
@@ -221,6 +224,36 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
             texts = [state.sot.tokenizer.decode(prompts[0])]
         return await _generate(request, state, body, prompts, chat=False, texts=texts)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's route: a prompt's token ids (``prompt``, or chat ``messages`` with the chat
+        template the completions route applies), with the count and the context length."""
+        _check_key(request, config)
+        body = TokenizeRequest.model_validate(await _json(request))
+        _check_ready(state)
+        _check_model(state, body.model)
+        sot = state.sot
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = sot.encode({"messages": messages}, chat=sot.is_chat_model)
+        else:
+            tokens = sot.encode({"prompt": body.prompt}, chat=False)
+        return {"count": len(tokens), "max_model_len": state.context, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's route: the text of token ids."""
+        _check_key(request, config)
+        body = DetokenizeRequest.model_validate(await _json(request))
+        _check_ready(state)
+        _check_model(state, body.model)
+        vocab = state.sot.target.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": state.sot.tokenizer.decode(body.tokens)}
+
     return app
 
 
@@ -242,6 +275,13 @@ def _check_key(request: Request, config: ServerConfig) -> None:
         raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
 
+def _check_model(state: ServerState, model: str | None) -> None:
+    """A 404 unless ``model`` is the served one (``None``: optional and not given)."""
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+
+
 def _check_ready(state: ServerState) -> None:
     if state.draining:
         raise APIError(503, "the server is shutting down")
@@ -253,9 +293,7 @@ def _check_ready(state: ServerState) -> None:
 
 def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> GenerationParams:
     """Validated generation settings of one prompt of a request."""
-    if body.model != state.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
+    _check_model(state, body.model)
     body.check_supported()
     context = state.context
     if not prompt:
@@ -275,11 +313,23 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
                        f"of {context} tokens", param="max_tokens", code="context_length_exceeded")
     seed = body.seed if body.seed is not None else random.getrandbits(63)
     sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), seed=seed,
-                              mode=SamplingMode(body.sampling_mode))
+                              mode=SamplingMode(body.sampling_mode), repetition_penalty=body.repetition_penalty,
+                              frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                              logit_bias=body.logit_bias_pairs())
     eos = () if body.ignore_eos else state.sot.eos_ids()
+    eos += tuple(t for t in body.stop_token_ids or () if t not in eos)
     k = body.logprob_count()
-    return GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
-                            logprobs=k, prompt_logprobs=k if echo else None)
+    params = GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
+                              logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens)
+    try:
+        check_logit_rules(params, state.sot.target.vocab_size)
+    except ConfigError as exc:
+        param = next((f for f in ("min_tokens", "logit_bias", "repetition_penalty") if str(exc).startswith(f)), None)
+        raise APIError(400, str(exc), param=param) from None
+    vocab = state.sot.target.vocab_size
+    if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+        raise APIError(400, f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")
+    return params
 
 
 #: choices one request may ask for (its prompts times ``n``)

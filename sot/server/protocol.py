@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sot.detokenize import IncrementalText
+from sot.requests import MAX_PENALTY, GenerationParams
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -64,13 +65,32 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     #: add the generated ``token_ids`` to each choice (and ``prompt_token_ids`` to the response)
     return_token_ids: bool = False
+    presence_penalty: float = Field(SamplingParams.presence_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(SamplingParams.frequency_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    #: token id (as a string, OpenAI's form) -> a bias of -100 to 100 added to its logit
+    logit_bias: dict[str, float] | None = None
+    #: vLLM's extensions: over the prompt and the answer (1: off)
+    repetition_penalty: float = Field(SamplingParams.repetition_penalty, gt=0.0)
+    #: no end-of-sequence (or ``stop_token_ids``) token before this many tokens
+    min_tokens: int = Field(GenerationParams.min_tokens, ge=0)
+    #: tokens that end the answer as an end-of-sequence token does
+    stop_token_ids: list[int] | None = None
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as sorted ``(token, bias)`` pairs."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                pairs.append((int(key), float(bias)))
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        return tuple(sorted(pairs))
 
     def check_supported(self) -> None:
         """Raise a 400 :class:`APIError` when the request asks for an OpenAI feature this
-        server does not provide (tools, structured output, logit bias, penalties, best-of,
-        a suffix): an answer that silently ignored it would not be what the client asked
-        for. Fields at their neutral values (``tools: []``, ``response_format: {"type":
-        "text"}``, a penalty of 0) are accepted."""
+        server does not provide (tools, structured output, best-of, a suffix): an answer
+        that silently ignored it would not be what the client asked for. Fields at their
+        neutral values (``tools: []``, ``response_format: {"type": "text"}``) are accepted."""
         for name, value in (self.model_extra or {}).items():
             reason = _UNSUPPORTED.get(name)
             if reason is not None and _asks_for(name, value):
@@ -100,21 +120,15 @@ _UNSUPPORTED = {
     "tools": "tool calling", "functions": "function calling", "tool_choice": "tool calling",
     "function_call": "function calling", "response_format": "structured output",
     "guided_json": "structured output", "guided_regex": "structured output", "guided_choice": "structured output",
-    "logit_bias": "logit bias", "presence_penalty": "a presence penalty", "frequency_penalty": "a frequency penalty",
-    "repetition_penalty": "a repetition penalty", "min_tokens": "a minimum length",
 }
 
 
 def _asks_for(name: str, value: Any) -> bool:
     """Whether ``value`` of the unsupported field ``name`` asks for anything (``None``,
-    ``false``, empty, 0, a penalty of 0, ``best_of`` 1, ``response_format`` text and
-    ``tool_choice`` none or auto do not)."""
+    ``false``, empty, ``best_of`` 1, ``response_format`` text and ``tool_choice`` none or
+    auto do not)."""
     if value is None or value is False or value == [] or value == {} or value == "":
         return False
-    if name in ("presence_penalty", "frequency_penalty", "min_tokens"):
-        return value != 0
-    if name == "repetition_penalty":
-        return value != 1
     if name == "best_of":
         return value != 1
     if name == "response_format":
@@ -173,6 +187,21 @@ class CompletionRequest(_GenerationRequest):
 
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+
+class TokenizeRequest(BaseModel):
+    """``/tokenize``: a ``prompt``, or chat ``messages`` (vLLM's route)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+
+class DetokenizeRequest(BaseModel):
+    """``/detokenize``: token ids to text (vLLM's route)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
