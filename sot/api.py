@@ -9,6 +9,7 @@ Example::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -64,6 +65,37 @@ class Completion:
         if not self.logprobs:
             out.pop("logprobs")
         return out
+
+
+@dataclass
+class Score:
+    """A text's tokens and their log probabilities under the model (:meth:`SoT.score`)."""
+
+    token_ids: list[int]
+    #: one per token: the first has none (``None``), each other its log probability after
+    #: the tokens before it, with the asked-for number of alternatives
+    logprobs: list[TokenLogprob | None]
+
+    @property
+    def scored_tokens(self) -> int:
+        """Tokens with a log probability (all but the first)."""
+        return sum(e is not None for e in self.logprobs)
+
+    @property
+    def total_logprob(self) -> float:
+        """The log-likelihood of the text after its first token (natural log)."""
+        return sum(e.logprob for e in self.logprobs if e is not None)
+
+    @property
+    def perplexity(self) -> float:
+        """``exp(-total_logprob / scored_tokens)``; ``nan`` for a text of one token."""
+        n = self.scored_tokens
+        return math.exp(-self.total_logprob / n) if n else math.nan
+
+    def to_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "scored_tokens": self.scored_tokens,
+                "total_logprob": self.total_logprob, "perplexity": self.perplexity,
+                "logprobs": [None if e is None else asdict(e) for e in self.logprobs]}
 
 
 @dataclass(frozen=True)
@@ -351,6 +383,25 @@ class SoT:
         ids = [self.encode(p, chat) for p in prompts]
         return self.generate_ids(ids, params, batch_size, trace=trace)
 
+    def score(self, texts: Sequence[PromptItem], chat: bool | None = False, top_logprobs: int = 0,
+              batch_size: int = 1) -> list[Score]:
+        """Each text's tokens with their log probabilities under the model: the figures plain
+        decoding would give each token after the ones before it (the texts are read by the
+        engine's verify passes, ``batch_size`` at a time; nothing is generated beyond one
+        token, dropped).
+
+        Args:
+            texts: strings (raw text by default), or records with ``messages`` and
+                ``chat=True`` to score a conversation in the chat template.
+            top_logprobs: alternatives to report per token (0-20).
+        """
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+        ids = [self.encode(t, chat) for t in texts]
+        params = GenerationParams(max_new_tokens=1, prompt_logprobs=top_logprobs)
+        results = self.engine.generate(ids, params, batch_size) if ids else []
+        return [Score(p, list(r.prompt_logprobs)) for p, r in zip(ids, results)]
+
     def stream(
         self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int | None = None, **kwargs: Any
     ) -> Iterator[StreamEvent]:
@@ -358,6 +409,7 @@ class SoT:
         ``batch_size`` at a time, as a continuous batch; default: all at once)."""
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in prompts]
+
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 

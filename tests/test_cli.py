@@ -45,6 +45,39 @@ def test_generate_json_logprobs(model_dir: Path, capsys) -> None:
     assert "--logprobs needs --json" in capsys.readouterr().err
 
 
+def test_score_gives_the_models_log_probabilities(model_dir: Path, tmp_path: Path, capsys) -> None:
+    """``SoT.score`` and ``sot score``: each token's log probability after the ones before it
+    is the model's log-softmax there; batching changes nothing; the perplexity follows."""
+    import math
+
+    import torch
+
+    from transformers import AutoModelForCausalLM
+
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    texts = ["abcabcabd hello", "xyz"]
+    scores = sot.score(texts, top_logprobs=2, batch_size=2)
+    for text, sc in zip(texts, scores):
+        ids = sot.encode(text, chat=False)
+        assert sc.token_ids == ids and sc.logprobs[0] is None and sc.scored_tokens == len(ids) - 1
+        with torch.no_grad():
+            want = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), -1)
+        got = torch.tensor([e.logprob for e in sc.logprobs[1:]])
+        assert torch.allclose(got, want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-4)
+        assert all(len(e.top) == 2 and e.top[0][1] >= e.logprob - 1e-6 for e in sc.logprobs[1:])
+        assert math.isclose(sc.perplexity, math.exp(-sum(got.tolist()) / len(got)), rel_tol=1e-6)
+    assert [s.logprobs for s in sot.score(texts)] != [s.logprobs for s in scores]  # (no alternatives asked)
+    alone = [sot.score([t], top_logprobs=2)[0].logprobs for t in texts]
+    assert alone == [s.logprobs for s in scores]
+    assert main(["score", texts[0], "--model", str(model_dir), "--json", "--top-logprobs", "1"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["token_ids"] == scores[0].token_ids and record["logprobs"][0] is None
+    assert [e["logprob"] for e in record["logprobs"][1:]] == [e.logprob for e in scores[0].logprobs[1:]]
+    assert main(["score", "--model", str(model_dir)]) == 2
+    assert "give either a TEXT or --prompts" in capsys.readouterr().err
+
+
 def test_generate_jsonl_formats_and_batches(model_dir: Path, tmp_path: Path, capsys) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(

@@ -1,4 +1,4 @@
-"""The ``sot`` command line: ``generate``, ``chat``, ``trace``, ``serve``, ``bench``,
+"""The ``sot`` command line: ``generate``, ``chat``, ``trace``, ``score``, ``serve``, ``bench``,
 ``bench-serve``, ``train`` and ``export``, one module per group; :mod:`sot.cli.common` holds what they
 share (nothing in it imports a subcommand, so there is no import circle)."""
 from __future__ import annotations
@@ -11,15 +11,15 @@ from typing import Sequence
 from sot.cli.bench import add_bench_parser, cmd_bench
 from sot.cli.common import DTYPE_CHOICES, Parser
 from sot.cli.export import add_export_parser, cmd_export
-from sot.cli.generate import add_generate_parsers, cmd_chat, cmd_generate, cmd_trace
+from sot.cli.generate import add_generate_parsers, cmd_chat, cmd_generate, cmd_score, cmd_trace
 from sot.cli.serve import add_bench_serve_parser, add_serve_parser, cmd_bench_serve, cmd_serve
 from sot.cli.train import add_train_parser, cmd_train
 from sot.errors import SoTError
 
 __all__ = ["DTYPE_CHOICES", "build_parser", "main"]
 
-HANDLERS = {"generate": cmd_generate, "chat": cmd_chat, "trace": cmd_trace, "serve": cmd_serve, "bench": cmd_bench,
-            "bench-serve": cmd_bench_serve, "train": cmd_train, "export": cmd_export}
+HANDLERS = {"generate": cmd_generate, "chat": cmd_chat, "trace": cmd_trace, "score": cmd_score, "serve": cmd_serve,
+            "bench": cmd_bench, "bench-serve": cmd_bench_serve, "train": cmd_train, "export": cmd_export}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,6 +45,17 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(tr)
     add_chat_flag(tr)
 
+    sc = sub.add_parser("score", help="log probabilities and perplexity of texts under the model")
+    sc.add_argument("text", nargs="?", help="the text to score")
+    sc.add_argument("--prompts", help="JSONL file: {'prompt'} (or {'messages'} with --chat) per line")
+    sc.add_argument("--batch-size", type=positive_int, default=1, help="texts read together")
+    sc.add_argument("--json", action="store_true", help="print one JSON object per text, with every token's figures")
+    sc.add_argument("--top-logprobs", type=non_negative_int, default=0, metavar="K",
+                    help="with --json: the K most likely tokens at each position (0-20)")
+    add_model_args(sc)
+    sc.add_argument("--chat", action="store_true", help="apply the chat template (default: raw text)")
+    sc.set_defaults(drafter="none", predictor=None, suffix_store=None)
+
     chat = sub.add_parser("chat", help="interactive streaming chat")
     add_drafter_args(chat)
     chat.add_argument("--system", default=None, help="system message")
@@ -93,6 +104,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
     _adapt_line(sot)
     save_suffix_store(sot, args)
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    import math
+
+    from sot.prompts import read_jsonl
+
+    if (args.text is None) == (args.prompts is None):
+        raise SoTError("give either a TEXT or --prompts FILE.jsonl")
+    items = read_jsonl(args.prompts) if args.prompts else [args.text]
+    sot = load_sot(args)
+    scores = sot.score(items, chat=args.chat, top_logprobs=args.top_logprobs, batch_size=args.batch_size)
+    for i, sc in enumerate(scores):
+        if args.json:
+            record = {"index": i, **sc.to_dict()}
+            for entry, token in zip(record["logprobs"], sc.token_ids):
+                if entry is not None:
+                    entry["text"] = sot.tokenizer.decode([token])
+            print(json.dumps(record), flush=True)
+        else:
+            print(f"[{i}] {len(sc.token_ids)} tokens, log-likelihood {sc.total_logprob:.4f}, "
+                  f"perplexity {sc.perplexity:.4f}")
+    scored = sum(sc.scored_tokens for sc in scores)
+    if len(scores) > 1 and scored:
+        total = sum(sc.total_logprob for sc in scores)
+        print(f"[all] {scored} scored tokens, log-likelihood {total:.4f}, perplexity {math.exp(-total / scored):.4f}",
+              file=sys.stderr)
     return 0
 
 
