@@ -29,6 +29,7 @@ from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from sot.prompts import PromptItem, encode, has_chat_template
 from sot.requests import check_logit_rules
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
+from sot.structured import Grammars, StructuredOutput
 from sot.trace import StepRecord, TracedSequence, compare_states
 
 
@@ -134,6 +135,8 @@ class SoT:
         self.adapter: Adapter | None = None
         #: how the dtype was chosen (``dtype="auto"``: measured or read from the cache)
         self.dtype_choice: DtypeChoice | None = None
+        if engine.grammars is None:  # structured output needs the tokenizer, which the engine lacks
+            engine.grammars = Grammars(tokenizer, target.vocab_size, self.eos_ids())
 
     @classmethod
     def load(
@@ -264,6 +267,7 @@ class SoT:
         frequency_penalty: float = SamplingParams.frequency_penalty,
         presence_penalty: float = SamplingParams.presence_penalty,
         logit_bias: dict[int, float] | None = None,
+        structured: StructuredOutput | None = None,
     ) -> GenerationParams:
         """Validated :class:`GenerationParams`.
 
@@ -274,6 +278,9 @@ class SoT:
             repetition_penalty, frequency_penalty, presence_penalty, logit_bias: change the
                 logits before a token is chosen, as OpenAI and vLLM define them
                 (:mod:`sot.logit_rules`); ``logit_bias`` maps token ids to -100..100.
+            structured: the form the answer must take: a JSON schema, any JSON object, a
+                regular expression, a choice of strings or a grammar
+                (:class:`~sot.structured.StructuredOutput`).
         """
         _check_sampling(temperature, top_p, top_k)
         if max_new_tokens < 1:
@@ -295,8 +302,11 @@ class SoT:
             eos_token_ids=() if ignore_eos else self.eos_ids(),
             logprobs=logprobs,
             min_tokens=min_tokens,
+            structured=structured,
         )
         check_logit_rules(params, self.target.vocab_size)
+        if structured is not None:
+            self.engine.grammars.matcher(structured)  # a ConfigError now, not at the first step
         return params
 
     @property

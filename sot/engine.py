@@ -41,6 +41,7 @@ from sot.requests import (
     check_request,
 )
 from sot.sampling import sequence_generator, token_logprobs
+from sot.structured import Grammars
 from sot.trace import build_record, record_step, step_mode
 from sot.tree import DraftTree
 from sot.verify import accept_all, accept_tree, record_depths
@@ -145,6 +146,9 @@ class Engine:
         self.drafter = drafter
         self.budget = budget
         self.decode = decode or (lambda ids: "")
+        #: grammar matchers for structured output (set by :meth:`sot.api.SoT.load`, which
+        #: knows the tokenizer); ``None``: requests with ``structured`` are refused
+        self.grammars: Grammars | None = None
         self.times = PhaseTimes()
         self.trace = trace
         self.record_policy = record_policy
@@ -216,6 +220,10 @@ class Engine:
             arrived=time.perf_counter(),
             tenant=tenant,
         )
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ConfigError("structured output needs the tokenizer: build the engine with SoT.load")
+            seq.matcher = self.grammars.matcher(params.structured)
         seq.result.request_id = seq.id
         self._waiting.append(seq)
         return seq.id

@@ -1,5 +1,6 @@
 """Rules that change a request's logits before its token is chosen: logit bias, a minimum
-length, and repetition, frequency and presence penalties (as OpenAI and vLLM define them).
+length, repetition, frequency and presence penalties (as OpenAI and vLLM define them), and a
+grammar's mask (structured output, :mod:`sot.structured`).
 
 A rule depends on the text a token follows, so in a draft tree each node's row is adjusted
 for its own context: the request's committed tokens and the drafted tokens on the path down
@@ -17,7 +18,8 @@ temperature, top-k and top-p (:func:`sot.sampling.processed_logits`):
 - ``repetition_penalty`` ``r`` (over the prompt and the answer): a seen token's logit is
   divided by ``r`` when positive and multiplied by ``r`` otherwise;
 - ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p`` (over the answer):
-  ``x[t] -= f * count[t] + p * (count[t] > 0)``.
+  ``x[t] -= f * count[t] + p * (count[t] > 0)``;
+- a grammar: the tokens it forbids after the node's path are ``-inf``.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def adjusts(params: GenerationParams) -> bool:
     """Whether ``params`` ask for any rule (otherwise the logits are used as they are)."""
     sp = params.sampling
     return bool(sp.logit_bias or sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
-                or (params.min_tokens and params.eos_token_ids))
+                or (params.min_tokens and params.eos_token_ids) or params.structured is not None)
 
 
 def adjusted_rows(logits: torch.Tensor, tree: DraftTree, seq: LiveRequest) -> torch.Tensor:
@@ -45,26 +47,41 @@ def adjusted_rows(logits: torch.Tensor, tree: DraftTree, seq: LiveRequest) -> to
     rows = logits[:n].float().clone()
     vocab = rows.shape[-1]
     answer = seq.result.token_ids
+    dev = rows.device
+    if sp.logit_bias:
+        ids = torch.tensor([t for t, _ in sp.logit_bias], device=dev)
+        rows[:, ids] += torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32, device=dev)
+    if params.min_tokens and params.eos_token_ids:
+        short = [i for i in range(n) if len(answer) + tree.depths[i] < params.min_tokens]
+        if short:
+            rows[torch.tensor(short, device=dev)[:, None],
+                 torch.tensor(params.eos_token_ids, device=dev)[None, :]] = float("-inf")
+    if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
+        rows = _penalised(rows, tree, seq)
+    if seq.matcher is not None:  # the grammar: what each node's path allows next
+        from sot.structured import tree_masks
+
+        rows.masked_fill_(~tree_masks(seq.matcher, tree, vocab).to(dev), float("-inf"))
+    return rows
+
+
+def _penalised(rows: torch.Tensor, tree: DraftTree, seq: LiveRequest) -> torch.Tensor:
+    """The repetition, frequency and presence penalties on ``rows [N, V]``."""
+    sp = seq.params.sampling
+    n, vocab = rows.shape
+    answer = seq.result.token_ids
     # the answer tokens each node's context holds beyond the committed ones: its path's
     path_tokens: list[list[int]] = [[]]
     for i in range(1, n):
         path_tokens.append(path_tokens[tree.parents[i]] + [tree.tokens[i]])
-    if sp.logit_bias:
-        ids = torch.tensor([t for t, _ in sp.logit_bias])
-        rows[:, ids] += torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32)
-    if params.min_tokens and params.eos_token_ids:
-        short = [i for i in range(n) if len(answer) + tree.depths[i] < params.min_tokens]
-        if short:
-            rows[torch.tensor(short)[:, None], torch.tensor(params.eos_token_ids)[None, :]] = float("-inf")
-    if not (sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty):
-        return rows
     counts = torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=vocab).float().repeat(n, 1) \
         if answer else torch.zeros(n, vocab)
+    counts = counts.to(rows.device)
     for i, toks in enumerate(path_tokens):
         for t in toks:
             counts[i, t] += 1
     if sp.repetition_penalty != 1.0:
-        seen = (counts > 0) | seq.prompt_seen(vocab)[None, :]
+        seen = (counts > 0) | seq.prompt_seen(vocab).to(rows.device)[None, :]
         penalised = torch.where(rows > 0, rows / sp.repetition_penalty, rows * sp.repetition_penalty)
         rows = torch.where(seen, penalised, rows)
     if sp.frequency_penalty:

@@ -3,7 +3,7 @@ token events, and the engine's step statistics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -12,6 +12,9 @@ from sot.detokenize import IncrementalText
 from sot.errors import ConfigError, PromptTooLongError, SoTError
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from sot.trace import StepRecord
+
+if TYPE_CHECKING:
+    from sot.structured import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class GenerationParams:
     prompt_logprobs: int | None = None
     #: the end-of-sequence tokens are not chosen before this many tokens are generated
     min_tokens: int = 0
+    #: the form the answer must take (a JSON schema, a regex, ...; :mod:`sot.structured`)
+    structured: StructuredOutput | None = None
 
 
 @dataclass
@@ -250,6 +255,8 @@ class LiveRequest:
     staged: StagedPrompt | None = None
     #: with stop strings: the answer's text so far, decoded as tokens come
     decoded: IncrementalText | None = None
+    #: with structured output: the grammar's matcher, standing after the committed tokens
+    matcher: Any = field(default=None, repr=False)
     #: with a repetition penalty: which tokens the prompt holds (``[V]`` bool)
     _prompt_seen: torch.Tensor | None = field(default=None, repr=False)
 
@@ -303,11 +310,16 @@ class LiveRequest:
         for tok in tokens:
             taken.append(tok)
             res.token_ids.append(tok)
+            if self.matcher is not None:
+                self.matcher.consume_token(tok)
             if tok in params.eos_token_ids:
                 reason = "eos"
                 break
             if len(res.token_ids) >= params.max_new_tokens:
                 reason = "length"
+                break
+            if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete
+                reason = "stop"
                 break
         if step:
             res.accept_lengths.append(len(taken))

@@ -78,6 +78,24 @@ def test_score_gives_the_models_log_probabilities(model_dir: Path, tmp_path: Pat
     assert "give either a TEXT or --prompts" in capsys.readouterr().err
 
 
+def test_generate_structured_output_flags(model_dir: Path, tmp_path: Path, capsys) -> None:
+    import re
+
+    base = ["generate", "abc", "--model", str(model_dir), "--max-new-tokens", "30", "--json", "--no-chat",
+            "--temperature", "1", "--seed", "2"]
+    assert main([*base, "--regex", r"[a-d]{3}\d{2}"]) == 0
+    assert re.fullmatch(r"[a-d]{3}\d{2}", json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"])
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "<" ("x" | "y")+ ">"')
+    assert main([*base, "--grammar", str(grammar)]) == 0
+    assert re.fullmatch(r"<[xy]+>", json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"])
+    assert main([*base, "--regex", "[a-"]) == 2
+    assert "the regex is not valid" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # one form at a time
+        main([*base, "--regex", "a", "--choice", "b"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
 def test_generate_jsonl_formats_and_batches(model_dir: Path, tmp_path: Path, capsys) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(

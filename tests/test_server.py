@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -84,6 +85,31 @@ def test_openai_client_chat_completions_and_models(default_server) -> None:
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="def add(a, b):", max_tokens=10, temperature=0, stream=True) if c.choices)
     assert streamed == text.choices[0].text
+
+
+def test_openai_client_gets_json_for_a_schema(default_server) -> None:
+    """response_format json_schema and json_object: the answer parses and has the schema's
+    fields, streamed or whole, and a seeded sample repeats."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ask = dict(model=MODEL, max_tokens=60, temperature=0,
+               messages=[{"role": "user", "content": "Invent a person; give their name and age."}],
+               response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    whole = client.chat.completions.create(**ask).choices[0]
+    value = json.loads(whole.message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int) and whole.finish_reason == "stop"
+    streamed = "".join(ev.choices[0].delta.content or "" for ev in client.chat.completions.create(**ask, stream=True)
+                       if ev.choices)
+    assert streamed == whole.message.content
+    free = client.chat.completions.create(**{**ask, "response_format": {"type": "json_object"},
+                                             "max_tokens": 100}).choices[0]
+    if free.finish_reason == "stop":
+        assert isinstance(json.loads(free.message.content), dict)
+    else:  # (any object may go on past the limit)
+        assert free.finish_reason == "length" and free.message.content.lstrip().startswith("{")
 
 
 def test_openai_client_reads_logprobs(default_server) -> None:
@@ -264,7 +290,10 @@ BAD = [
     # OpenAI features the server does not provide are refused, not silently ignored
     ("top_logprobs without logprobs", json.dumps(_chat("hi", top_logprobs=2)).encode(), 400),
     ("too many top_logprobs", json.dumps(_chat("hi", logprobs=True, top_logprobs=21)).encode(), 400),
-    ("json output", json.dumps(_chat("hi", response_format={"type": "json_object"})).encode(), 400),
+    ("an invalid regex", json.dumps(_chat("hi", guided_regex="[a-")).encode(), 400),
+    ("two forms of output", json.dumps(_chat("hi", guided_regex="a+", guided_choice=["b"])).encode(), 400),
+    ("a schema that is not an object", json.dumps(_chat("hi", response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": "no"}})).encode(), 400),
     ("tools", json.dumps(_chat("hi", tools=[{"type": "function", "function": {"name": "f"}}])).encode(), 400),
     # logit rules out of range
     ("logit bias too large", json.dumps(_chat("hi", logit_bias={"5": 150})).encode(), 400),
@@ -293,7 +322,7 @@ def test_unsupported_features_are_named_and_neutral_values_pass(tiny_server) -> 
                     response_format={"type": "text"})
     resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=neutral, headers=AUTH, timeout=60)
     assert resp.status_code == 200, resp.text
-    for field, value in (("suffix", "end"), ("best_of", 3), ("guided_regex", "[ab]+")):
+    for field, value in (("suffix", "end"), ("best_of", 3), ("tool_choice", "required")):
         resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
                           json={"model": TINY, "prompt": "ab", "max_tokens": 2, field: value})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
@@ -321,6 +350,21 @@ def test_logit_rules_and_stop_tokens(tiny_server) -> None:
     penalised = ask(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)["token_ids"]
     assert penalised != free and ask(frequency_penalty=1.5, presence_penalty=0.5,
                                      repetition_penalty=1.3)["token_ids"] == penalised
+
+
+def test_structured_output_fields(tiny_server) -> None:
+    """vLLM's guided_regex and guided_choice hold the answer to their form; a bad one is a
+    400 naming its field."""
+    def ask(**kw) -> httpx.Response:
+        body = {"model": TINY, "prompt": "abcab", "max_tokens": 40, "temperature": 1.0, "seed": 3, **kw}
+        return httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json=body)
+
+    for _ in range(2):
+        text = ask(guided_regex=r"[a-c]{2,5}\d").json()["choices"][0]["text"]
+        assert re.fullmatch(r"[a-c]{2,5}\d", text), text
+    assert ask(guided_choice=["left", "right"]).json()["choices"][0]["text"] in ("left", "right")
+    resp = ask(guided_grammar="root ::= (")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_grammar", resp.text
 
 
 def test_tokenize_and_detokenize(tiny_server) -> None:

@@ -32,6 +32,13 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     add_adapt_args(gen)
     add_sampling_args(gen)
     add_chat_flag(gen)
+    form = gen.add_mutually_exclusive_group()
+    form.add_argument("--json-schema", metavar="SCHEMA",
+                      help="answer in JSON that follows this JSON schema (its text, or a file holding it)")
+    form.add_argument("--json-object", action="store_true", help="answer with a JSON object")
+    form.add_argument("--regex", help="answer with text that matches this regular expression")
+    form.add_argument("--choice", action="append", metavar="TEXT", help="answer with one of these texts (repeatable)")
+    form.add_argument("--grammar", metavar="FILE", help="answer in the language of this Lark or GBNF grammar file")
 
     tr = sub.add_parser("trace", help="draw the drafts, commits and predicted states of a generation as one HTML page")
     tr.add_argument("prompt", nargs="?", help="the prompt text")
@@ -74,10 +81,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SoTError("--logprobs needs --json (the figures are printed in each prompt's JSON object)")
     sot = load_sot(args)
     ids = [sot.encode(item, args.chat) for item in items]
-    params = sot.params(stop=args.stop, logprobs=args.logprobs, **sampling_kwargs(args))
+    structured = _structured(args)
+    params = sot.params(stop=args.stop, logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
     stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty() and not args.trace
     if stream_one:
-        for event in sot.stream(items, chat=args.chat, stop=args.stop, **sampling_kwargs(args)):
+        for event in sot.stream(items, chat=args.chat, stop=args.stop, structured=structured,
+                                **sampling_kwargs(args)):
             print(event.text, end="", flush=True)
         print()
         r = sot.last_stream[0]
@@ -105,6 +114,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _adapt_line(sot)
     save_suffix_store(sot, args)
     return 0
+
+
+def _structured(args: argparse.Namespace):
+    """The form ``--json-schema``, ``--json-object``, ``--regex``, ``--choice`` or
+    ``--grammar`` asks for, or ``None``."""
+    from pathlib import Path
+
+    from sot.structured import OutputFormat, StructuredOutput
+
+    def text_or_file(value: str, flag: str) -> str:
+        path = Path(value)
+        if flag == "--grammar" or (not value.lstrip().startswith("{") and path.is_file()):
+            try:
+                return path.read_text()
+            except OSError as exc:
+                raise SoTError(f"{flag}: cannot read {value}: {exc.strerror}") from None
+        return value
+
+    if args.json_schema is not None:
+        return StructuredOutput(OutputFormat.JSON_SCHEMA, text_or_file(args.json_schema, "--json-schema"))
+    if args.json_object:
+        return StructuredOutput(OutputFormat.JSON)
+    if args.regex is not None:
+        return StructuredOutput(OutputFormat.REGEX, args.regex)
+    if args.choice:
+        return StructuredOutput.choice(args.choice)
+    if args.grammar is not None:
+        return StructuredOutput(OutputFormat.GRAMMAR, text_or_file(args.grammar, "--grammar"))
+    return None
 
 
 def cmd_score(args: argparse.Namespace) -> int:

@@ -319,13 +319,20 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     eos = () if body.ignore_eos else state.sot.eos_ids()
     eos += tuple(t for t in body.stop_token_ids or () if t not in eos)
     k = body.logprob_count()
+    structured = body.structured_output()
     params = GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
-                              logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens)
+                              logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens,
+                              structured=structured)
     try:
         check_logit_rules(params, state.sot.target.vocab_size)
     except ConfigError as exc:
         param = next((f for f in ("min_tokens", "logit_bias", "repetition_penalty") if str(exc).startswith(f)), None)
         raise APIError(400, str(exc), param=param) from None
+    if structured is not None:
+        try:
+            state.sot.engine.grammars.matcher(structured)  # checked here: a bad one is the client's 400
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=body.structured_field()) from None
     vocab = state.sot.target.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
         raise APIError(400, f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")

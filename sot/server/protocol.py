@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sot.detokenize import IncrementalText
 from sot.requests import MAX_PENALTY, GenerationParams
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from sot.structured import OutputFormat, StructuredOutput
 
 if TYPE_CHECKING:
     from sot.requests import SequenceResult
@@ -38,6 +39,14 @@ class APIError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
 
 
 class _GenerationRequest(BaseModel):
@@ -76,6 +85,51 @@ class _GenerationRequest(BaseModel):
     #: tokens that end the answer as an end-of-sequence token does
     stop_token_ids: list[int] | None = None
 
+    #: OpenAI's structured output: ``{"type": "text" | "json_object" | "json_schema",
+    #: "json_schema": {"name", "schema", "strict"}}``
+    response_format: ResponseFormat | None = None
+    #: vLLM's guided decoding: a JSON schema, a regular expression, a list of choices or a
+    #: grammar (Lark or GBNF)
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The form the answer must take, from ``response_format`` or a ``guided_*`` field (at
+        most one may ask)."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", StructuredOutput(OutputFormat.JSON)))
+        elif rf is not None and rf.type == "json_schema":
+            schema = (rf.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON object",
+                               param="response_format")
+            asked.append(("response_format", StructuredOutput.json_schema(schema)))
+        if self.guided_json is not None:
+            asked.append(("guided_json", StructuredOutput.json_schema(self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", StructuredOutput(OutputFormat.REGEX, self.guided_regex)))
+        if self.guided_choice is not None:
+            if not self.guided_choice:
+                raise APIError(400, "guided_choice must list at least one string", param="guided_choice")
+            asked.append(("guided_choice", StructuredOutput.choice(self.guided_choice)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", StructuredOutput(OutputFormat.GRAMMAR, self.guided_grammar)))
+        if len(asked) > 1:
+            raise APIError(400, f"ask for one form of output, not {' and '.join(n for n, _ in asked)}",
+                           param=asked[1][0])
+        return asked[0][1] if asked else None
+
+    def structured_field(self) -> str | None:
+        """The request field that asks for structured output (for errors)."""
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "response_format" if self.response_format is not None else None
+
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as sorted ``(token, bias)`` pairs."""
         pairs = []
@@ -88,9 +142,9 @@ class _GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise a 400 :class:`APIError` when the request asks for an OpenAI feature this
-        server does not provide (tools, structured output, best-of, a suffix): an answer
-        that silently ignored it would not be what the client asked for. Fields at their
-        neutral values (``tools: []``, ``response_format: {"type": "text"}``) are accepted."""
+        server does not provide (tools, best-of, a suffix): an answer that silently ignored
+        it would not be what the client asked for. Fields at their neutral values
+        (``tools: []``, ``tool_choice: "none"``) are accepted."""
         for name, value in (self.model_extra or {}).items():
             reason = _UNSUPPORTED.get(name)
             if reason is not None and _asks_for(name, value):
@@ -118,21 +172,17 @@ class _GenerationRequest(BaseModel):
 _UNSUPPORTED = {
     "suffix": "a suffix after the completion", "best_of": "best-of sampling",
     "tools": "tool calling", "functions": "function calling", "tool_choice": "tool calling",
-    "function_call": "function calling", "response_format": "structured output",
-    "guided_json": "structured output", "guided_regex": "structured output", "guided_choice": "structured output",
+    "function_call": "function calling",
 }
 
 
 def _asks_for(name: str, value: Any) -> bool:
     """Whether ``value`` of the unsupported field ``name`` asks for anything (``None``,
-    ``false``, empty, ``best_of`` 1, ``response_format`` text and ``tool_choice`` none or
-    auto do not)."""
+    ``false``, empty, ``best_of`` 1 and ``tool_choice`` none or auto do not)."""
     if value is None or value is False or value == [] or value == {} or value == "":
         return False
     if name == "best_of":
         return value != 1
-    if name == "response_format":
-        return not (isinstance(value, dict) and value.get("type") == "text")
     if name in ("tool_choice", "function_call"):
         return value not in ("none", "auto")
     return True

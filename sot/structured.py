@@ -1,0 +1,177 @@
+"""Structured output: answers held to a JSON schema, to any JSON value, to a regular
+expression, to one of a list of strings, or to a grammar (Lark or GBNF), with llguidance
+(the constraint engine vLLM and llama.cpp use).
+
+A grammar is a rule on the logits like the others of :mod:`sot.logit_rules`: each row may
+only choose a token the grammar allows after that row's context. In a draft tree the
+matcher walks the tree depth first (consume a node's token, mask its row, recurse, roll
+back), so every node's row is masked for its own path; plain decoding masks its one row for
+the same context, so speculative output stays exactly plain decoding's. A drafted token the
+grammar forbids is simply rejected. The answer ends when the grammar is complete.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from sot.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sot.tree import DraftTree
+
+
+#: llguidance's JSON options: whitespace between JSON tokens is bounded (a model that keeps
+#: choosing spaces would otherwise never finish); a schema's ``"x-guidance"`` object
+#: overrides them (``{"whitespace_flexible": false, "whitespace_pattern": null}``: compact)
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,48}"}
+
+
+class OutputFormat(str, enum.Enum):
+    """What a :class:`StructuredOutput` spec holds."""
+
+    JSON = "json"  # any JSON object (the spec is empty)
+    JSON_SCHEMA = "json_schema"  # a JSON schema, as JSON text
+    REGEX = "regex"  # a regular expression (Rust regex syntax)
+    CHOICE = "choice"  # a JSON list of strings: the answer is one of them
+    GRAMMAR = "grammar"  # a Lark or GBNF (llama.cpp) grammar
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The form an answer must take (hashable, so compiled grammars are cached by it)."""
+
+    format: OutputFormat
+    spec: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: str | dict) -> "StructuredOutput":
+        return cls(OutputFormat.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> "StructuredOutput":
+        if not options or not all(isinstance(o, str) for o in options):
+            raise ConfigError("a choice needs a non-empty list of strings")
+        return cls(OutputFormat.CHOICE, json.dumps(list(options)))
+
+    def grammar(self) -> str:
+        """llguidance's grammar text of this spec (raises :class:`ConfigError` on a spec that
+        is not even well formed; :meth:`Grammars.matcher` checks the rest)."""
+        from llguidance import LLMatcher
+        from llguidance._grammar_from import grammar_from
+
+        try:
+            if self.format is OutputFormat.JSON:
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            if self.format is OutputFormat.JSON_SCHEMA:
+                return LLMatcher.grammar_from_json_schema(self.spec, defaults=JSON_OPTIONS)
+            if self.format is OutputFormat.REGEX:
+                return LLMatcher.grammar_from_regex(self.spec)
+            if self.format is OutputFormat.CHOICE:
+                return grammar_from("choice", self.spec)
+            return grammar_from("grammar", self.spec)
+        except ValueError as exc:
+            raise ConfigError(f"the {self.format.value} is not valid: {exc}") from None
+
+
+class Grammars:
+    """Grammar matchers for one tokenizer. The tokenizer's table for llguidance is built on
+    the first structured request (about a second) and compiled specs are cached.
+
+    Args:
+        tokenizer: a fast Hugging Face tokenizer.
+        vocab_size: the model's logits width (may exceed the tokenizer's).
+        eos_token_ids: the tokens that end an answer once the grammar is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos = list(eos_token_ids)
+        self._table = None
+
+    def _lltokenizer(self):
+        if self._table is None:
+            import llguidance
+            import llguidance.hf
+
+            eos = self.eos or None
+            try:
+                self._table = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+            except ValueError:  # a tokenizer llguidance does not read: give it each token's bytes
+                from llguidance._tokenizer import TokenizerWrapper
+
+                wrapped = TokenizerWrapper(_TokenBytes(self.tokenizer, self.vocab_size))
+                self._table = llguidance.LLTokenizer(wrapped, n_vocab=self.vocab_size, eos_token=eos)
+        return self._table
+
+    def matcher(self, spec: StructuredOutput):
+        """A fresh matcher at the start of an answer; :class:`ConfigError` naming what is
+        wrong with an invalid spec."""
+        from llguidance import LLMatcher
+
+        table = self._lltokenizer()
+        grammar = _grammar_text(spec)
+        m = LLMatcher(table, grammar, log_level=0)
+        if m.is_error():
+            raise ConfigError(f"the {spec.format.value} is not valid: {m.get_error().strip()}")
+        return m
+
+
+class _TokenBytes:
+    """A tokenizer as llguidance's generic wrapper reads one: every token's bytes (its
+    decoded text; none for special tokens and ids past the tokenizer), the special ids, and
+    encoding."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        special = set(getattr(tokenizer, "all_special_ids", []))
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        size = len(tokenizer)
+        self.tokens = [b"" if i in special or i >= size else tokenizer.decode([i]).encode("utf-8")
+                       for i in range(vocab_size)]
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+@lru_cache(maxsize=256)
+def _grammar_text(spec: StructuredOutput) -> str:
+    return spec.grammar()
+
+
+def allowed_tokens(matcher, vocab: int) -> torch.Tensor:
+    """``[V]`` bool: the tokens the grammar allows next."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return torch.from_numpy(bits[:vocab].astype(bool))
+
+
+def tree_masks(matcher, tree: DraftTree, vocab: int) -> torch.Tensor:
+    """``[N, V]`` bool: per node of ``tree``, the tokens the grammar allows after the node's
+    path (``matcher`` stands at the root's context and is left there). A node whose own
+    token its parent's row forbids can never be reached; its row (and its subtree's) allows
+    everything, and is never read."""
+    n = tree.size
+    masks = torch.ones(n, vocab, dtype=torch.bool)
+    kids = tree.children()
+    masks[0] = allowed_tokens(matcher, vocab)
+    stack: list[tuple[int, bool]] = [(c, True) for c in reversed(kids[0])]
+    while stack:
+        node, entering = stack.pop()
+        if not entering:
+            matcher.rollback(1)
+            continue
+        parent = tree.parents[node]
+        if not bool(masks[parent, tree.tokens[node]]) or not matcher.consume_token(tree.tokens[node]):
+            continue
+        masks[node] = allowed_tokens(matcher, vocab)
+        stack.append((node, False))
+        stack.extend((c, True) for c in reversed(kids[node]))
+    return masks

@@ -1,0 +1,106 @@
+"""Structured output: answers follow the JSON schema, regex, choice or grammar asked for,
+and speculation keeps them exactly plain decoding's (each tree node masked for its own path)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from helpers import RandomTreeDrafter, tiny_model_dir
+from sot import SoT
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.engine import Engine, GenerationParams
+from sot.errors import ConfigError
+from sot.sampling import SamplingParams
+from sot.structured import OutputFormat, StructuredOutput
+
+# (the tiny models' characters stop at "|": no "}", so the schema is an array)
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 4,
+          "x-guidance": {"whitespace_flexible": False, "whitespace_pattern": None}}  # compact
+SPECS = {
+    "regex": StructuredOutput(OutputFormat.REGEX, r"[a-e]{2,6}-\d{3}"),
+    "choice": StructuredOutput.choice(["alpha", "beta", "gamma"]),
+    "schema": StructuredOutput.json_schema(SCHEMA),
+    "grammar": StructuredOutput(OutputFormat.GRAMMAR, 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> SoT:
+    return SoT.load(str(tiny_model_dir(tmp_path_factory.mktemp("so") / "model")), drafter="none", dtype="float32")
+
+
+def _engine(sot: SoT, drafter) -> Engine:
+    engine = Engine(sot.target, drafter, TreeBudget(16, 6), decode=sot.engine.decode)
+    engine.grammars = sot.engine.grammars
+    return engine
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: GenerationParams) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_answers_take_the_form_and_speculation_stays_exact(tiny: SoT, name: str, temperature: float) -> None:
+    spec = SPECS[name]
+    prompts = [tiny.encode(p, chat=False) for p in ("abcabc", "hello hello", "x")]
+    params = GenerationParams(max_new_tokens=60, sampling=SamplingParams(temperature=temperature, seed=4),
+                              eos_token_ids=tiny.eos_ids(), structured=spec)
+    done = _engine(tiny, NoDrafter()).generate(prompts, params)
+    plain = [r.token_ids for r in done]
+    assert all(r.finish_reason in ("stop", "eos") for r in done), [(r.finish_reason, r.text) for r in done]
+    for text in (tiny.tokenizer.decode(t, skip_special_tokens=True) for t in plain):
+        if name == "regex":
+            assert re.fullmatch(r"[a-e]{2,6}-\d{3}", text), text
+        elif name == "choice":
+            assert text in ("alpha", "beta", "gamma")
+        elif name == "schema":
+            value = json.loads(text)
+            assert 2 <= len(value) <= 4 and all(isinstance(v, int) and 0 <= v <= 99 for v in value), text
+        else:
+            assert re.fullmatch(r"\(\d+(\+\d+)*\)", text), text
+    assert _run(_engine(tiny, PromptLookupDrafter()), prompts, params) == plain
+    rnd = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8, seed=3)
+    engine = _engine(tiny, rnd)
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == plain
+    if name != "choice":  # (a choice is one or two tokens: nothing to draft)
+        assert any(a > 1 for r in results for a in r.accept_lengths), "no draft was accepted"
+    free = _run(_engine(tiny, NoDrafter()), prompts, GenerationParams(
+        max_new_tokens=60, sampling=params.sampling, eos_token_ids=tiny.eos_ids()))
+    assert free != plain, "the grammar changed nothing"
+
+
+def test_invalid_specs_are_refused_with_the_reason(tiny: SoT) -> None:
+    with pytest.raises(ConfigError, match="regex is not valid"):
+        tiny.params(structured=StructuredOutput(OutputFormat.REGEX, "[a-"))
+    with pytest.raises(ConfigError, match="json_schema is not valid"):
+        tiny.params(structured=StructuredOutput(OutputFormat.JSON_SCHEMA, "{not json"))
+    with pytest.raises(ConfigError, match="grammar is not valid"):
+        tiny.params(structured=StructuredOutput(OutputFormat.GRAMMAR, "root ::= ("))
+    with pytest.raises(ConfigError, match="non-empty list of strings"):
+        StructuredOutput.choice([])
+    bare = Engine(tiny.target, NoDrafter())
+    with pytest.raises(ConfigError, match="needs the tokenizer"):
+        bare.add_request([5, 6], GenerationParams(max_new_tokens=4, structured=SPECS["regex"]))
+
+
+def test_default_model_answers_a_schema_exactly_with_its_drafter() -> None:
+    """The real tokenizer (byte-level BPE) and the shipped drafter: the answer parses, holds
+    the required fields, and equals plain decoding's."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"]}
+    ask = dict(max_new_tokens=60, structured=StructuredOutput.json_schema(schema))
+    prompt = ["Give the largest city of France and its population as JSON."]
+    spec = SoT.load(dtype="float32").generate(prompt, **ask)[0]
+    plain = SoT.load(dtype="float32", drafter="none").generate(prompt, **ask)[0]
+    assert spec.token_ids == plain.token_ids
+    if spec.finish_reason == "stop":
+        value = json.loads(spec.text)
+        assert isinstance(value["city"], str) and isinstance(value["population"], int)
+    else:
+        assert spec.finish_reason == "length" and spec.text.startswith("{")
+    assert torch.tensor(spec.accept_lengths).max() >= 1
