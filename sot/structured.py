@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -89,11 +90,16 @@ class Grammars:
         eos_token_ids: the tokens that end an answer once the grammar is complete.
     """
 
+    #: compiled specs kept (a matcher per spec, copied for each request)
+    CACHED = 64
+
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos = list(eos_token_ids)
         self._table = None
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._lock = threading.Lock()  # the server checks specs on its event loop's threads
 
     def _lltokenizer(self):
         if self._table is None:
@@ -111,16 +117,24 @@ class Grammars:
         return self._table
 
     def matcher(self, spec: StructuredOutput):
-        """A fresh matcher at the start of an answer; :class:`ConfigError` naming what is
-        wrong with an invalid spec."""
+        """A fresh matcher at the start of an answer (a copy of the spec's compiled one);
+        :class:`ConfigError` naming what is wrong with an invalid spec."""
         from llguidance import LLMatcher
 
-        table = self._lltokenizer()
-        grammar = _grammar_text(spec)
-        m = LLMatcher(table, grammar, log_level=0)
-        if m.is_error():
-            raise ConfigError(f"the {spec.format.value} is not valid: {m.get_error().strip()}")
-        return m
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled.deep_copy()
+            table = self._lltokenizer()
+        compiled = LLMatcher(table, spec.grammar(), log_level=0)  # (compiling drops the GIL)
+        if compiled.is_error():
+            raise ConfigError(f"the {spec.format.value} is not valid: {compiled.get_error().strip()}")
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > self.CACHED:
+                self._compiled.popitem(last=False)
+        return compiled.deep_copy()
 
 
 class _TokenBytes:
@@ -140,11 +154,6 @@ class _TokenBytes:
 
     def __call__(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
-
-
-@lru_cache(maxsize=256)
-def _grammar_text(spec: StructuredOutput) -> str:
-    return spec.grammar()
 
 
 def allowed_tokens(matcher, vocab: int) -> torch.Tensor:

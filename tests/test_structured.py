@@ -104,3 +104,15 @@ def test_default_model_answers_a_schema_exactly_with_its_drafter() -> None:
     else:
         assert spec.finish_reason == "length" and spec.text.startswith("{")
     assert torch.tensor(spec.accept_lengths).max() >= 1
+
+
+def test_matchers_of_one_spec_are_independent_copies(tiny: SoT) -> None:
+    grammars = tiny.engine.grammars
+    first, second = grammars.matcher(SPECS["choice"]), grammars.matcher(SPECS["choice"])
+    assert SPECS["choice"] in grammars._compiled, "the compiled spec is kept"
+    token = tiny.encode("a", chat=False)[0]
+    assert first.consume_token(token)
+    vocab = tiny.target.vocab_size
+    from sot.structured import allowed_tokens
+
+    assert not torch.equal(allowed_tokens(first, vocab), allowed_tokens(second, vocab)), "a copy moved with another"

@@ -328,11 +328,6 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     except ConfigError as exc:
         param = next((f for f in ("min_tokens", "logit_bias", "repetition_penalty") if str(exc).startswith(f)), None)
         raise APIError(400, str(exc), param=param) from None
-    if structured is not None:
-        try:
-            state.sot.engine.grammars.matcher(structured)  # checked here: a bad one is the client's 400
-        except ConfigError as exc:
-            raise APIError(400, str(exc), param=body.structured_field()) from None
     vocab = state.sot.target.vocab_size
     if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
         raise APIError(400, f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")
@@ -426,6 +421,12 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         params = _params(state, body, prompt)
         asked += [(prompt, _nth_sample(params, k), k == 0, texts[i] if echo and texts else None)
                   for k in range(body.n)]
+    spec = asked[0][1].structured
+    if spec is not None:  # compiled here, off the event loop: a bad one is the client's 400
+        try:
+            await asyncio.to_thread(state.sot.engine.grammars.matcher, spec)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=body.structured_field()) from None
     _admit(state, len(asked))
     state.in_flight += len(asked)
     choices: list[_Choice] = []
