@@ -54,17 +54,17 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | Non
     """Longest path whose tokens equal the target argmax, plus the argmax after it.
 
     Args:
-        logits: ``[N, V]`` target logits at each tree node.
+        logits: ``[N, V]`` target logits at each tree node (or anything that gives node
+            ``i``'s row as ``logits[i : i + 1]``: only the walked nodes' rows are read).
         argmax: the argmax of each node's logits row, when the caller took them already
             (``logits`` is then not read).
     """
-    if argmax is None:
-        assert logits.dim() == 2 and logits.shape[0] >= tree.size
-        argmax = logits[: tree.size].argmax(dim=-1).tolist()
-    assert len(argmax) >= tree.size
+    assert argmax is not None or (logits.dim() == 2 and logits.shape[0] >= tree.size)
+    assert argmax is None or len(argmax) >= tree.size
 
     def choose(node: int, children: list[int]) -> tuple[int | None, int]:
-        want = argmax[node]
+        # (without the argmax taken already, only the walked nodes' rows are read)
+        want = argmax[node] if argmax is not None else int(logits[node : node + 1].argmax())
         for c in children:
             if tree.tokens[c] == want:
                 return c, want

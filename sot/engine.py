@@ -27,7 +27,7 @@ from sot.attention import MAX_TREE_DEPTH
 from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.errors import ConfigError
-from sot.logit_rules import adjusted_rows, adjusts
+from sot.logit_rules import AdjustedRows, adjusts
 from sot.models.adapter import ForwardOutput, TargetModel
 from sot.models.rows import ROW_UNIT, round_up
 from sot.policy import (
@@ -373,9 +373,7 @@ class Engine:
             obs.prefilled(seq, out.states[0] if out.states is not None else None, out.logits[0, -1])
         out = self._drafter_view(out)
         root = DraftTree.root_only(seq.prompt[-1])
-        scores = out.logits[0, -1:]
-        if adjusts(seq.params):
-            scores = adjusted_rows(scores, root, seq)
+        scores = AdjustedRows(out.logits[0, -1:], root, seq) if adjusts(seq.params) else out.logits[0, -1:]
         acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, root, scores, len(seq.prompt) - 1)
         if self.trace:
             seq.result.logit_trace.append(out.logits[0, -1].clone())

@@ -5,9 +5,11 @@ grammar's mask (structured output, :mod:`sot.structured`).
 A rule depends on the text a token follows, so in a draft tree each node's row is adjusted
 for its own context: the request's committed tokens and the drafted tokens on the path down
 to that node. Plain decoding adjusts its one row for the same context with the same
-arithmetic, so speculation stays exact: the adjusted row of a node equals, bit for bit, the
-row plain decoding adjusts at that point of the text. Only the rows of requests that ask for
-a rule are touched; log probabilities stay those of the raw logits.
+element-wise arithmetic, so speculation stays exact: the adjusted row of a node equals, bit
+for bit, the row plain decoding adjusts at that point of the text. A row is adjusted when the
+acceptance walk reaches its node (:class:`AdjustedRows`), so a step pays for the nodes on the
+walked path, not for the whole tree. Only the rows of requests that ask for a rule are
+touched; log probabilities stay those of the raw logits.
 
 The order follows vLLM: bias and the minimum length first, then the penalties, then
 temperature, top-k and top-p (:func:`sot.sampling.processed_logits`):
@@ -39,53 +41,102 @@ def adjusts(params: GenerationParams) -> bool:
                 or (params.min_tokens and params.eos_token_ids) or params.structured is not None)
 
 
-def adjusted_rows(logits: torch.Tensor, tree: DraftTree, seq: LiveRequest) -> torch.Tensor:
-    """``[N, V]`` float32: row ``i`` of ``logits [>=N, V]`` (the tree's node ``i``) with
-    ``seq``'s rules applied for the context that node ends."""
-    params, sp = seq.params, seq.params.sampling
-    n = tree.size
-    rows = logits[:n].float().clone()
-    vocab = rows.shape[-1]
-    answer = seq.result.token_ids
-    dev = rows.device
-    if sp.logit_bias:
-        ids = torch.tensor([t for t, _ in sp.logit_bias], device=dev)
-        rows[:, ids] += torch.tensor([b for _, b in sp.logit_bias], dtype=torch.float32, device=dev)
-    if params.min_tokens and params.eos_token_ids:
-        short = [i for i in range(n) if len(answer) + tree.depths[i] < params.min_tokens]
-        if short:
-            rows[torch.tensor(short, device=dev)[:, None],
-                 torch.tensor(params.eos_token_ids, device=dev)[None, :]] = float("-inf")
-    if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
-        rows = _penalised(rows, tree, seq)
-    if seq.matcher is not None:  # the grammar: what each node's path allows next
-        from sot.structured import tree_masks
+class AdjustedRows:
+    """One tree's logits rows with a request's rules applied, each when it is first asked
+    for: ``rows[i : i + 1]`` is node ``i``'s adjusted row (``[1, V]`` float32). It stands in
+    for the logits in the acceptance functions, whose walk asks for the root and then one
+    child per depth. With a grammar the request's matcher follows the walk down the tree;
+    :meth:`close` returns it to the root's context (the commit then takes the accepted
+    tokens).
 
-        rows.masked_fill_(~tree_masks(seq.matcher, tree, vocab).to(dev), float("-inf"))
-    return rows
+    Args:
+        logits: ``[>=N, V]`` the tree's raw logits rows.
+        tree: the draft tree (``N`` nodes).
+        seq: the request, with its committed answer and its rules.
+    """
 
+    def __init__(self, logits: torch.Tensor, tree: DraftTree, seq: LiveRequest) -> None:
+        self.logits, self.tree, self.seq = logits, tree, seq
+        self.shape = (tree.size, logits.shape[-1])
+        self._rows: dict[int, torch.Tensor] = {}
+        self._consumed: list[int] = []  # the nodes whose tokens the matcher has taken, in depth order
+        self._counts: torch.Tensor | None = None  # [V] the answer's token counts
 
-def _penalised(rows: torch.Tensor, tree: DraftTree, seq: LiveRequest) -> torch.Tensor:
-    """The repetition, frequency and presence penalties on ``rows [N, V]``."""
-    sp = seq.params.sampling
-    n, vocab = rows.shape
-    answer = seq.result.token_ids
-    # the answer tokens each node's context holds beyond the committed ones: its path's
-    path_tokens: list[list[int]] = [[]]
-    for i in range(1, n):
-        path_tokens.append(path_tokens[tree.parents[i]] + [tree.tokens[i]])
-    counts = torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=vocab).float().repeat(n, 1) \
-        if answer else torch.zeros(n, vocab)
-    counts = counts.to(rows.device)
-    for i, toks in enumerate(path_tokens):
-        for t in toks:
-            counts[i, t] += 1
-    if sp.repetition_penalty != 1.0:
-        seen = (counts > 0) | seq.prompt_seen(vocab).to(rows.device)[None, :]
-        penalised = torch.where(rows > 0, rows / sp.repetition_penalty, rows * sp.repetition_penalty)
-        rows = torch.where(seen, penalised, rows)
-    if sp.frequency_penalty:
-        rows -= sp.frequency_penalty * counts
-    if sp.presence_penalty:
-        rows -= sp.presence_penalty * (counts > 0).float()
-    return rows
+    def dim(self) -> int:
+        return 2
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        if not isinstance(key, slice) or key.stop is None or key.stop - (key.start or 0) != 1:
+            raise TypeError("adjusted rows are read one node at a time: rows[i : i + 1]")
+        node = key.start or 0
+        if node not in self._rows:
+            self._rows[node] = self._row(node)
+        return self._rows[node][None]
+
+    def _path(self, node: int) -> list[int]:
+        """The nodes below the root down to ``node``, in depth order."""
+        path = []
+        while node > 0:
+            path.append(node)
+            node = self.tree.parents[node]
+        return path[::-1]
+
+    def _row(self, node: int) -> torch.Tensor:
+        seq, sp, params = self.seq, self.seq.params.sampling, self.seq.params
+        x = self.logits[node].float().clone()
+        dev = x.device
+        path = self._path(node)
+        if sp.logit_bias:
+            x[torch.tensor([t for t, _ in sp.logit_bias], device=dev)] += torch.tensor(
+                [b for _, b in sp.logit_bias], dtype=torch.float32, device=dev)
+        if params.min_tokens and params.eos_token_ids and \
+                len(seq.result.token_ids) + len(path) < params.min_tokens:
+            x[torch.tensor(params.eos_token_ids, device=dev)] = float("-inf")
+        if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
+            x = self._penalised(x, path)
+        if seq.matcher is not None:
+            from sot.structured import allowed_tokens
+
+            self._follow(path)
+            x.masked_fill_(~allowed_tokens(seq.matcher, x.shape[-1]).to(dev), float("-inf"))
+        return x
+
+    def _penalised(self, x: torch.Tensor, path: list[int]) -> torch.Tensor:
+        """The repetition, frequency and presence penalties on one row ``x [V]``."""
+        sp, vocab = self.seq.params.sampling, x.shape[-1]
+        if self._counts is None:
+            answer = self.seq.result.token_ids
+            self._counts = (torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=vocab).float()
+                            if answer else torch.zeros(vocab))
+        counts = self._counts.clone()
+        for n in path:
+            counts[self.tree.tokens[n]] += 1
+        counts = counts.to(x.device)
+        if sp.repetition_penalty != 1.0:
+            seen = (counts > 0) | self.seq.prompt_seen(vocab).to(x.device)
+            x = torch.where(seen, torch.where(x > 0, x / sp.repetition_penalty, x * sp.repetition_penalty), x)
+        if sp.frequency_penalty:
+            x -= sp.frequency_penalty * counts
+        if sp.presence_penalty:
+            x -= sp.presence_penalty * (counts > 0).float()
+        return x
+
+    def _follow(self, path: list[int]) -> None:
+        """Move the matcher to the context of ``path``'s last node."""
+        common = 0
+        while common < min(len(path), len(self._consumed)) and path[common] == self._consumed[common]:
+            common += 1
+        matcher = self.seq.matcher
+        if len(self._consumed) > common:
+            matcher.rollback(len(self._consumed) - common)
+        del self._consumed[common:]
+        for n in path[common:]:
+            if not matcher.consume_token(self.tree.tokens[n]):  # (the walk only goes where rows allow)
+                raise RuntimeError(f"the grammar refused drafted token {self.tree.tokens[n]} on the walked path")
+            self._consumed.append(n)
+
+    def close(self) -> None:
+        """Return the matcher to the root's context."""
+        if self._consumed:
+            self.seq.matcher.rollback(len(self._consumed))
+            self._consumed = []

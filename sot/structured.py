@@ -3,11 +3,12 @@ expression, to one of a list of strings, or to a grammar (Lark or GBNF), with ll
 (the constraint engine vLLM and llama.cpp use).
 
 A grammar is a rule on the logits like the others of :mod:`sot.logit_rules`: each row may
-only choose a token the grammar allows after that row's context. In a draft tree the
-matcher walks the tree depth first (consume a node's token, mask its row, recurse, roll
-back), so every node's row is masked for its own path; plain decoding masks its one row for
-the same context, so speculative output stays exactly plain decoding's. A drafted token the
-grammar forbids is simply rejected. The answer ends when the grammar is complete.
+only choose a token the grammar allows after that row's context. The matcher follows the
+acceptance walk down a draft tree (it takes a node's token, and the node's row is masked
+for that context; it rolls back afterwards), so every row is masked for its own path; plain
+decoding masks its one row for the same context, so speculative output stays exactly plain
+decoding's. A drafted token the grammar forbids is simply rejected. The answer ends when the
+grammar is complete.
 """
 from __future__ import annotations
 
@@ -16,15 +17,12 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from sot.errors import ConfigError
-
-if TYPE_CHECKING:
-    from sot.tree import DraftTree
 
 
 #: llguidance's JSON options: whitespace between JSON tokens is bounded (a model that keeps
@@ -160,27 +158,3 @@ def allowed_tokens(matcher, vocab: int) -> torch.Tensor:
     """``[V]`` bool: the tokens the grammar allows next."""
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
     return torch.from_numpy(bits[:vocab].astype(bool))
-
-
-def tree_masks(matcher, tree: DraftTree, vocab: int) -> torch.Tensor:
-    """``[N, V]`` bool: per node of ``tree``, the tokens the grammar allows after the node's
-    path (``matcher`` stands at the root's context and is left there). A node whose own
-    token its parent's row forbids can never be reached; its row (and its subtree's) allows
-    everything, and is never read."""
-    n = tree.size
-    masks = torch.ones(n, vocab, dtype=torch.bool)
-    kids = tree.children()
-    masks[0] = allowed_tokens(matcher, vocab)
-    stack: list[tuple[int, bool]] = [(c, True) for c in reversed(kids[0])]
-    while stack:
-        node, entering = stack.pop()
-        if not entering:
-            matcher.rollback(1)
-            continue
-        parent = tree.parents[node]
-        if not bool(masks[parent, tree.tokens[node]]) or not matcher.consume_token(tree.tokens[node]):
-            continue
-        masks[node] = allowed_tokens(matcher, vocab)
-        stack.append((node, False))
-        stack.extend((c, True) for c in reversed(kids[node]))
-    return masks

@@ -7,7 +7,7 @@ import torch
 
 from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
 from sot.cache import KVCache
-from sot.logit_rules import adjusted_rows, adjusts
+from sot.logit_rules import AdjustedRows, adjusts
 from sot.models.adapter import ForwardOutput
 from sot.requests import LiveRequest, SequenceResult
 from sot.sampling import SamplingMode, SamplingParams, token_logprobs
@@ -58,9 +58,14 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
         logits = out.seq_logits(b)
         if greedy is not None and plain_greedy[b]:
             acc = accept_greedy(tree, logits, greedy[b])
-        else:  # with logit rules, each node's row adjusted for its own context first
-            scores = adjusted_rows(logits, tree, seq) if rules[b] else logits
-            acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, scores, lengths[b])
+        elif rules[b]:  # each walked node's row adjusted for its own context
+            scores = AdjustedRows(logits, tree, seq)
+            try:
+                acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, scores, lengths[b])
+            finally:
+                scores.close()
+        else:
+            acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, logits, lengths[b])
         accepted.append(acc)
         keep.append([lengths[b] + i for i in acc.path])
         if out.states is not None:

@@ -120,3 +120,25 @@ def test_a_batch_mixing_rules_and_none_gives_each_its_own_answer() -> None:
         for ev in engine.step():
             tokens[ev.request_id] += ev.token_ids
     assert [tokens[i] for i in ids] == alone
+
+
+def test_only_the_walked_rows_are_adjusted(monkeypatch) -> None:
+    """A step adjusts the rows of the root and of each accepted node, not the whole tree."""
+    from sot.logit_rules import AdjustedRows
+
+    model = tiny_model("llama", seed=2)
+    target = TargetModel(clone(model, torch.float32))
+    prompts = random_prompts((15, 26), seed=4)
+    params = with_rules(**RULES)
+    plain = run(target, NoDrafter(), prompts, params)
+    made = []
+    original = AdjustedRows._row
+    monkeypatch.setattr(AdjustedRows, "_row", lambda self, node: made.append(node) or original(self, node))
+    results = Engine(target, RandomTreeDrafter(plain, [15, 26], hit=0.8, seed=6), TreeBudget(16, 6)).generate(
+        prompts, params)
+    assert [r.token_ids for r in results] == plain
+    # one row per walked node: a step's committed tokens (+ each first token's root row), and
+    # at most a tree's depth more where the last step's tokens were cut at the length limit
+    walked = sum(sum(r.accept_lengths) for r in results) + len(prompts)
+    drafted = sum(sum(r.tree_sizes) for r in results)
+    assert walked <= len(made) <= walked + 6 * len(prompts) and len(made) < drafted / 2
