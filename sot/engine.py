@@ -529,10 +529,27 @@ class Engine:
                 seq.result.plain_steps += 1
             root = seq.root
             tree = chosen.get(seq.id) or DraftTree.root_only(root)
+            if seq.matcher is not None and self.drafter.kind is not DrafterKind.NONE:
+                forced = self._forced_chain(seq, tree)
+                if forced is not tree and self.record_steps:  # a free draft, from the grammar
+                    self._proposed[seq.id] = ("free", forced, False)
+                tree = forced
             if tree.tokens[0] != root or tree.size > self._max_tree or tree.max_depth > self.budget.max_depth:
                 raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
             trees.append(tree)
         return plan, trees
+
+    def _forced_chain(self, seq: LiveRequest, tree: DraftTree) -> DraftTree:
+        """With a grammar: the tokens it forces next (a JSON key, a closing quote), drafted as
+        a chain in place of ``tree`` when its first token disagrees with them."""
+        forced = seq.matcher.compute_ff_tokens()[: min(self.budget.max_depth, self._max_tree - 1)]
+        if not forced:
+            return tree
+        kids = [i for i, p in enumerate(tree.parents) if p == 0]
+        if any(tree.tokens[i] == forced[0] for i in kids):  # the drafter has it already
+            return tree
+        n = len(forced)
+        return DraftTree([tree.tokens[0], *forced], [-1, *range(n)], list(range(n + 1)), [1.0] * (n + 1))
 
     def _commit_all(self, seqs: list[LiveRequest], trees: list[DraftTree], accepted: list[Acceptance],
                     plan: StepPlan) -> list[TokenEvent]:

@@ -362,7 +362,8 @@ def test_structured_output_fields(tiny_server) -> None:
     for _ in range(2):
         text = ask(guided_regex=r"[a-c]{2,5}\d").json()["choices"][0]["text"]
         assert re.fullmatch(r"[a-c]{2,5}\d", text), text
-    assert ask(guided_choice=["left", "right"]).json()["choices"][0]["text"] in ("left", "right")
+    chosen = ask(guided_choice=["left", "right"]).json()
+    assert chosen["choices"][0]["text"] in ("left", "right"), chosen
     resp = ask(guided_grammar="root ::= (")
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_grammar", resp.text
 

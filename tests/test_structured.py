@@ -116,3 +116,28 @@ def test_matchers_of_one_spec_are_independent_copies(tiny: SoT) -> None:
     from sot.structured import allowed_tokens
 
     assert not torch.equal(allowed_tokens(first, vocab), allowed_tokens(second, vocab)), "a copy moved with another"
+
+
+def test_forced_tokens_are_drafted_as_a_chain(tiny: SoT) -> None:
+    """What the grammar forces (here a fixed word after the first character) is drafted as a
+    chain and accepted whole; the answer is still plain decoding's."""
+    spec = StructuredOutput(OutputFormat.GRAMMAR, 'root ::= [a-c] "=FORCED=" [0-9]+ "|"')
+    prompts = [tiny.encode(p, chat=False) for p in ("zz", "qq")]
+    params = GenerationParams(max_new_tokens=40, eos_token_ids=tiny.eos_ids(), structured=spec)
+    plain = _run(_engine(tiny, NoDrafter()), prompts, params)
+    results = _engine(tiny, PromptLookupDrafter()).generate(prompts, params)
+    assert [r.token_ids for r in results] == plain
+    for r in results:
+        assert r.accept_lengths[0] >= 5, r.accept_lengths  # "=FORCED=" in one step after the first token
+
+
+def test_a_traced_request_records_the_forced_chain(tiny: SoT) -> None:
+    """With every step recorded (sot trace, the server's --trace), a forced chain is the
+    step's proposed tree, a free draft."""
+    spec = StructuredOutput(OutputFormat.GRAMMAR, 'root ::= [a-c] "=FORCED=" [0-9]+ "|"')
+    engine = _engine(tiny, PromptLookupDrafter())
+    engine.record_steps = True
+    result = engine.generate([tiny.encode("zz", chat=False)], GenerationParams(
+        max_new_tokens=40, eos_token_ids=tiny.eos_ids(), structured=spec))[0]
+    forced = [r for r in result.step_records if r.mode == "free" and len(r.tokens) >= 5]
+    assert forced and forced[0].accepted == list(range(len(forced[0].tokens)))
