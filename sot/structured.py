@@ -1,4 +1,4 @@
-"""Structured output: answers held to a JSON schema, to any JSON value, to a regular
+"""Structured output: answers held to a JSON schema, to any JSON object, to a regular
 expression, to one of a list of strings, or to a grammar (Lark or GBNF), with llguidance
 (the constraint engine vLLM and llama.cpp use).
 
@@ -61,8 +61,7 @@ class StructuredOutput:
     def grammar(self) -> str:
         """llguidance's grammar text of this spec (raises :class:`ConfigError` on a spec that
         is not even well formed; :meth:`Grammars.matcher` checks the rest)."""
-        from llguidance import LLMatcher
-        from llguidance._grammar_from import grammar_from
+        from llguidance import LLMatcher, grammar_from
 
         try:
             if self.format is OutputFormat.JSON:
@@ -83,7 +82,8 @@ class Grammars:
     the first structured request (about a second) and compiled specs are cached.
 
     Args:
-        tokenizer: a fast Hugging Face tokenizer.
+        tokenizer: a Hugging Face tokenizer (a fast one is read as it is; any other through
+            each token's decoded bytes).
         vocab_size: the model's logits width (may exceed the tokenizer's).
         eos_token_ids: the tokens that end an answer once the grammar is complete.
     """
@@ -108,9 +108,7 @@ class Grammars:
             try:
                 self._table = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
             except ValueError:  # a tokenizer llguidance does not read: give it each token's bytes
-                from llguidance._tokenizer import TokenizerWrapper
-
-                wrapped = TokenizerWrapper(_TokenBytes(self.tokenizer, self.vocab_size))
+                wrapped = llguidance.TokenizerWrapper(_TokenBytes(self.tokenizer, self.vocab_size))
                 self._table = llguidance.LLTokenizer(wrapped, n_vocab=self.vocab_size, eos_token=eos)
         return self._table
 

@@ -347,6 +347,11 @@ def test_logit_rules_and_stop_tokens(tiny_server) -> None:
     assert cut["finish_reason"] == "stop" and cut["token_ids"] == free[: free.index(stop) + 1]
     held = ask(stop_token_ids=[stop], min_tokens=free.index(stop) + 2)["token_ids"]
     assert len(held) > free.index(stop) + 1 and stop not in held[: free.index(stop) + 2]
+    for bad, param in ((dict(logit_bias={"5": 150}), "logit_bias"), (dict(min_tokens=13), "min_tokens"),
+                       (dict(stop_token_ids=[10**6]), "stop_token_ids"), (dict(prompt=[10**6]), "prompt")):
+        resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": TINY, "prompt": "ab", "max_tokens": 12, **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     penalised = ask(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)["token_ids"]
     assert penalised != free and ask(frequency_penalty=1.5, presence_penalty=0.5,
                                      repetition_penalty=1.3)["token_ids"] == penalised

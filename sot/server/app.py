@@ -218,9 +218,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
             prompts = [state.sot.encode({"prompt": text}, chat=False) for text in texts]
         else:  # token ids
             prompts = [list(body.prompt)]
-            vocab = state.sot.target.vocab_size
-            if any(not 0 <= t < vocab for t in prompts[0]):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            _check_token_ids(state, prompts[0], "prompt")
             texts = [state.sot.tokenizer.decode(prompts[0])]
         return await _generate(request, state, body, prompts, chat=False, texts=texts)
 
@@ -249,9 +247,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         body = DetokenizeRequest.model_validate(await _json(request))
         _check_ready(state)
         _check_model(state, body.model)
-        vocab = state.sot.target.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        _check_token_ids(state, body.tokens, "tokens")
         return {"prompt": state.sot.tokenizer.decode(body.tokens)}
 
     return app
@@ -280,6 +276,13 @@ def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
+
+
+def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    """A 400 naming ``param`` unless every id is a token of the model's vocabulary."""
+    vocab = state.sot.target.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
 
 
 def _check_ready(state: ServerState) -> None:
@@ -319,18 +322,17 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     eos = () if body.ignore_eos else state.sot.eos_ids()
     eos += tuple(t for t in body.stop_token_ids or () if t not in eos)
     k = body.logprob_count()
-    structured = body.structured_output()
+    asked = body.structured_output()
+    structured = asked[1] if asked else None
     params = GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
                               logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens,
                               structured=structured)
     try:
         check_logit_rules(params, state.sot.target.vocab_size)
     except ConfigError as exc:
-        param = next((f for f in ("min_tokens", "logit_bias", "repetition_penalty") if str(exc).startswith(f)), None)
-        raise APIError(400, str(exc), param=param) from None
-    vocab = state.sot.target.vocab_size
-    if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
-        raise APIError(400, f"stop_token_ids must be token ids below {vocab}", param="stop_token_ids")
+        field = str(exc).split(" ", 1)[0]  # (each message begins with the field it is about)
+        raise APIError(400, str(exc), param=field if field in type(body).model_fields else None) from None
+    _check_token_ids(state, body.stop_token_ids or [], "stop_token_ids")
     return params
 
 
@@ -426,7 +428,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         try:
             await asyncio.to_thread(state.sot.engine.grammars.matcher, spec)
         except ConfigError as exc:
-            raise APIError(400, str(exc), param=body.structured_field()) from None
+            raise APIError(400, str(exc), param=body.structured_output()[0]) from None
     _admit(state, len(asked))
     state.in_flight += len(asked)
     choices: list[_Choice] = []

@@ -95,9 +95,9 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def structured_output(self) -> StructuredOutput | None:
-        """The form the answer must take, from ``response_format`` or a ``guided_*`` field (at
-        most one may ask)."""
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """The form the answer must take and the field that asks for it (``response_format``
+        or a ``guided_*`` field; at most one may ask), or ``None``."""
         asked = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -121,14 +121,7 @@ class _GenerationRequest(BaseModel):
         if len(asked) > 1:
             raise APIError(400, f"ask for one form of output, not {' and '.join(n for n, _ in asked)}",
                            param=asked[1][0])
-        return asked[0][1] if asked else None
-
-    def structured_field(self) -> str | None:
-        """The request field that asks for structured output (for errors)."""
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                return name
-        return "response_format" if self.response_format is not None else None
+        return asked[0] if asked else None
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as sorted ``(token, bias)`` pairs."""
