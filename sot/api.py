@@ -26,10 +26,11 @@ from sot.models.loading import load_model
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
-from sot.prompts import PromptItem, encode, has_chat_template
+from sot.prompts import PromptItem, encode, has_chat_template, with_tools
 from sot.requests import check_logit_rules
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.structured import Grammars, StructuredOutput
+from sot.tools import ToolUse
 from sot.trace import StepRecord, TracedSequence, compare_states
 
 
@@ -59,12 +60,17 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     #: with ``trace=True``: one :class:`~sot.trace.StepRecord` per verify step
     step_records: list[StepRecord] = field(default_factory=list)
+    #: with tools offered: the calls read from ``text``, in OpenAI's form (``{"id", "type":
+    #: "function", "function": {"name", "arguments"}}``, arguments as JSON text)
+    tool_calls: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("step_records")  # large; written by sot.trace.write_trace instead
         if not self.logprobs:
             out.pop("logprobs")
+        if not self.tool_calls:
+            out.pop("tool_calls")
         return out
 
 
@@ -381,17 +387,36 @@ class SoT:
 
     def generate(
         self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int = 1, trace: bool = False,
+        tools: list[dict] | None = None, tool_choice: str | dict | None = None, parallel_tool_calls: bool = True,
         **kwargs: Any,
     ) -> list[Completion]:
         """Generate for each prompt (a string or a JSONL-style record); ``trace`` keeps each
         completion's step records (:attr:`Completion.step_records`).
 
-        Keyword arguments are those of :meth:`params` (``max_new_tokens``, ``temperature``,
-        ``top_p``, ``top_k``, ``seed``, ``sampling``, ``stop``).
+        ``tools`` (OpenAI's function list) are offered in the chat template, and the calls
+        read from each answer are in :attr:`Completion.tool_calls`; ``tool_choice`` is
+        ``auto`` (default), ``none``, ``required`` or ``{"type": "function", "function":
+        {"name"}}``, the last two held to the tools' schemas by a grammar (:mod:`sot.tools`).
+
+        Other keyword arguments are those of :meth:`params` (``max_new_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``sampling``, ``stop``, ...).
         """
+        use = ToolUse.of(tools or [], tool_choice, parallel_tool_calls)
+        if use.format() is not None:
+            if kwargs.get("structured") is not None:
+                raise ConfigError(f"tool_choice {use.choice.mode!r} fixes the answer's form; leave out structured")
+            kwargs["structured"] = use.format()
+        if tools:
+            if not self.is_chat_model:
+                raise ConfigError("this model has no chat template, so it cannot be offered tools")
+            prompts, chat = [with_tools(p, use.offered()) for p in prompts], True
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in prompts]
-        return self.generate_ids(ids, params, batch_size, trace=trace)
+        out = self.generate_ids(ids, params, batch_size, trace=trace)
+        if use.choice.calls_tools:
+            for c in out:
+                c.tool_calls = [call.to_openai() for call in use.read(c.text).calls]
+        return out
 
     def score(self, texts: Sequence[PromptItem], chat: bool | None = False, top_logprobs: int = 0,
               batch_size: int = 1) -> list[Score]:

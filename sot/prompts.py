@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from sot.errors import ConfigError
+from sot.tools import chat_messages, parse_tools
 
 PromptItem = Union[str, dict]
 
@@ -29,7 +30,8 @@ def json_lines(path: str | Path, missing: str = "prompts file not found") -> lis
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Read prompt records, one JSON object per line: ``{"prompt": str}``,
-    ``{"messages": [...]}`` or ``{"turns": [str, ...]}`` (the first turn is used)."""
+    ``{"messages": [...]}`` (with ``"tools": [...]`` if it offers functions) or
+    ``{"turns": [str, ...]}`` (the first turn is used)."""
     records = []
     for number, record in json_lines(path):
         check_record(record, f"{path}:{number}")
@@ -48,7 +50,8 @@ def check_record(record: Any, where: str = "prompt") -> None:
     if isinstance(record.get("prompt"), str):
         return
     messages = record.get("messages")
-    if isinstance(messages, list) and messages and all(isinstance(m, dict) and "content" in m for m in messages):
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and ("content" in m or "tool_calls" in m) for m in messages):
         return
     turns = record.get("turns")
     if isinstance(turns, list) and turns and isinstance(turns[0], str):
@@ -67,6 +70,16 @@ def to_messages(item: PromptItem) -> list[dict] | None:
     return [{"role": "user", "content": item["prompt"]}]
 
 
+def with_tools(item: PromptItem, tools: list[dict]) -> dict:
+    """A prompt as a chat record that offers ``tools`` (OpenAI's function list; none: no
+    ``tools`` key; see :mod:`sot.tools`)."""
+    check_record(item)
+    out: dict = {"messages": to_messages(item)}
+    if tools:
+        out["tools"] = tools
+    return out
+
+
 def to_text(item: PromptItem) -> str:
     """The raw text of an item, for models or runs without a chat template."""
     if isinstance(item, str):
@@ -79,10 +92,15 @@ def to_text(item: PromptItem) -> str:
 
 
 def encode(tokenizer: Any, item: PromptItem, chat: bool) -> list[int]:
-    """Token ids of one prompt; with ``chat`` the tokenizer's chat template is applied."""
+    """Token ids of one prompt; with ``chat`` the tokenizer's chat template is applied (with
+    the item's ``tools``, OpenAI's function list, where it has them: :mod:`sot.tools`)."""
     check_record(item)
     if chat:
-        out = tokenizer.apply_chat_template(to_messages(item), add_generation_prompt=True, tokenize=True)
+        messages, extra = to_messages(item), {}
+        if isinstance(item, dict) and (item.get("tools") or any(m.get("role") == "tool" or m.get("tool_calls")
+                                                               for m in messages)):
+            messages, extra = chat_messages(messages, parse_tools(item.get("tools") or []), tokenizer)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)

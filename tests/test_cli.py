@@ -96,6 +96,32 @@ def test_generate_structured_output_flags(model_dir: Path, tmp_path: Path, capsy
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
+def test_generate_tool_flags(tmp_path: Path, capsys) -> None:
+    """--tools puts the functions in the prompt and adds the calls read (none here) to the
+    JSON record; bad tool flags are clean errors."""
+    model_dir = tiny_model_dir(tmp_path / "model", max_positions=1024)  # (a character per token)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]))
+    base = ["generate", "abc", "--model", str(model_dir), "--max-new-tokens", "4", "--json"]
+    assert main(base) == 0
+    bare = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*base, "--tools", str(tools)]) == 0
+    offered = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert offered["tool_calls"] == [] and offered["prompt_tokens"] > bare["prompt_tokens"] + 50
+    assert main([*base, "--tools", str(tools), "--tool-choice", "none"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompt_tokens"] == bare["prompt_tokens"]
+    for extra, message in ((["--tool-choice", "required"], "--tool-choice needs --tools"),
+                           (["--tools", str(tools), "--tool-choice", "find"], "--tool-choice names 'find'"),
+                           (["--tools", "[{}]"], "--tools tools[0]"),
+                           (["--tools", "{oops"], "--tools: not a JSON list"),
+                           (["--tools", str(tools), "--no-chat"], "needs the chat template"),
+                           (["--tools", str(tools), "--tool-choice", "lookup", "--regex", "a"],
+                            "fixes the answer's form")):
+        assert main([*base, *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
+
+
 def test_generate_jsonl_formats_and_batches(model_dir: Path, tmp_path: Path, capsys) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(

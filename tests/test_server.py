@@ -112,6 +112,90 @@ def test_openai_client_gets_json_for_a_schema(default_server) -> None:
         assert free.finish_reason == "length" and free.message.content.lstrip().startswith("{")
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a city now", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+
+
+def _streamed_calls(events) -> tuple[dict[int, dict], str, str | None]:
+    """Tool calls put together from a stream's deltas (by index: id, name, arguments), the
+    streamed content and the finish reason."""
+    calls: dict[int, dict] = {}
+    content, reason = "", None
+    for ev in events:
+        for c in ev.choices:
+            content += c.delta.content or ""
+            reason = c.finish_reason or reason
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] = (d.function.name if d.function else None) or call["name"]
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+    return calls, content, reason
+
+
+def test_openai_client_calls_tools(default_server) -> None:
+    """A named tool and ``required``: the calls parse and fit the tools' schemas, streamed or
+    whole; the call and its result go back into the next turn; an ``auto`` answer that writes
+    a tagged call is read as content and a call, streamed or whole."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused")
+    ask = dict(model=MODEL, max_tokens=80, temperature=0, tools=[WEATHER, CLOCK],
+               messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    named = client.chat.completions.create(
+        **ask, tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    assert named.finish_reason == "tool_calls" and named.message.content is None
+    (call,) = named.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    calls, content, reason = _streamed_calls(client.chat.completions.create(
+        **ask, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    assert content == "" and reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
+
+    required = client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+    chosen = required.message.tool_calls[0].function
+    assert chosen.name in ("get_weather", "get_time")
+    assert set(json.loads(chosen.arguments)) == set(next(
+        t for t in (WEATHER, CLOCK) if t["function"]["name"] == chosen.name)["function"]["parameters"]["required"])
+    calls, content, reason = _streamed_calls(client.chat.completions.create(
+        **ask, tool_choice="required", parallel_tool_calls=False, stream=True))
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (chosen.name, json.loads(chosen.arguments))] and reason == "tool_calls" and content == ""
+
+    count = {name: httpx.post(f"{default_server.url}/tokenize", json={"messages": ask["messages"], **extra},
+                              timeout=30).json()["count"]
+             for name, extra in (("bare", {}), ("tools", {"tools": [WEATHER]}),
+                                 ("none", {"tools": [WEATHER], "tool_choice": "none"}))}
+    assert count["tools"] > count["bare"] + 50 and count["none"] == count["bare"], count
+    bad = httpx.post(f"{default_server.url}/tokenize", timeout=30, json={
+        "messages": ask["messages"], "tools": [{"type": "function", "function": {"name": "a b"}}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+    turn = ask["messages"] + [named.message.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    follow = client.chat.completions.create(**{**ask, "messages": turn, "max_tokens": 16}).choices[0]
+    assert follow.message.content or follow.message.tool_calls
+
+    # auto: the answer is held (by a regex) to text and a tagged call, as a model trained to call would write
+    tagged = 'Looking it up.\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    forced = dict(**ask, tool_choice="auto", extra_body={"guided_regex": re.escape(tagged)})
+    whole = client.chat.completions.create(**forced).choices[0]
+    assert whole.message.content == "Looking it up.\n" and whole.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
+        ("get_time", {"city": "Oslo"})]
+    calls, content, reason = _streamed_calls(client.chat.completions.create(**forced, stream=True))
+    assert content == "Looking it up.\n" and reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_time", {"city": "Oslo"})]
+
+
 def test_openai_client_reads_logprobs(default_server) -> None:
     """Log probabilities in OpenAI's formats: the reported tokens spell the returned text
     (a stop string cuts both), a greedy token is its position's most likely one, and a
@@ -294,7 +378,13 @@ BAD = [
     ("two forms of output", json.dumps(_chat("hi", guided_regex="a+", guided_choice=["b"])).encode(), 400),
     ("a schema that is not an object", json.dumps(_chat("hi", response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": "no"}})).encode(), 400),
-    ("tools", json.dumps(_chat("hi", tools=[{"type": "function", "function": {"name": "f"}}])).encode(), 400),
+    ("a tool without a valid name", json.dumps(_chat("hi", tools=[{"type": "function", "function": {
+        "name": "two words"}}])).encode(), 400),
+    ("tool_choice naming no listed tool", json.dumps(_chat("hi", tools=[{"type": "function", "function": {
+        "name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}})).encode(), 400),
+    ("tool_choice required without tools", json.dumps(_chat("hi", tool_choice="required")).encode(), 400),
+    ("a tool call and a response format", json.dumps(_chat("hi", tools=[{"type": "function", "function": {
+        "name": "f"}}], tool_choice="required", response_format={"type": "json_object"})).encode(), 400),
     # logit rules out of range
     ("logit bias too large", json.dumps(_chat("hi", logit_bias={"5": 150})).encode(), 400),
     ("logit bias on a word", json.dumps(_chat("hi", logit_bias={"hello": 1})).encode(), 400),

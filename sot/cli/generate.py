@@ -39,6 +39,12 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     form.add_argument("--regex", help="answer with text that matches this regular expression")
     form.add_argument("--choice", action="append", metavar="TEXT", help="answer with one of these texts (repeatable)")
     form.add_argument("--grammar", metavar="FILE", help="answer in the language of this Lark or GBNF grammar file")
+    gen.add_argument("--tools", metavar="TOOLS",
+                     help="offer these functions (OpenAI's tools list as JSON, or a file holding it); the calls "
+                          "read from each answer are printed after it")
+    gen.add_argument("--tool-choice", default=None, metavar="auto|none|required|NAME",
+                     help="with --tools: whether the model must call a tool (required), a named one, or decides "
+                          "(auto, the default)")
 
     tr = sub.add_parser("trace", help="draw the drafts, commits and predicted states of a generation as one HTML page")
     tr.add_argument("prompt", nargs="?", help="the prompt text")
@@ -72,16 +78,24 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from sot.prompts import read_jsonl
+    from sot.prompts import read_jsonl, with_tools
 
     if (args.prompt is None) == (args.prompts is None):
         raise SoTError("give either a PROMPT or --prompts FILE.jsonl")
     items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
     if args.logprobs is not None and not args.json:
         raise SoTError("--logprobs needs --json (the figures are printed in each prompt's JSON object)")
+    use = _tool_use(args)
+    structured = _structured(args)
+    if use is not None:
+        if args.chat is False:
+            raise SoTError("--tools needs the chat template; leave out --no-chat")
+        if use.format() is not None and structured is not None:
+            raise SoTError(f"--tool-choice {args.tool_choice} fixes the answer's form; leave out the form flag")
+        structured = use.format() or structured
+        items = [with_tools(item, use.offered()) for item in items]
     sot = load_sot(args)
     ids = [sot.encode(item, args.chat) for item in items]
-    structured = _structured(args)
     params = sot.params(stop=args.stop, logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
     stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty() and not args.trace
     if stream_one:
@@ -90,6 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(event.text, end="", flush=True)
         print()
         r = sot.last_stream[0]
+        _print_calls(use, r.text)
         print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
         _adapt_line(sot)
         save_suffix_store(sot, args)
@@ -105,15 +120,55 @@ def cmd_generate(args: argparse.Namespace) -> int:
             record["index"] = i
             for entry in record.get("logprobs", []):  # (the token's text beside its id)
                 entry["text"] = sot.tokenizer.decode([entry["token"]])
+            if use is not None:
+                record["tool_calls"] = [c.to_openai() for c in use.read(r.text).calls]
             print(json.dumps(record), flush=True)
         else:
             if len(results) > 1:
                 print(f"--- [{i}]")
             print(r.text)
+            _print_calls(use, r.text)
             print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
     _adapt_line(sot)
     save_suffix_store(sot, args)
     return 0
+
+
+def _tool_use(args: argparse.Namespace):
+    """The tools ``--tools`` offers and ``--tool-choice``, or ``None``."""
+    from pathlib import Path
+
+    from sot.errors import ConfigError
+    from sot.tools import ToolUse
+
+    if args.tools is None:
+        if args.tool_choice is not None:
+            raise SoTError("--tool-choice needs --tools")
+        return None
+    text = args.tools
+    if not text.lstrip().startswith("[") and Path(text).is_file():
+        text = Path(text).read_text()
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SoTError(f"--tools: not a JSON list of tools or a file holding one ({exc.msg})") from None
+    choice = args.tool_choice
+    if choice not in (None, "auto", "none", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    try:
+        return ToolUse.of(tools, choice)
+    except ConfigError as exc:  # (its message begins with the field: tools or tool_choice)
+        raise SoTError("--" + str(exc).replace("tool_choice", "tool-choice", 1)) from None
+
+
+def _print_calls(use, text: str) -> None:
+    """The calls read from an answer, one line each (nothing without tools)."""
+    for call in use.read(text).calls if use is not None else ():
+        try:
+            args = json.dumps(json.loads(call.arguments), ensure_ascii=False)
+        except json.JSONDecodeError:  # (cut short by --max-new-tokens)
+            args = call.arguments
+        print(f"[tool call] {call.name} {args}")
 
 
 def _structured(args: argparse.Namespace):

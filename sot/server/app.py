@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,11 +33,12 @@ from sot.requests import check_logit_rules
 from sot.sampling import SamplingMode, SamplingParams
 from sot.server.metrics import ServerMetrics
 from sot.server.protocol import (
-    FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LogprobWriter,
-    TextAssembler, TokenizeRequest, _GenerationRequest, prompt_logprobs_block, sot_figures, sse, usage_of,
-    validation_message,
+    FINISH_REASONS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+    LogprobWriter, TextAssembler, TokenizeRequest, ToolAnswer, _GenerationRequest, checked_tools,
+    prompt_logprobs_block, sot_figures, sse, usage_of, validation_message,
 )
 from sot.server.worker import EngineWorker, Update
+from sot.tools import Tool, ToolChoice
 
 
 @dataclass(frozen=True)
@@ -203,10 +205,9 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         _check_key(request, config)
         body = ChatCompletionRequest.model_validate(await _json(request))
         _check_ready(state)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        sot = state.sot
-        prompt = sot.encode({"messages": messages}, chat=sot.is_chat_model)
-        return await _generate(request, state, body, [prompt], chat=True)
+        tools, choice = body.tool_setup()
+        prompt = _chat_prompt(state, body.messages, tools if choice.calls_tools else ())
+        return await _generate(request, state, body, [prompt], chat=True, tools=(tools, choice))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -234,8 +235,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = sot.encode({"messages": messages}, chat=sot.is_chat_model)
+            tools, choice = checked_tools(body.tools, body.tool_choice)
+            tokens = _chat_prompt(state, body.messages, tools if choice.calls_tools else ())
         else:
             tokens = sot.encode({"prompt": body.prompt}, chat=False)
         return {"count": len(tokens), "max_model_len": state.context, "tokens": tokens}
@@ -283,6 +284,20 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
     vocab = state.sot.target.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
+
+
+def _chat_prompt(state: ServerState, messages: list[ChatMessage], tools: tuple[Tool, ...]) -> list[int]:
+    """The token ids of a chat through the model's template (with the tools offered, if any)."""
+    sot = state.sot
+    item: dict = {"messages": [m.to_dict() for m in messages]}
+    if tools:
+        item["tools"] = [t.to_openai() for t in tools]
+    if not sot.is_chat_model and (tools or any(m.role == "tool" or m.tool_calls for m in messages)):
+        raise APIError(400, "this model has no chat template, so it cannot be offered tools", param="tools")
+    try:
+        return sot.encode(item, chat=sot.is_chat_model)
+    except (ConfigError, TemplateError) as exc:
+        raise APIError(400, f"the messages do not fit this model's chat template: {exc}", param="messages") from None
 
 
 def _check_ready(state: ServerState) -> None:
@@ -376,6 +391,8 @@ class _Choice:
     echo: str | None = None
     #: with ``echo`` and ``max_tokens`` 0: the decoded token is dropped
     drop: bool = False
+    #: a chat offered tools: how its text becomes content and calls
+    tool: ToolAnswer | None = None
 
 
 def _usage(choices: list[_Choice], results: list[SequenceResult | None]) -> dict:
@@ -408,9 +425,11 @@ def _empty_logprobs(chat: bool) -> dict:
 
 
 async def _generate(request: Request, state: ServerState, body: _GenerationRequest, prompts: list[list[int]],
-                    chat: bool, texts: list[str] | None = None):
+                    chat: bool, texts: list[str] | None = None,
+                    tools: tuple[tuple[Tool, ...], ToolChoice] | None = None):
     """Answer a request: ``n`` choices for each of ``prompts``, decoded side by side as
-    requests of the engine (choice ``i * n + k`` is sample ``k`` of prompt ``i``)."""
+    requests of the engine (choice ``i * n + k`` is sample ``k`` of prompt ``i``); ``tools``:
+    a chat's tools and tool choice, whose calls are read from each answer."""
     if body.n < 1:
         raise APIError(400, f"n must be at least 1, got {body.n}", param="n")
     if len(prompts) * body.n > MAX_CHOICES:
@@ -437,8 +456,11 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
             ticket, updates = state.worker.submit(prompt, params, tenant=body.user)
             lp = (LogprobWriter(state.sot.tokenizer, chat, offset=len(echoed or ""))
                   if params.logprobs is not None else None)
+            tool = None
+            if tools is not None and tools[1].calls_tools:
+                tool = ToolAnswer(state.sot.tokenizer, params.stop, *tools, body.parallel_tool_calls)
             choices.append(_Choice(i, prompt, first, ticket, updates, TextAssembler(state.sot.tokenizer, params.stop),
-                                   lp, echo=echoed, drop=drop))
+                                   lp, echo=echoed, drop=drop, tool=tool))
     except BaseException:
         for c in choices:
             state.worker.abort(c.ticket)
@@ -469,8 +491,11 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
                 head = prompt_logprobs_block(state.sot.tokenizer, c.prompt, final.result.prompt_logprobs)
                 lp = {key: head[key] + lp[key] for key in head}
             content = c.echo + content
-        choice = ({"index": c.index, "message": {"role": "assistant", "content": content}, "logprobs": lp,
-                   "finish_reason": reason} if chat else
+        message = {"role": "assistant", "content": content}
+        if c.tool is not None:
+            message = c.tool.message(content)
+            reason = c.tool.finish_reason(content, reason)
+        choice = ({"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason} if chat else
                   {"index": c.index, "text": content, "logprobs": lp, "finish_reason": reason})
         if body.return_token_ids:
             choice["token_ids"] = [] if c.drop else list(c.text.ids)
@@ -524,9 +549,12 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(index: int, delta: str | None, reason: str | None = None, role: bool = False,
-              extra: dict | None = None, ids: list[int] | None = None, lp: dict | None = None) -> str:
+              extra: dict | None = None, ids: list[int] | None = None, lp: dict | None = None,
+              chat_delta: dict | None = None) -> str:
         if chat:
             d: dict = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            if chat_delta is not None:  # tool calls, or content that is not the text's own delta
+                d = chat_delta
             choice = {"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta or "", "logprobs": lp, "finish_reason": reason}
@@ -553,6 +581,9 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
         if chat:
             for c in choices:
                 yield chunk(c.index, None, role=True)
+                opened = c.tool.first_delta() if c.tool is not None else None
+                if opened is not None:
+                    yield chunk(c.index, None, chat_delta=opened)
         for c in choices:  # with logprobs, an echoed prompt waits for its figures (the first update)
             if c.echo and c.logprobs is None:
                 yield chunk(c.index, c.echo)
@@ -571,7 +602,11 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
             if c.logprobs is not None and not c.drop:  # those of the tokens whose text this chunk completes
                 c.logprobs.add(update.logprobs)
                 lp = c.logprobs.upto(c.text.sent)
-            if delta or lp or (token_ids and update.token_ids):
+            if c.tool is not None:
+                said = c.tool.delta(update.token_ids, delta, last)
+                if said or lp or (token_ids and update.token_ids):
+                    yield chunk(c.index, None, ids=update.token_ids, lp=lp, chat_delta=said or {})
+            elif delta or lp or (token_ids and update.token_ids):
                 yield chunk(c.index, delta, ids=update.token_ids, lp=lp)
             if last:
                 c.done = True
@@ -582,6 +617,12 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
                 if c.index == 0:
                     state.keep_trace(rid, c.prompt, update.result)
                 reason = FINISH_REASONS.get(update.finish_reason, update.finish_reason)
+                if c.tool is not None:
+                    text = c.text.final_text()
+                    closing = c.tool.last_delta(text)
+                    if closing is not None:
+                        yield chunk(c.index, None, chat_delta=closing)
+                    reason = c.tool.finish_reason(text, reason)
                 yield chunk(c.index, None, reason, extra={"sot": sot_figures(update.result)})
         else:
             if include_usage:

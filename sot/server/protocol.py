@@ -2,6 +2,7 @@
 stream of tokens turns into (stop strings cut, incomplete characters held back)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -10,7 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from sot.detokenize import IncrementalText
 from sot.requests import MAX_PENALTY, GenerationParams
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from sot.errors import ConfigError
 from sot.structured import OutputFormat, StructuredOutput
+from sot.tools import (
+    CALL_OPEN, ReadAnswer, Tool, ToolChoice, call_format, new_call_id, parse_tool_choice, parse_tools, read_calls,
+)
 
 if TYPE_CHECKING:
     from sot.requests import SequenceResult
@@ -164,8 +169,9 @@ class _GenerationRequest(BaseModel):
 #: OpenAI (and vLLM) request fields this server does not act on, with what they ask for
 _UNSUPPORTED = {
     "suffix": "a suffix after the completion", "best_of": "best-of sampling",
-    "tools": "tool calling", "functions": "function calling", "tool_choice": "tool calling",
-    "function_call": "function calling",
+    "tools": "tool calling (chat completions only)", "tool_choice": "tool calling (chat completions only)",
+    "functions": "function calling (the legacy form; send tools)",
+    "function_call": "function calling (the legacy form; send tool_choice)",
 }
 
 
@@ -191,6 +197,22 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    #: an assistant message's earlier calls (``[{"id", "type": "function", "function": {"name",
+    #: "arguments"}}]``) and the call a ``tool`` message answers
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_dict(self) -> dict:
+        """The message as the chat template reads it (text content; calls and ids where given)."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -206,11 +228,47 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def checked_tools(tools: list[Any] | None, tool_choice: str | dict | None) -> tuple[tuple[Tool, ...], ToolChoice]:
+    """A request's ``tools`` and ``tool_choice``, checked (a 400 naming the field otherwise)."""
+    try:
+        offered = parse_tools(tools or [])
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="tools") from None
+    try:
+        return offered, parse_tool_choice(tool_choice, offered)
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: functions the model may call (``[{"type": "function", "function": {"name",
+    #: "description", "parameters"}}]``) and whether it must: ``none``, ``auto`` (the default
+    #: with tools), ``required`` or ``{"type": "function", "function": {"name"}}`` (:mod:`sot.tools`)
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    #: more than one call in an answer (``False``: the first call only)
+    parallel_tool_calls: bool = True
+
+    def tool_setup(self) -> tuple[tuple[Tool, ...], ToolChoice]:
+        """The request's tools and tool choice, checked (a 400 naming the field otherwise)."""
+        return checked_tools(self.tools, self.tool_choice)
+
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """As for any request, or the form a ``required`` or named ``tool_choice`` holds the
+        answer to (which cannot be combined with another form)."""
+        asked = super().structured_output()
+        tools, choice = self.tool_setup()
+        calls = call_format(tools, choice, self.parallel_tool_calls)
+        if calls is None:
+            return asked
+        if asked is not None:
+            raise APIError(400, f"tool_choice {choice.mode!r} fixes the answer's form; leave out {asked[0]}",
+                           param=asked[0])
+        return "tool_choice", calls
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -233,11 +291,13 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TokenizeRequest(BaseModel):
-    """``/tokenize``: a ``prompt``, or chat ``messages`` (vLLM's route)."""
+    """``/tokenize``: a ``prompt``, or chat ``messages`` with any ``tools`` (vLLM's route)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -312,6 +372,78 @@ class TextAssembler:
 
     def final_text(self) -> str:
         return self.text[: self.sent] if self.sent <= len(self.text) else self.text
+
+
+class ToolAnswer:
+    """How one chat choice's text becomes content and tool calls, whole or streamed.
+
+    With a named tool the text is the call's arguments and streams as argument deltas after
+    a first delta with the call's id and name. With ``required`` the calls are sent once the
+    answer is complete (a JSON list can't be split into calls before that). With ``auto``
+    the text streams as content up to a ``<tool_call>`` tag, and what follows is read as calls
+    at the end (or sent as content when it is not a call)."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], tools: tuple[Tool, ...], choice: ToolChoice,
+                 parallel: bool) -> None:
+        self.tools, self.choice, self.parallel = tools, choice, parallel
+        self._content = TextAssembler(tokenizer, stop + (CALL_OPEN,)) if choice.mode == "auto" else None
+        self.streamed = ""  # content sent so far (auto)
+        self.call_id = new_call_id()  # a named tool's call
+        self._read: ReadAnswer | None = None
+
+    def read(self, text: str) -> ReadAnswer:
+        """The calls in the whole answer (a named call keeps the id its stream opened with)."""
+        if self._read is None:
+            read = read_calls(text, self.tools, self.choice, self.parallel)
+            if self.choice.mode == "named":
+                read = ReadAnswer((), tuple(dataclasses.replace(c, id=self.call_id) for c in read.calls))
+            self._read = read
+        return self._read
+
+    def first_delta(self) -> dict | None:
+        """The delta that opens the stream's call (a named tool), or ``None``."""
+        if self.choice.mode != "named":
+            return None
+        return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                "function": {"name": self.choice.name, "arguments": ""}}]}
+
+    def delta(self, token_ids: list[int], text_delta: str, final: bool) -> dict | None:
+        """The chat delta of one update (``text_delta``: its new answer text)."""
+        if self.choice.mode == "named":
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text_delta}}]} if text_delta else None
+        if self._content is None:
+            return None
+        d = self._content.add(token_ids, final)
+        self.streamed += d
+        return {"content": d} if d else None
+
+    def last_delta(self, text: str) -> dict | None:
+        """The delta that ends the stream: content not sent yet and every call (none for a
+        named tool, whose arguments have streamed)."""
+        if self.choice.mode == "named":
+            return None
+        read = self.read(text)
+        out: dict = {}
+        rest = "".join(read.pieces)[len(self.streamed):]
+        if rest and (read.content is not None or self.streamed):
+            out["content"] = rest
+        if read.calls:
+            out["tool_calls"] = [{"index": i, **c.to_openai()} for i, c in enumerate(read.calls)]
+        return out or None
+
+    def message(self, text: str) -> dict:
+        """The whole answer's ``message``."""
+        read = self.read(text)
+        out = {"role": "assistant", "content": read.content}
+        if read.calls:
+            out["tool_calls"] = [c.to_openai() for c in read.calls]
+        return out
+
+    def finish_reason(self, text: str, reason: str) -> str:
+        """``tool_calls`` where the answer ended with calls, else the engine's reason."""
+        if reason == "stop" and (self.choice.mode == "named" or self.read(text).calls):
+            return "tool_calls"
+        return reason
 
 
 class LogprobWriter:
