@@ -26,7 +26,7 @@ from sot.models.loading import load_model
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
-from sot.prompts import PromptItem, encode, has_chat_template, with_tools
+from sot.prompts import PromptItem, encode, has_chat_template, use_chat_template, with_tools
 from sot.requests import check_logit_rules
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.structured import Grammars, StructuredOutput
@@ -115,13 +115,15 @@ class StreamEvent:
     finished: bool
 
 
-def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+def _check_sampling(temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> None:
     if temperature < 0:
         raise ConfigError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ConfigError(f"top_k must be >= 0, got {top_k}")
+    if not 0 <= min_p <= 1:
+        raise ConfigError(f"min_p must be in [0, 1], got {min_p}")
 
 
 class SoT:
@@ -159,6 +161,7 @@ class SoT:
         suffix_per_tenant: bool = False,
         adapt: AdaptConfig | None = None,
         prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
+        chat_template: str | None = None,
     ) -> "SoT":
         """Load a target and build the engine.
 
@@ -185,6 +188,8 @@ class SoT:
             prefix_cache_mb: memory for prompt chunks already read, reused by later prompts
                 that start with the same tokens (:mod:`sot.prefix_cache`; exact); kept apart
                 per tenant with ``suffix_per_tenant``. 0 turns it off.
+            chat_template: a Jinja chat template (its text or a file) to use instead of the
+                tokenizer's own, or for a model without one.
         """
         if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
             choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
@@ -207,6 +212,8 @@ class SoT:
         draft = make_drafter(kind, loaded.model, predictor, top_k=top_k, suffix=stores)
         target = TargetModel(loaded.model, state_layers=draft.state_layers)
         tok = loaded.tokenizer
+        if chat_template is not None:
+            use_chat_template(tok, chat_template)
 
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
@@ -238,12 +245,14 @@ class SoT:
     def is_chat_model(self) -> bool:
         return has_chat_template(self.tokenizer)
 
-    def encode(self, item: PromptItem, chat: bool | None = None) -> list[int]:
-        """Token ids of a prompt; ``chat=None`` applies the chat template when there is one."""
+    def encode(self, item: PromptItem, chat: bool | None = None, generation_prompt: bool = True,
+               continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a prompt; ``chat=None`` applies the chat template when there is one
+        (the other arguments: :func:`sot.prompts.encode`)."""
         use_chat = self.is_chat_model if chat is None else chat
         if use_chat and not self.is_chat_model:
-            raise ConfigError("this model has no chat template; run without --chat")
-        return encode(self.tokenizer, item, use_chat)
+            raise ConfigError("this model has no chat template; run without --chat or give one (--chat-template)")
+        return encode(self.tokenizer, item, use_chat, generation_prompt, continue_final, template_kwargs)
 
     def eos_ids(self) -> tuple[int, ...]:
         ids = set()
@@ -263,6 +272,7 @@ class SoT:
         temperature: float = SamplingParams.temperature,
         top_p: float = SamplingParams.top_p,
         top_k: int = SamplingParams.top_k,
+        min_p: float = SamplingParams.min_p,
         seed: int = SamplingParams.seed,
         sampling: str | SamplingMode = SamplingParams.mode,
         stop: Sequence[str] = (),
@@ -288,7 +298,7 @@ class SoT:
                 regular expression, a choice of strings or a grammar
                 (:class:`~sot.structured.StructuredOutput`).
         """
-        _check_sampling(temperature, top_p, top_k)
+        _check_sampling(temperature, top_p, top_k, min_p)
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -297,7 +307,7 @@ class SoT:
             mode = SamplingMode(sampling)
         except ValueError:
             raise ConfigError(f"sampling must be 'rejection' or 'coupled', got {sampling!r}") from None
-        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, mode=mode,
+        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, mode=mode,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty,
                             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())))

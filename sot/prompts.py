@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Any, Union
 
+from jinja2 import TemplateError
+
 from sot.errors import ConfigError
 from sot.tools import chat_messages, parse_tools
 
@@ -91,20 +93,64 @@ def to_text(item: PromptItem) -> str:
     return "\n".join(str(m["content"]) for m in item["messages"])
 
 
-def encode(tokenizer: Any, item: PromptItem, chat: bool) -> list[int]:
+def encode(tokenizer: Any, item: PromptItem, chat: bool, generation_prompt: bool = True,
+           continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of one prompt; with ``chat`` the tokenizer's chat template is applied (with
-    the item's ``tools``, OpenAI's function list, where it has them: :mod:`sot.tools`)."""
+    the item's ``tools``, OpenAI's function list, where it has them: :mod:`sot.tools`).
+
+    ``generation_prompt`` ends the prompt where the assistant's answer begins;
+    ``continue_final`` leaves the last (assistant) message open so that the answer continues
+    it; ``template_kwargs`` go to the template (``enable_thinking``, ...). A template that
+    cannot render the messages is a :class:`ConfigError` with its reason."""
     check_record(item)
-    if chat:
-        messages, extra = to_messages(item), {}
-        if isinstance(item, dict) and (item.get("tools") or any(m.get("role") == "tool" or m.get("tool_calls")
-                                                               for m in messages)):
-            messages, extra = chat_messages(messages, parse_tools(item.get("tools") or []), tokenizer)
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
-    return list(tokenizer(to_text(item))["input_ids"])
+    if not chat:
+        return list(tokenizer(to_text(item))["input_ids"])
+    messages, extra = to_messages(item), {}
+    tools = isinstance(item, dict) and (item.get("tools") or any(m.get("role") == "tool" or m.get("tool_calls")
+                                                                for m in messages))
+    if continue_final and (not messages or messages[-1].get("role") != "assistant"):
+        raise ConfigError("continue_final_message needs the last message to be the assistant's")
+    if continue_final and generation_prompt:
+        raise ConfigError("continue_final_message and add_generation_prompt cannot both be true")
+    kwargs = dict(template_kwargs or {}, add_generation_prompt=generation_prompt, tokenize=True)
+    if continue_final:
+        kwargs["continue_final_message"] = True
+    attempts = [True, False] if tools else [True]  # (a template may refuse a system message)
+    for system in attempts:
+        if tools:
+            messages, extra = chat_messages(to_messages(item), parse_tools(item.get("tools") or []), tokenizer,
+                                            system=system)
+        try:
+            out = tokenizer.apply_chat_template(messages, **kwargs, **extra)
+            break
+        except (TemplateError, ValueError, TypeError) as exc:
+            error = exc
+    else:
+        raise ConfigError(f"the chat template cannot render these messages: {error}")
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def read_chat_template(template: str) -> str:
+    """A chat template's Jinja text from ``template``: the text itself, or a file holding it."""
+    if "{{" in template or "{%" in template:
+        return template
+    path = Path(template)
+    if not path.is_file():
+        raise ConfigError(f"chat template: no such file, and not a Jinja template: {template}")
+    return path.read_text(encoding="utf-8")
+
+
+def use_chat_template(tokenizer: Any, template: str) -> None:
+    """Give ``tokenizer`` the chat template ``template`` (Jinja text, or a file holding it),
+    as vLLM's ``--chat-template`` does; one that cannot render a one-message chat is a
+    :class:`ConfigError`."""
+    tokenizer.chat_template = read_chat_template(template)
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except (TemplateError, ValueError, TypeError) as exc:
+        raise ConfigError(f"chat template: it cannot render a one-message chat: {exc}") from None
 
 
 def has_chat_template(tokenizer: Any) -> bool:

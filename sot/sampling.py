@@ -1,7 +1,7 @@
 """Turning target logits into the distribution that decoding samples from.
 
 Plain decoding and tree verification call the same functions on bit-identical logits, so
-temperature, top-k and top-p act identically in both.
+temperature, top-k, top-p and min-p act identically in both.
 """
 from __future__ import annotations
 
@@ -32,12 +32,15 @@ class SamplingMode(str, enum.Enum):
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings; ``temperature == 0`` means greedy. The penalties and the bias
-    change the logits before temperature, top-k and top-p, in greedy decoding too
+    change the logits before temperature, top-k, top-p and min-p, in greedy decoding too
     (:mod:`sot.logit_rules`)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    #: drop tokens less likely than ``min_p`` times the most likely one (after top-k and
+    #: top-p, as transformers orders them; 0: off)
+    min_p: float = 0.0
     seed: int = 0
     mode: SamplingMode = SamplingMode.COUPLED
     #: over the prompt and the answer: a seen token's logit is divided by it when positive,
@@ -56,7 +59,8 @@ class SamplingParams:
 
 
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to ``logits [N, V]``; removed entries are -inf."""
+    """Temperature, top-k, top-p and min-p applied to ``logits [N, V]``, in that order;
+    removed entries are -inf."""
     scores = logits.float() / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
@@ -69,6 +73,10 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         drop_sorted = (cum - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values  # the most likely token always stays
+        scores = scores.masked_fill(probs < floor, float("-inf"))
     return scores
 
 

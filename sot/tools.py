@@ -188,14 +188,17 @@ def tool_instructions(tools: Sequence[Tool]) -> str:
             f'{CALL_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n{CALL_CLOSE}')
 
 
-def chat_messages(messages: Sequence[dict], tools: Sequence[Tool], tokenizer: Any) -> tuple[list[dict], dict]:
+def chat_messages(messages: Sequence[dict], tools: Sequence[Tool], tokenizer: Any,
+                  system: bool = True) -> tuple[list[dict], dict]:
     """Messages and ``apply_chat_template`` keyword arguments for a chat with ``tools``.
 
     ``messages`` are OpenAI's (an assistant message may carry ``tool_calls``, a ``tool``
     message answers one). A template that knows tools gets them as they are, with each call's
     arguments as an object. For one that does not, SoT writes the tools into the system
     message, an earlier call as a ``<tool_call>`` block in its assistant message, and tool
-    results as a user message of ``<tool_response>`` blocks."""
+    results as a user message of ``<tool_response>`` blocks. Without ``system`` (for a
+    template that refuses a system message, as Gemma 2's) the system text, SoT's included,
+    opens the first user message instead."""
     native = supports_tools(tokenizer)
     out: list[dict] = []
     for m in messages:
@@ -230,6 +233,9 @@ def chat_messages(messages: Sequence[dict], tools: Sequence[Tool], tokenizer: An
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text}
     else:
         out.insert(0, {"role": "system", "content": text})
+    if not system and len(out) > 1 and out[1]["role"] == "user":
+        head = out.pop(0)
+        out[0] = {**out[0], "content": f"{head['content']}\n\n{out[0]['content']}"}
     return out, {}
 
 

@@ -231,7 +231,8 @@ def test_incompatible_models(tmp_path: Path) -> None:
 
 def test_api_argument_errors(model_dir: Path) -> None:
     sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
-    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"max_new_tokens": 0}, {"sampling": "magic"}):
+    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"max_new_tokens": 0}, {"sampling": "magic"},
+                   {"min_p": 1.5}):
         with pytest.raises(ConfigError):
             sot.generate(["a"], chat=False, **kwargs)
     with pytest.raises(ConfigError):
@@ -309,7 +310,7 @@ def test_parser_defaults_come_from_the_config_dataclasses() -> None:
     }
     sampling = {"max_new_tokens": GenerationParams.max_new_tokens, "temperature": SamplingParams.temperature,
                 "top_p": SamplingParams.top_p, "top_k": SamplingParams.top_k, "seed": SamplingParams.seed,
-                "sampling": SamplingParams.mode.value}
+                "sampling": SamplingParams.mode.value, "min_p": SamplingParams.min_p}
     checked = 0
     for name in ("generate", "chat", "serve", "bench", "trace"):
         defaults = {a.dest: a.default for a in subs[name]._actions}

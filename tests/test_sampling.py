@@ -120,6 +120,22 @@ def test_top_k_top_p_filtering() -> None:
     assert kept.tolist() == [[True, True, False, False, False]]
 
 
+def test_min_p_drops_what_transformers_drops() -> None:
+    """min-p keeps the tokens at least ``min_p`` times as likely as the most likely one,
+    after temperature and top-k, as transformers' warpers do (and at least that token)."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper
+
+    logits = _logits(16, 50, seed=5) * 2
+    for min_p in (0.01, 0.1, 0.5, 1.0):
+        ours = torch.isfinite(processed_logits(logits, SamplingParams(temperature=0.7, top_k=20, min_p=min_p)))
+        theirs = logits.clone()
+        for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), MinPLogitsWarper(min_p)):
+            theirs = warper(None, theirs)
+        assert torch.equal(ours, torch.isfinite(theirs)), min_p
+        assert ours.sum(-1).min() >= 1
+    assert torch.isfinite(processed_logits(logits, SamplingParams(temperature=0.7, min_p=0.0))).all()
+
+
 def test_coupled_acceptance_is_a_function_of_position_only() -> None:
     tree, logits = _tree_and_logits()
     params = SamplingParams(temperature=1.0, seed=3, mode=SamplingMode.COUPLED)
@@ -133,7 +149,7 @@ def test_coupled_sampling_equals_seeded_plain_decoding(dtype: torch.dtype) -> No
     model = tiny_model("llama", seed=4)
     target = TargetModel(clone(model, dtype))
     prompts = random_prompts((9, 33), seed=8)
-    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=123, mode=SamplingMode.COUPLED)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, min_p=0.02, seed=123, mode=SamplingMode.COUPLED)
     params = GenerationParams(max_new_tokens=30, sampling=sp)
     plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
     for drafter in (PromptLookupDrafter(), RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8)):

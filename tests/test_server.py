@@ -371,6 +371,7 @@ BAD = [
     ("more choices than allowed", json.dumps(_chat("hi", n=17)).encode(), 400),
     ("temperature out of range", json.dumps(_chat("hi", temperature=2.5)).encode(), 400),
     ("negative temperature", json.dumps(_chat("hi", temperature=-1)).encode(), 400),
+    ("min_p above 1", json.dumps(_chat("hi", min_p=1.5)).encode(), 400),
     # OpenAI features the server does not provide are refused, not silently ignored
     ("top_logprobs without logprobs", json.dumps(_chat("hi", top_logprobs=2)).encode(), 400),
     ("too many top_logprobs", json.dumps(_chat("hi", logprobs=True, top_logprobs=21)).encode(), 400),
@@ -482,6 +483,25 @@ def test_tokenize_and_detokenize(tiny_server) -> None:
         assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
     resp = post("/detokenize", tokens=[10**6])
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "tokens"
+
+
+def test_chat_template_fields(tiny_server) -> None:
+    """vLLM's continue_final_message and add_generation_prompt: the prompt ends inside the
+    assistant's message, and the answer continues it; both at once is a 400."""
+    def post(route: str, **body) -> httpx.Response:
+        return httpx.post(f"{tiny_server.url}{route}", headers=AUTH, timeout=60, json={"model": TINY, **body})
+
+    partial = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "abc"}]
+    ids = post("/tokenize", messages=partial, add_generation_prompt=False, continue_final_message=True).json()
+    assert post("/detokenize", tokens=ids["tokens"]).json()["prompt"].endswith("assistant: abc")
+    whole = post("/v1/chat/completions", messages=partial, add_generation_prompt=False, continue_final_message=True,
+                 max_tokens=4, temperature=0, return_token_ids=True).json()
+    assert whole["prompt_token_ids"] == ids["tokens"] and whole["usage"]["prompt_tokens"] == ids["count"]
+    resp = post("/v1/chat/completions", messages=partial, continue_final_message=True, max_tokens=4)
+    assert resp.status_code == 400 and "cannot both be true" in resp.json()["error"]["message"], resp.text
+    resp = post("/v1/chat/completions", messages=partial[:1], continue_final_message=True,
+                add_generation_prompt=False, max_tokens=4)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
 
 
 def test_api_key_is_required(tiny_server) -> None:

@@ -194,7 +194,7 @@ class HFMethod(BenchMethod):
         sp = params.sampling
         kwargs: dict[str, Any] = dict(max_new_tokens=params.max_new_tokens, do_sample=not sp.greedy)
         if not sp.greedy:
-            kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None)
+            kwargs.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or None, min_p=sp.min_p or None)
             torch.manual_seed(sp.seed)
         if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = self.lookup
@@ -239,7 +239,8 @@ class LlamaCppMethod(BenchMethod):
         if hasattr(self.llm, "set_seed"):
             self.llm.set_seed(sp.seed)
         gen = self.llm.generate(
-            prompt, temp=sp.temperature, top_k=1 if sp.greedy else sp.top_k, top_p=sp.top_p, min_p=0.0, repeat_penalty=1.0
+            prompt, temp=sp.temperature, top_k=1 if sp.greedy else sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+            repeat_penalty=1.0
         )
         for tok in gen:
             if first is None:

@@ -33,6 +33,7 @@ positive_int = _checked(int, "an integer", lambda v: v >= 1, ">= 1")
 non_negative_int = _checked(int, "an integer", lambda v: v >= 0, ">= 0")
 non_negative_float = _checked(float, "a number", lambda v: v >= 0, ">= 0")
 probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
+unit_interval = _checked(float, "a number", lambda v: 0 <= v <= 1, "in [0, 1]")
 positive_float = _checked(float, "a number", lambda v: v > 0, "> 0")
 
 
@@ -68,6 +69,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="state predictor: a SoT predictor file, or an EAGLE-3 head folder (config.json and "
                         "model.safetensors, as vLLM and SGLang load them); default: the one shipped for the default model")
     add_policy_args(p)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (a file, or the template's text) to use instead of the model's own")
     p.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
                    help="memory for prompt chunks already read, reused by later prompts that start with the same "
                         "tokens (a chat's next turn, a shared system prompt); exact. 0 turns it off "
@@ -135,6 +138,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="0 = greedy (default)")
     p.add_argument("--top-p", type=probability, default=SamplingParams.top_p)
     p.add_argument("--top-k", type=non_negative_int, default=SamplingParams.top_k, help="sampling top-k (0: off)")
+    p.add_argument("--min-p", type=unit_interval, default=SamplingParams.min_p,
+                   help="drop tokens less likely than this fraction of the most likely one (0: off)")
     p.add_argument("--seed", type=int, default=SamplingParams.seed)
     p.add_argument("--sampling", choices=[m.value for m in SamplingMode], default=SamplingParams.mode.value,
                    help="coupled (default): a seeded sample is the same text whatever was drafted, as plain "
@@ -178,7 +183,8 @@ def load_sot(args: argparse.Namespace):
                    max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
                    policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
-                   adapt=adapt_from_args(args), prefix_cache_mb=args.prefix_cache_mb)
+                   adapt=adapt_from_args(args), prefix_cache_mb=args.prefix_cache_mb,
+                   chat_template=args.chat_template)
     sot.dtype_choice = choice
     return sot
 
@@ -205,6 +211,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         sampling=args.sampling,
         ignore_eos=args.ignore_eos,

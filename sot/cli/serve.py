@@ -56,6 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           shutdown_timeout=args.shutdown_timeout, trace=args.trace)
     if args.trace < 0:
         raise ConfigError(f"--trace takes a count of requests to keep, got {args.trace}")
+    if args.chat_template is not None:  # a missing file is an error now, not once the model loads
+        from sot.prompts import read_chat_template
+
+        args.chat_template = read_chat_template(args.chat_template)
     app = create_app(lambda: load_sot(args), config)
     state = app.state.sot_state
 

@@ -23,7 +23,6 @@ from typing import Any, AsyncIterator, Callable, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,7 +32,7 @@ from sot.requests import check_logit_rules
 from sot.sampling import SamplingMode, SamplingParams
 from sot.server.metrics import ServerMetrics
 from sot.server.protocol import (
-    FINISH_REASONS, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+    FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     LogprobWriter, TextAssembler, TokenizeRequest, ToolAnswer, _GenerationRequest, checked_tools,
     prompt_logprobs_block, sot_figures, sse, usage_of, validation_message,
 )
@@ -206,7 +205,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         body = ChatCompletionRequest.model_validate(await _json(request))
         _check_ready(state)
         tools, choice = body.tool_setup()
-        prompt = _chat_prompt(state, body.messages, tools if choice.calls_tools else ())
+        prompt = _chat_prompt(state, body, tools if choice.calls_tools else ())
         return await _generate(request, state, body, [prompt], chat=True, tools=(tools, choice))
 
     @app.post("/v1/completions")
@@ -236,7 +235,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
             tools, choice = checked_tools(body.tools, body.tool_choice)
-            tokens = _chat_prompt(state, body.messages, tools if choice.calls_tools else ())
+            tokens = _chat_prompt(state, body, tools if choice.calls_tools else ())
         else:
             tokens = sot.encode({"prompt": body.prompt}, chat=False)
         return {"count": len(tokens), "max_model_len": state.context, "tokens": tokens}
@@ -286,18 +285,26 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
         raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
 
 
-def _chat_prompt(state: ServerState, messages: list[ChatMessage], tools: tuple[Tool, ...]) -> list[int]:
-    """The token ids of a chat through the model's template (with the tools offered, if any)."""
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
+                 tools: tuple[Tool, ...]) -> list[int]:
+    """The token ids of a request's chat through the model's template, with the tools
+    offered (if any) and the request's template fields."""
     sot = state.sot
+    messages = body.messages or []
     item: dict = {"messages": [m.to_dict() for m in messages]}
     if tools:
         item["tools"] = [t.to_openai() for t in tools]
-    if not sot.is_chat_model and (tools or any(m.role == "tool" or m.tool_calls for m in messages)):
-        raise APIError(400, "this model has no chat template, so it cannot be offered tools", param="tools")
+    if not sot.is_chat_model:
+        if tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            raise APIError(400, "this model has no chat template, so it cannot be offered tools", param="tools")
+        if body.continue_final_message or body.chat_template_kwargs:
+            raise APIError(400, "this model has no chat template (start the server with --chat-template)",
+                           param="messages")
     try:
-        return sot.encode(item, chat=sot.is_chat_model)
-    except (ConfigError, TemplateError) as exc:
-        raise APIError(400, f"the messages do not fit this model's chat template: {exc}", param="messages") from None
+        return sot.encode(item, chat=sot.is_chat_model, generation_prompt=body.add_generation_prompt,
+                          continue_final=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param="messages") from None
 
 
 def _check_ready(state: ServerState) -> None:
@@ -330,7 +337,8 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
         raise APIError(400, f"the prompt's {len(prompt)} tokens plus max_tokens={limit} exceed this model's context "
                        f"of {context} tokens", param="max_tokens", code="context_length_exceeded")
     seed = body.seed if body.seed is not None else random.getrandbits(63)
-    sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), seed=seed,
+    sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
+                              min_p=body.min_p, seed=seed,
                               mode=SamplingMode(body.sampling_mode), repetition_penalty=body.repetition_penalty,
                               frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
                               logit_bias=body.logit_bias_pairs())

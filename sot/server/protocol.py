@@ -65,6 +65,7 @@ class _GenerationRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
+    min_p: float = Field(SamplingParams.min_p, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
@@ -252,6 +253,11 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: str | dict | None = None
     #: more than one call in an answer (``False``: the first call only)
     parallel_tool_calls: bool = True
+    #: vLLM's chat-template fields: end the prompt where the assistant's answer begins (or
+    #: not), continue the last (assistant) message instead, and extra template variables
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_setup(self) -> tuple[tuple[Tool, ...], ToolChoice]:
         """The request's tools and tool choice, checked (a 400 naming the field otherwise)."""
@@ -298,6 +304,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

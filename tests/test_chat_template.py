@@ -1,0 +1,83 @@
+"""Chat templates: a template given in place of the model's own, continuing the last
+assistant message, template variables, templates that refuse a system message, and clean
+errors where a template cannot render a chat."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import tiny_model_dir
+from sot import SoT
+from sot.cli import main
+from sot.errors import ConfigError
+from sot.prompts import encode, use_chat_template
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+            "{% if not (loop.last and continue_final_message) %}</{{ m['role'] }}>{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% if think %}(thinking){% endif %}{% endif %}")
+NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             + TEMPLATE)
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("tpl") / "model", max_positions=1024)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    use_chat_template(tok, TEMPLATE)
+    return tok
+
+
+def text_of(tok, item, **kw) -> str:
+    return tok.decode(encode(tok, item, chat=True, **kw))
+
+
+def test_generation_prompt_continuation_and_template_variables(tok) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]}
+    assert text_of(tok, {"messages": chat["messages"][:1]}) == "<user>hi</user><assistant>"
+    assert text_of(tok, chat, generation_prompt=False, continue_final=True) == "<user>hi</user><assistant>Hel"
+    assert text_of(tok, chat, generation_prompt=False) == "<user>hi</user><assistant>Hel</assistant>"
+    assert text_of(tok, {"messages": chat["messages"][:1]}, template_kwargs={"think": True}).endswith("(thinking)")
+    with pytest.raises(ConfigError, match="last message to be the assistant's"):
+        encode(tok, {"messages": chat["messages"][:1]}, chat=True, generation_prompt=False, continue_final=True)
+    with pytest.raises(ConfigError, match="cannot both be true"):
+        encode(tok, chat, chat=True, continue_final=True)
+
+
+def test_a_template_that_refuses_a_system_message(tok) -> None:
+    """Offered tools, a template without a system role gets SoT's tool text at the start of
+    the first user message; without tools its refusal is a clean error with the reason."""
+    from transformers import AutoTokenizer
+
+    strict = AutoTokenizer.from_pretrained(tok.name_or_path)
+    use_chat_template(strict, NO_SYSTEM)
+    text = text_of(strict, {"messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "find x"}], "tools": [TOOL]})
+    # (the character tokenizer has no newline: <unk>)
+    assert text.startswith("<user>Be brief.<unk><unk>You may call") and text.endswith("find x</user><assistant>")
+    with pytest.raises(ConfigError, match="System role not supported"):
+        encode(strict, {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
+               chat=True)
+
+
+def test_chat_template_flag_and_its_errors(model_dir: Path, tmp_path: Path, capsys) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    base = ["generate", "hi", "--model", str(model_dir), "--max-new-tokens", "3", "--json", "--drafter", "none"]
+    assert main([*base, "--chat-template", str(template)]) == 0
+    own = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(base) == 0
+    assert own != capsys.readouterr().out.strip().splitlines()[-1]  # another prompt, another answer
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32", chat_template=str(template))
+    assert sot.tokenizer.decode(sot.encode("hi")) == "<user>hi</user><assistant>"
+    assert main([*base, "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main([*base, "--chat-template", "{% for m in messages %}{{ m.nope() }}{% endfor %}"]) == 2
+    assert "cannot render a one-message chat" in capsys.readouterr().err
