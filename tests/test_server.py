@@ -42,7 +42,8 @@ def tiny_dir(tmp_path_factory):
 def tiny_server(tiny_dir, tmp_path_factory):
     """A tiny random model (character tokenizer, 512-token context), prompt-lookup drafts."""
     server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, "--max-batch", "8",
-                           "--max-queue", "64", "--api-key", "sekrit", "--trace", "2",
+                           "--max-queue", "64", "--api-key", "sekrit", "--trace", "2", "--log-requests",
+                           "--allowed-origins", "http://app.example",
                            log=tmp_path_factory.mktemp("serve") / "tiny.log")
     try:
         server.wait_ready()
@@ -502,6 +503,32 @@ def test_chat_template_fields(tiny_server) -> None:
     resp = post("/v1/chat/completions", messages=partial[:1], continue_final_message=True,
                 add_generation_prompt=False, max_tokens=4)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text
+
+
+def test_model_card_version_cors_and_request_log(tiny_server) -> None:
+    """GET /v1/models/{id} (404 for another), /version, CORS for the allowed origin only, and
+    one log line per finished request with its id."""
+    from sot import __version__
+
+    card = httpx.get(f"{tiny_server.url}/v1/models/{TINY}", headers=AUTH, timeout=30)
+    assert card.status_code == 200 and card.json()["id"] == TINY and card.json()["max_model_len"] == 512
+    assert httpx.get(f"{tiny_server.url}/v1/models/gpt-9", headers=AUTH, timeout=30).status_code == 404
+    assert httpx.get(f"{tiny_server.url}/version", timeout=30).json() == {"version": __version__}
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    ok = httpx.options(f"{tiny_server.url}/v1/chat/completions", timeout=30,
+                       headers={"Origin": "http://app.example", **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.options(f"{tiny_server.url}/v1/chat/completions", timeout=30,
+                          headers={"Origin": "http://elsewhere.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
+    rid = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                     json=_chat("hi", max_tokens=3)).json()["id"]
+    deadline = time.monotonic() + 10
+    while rid not in tiny_server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(x for x in tiny_server.log.read_text().splitlines() if rid in x)
+    assert re.search(r"1 choice\(s\), prompt \d+ tokens \(\d+ cached\), 3 generated, tau [\d.]+, [\d.]+ s, finish "
+                     r"length", line), line
 
 
 def test_api_key_is_required(tiny_server) -> None:

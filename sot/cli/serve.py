@@ -39,6 +39,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    metavar="N", help="record every step of each request and serve the last N finished ones "
                    f"(default {ServerConfig.TRACE_KEPT}) as pages at /trace/{{id}}, the id of the completion")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-requests", action="store_true",
+                   help="log one line per finished request: id, tokens, tau, seconds, finish reason")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed to call the API (CORS), or '*' for any "
+                        "(default: none)")
     add_model_args(p)
     add_adapt_args(p)
 
@@ -53,7 +58,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
                           max_queue=args.max_queue, prompt_budget=args.prompt_budget,
-                          shutdown_timeout=args.shutdown_timeout, trace=args.trace)
+                          shutdown_timeout=args.shutdown_timeout, trace=args.trace,
+                          allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+                          log_requests=args.log_requests)
+    if args.log_requests:
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s sot serve: %(message)s"))
+        log = logging.getLogger("sot.serve")
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     if args.trace < 0:
         raise ConfigError(f"--trace takes a count of requests to keep, got {args.trace}")
     if args.chat_template is not None:  # a missing file is an error now, not once the model loads

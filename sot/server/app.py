@@ -1,7 +1,7 @@
 """``sot serve``: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (503 while the model loads or the server drains, 200 when ready) and
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
+``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the server drains, 200 when ready) and
 ``GET /metrics`` (Prometheus text). Every error is an OpenAI-style JSON body with its status;
 a full queue answers 429 with ``Retry-After``. A client that disconnects aborts its request.
 On SIGTERM the server stops accepting requests, lets running ones finish for
@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import logging
 import random
 import secrets
 import threading
@@ -22,10 +23,12 @@ from typing import Any, AsyncIterator, Callable, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sot import __version__
 from sot.engine import GenerationParams, SequenceResult
 from sot.errors import ConfigError
 from sot.requests import check_logit_rules
@@ -38,6 +41,9 @@ from sot.server.protocol import (
 )
 from sot.server.worker import EngineWorker, Update
 from sot.tools import Tool, ToolChoice
+
+#: one line per finished request with ``ServerConfig.log_requests``
+LOG = logging.getLogger("sot.serve")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,10 @@ class ServerConfig:
             prompts), so a long prompt does not stall the running streams for its whole read.
         shutdown_timeout: seconds running requests get to finish after SIGTERM.
         trace: finished requests whose step traces are kept for ``/trace/{id}`` (0: off).
+        allowed_origins: browser origins allowed to call the API (CORS; ``("*",)``: any;
+            empty: no CORS headers, so browsers refuse cross-origin calls).
+        log_requests: log one line per finished request (id, finish reason, tokens, tau,
+            seconds) to the ``sot.serve`` logger.
     """
 
     model_name: str | None = None
@@ -64,6 +74,8 @@ class ServerConfig:
     #: keep the step traces of the last ``trace`` finished requests, each served as a page
     #: at ``/trace/{id}`` (0: no tracing)
     trace: int = 0
+    allowed_origins: tuple[str, ...] = ()
+    log_requests: bool = False
     #: requests kept when tracing is asked for without a count (``--trace``)
     TRACE_KEPT: ClassVar[int] = 64
 
@@ -128,8 +140,11 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         if state.worker is not None:
             state.worker.stop()
 
-    app = FastAPI(title="SoT", lifespan=lifespan)
+    app = FastAPI(title="SoT", version=__version__, lifespan=lifespan)
     app.state.sot_state = state
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     # ------------------------------------------------------------ errors
     @app.exception_handler(APIError)
@@ -169,13 +184,26 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "sot",
+                "max_model_len": state.context}
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         _check_key(request, config)
         _check_ready(state)
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "sot",
-             "max_model_len": state.context}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def one_model(request: Request, model: str) -> JSONResponse:
+        _check_key(request, config)
+        _check_ready(state)
+        _check_model(state, model)
+        return JSONResponse(model_card())
 
     # ------------------------------------------------------------ generation
     @app.get("/trace/{rid}")
@@ -475,6 +503,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         state.in_flight -= len(asked)
         raise
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    started = time.monotonic()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(state, choices, rid, body.model, chat, include_usage, body.return_token_ids),
@@ -509,6 +538,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
             choice["token_ids"] = [] if c.drop else list(c.text.ids)
         out.append(choice)
     results = [f.result for f in finals]
+    _log_request(state, rid, choices, results, [c["finish_reason"] for c in out], started)
     if drop:  # nothing was asked for past the prompt
         results = [dataclasses.replace(r, token_ids=[]) if r is not None else None for r in results]
     response = {
@@ -518,6 +548,19 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     if body.return_token_ids:
         response["prompt_token_ids"] = choices[0].prompt if len(prompts) == 1 else [p for p in prompts]
     return JSONResponse(response)
+
+
+def _log_request(state: ServerState, rid: str, choices: list[_Choice], results: list[SequenceResult | None],
+                 reasons: list[str | None], started: float) -> None:
+    """One line on the ``sot.serve`` logger for a finished request (with ``--log-requests``)."""
+    if not state.config.log_requests:
+        return
+    usage = _usage(choices, results)
+    figures = _figures(results) or {}
+    LOG.info("%s: %d choice(s), prompt %d tokens (%d cached), %d generated, tau %.2f, %.2f s, finish %s", rid,
+             len(choices), usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+             usage["completion_tokens"], figures.get("mean_accept_len", 0.0), time.monotonic() - started,
+             ",".join(str(r) for r in reasons))
 
 
 #: seconds between looks at whether a client waiting for a whole answer is still there
@@ -585,6 +628,8 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
 
     pumps = [asyncio.create_task(forward(c)) for c in choices]
     results: list[SequenceResult | None] = [None] * len(choices)
+    reasons: list[str | None] = [None] * len(choices)
+    started = time.monotonic()
     try:
         if chat:
             for c in choices:
@@ -631,8 +676,10 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
                     if closing is not None:
                         yield chunk(c.index, None, chat_delta=closing)
                     reason = c.tool.finish_reason(text, reason)
+                reasons[c.index] = reason
                 yield chunk(c.index, None, reason, extra={"sot": sot_figures(update.result)})
         else:
+            _log_request(state, rid, choices, results, reasons, started)
             if include_usage:
                 yield sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                            "usage": _usage(choices, results)})
