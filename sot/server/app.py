@@ -1,8 +1,8 @@
 """``sot serve``: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
-``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the server drains, 200 when ready) and
-``GET /metrics`` (Prometheus text). Every error is an OpenAI-style JSON body with its status;
+``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the
+server drains, 200 when ready) and ``GET /metrics`` (Prometheus text). Every error is an OpenAI-style JSON body with its status;
 a full queue answers 429 with ``Retry-After``. A client that disconnects aborts its request.
 On SIGTERM the server stops accepting requests, lets running ones finish for
 ``shutdown_timeout`` seconds, ends the rest with a final ``abort`` event, and exits 0.
