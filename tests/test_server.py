@@ -197,6 +197,58 @@ def test_openai_client_calls_tools(default_server) -> None:
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_time", {"city": "Oslo"})]
 
 
+def test_openai_client_responses_api(default_server) -> None:
+    """/v1/responses: the answer of the chat completion it means, whole and streamed (the
+    client's typed events put together give the same text and usage); a function call as an
+    output item, fed back as input items; unsupported fields named."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused")
+    chat = client.chat.completions.create(model=MODEL, max_tokens=24, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a large river."}])
+    ask = dict(model=MODEL, max_output_tokens=24, temperature=0, instructions="Answer briefly.",
+               input="Name a large river.")
+    whole = client.responses.create(**ask)
+    assert whole.output_text == chat.choices[0].message.content and whole.object == "response"
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    kinds, numbers, text, done = [], [], "", None
+    for event in client.responses.create(**ask, stream=True):
+        kinds.append(event.type)
+        numbers.append(event.sequence_number)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type in ("response.completed", "response.incomplete"):
+            done = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in (
+        "response.completed", "response.incomplete")
+    assert "response.output_item.added" in kinds and "response.output_text.done" in kinds
+    assert text == whole.output_text == done.output_text and done.usage.output_tokens == whole.usage.output_tokens
+    assert numbers == list(range(len(kinds)))
+
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city now",
+            "parameters": WEATHER["function"]["parameters"]}
+    called = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
+                                     tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
+                                     temperature=0)
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city", "unit"}
+    streamed = [e for e in client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
+                                                   tool_choice={"type": "function", "name": "get_weather"},
+                                                   max_output_tokens=60, temperature=0, stream=True)]
+    args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments and streamed[-1].response.output[0].arguments == call.arguments
+    follow = client.responses.create(model=MODEL, max_output_tokens=12, temperature=0, tools=[tool], input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}])
+    assert follow.status in ("completed", "incomplete") and follow.output
+    for extra in ({"previous_response_id": "resp_1"}, {"input": [{"type": "input_image", "image_url": "x"}]}):
+        with pytest.raises(BadRequestError) as err:
+            client.responses.create(**{**ask, **extra})
+        assert err.value.status_code == 400
+
+
 def test_openai_client_reads_logprobs(default_server) -> None:
     """Log probabilities in OpenAI's formats: the reported tokens spell the returned text
     (a stop string cuts both), a greedy token is its position's most likely one, and a
@@ -571,6 +623,27 @@ def test_a_disconnect_frees_the_slot(default_server) -> None:
             deadline = time.monotonic() + 5
             while _running(server) != 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
+            assert _running(server) == 1
+    deadline = time.monotonic() + 10
+    while _running(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(server) == 0, "the disconnected request still holds its slot"
+    assert server.metric('sot:requests_total{status="abort"}') == aborted + 1
+
+
+def test_a_responses_stream_closed_early_frees_the_slot(default_server) -> None:
+    """The Responses stream is a translation of a chat stream: a client that hangs up on it
+    aborts the request as a chat client's would."""
+    server = default_server
+    aborted = server.metric('sot:requests_total{status="abort"}')
+    body = {"model": MODEL, "input": "Tell a long story.", "max_output_tokens": 3000, "temperature": 1.0,
+            "seed": 1, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{server.url}/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if "response.output_text.delta" in line:
+                    break
             assert _running(server) == 1
     deadline = time.monotonic() + 10
     while _running(server) != 0 and time.monotonic() < deadline:

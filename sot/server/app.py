@@ -1,6 +1,7 @@
 """``sot serve``: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(OpenAI's Responses API, as a chat completion), ``GET /v1/models`` (and
 ``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the
 server drains, 200 when ready) and ``GET /metrics`` (Prometheus text). Every error is an OpenAI-style JSON body with its status;
 a full queue answers 429 with ``Retry-After``. A client that disconnects aborts its request.
@@ -39,6 +40,7 @@ from sot.server.protocol import (
     LogprobWriter, TextAssembler, TokenizeRequest, ToolAnswer, _GenerationRequest, checked_tools,
     prompt_logprobs_block, sot_figures, sse, usage_of, validation_message,
 )
+from sot.server.responses import ResponseBuilder, ResponsesRequest, sse_event
 from sot.server.worker import EngineWorker, Update
 from sot.tools import Tool, ToolChoice
 
@@ -232,9 +234,23 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         _check_key(request, config)
         body = ChatCompletionRequest.model_validate(await _json(request))
         _check_ready(state)
-        tools, choice = body.tool_setup()
-        prompt = _chat_prompt(state, body, tools if choice.calls_tools else ())
-        return await _generate(request, state, body, [prompt], chat=True, tools=(tools, choice))
+        return await _chat_completion(request, state, body)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API, answered as the chat completion it means
+        (:mod:`sot.server.responses`)."""
+        _check_key(request, config)
+        asked = ResponsesRequest.model_validate(await _json(request))
+        _check_ready(state)
+        body = ChatCompletionRequest.model_validate(
+            {**asked.chat_body(), "stream": asked.stream, "stream_options": {"include_usage": True}})
+        answer = await _chat_completion(request, state, body)
+        builder = ResponseBuilder(asked)
+        if not asked.stream:
+            return JSONResponse(builder.whole(json.loads(answer.body)))
+        return StreamingResponse(_response_events(builder, answer.body_iterator), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -311,6 +327,41 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
     vocab = state.sot.target.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
+
+
+async def _chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
+    """Answer a chat completion request (whole or streamed)."""
+    tools, choice = body.tool_setup()
+    prompt = _chat_prompt(state, body, tools if choice.calls_tools else ())
+    return await _generate(request, state, body, [prompt], chat=True, tools=(tools, choice))
+
+
+async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A chat completion stream's chunks as Responses events; closing it (a client gone)
+    closes the chat stream, which aborts the request."""
+    try:
+        first = await chunks.__anext__()  # the chat stream starts here, so closing it always aborts
+        for event in builder.opening():
+            yield sse_event(event)
+        usage, text = None, first
+        while True:
+            if text.startswith("data: {"):  # (not the final [DONE])
+                chunk = json.loads(text[len("data: "):])
+                if "error" in chunk:
+                    yield sse_event(builder.event("error", code="internal_error", message=chunk["error"]["message"],
+                                                  param=None))
+                    return
+                usage = chunk.get("usage") or usage
+                for event in builder.on_chunk(chunk):
+                    yield sse_event(event)
+            try:
+                text = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+        for event in builder.closing(usage):
+            yield sse_event(event)
+    finally:
+        await chunks.aclose()
 
 
 def _chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,

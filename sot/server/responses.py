@@ -1,0 +1,295 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as a translation of chat completions.
+
+A Responses request (``input`` as a string or as items: messages, function calls and their
+outputs; ``instructions``; flat function ``tools``; ``text.format``) becomes the chat
+completion request it means, which runs through the same path as ``/v1/chat/completions``:
+the same tokens, tools and structured output. The chat answer comes back as output items (a
+``message`` with ``output_text``, ``function_call`` items), and a chat stream as the
+Responses events (``response.created``, ``response.output_item.added``,
+``response.output_text.delta``, ``response.function_call_arguments.delta``, ...,
+``response.completed``).
+
+Responses are not stored (``store`` is answered ``false``), so ``previous_response_id`` is
+refused; send the whole conversation as ``input``.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sot.server.protocol import APIError
+
+#: Responses fields this server does not act on, with what they ask for
+_UNSUPPORTED = {
+    "previous_response_id": "continuing a stored response (responses are not stored; send the whole input)",
+    "conversation": "stored conversations", "reasoning": "reasoning settings", "background": "background responses",
+    "prompt": "stored prompt templates", "include": "extra output data", "max_tool_calls": "a tool-call limit",
+}
+#: chat-completion extensions a Responses request may carry as they are
+_PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+           "stop", "ignore_eos", "sampling_mode", "min_tokens", "stop_token_ids", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar", "chat_template_kwargs")
+
+
+class ResponsesRequest(BaseModel):
+    """The fields of a Responses request that SoT reads (others are refused by name or,
+    like ``metadata`` and ``store``, answered as given)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+
+    def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSUPPORTED and value not in (None, False, [], {}, ""):
+                raise APIError(400, f"{name}: {_UNSUPPORTED[name]} is not supported by this server", param=name)
+
+    def chat_body(self) -> dict:
+        """The chat completion request this one means."""
+        self.check_supported()
+        body: dict = {"model": self.model, "messages": self._messages(), "temperature": self.temperature,
+                      "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls, "user": self.user}
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        if self.tools:
+            body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        fmt = (self.text or {}).get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.get("name", "answer"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+        elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise APIError(400, "text.format must be {type: text}, {type: json_object} or "
+                                "{type: json_schema, name, schema}", param="text")
+        for name in _PASSED:
+            if name in (self.model_extra or {}):
+                body[name] = self.model_extra[name]
+        return body
+
+    def _messages(self) -> list[dict]:
+        messages: list[dict] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return messages + [{"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            where = f"input[{i}]"
+            if kind == "message":
+                role = item.get("role")
+                if role not in ("user", "system", "developer", "assistant"):
+                    raise APIError(400, f"{where}: a message's role must be user, system, developer or assistant",
+                                   param="input")
+                messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                                 "content": output if isinstance(output, str) else json.dumps(output)})
+            else:
+                raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, "
+                                    "function_call and function_call_output are)", param="input")
+        if not messages:
+            raise APIError(400, "input holds no message", param="input")
+        return messages
+
+
+def _text_of(content: Any, where: str) -> str:
+    """The text of a Responses message's content (a string or text parts)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of text parts", param="input")
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}: content parts of type {kind!r} are not supported (text only)",
+                           param="input")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def _chat_tool(tool: dict, i: int) -> dict:
+    """A Responses function tool (flat) as a chat tool (nested under ``function``)."""
+    if tool.get("type") != "function":
+        raise APIError(400, f"tools[{i}]: only tools of type 'function' are supported", param="tools")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+# ---------------------------------------------------------------------------- answers
+class ResponseBuilder:
+    """The Responses object of one request, whole or built from a chat stream's chunks."""
+
+    def __init__(self, request: ResponsesRequest) -> None:
+        self.request = request
+        self.id = "resp_" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.output: list[dict] = []
+        self.sequence = 0
+        self._message: dict | None = None  # the message item being streamed
+        self._calls: dict[int, dict] = {}  # chat tool-call index -> function_call item being streamed
+        self.finish: str | None = None  # the chat finish reason, once streamed
+        self.figures: dict | None = None  # SoT's figures, once streamed
+
+    def response(self, status: str, usage: dict | None = None, finish: str | None = None,
+                 figures: dict | None = None) -> dict:
+        r = self.request
+        incomplete = {"reason": "max_output_tokens"} if finish == "length" else None
+        out = {
+            "id": self.id, "object": "response", "created_at": self.created,
+            "status": "incomplete" if incomplete and status == "completed" else status,
+            "error": None, "incomplete_details": incomplete, "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens, "model": r.model, "output": self.output,
+            "parallel_tool_calls": r.parallel_tool_calls, "temperature": r.temperature, "top_p": r.top_p,
+            "tool_choice": r.tool_choice if r.tool_choice is not None else ("auto" if r.tools else "none"),
+            "tools": r.tools or [], "text": r.text or {"format": {"type": "text"}}, "metadata": r.metadata or {},
+            "store": False, "usage": _usage(usage) if usage else None,
+        }
+        if figures is not None:
+            out["sot"] = figures
+        return out
+
+    def whole(self, chat: dict) -> dict:
+        """The response of a whole chat completion."""
+        choice = chat["choices"][0]
+        message = choice["message"]
+        if message.get("content"):
+            self.output.append(_message_item("msg_" + secrets.token_hex(12), message["content"], "completed"))
+        for call in message.get("tool_calls") or []:
+            fn = call["function"]
+            self.output.append(_call_item(call["id"], fn["name"], fn["arguments"], "completed"))
+        return self.response("completed", chat.get("usage"), choice["finish_reason"], chat.get("sot"))
+
+    # -- streaming
+    def event(self, kind: str, **fields: Any) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def opening(self) -> list[dict]:
+        return [self.event("response.created", response=self.response("in_progress")),
+                self.event("response.in_progress", response=self.response("in_progress"))]
+
+    def on_chunk(self, chunk: dict) -> list[dict]:
+        """The events of one chat stream chunk (content and tool-call deltas)."""
+        events: list[dict] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for d in delta.get("tool_calls") or []:
+                events += self._call(d)
+            if choice.get("finish_reason") is not None:
+                self.finish = choice["finish_reason"]
+                self.figures = chunk.get("sot")
+        return events
+
+    def _text(self, text: str) -> list[dict]:
+        events = []
+        if self._message is None:
+            self._message = _message_item("msg_" + secrets.token_hex(12), "", "in_progress")
+            self._message["content"] = []
+            self.output.append(self._message)
+            index = len(self.output) - 1
+            events.append(self.event("response.output_item.added", output_index=index, item=dict(self._message)))
+            self._message["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+            events.append(self.event("response.content_part.added", item_id=self._message["id"], output_index=index,
+                                     content_index=0, part=dict(self._message["content"][0])))
+        self._message["content"][0]["text"] += text
+        events.append(self.event("response.output_text.delta", item_id=self._message["id"],
+                                 output_index=self.output.index(self._message), content_index=0, delta=text,
+                                 logprobs=[]))
+        return events
+
+    def _call(self, d: dict) -> list[dict]:
+        events = []
+        fn = d.get("function") or {}
+        item = self._calls.get(d.get("index", 0))
+        if item is None:
+            item = _call_item(d.get("id") or "call_" + secrets.token_hex(12), fn.get("name") or "", "", "in_progress")
+            self._calls[d.get("index", 0)] = item
+            self.output.append(item)
+            events.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item)))
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=self.output.index(item), delta=fn["arguments"]))
+        return events
+
+    def closing(self, usage: dict | None) -> list[dict]:
+        """The events that close every open item and the response."""
+        finish = self.finish
+        status = "incomplete" if finish == "length" else "completed"
+        events = []
+        for index, item in enumerate(self.output):
+            item["status"] = status
+            if item["type"] == "message":
+                part = item["content"][0]
+                events.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                         content_index=0, text=part["text"], logprobs=[]))
+                events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                         content_index=0, part=dict(part)))
+            else:
+                events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                         output_index=index, name=item["name"], arguments=item["arguments"]))
+            events.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
+        done = self.response("completed", usage, finish, self.figures)
+        kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+        return events + [self.event(kind, response=done)]
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def _usage(chat: dict) -> dict:
+    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat["total_tokens"]}
+
+
+def sse_event(event: dict) -> str:
+    """One Responses server-sent event (``event:`` names its type, as OpenAI sends them)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
