@@ -606,6 +606,15 @@ def _running(server) -> float:
     return server.metric("sot:num_requests_running")
 
 
+def _assert_aborted_and_freed(server, aborted_before: float) -> None:
+    """Within 10 s, no request holds a slot and one more was aborted."""
+    deadline = time.monotonic() + 10
+    while _running(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(server) == 0, "the disconnected request still holds its slot"
+    assert server.metric('sot:requests_total{status="abort"}') == aborted_before + 1
+
+
 def test_a_disconnect_frees_the_slot(default_server) -> None:
     """(On the default model: 3,000 sampled tokens take far longer than the test waits, so
     only the abort can free the slot in time.)"""
@@ -624,11 +633,7 @@ def test_a_disconnect_frees_the_slot(default_server) -> None:
             while _running(server) != 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert _running(server) == 1
-    deadline = time.monotonic() + 10
-    while _running(server) != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _running(server) == 0, "the disconnected request still holds its slot"
-    assert server.metric('sot:requests_total{status="abort"}') == aborted + 1
+    _assert_aborted_and_freed(server, aborted)
 
 
 def test_a_responses_stream_closed_early_frees_the_slot(default_server) -> None:
@@ -645,11 +650,7 @@ def test_a_responses_stream_closed_early_frees_the_slot(default_server) -> None:
                 if "response.output_text.delta" in line:
                     break
             assert _running(server) == 1
-    deadline = time.monotonic() + 10
-    while _running(server) != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _running(server) == 0, "the disconnected request still holds its slot"
-    assert server.metric('sot:requests_total{status="abort"}') == aborted + 1
+    _assert_aborted_and_freed(server, aborted)
 
 
 def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slots(default_server) -> None:
