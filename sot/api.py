@@ -162,6 +162,7 @@ class SoT:
         adapt: AdaptConfig | None = None,
         prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
         chat_template: str | None = None,
+        lora: str | None = None,
     ) -> "SoT":
         """Load a target and build the engine.
 
@@ -190,12 +191,14 @@ class SoT:
                 per tenant with ``suffix_per_tenant``. 0 turns it off.
             chat_template: a Jinja chat template (its text or a file) to use instead of the
                 tokenizer's own, or for a model without one.
+            lora: a LoRA adapter folder (PEFT's format) merged into the weights at load
+                (:func:`sot.models.loading.merge_lora`).
         """
         if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
             choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
             raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}")
         choice = resolve_dtype_choice(dtype, model, drafter, predictor)
-        loaded = load_model(model, dtype=choice.torch_dtype)
+        loaded = load_model(model, dtype=choice.torch_dtype, lora=lora)
         stores = None
         if drafter == "auto":
             kind = auto_drafter_kind(loaded.model, predictor)

@@ -69,6 +69,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="state predictor: a SoT predictor file, or an EAGLE-3 head folder (config.json and "
                         "model.safetensors, as vLLM and SGLang load them); default: the one shipped for the default model")
     add_policy_args(p)
+    p.add_argument("--lora", default=None, metavar="FOLDER",
+                   help="a LoRA adapter folder (PEFT's adapter_config.json and weights) merged into the model at load")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (a file, or the template's text) to use instead of the model's own")
     p.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
@@ -184,7 +186,7 @@ def load_sot(args: argparse.Namespace):
                    policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
                    adapt=adapt_from_args(args), prefix_cache_mb=args.prefix_cache_mb,
-                   chat_template=args.chat_template)
+                   chat_template=args.chat_template, lora=args.lora)
     sot.dtype_choice = choice
     return sot
 

@@ -198,13 +198,17 @@ def convert_gguf(gguf_path: Path) -> Path:
     return out
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               lora: str | None = None) -> LoadedModel:
     """Load a target model and tokenizer from a ``--model`` value.
 
     Args:
         spec: ``"default"``, a Hugging Face model folder, or a ``.gguf`` file path.
         dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``).
         device: where to place the model.
+        lora: a LoRA adapter folder (PEFT's ``adapter_config.json`` and
+            ``adapter_model.safetensors``) merged into the weights at load, in float32
+            before the cast to ``dtype``: the merged model is the one decoded.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -216,13 +220,33 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{path} is an encoder-decoder model; SoT needs a decoder-only causal LM")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if lora else dtype)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+    if lora:
+        model = merge_lora(model, lora).to(dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
     model.to(device).eval()
     name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else path.name
+    if lora:
+        name = f"{name}+{Path(lora).resolve().name}"
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name)
+
+
+def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
+    """``model`` with the LoRA adapter in folder ``adapter`` merged into its weights (by
+    PEFT, so every adapter kind PEFT reads is handled as PEFT handles it)."""
+    folder = Path(adapter)
+    if not (folder / "adapter_config.json").is_file():
+        raise ConfigError(f"--lora: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ConfigError("--lora needs PEFT: pip install peft") from None
+    try:
+        return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    except Exception as exc:  # noqa: BLE001 - PEFT's errors (a mismatched base, a bad file) vary
+        raise ModelLoadError(f"cannot apply the LoRA adapter {adapter} to this model: {exc}") from exc
