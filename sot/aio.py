@@ -1,0 +1,117 @@
+"""SoT for asyncio programs: :class:`AsyncSoT` runs the engine on its own thread, as
+``sot serve`` does, so requests made from any number of coroutines decode together as one
+continuous speculative batch, each streamed as its tokens are committed.
+
+    import asyncio
+    from sot import SoT
+    from sot.aio import AsyncSoT
+
+    async def main():
+        async with AsyncSoT(SoT.load("default"), max_batch=4) as engine:
+            async for piece in engine.stream("Write a haiku about the sea.", max_new_tokens=48):
+                print(piece.text, end="", flush=True)
+            answers = await asyncio.gather(*(engine.generate(q, max_new_tokens=32) for q in ("Hi!", "2+2?")))
+
+    asyncio.run(main())
+
+Each request's tokens are those :meth:`sot.api.SoT.generate` gives it: its output does not
+depend on what else is in the batch. Leaving a stream early (``break``, a cancelled task)
+aborts the request and frees its slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from sot.api import SoT, StreamEvent
+from sot.errors import SoTError
+from sot.prompts import PromptItem
+from sot.requests import SequenceResult
+from sot.server.metrics import ServerMetrics
+from sot.server.protocol import TextAssembler
+from sot.server.worker import EngineWorker
+
+
+@dataclass(frozen=True)
+class AsyncCompletion:
+    """A whole answer from :meth:`AsyncSoT.generate`: its text and the engine's figures."""
+
+    text: str
+    result: SequenceResult
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.result.token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.result.finish_reason
+
+
+class AsyncSoT:
+    """An asyncio front to a loaded :class:`~sot.api.SoT`.
+
+    Args:
+        sot: the loaded model and engine; while this object runs, only its thread may use
+            the engine (don't call ``sot.generate`` meanwhile).
+        max_batch: sequences decoded together; more requests wait for a slot.
+    """
+
+    def __init__(self, sot: SoT, max_batch: int = 8) -> None:
+        if max_batch < 1:
+            raise SoTError(f"max_batch must be >= 1, got {max_batch}")
+        self.sot = sot
+        sot.engine.max_batch = max_batch
+        self._worker = EngineWorker(sot.engine, ServerMetrics())
+        self._worker.start()
+
+    async def __aenter__(self) -> "AsyncSoT":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the engine thread (requests still running end with an error)."""
+        self._worker.stop()
+
+    async def stream(self, prompt: PromptItem, chat: bool | None = None, tenant: str | None = None,
+                     **kwargs: Any) -> AsyncIterator[StreamEvent]:
+        """Yield the text of one prompt as it is committed (``index`` 0; the last event has
+        ``finished``), ending before a stop string. Keyword arguments are those of
+        :meth:`sot.api.SoT.params`; ``tenant`` keys the earlier answers it may draft from
+        (with ``suffix_per_tenant``)."""
+        async for event, _ in self._run(prompt, chat, tenant, kwargs):
+            yield event
+
+    async def generate(self, prompt: PromptItem, chat: bool | None = None, tenant: str | None = None,
+                       **kwargs: Any) -> AsyncCompletion:
+        """The whole answer to one prompt (arguments as for :meth:`stream`)."""
+        pieces, result = [], None
+        async for event, result in self._run(prompt, chat, tenant, kwargs):
+            pieces.append(event.text)
+        return AsyncCompletion("".join(pieces), result)
+
+    async def _run(self, prompt: PromptItem, chat: bool | None, tenant: str | None,
+                   kwargs: dict) -> AsyncIterator[tuple[StreamEvent, SequenceResult | None]]:
+        """One request's events, each with the request's result (``None`` until the last)."""
+        if not self._worker.alive:
+            raise SoTError("this AsyncSoT is closed")
+        params = self.sot.params(**kwargs)
+        ids = self.sot.encode(prompt, chat)
+        ticket, updates = self._worker.submit(ids, params, tenant=tenant)
+        text = TextAssembler(self.sot.tokenizer, params.stop)  # (as the server's streams: stops held back)
+        done = False
+        try:
+            while not done:
+                update = await updates.get()
+                if update.error:
+                    done = True
+                    raise SoTError(f"the request failed: {update.error}")
+                done = update.finish_reason is not None
+                piece = text.add(update.token_ids, final=done)
+                if piece or done:
+                    yield StreamEvent(0, piece, list(update.token_ids), done), update.result
+        finally:
+            if not done:  # left early: free the slot
+                self._worker.abort(ticket)

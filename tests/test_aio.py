@@ -1,0 +1,64 @@
+"""``AsyncSoT``: requests from many coroutines decode as one batch, each answer equal to the
+one ``SoT.generate`` gives alone; streams end before stop strings; leaving a stream early
+frees its slot; a closed engine refuses requests."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import tiny_model_dir
+from sot import SoT
+from sot.aio import AsyncSoT
+from sot.errors import SoTError
+
+PROMPTS = ["abcabcabc", "hello hello", "xyzxyz", "the cat the cat"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("aio") / "model")
+
+
+def test_concurrent_requests_equal_each_alone(model_dir: Path) -> None:
+    alone = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    want = [c.token_ids for c in alone.generate(PROMPTS, chat=False, max_new_tokens=20, ignore_eos=True)]
+
+    async def run() -> tuple[list, str, str]:
+        async with AsyncSoT(SoT.load(str(model_dir), drafter="pld", dtype="float32"), max_batch=2) as engine:
+            answers = await asyncio.gather(*(engine.generate(p, chat=False, max_new_tokens=20, ignore_eos=True)
+                                             for p in PROMPTS))
+            whole = answers[0].text
+            stop = whole[5:7]
+            pieces = [e async for e in engine.stream(PROMPTS[0], chat=False, max_new_tokens=20, ignore_eos=True,
+                                                     stop=[stop])]
+            assert pieces[-1].finished and not any(e.finished for e in pieces[:-1])
+            return answers, whole, stop, "".join(e.text for e in pieces)
+
+    answers, whole, stop, streamed = asyncio.run(run())
+    assert [a.token_ids for a in answers] == want
+    assert all(a.finish_reason == "length" for a in answers)
+    assert streamed == whole[: whole.index(stop)]
+
+
+def test_leaving_a_stream_frees_its_slot_and_a_closed_engine_refuses(model_dir: Path) -> None:
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+
+    async def run() -> None:
+        engine = AsyncSoT(sot, max_batch=1)
+        async for event in engine.stream("abc", chat=False, max_new_tokens=400, ignore_eos=True):
+            if event.text:
+                break
+        deadline = time.monotonic() + 10
+        while sot.engine.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert not sot.engine.has_unfinished(), "the abandoned request still runs"
+        second = await engine.generate("abc", chat=False, max_new_tokens=3, ignore_eos=True)
+        assert len(second.token_ids) == 3
+        engine.close()
+        with pytest.raises(SoTError, match="closed"):
+            await engine.generate("abc", chat=False, max_new_tokens=3)
+
+    asyncio.run(run())
