@@ -699,12 +699,13 @@ def test_a_burst_beyond_the_queue_gets_429_and_the_rest_complete(tiny_dir, tmp_p
 
 
 def test_bounded_soak_loses_no_request(tiny_server) -> None:
-    """300 requests at concurrency 8, 10% bad and 10% disconnecting: every accepted request
-    gets its whole answer or its own error, /health stays 200, RSS grows < 100 MB."""
+    """300 requests at concurrency 8, about 10% bad, 10% disconnecting and 15% through the
+    Responses API: every accepted request gets its whole answer or its own error, /health
+    stays 200, RSS grows < 100 MB."""
     rng = random.Random(11)
     plan = []
     for i in range(300):
-        kind = rng.choices(["good", "bad", "leave"], [8, 1, 1])[0]
+        kind = rng.choices(["good", "bad", "leave", "responses"], [7, 1, 1, 1.5])[0]
         plan.append((kind, rng.randint(2, 24), rng.random() < 0.5))
     proc = psutil.Process(tiny_server.proc.pid)
     rss_start = proc.memory_info().rss
@@ -719,6 +720,23 @@ def test_bounded_soak_loses_no_request(tiny_server) -> None:
             body["max_tokens"] = -n
             r = await _post(client, tiny_server.url, body)
             outcomes.append("bad-ok" if r.status_code == 400 and "error" in r.json() else f"bad-{r.status_code}")
+            return
+        if kind == "responses":
+            asked = {"model": TINY, "input": body["messages"][0]["content"], "max_output_tokens": n,
+                     "temperature": body["temperature"], "ignore_eos": True, "stream": stream}
+            if not stream:
+                r = await client.post(f"{tiny_server.url}/v1/responses", json=asked, headers=AUTH)
+                done = r.status_code == 200 and r.json()["usage"]["output_tokens"] == n
+                outcomes.append("ok" if done else f"lost-responses-{r.status_code}")
+                return
+            last = None
+            async with client.stream("POST", f"{tiny_server.url}/v1/responses", json=asked, headers=AUTH) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        last = json.loads(line[len("data: "):])
+            done = last is not None and last["type"] == "response.incomplete" and \
+                last["response"]["usage"]["output_tokens"] == n
+            outcomes.append("ok" if done else "lost-responses-stream")
             return
         if kind == "leave":
             async with client.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=body, headers=AUTH) as r:
