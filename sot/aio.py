@@ -76,30 +76,30 @@ class AsyncSoT:
         self._worker.stop()
 
     async def stream(self, prompt: PromptItem, chat: bool | None = None, tenant: str | None = None,
-                     **kwargs: Any) -> AsyncIterator[StreamEvent]:
+                     priority: int = 0, **kwargs: Any) -> AsyncIterator[StreamEvent]:
         """Yield the text of one prompt as it is committed (``index`` 0; the last event has
         ``finished``), ending before a stop string. Keyword arguments are those of
         :meth:`sot.api.SoT.params`; ``tenant`` keys the earlier answers it may draft from
-        (with ``suffix_per_tenant``)."""
-        async for event, _ in self._run(prompt, chat, tenant, kwargs):
+        (with ``suffix_per_tenant``); a waiting request of lower ``priority`` goes first."""
+        async for event, _ in self._run(prompt, chat, tenant, priority, kwargs):
             yield event
 
     async def generate(self, prompt: PromptItem, chat: bool | None = None, tenant: str | None = None,
-                       **kwargs: Any) -> AsyncCompletion:
+                       priority: int = 0, **kwargs: Any) -> AsyncCompletion:
         """The whole answer to one prompt (arguments as for :meth:`stream`)."""
         pieces, result = [], None
-        async for event, result in self._run(prompt, chat, tenant, kwargs):
+        async for event, result in self._run(prompt, chat, tenant, priority, kwargs):
             pieces.append(event.text)
         return AsyncCompletion("".join(pieces), result)
 
-    async def _run(self, prompt: PromptItem, chat: bool | None, tenant: str | None,
+    async def _run(self, prompt: PromptItem, chat: bool | None, tenant: str | None, priority: int,
                    kwargs: dict) -> AsyncIterator[tuple[StreamEvent, SequenceResult | None]]:
         """One request's events, each with the request's result (``None`` until the last)."""
         if not self._worker.alive:
             raise SoTError("this AsyncSoT is closed")
         params = self.sot.params(**kwargs)
         ids = self.sot.encode(prompt, chat)
-        ticket, updates = self._worker.submit(ids, params, tenant=tenant)
+        ticket, updates = self._worker.submit(ids, params, tenant=tenant, priority=priority)
         text = TextAssembler(self.sot.tokenizer, params.stop)  # (as the server's streams: stops held back)
         done = False
         try:

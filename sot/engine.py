@@ -198,7 +198,7 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: list[int], params: GenerationParams, index: int = 0,
-                    tenant: str | None = None) -> int:
+                    tenant: str | None = None, priority: int = 0) -> int:
         """Queue a request; it is admitted at a coming :meth:`step`. Returns its id.
 
         Args:
@@ -208,6 +208,8 @@ class Engine:
                 noise of ``coupled`` sampling, so equal (prompt, params, index) give equal output.
             tenant: who sent it (an API key or user); drafters that keep earlier answers
                 per tenant draft its answer from that tenant's only.
+            priority: waiting requests are admitted lowest value first (as vLLM's
+                ``priority``), in arrival order within a value; running ones are not preempted.
         """
         check_request(prompt, params, self.target.max_positions, self.target.vocab_size)
         _ = self.policy  # the cost model is measured before the first request's clock starts
@@ -219,13 +221,17 @@ class Engine:
             generator=None if params.sampling.greedy else sequence_generator(params.sampling.seed, index),
             arrived=time.perf_counter(),
             tenant=tenant,
+            priority=priority,
         )
         if params.structured is not None:
             if self.grammars is None:
                 raise ConfigError("structured output needs the tokenizer: build the engine with SoT.load")
             seq.matcher = self.grammars.matcher(params.structured)
         seq.result.request_id = seq.id
-        self._waiting.append(seq)
+        at = len(self._waiting)  # behind every request of its priority or a lower value
+        while at > 0 and self._waiting[at - 1].priority > priority:
+            at -= 1
+        self._waiting.insert(at, seq)
         return seq.id
 
     def abort(self, request_id: int) -> bool:

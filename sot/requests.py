@@ -248,6 +248,8 @@ class LiveRequest:
     state_parts: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
     tenant: str | None = None  # who sent it, for drafters that keep answers per tenant
+    #: waiting requests are admitted lowest value first, in arrival order within a value
+    priority: int = 0
     #: with a prefix cache, the target states of every committed row (``[n_i, S, D]`` pieces),
     #: stored with the rows when the sequence leaves
     history: list[torch.Tensor] | None = None

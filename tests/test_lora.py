@@ -62,3 +62,5 @@ def test_lora_errors_name_the_problem(adapted, tmp_path: Path, capsys) -> None:
         SoT.load(str(other), drafter="none", dtype="float32", lora=str(adapter))
     assert main(["generate", "hi", "--model", str(model_dir), "--lora", str(tmp_path / "none")]) == 2
     assert "not a LoRA adapter folder" in capsys.readouterr().err
+    assert main(["serve", "--model", str(model_dir), "--lora", str(tmp_path / "none")]) == 2  # before it starts
+    assert "not a LoRA adapter folder" in capsys.readouterr().err

@@ -196,3 +196,26 @@ def test_a_request_that_ends_on_its_first_token_gets_no_more() -> None:
         mine = [e for e in events if e.request_id == rid]
         assert [e.token_ids for e in mine] == [[first]] and mine[0].finished and mine[0].finish_reason == reason
         assert sum((e.token_ids for e in events if e.request_id == running), []) == _alone(target, other, long)
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
+    """One slot: the waiting requests start lowest priority value first, in arrival order
+    within a value; a running request is not preempted; each output is its own alone."""
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.float32))
+    prompts = random_prompts((7, 9, 11, 13, 15), seed=4)
+    params = GenerationParams(max_new_tokens=3)
+    engine = Engine(target, PromptLookupDrafter(), TreeBudget(8, 4), max_batch=1)
+    first = engine.add_request(prompts[0], params, priority=5)
+    engine.step()  # the first is running now
+    order = {engine.add_request(p, params, priority=q): i
+             for i, (p, q) in enumerate(zip(prompts[1:], (0, -2, 0, -2)), start=1)}
+    started, tokens = [first], {first: []}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.request_id not in tokens:
+                started.append(ev.request_id)
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+    assert [order.get(r, 0) for r in started] == [0, 2, 4, 1, 3]
+    for r, i in order.items():
+        assert tokens[r] == _alone(target, prompts[i], params)

@@ -574,7 +574,7 @@ def test_model_card_version_cors_and_request_log(tiny_server) -> None:
                           headers={"Origin": "http://elsewhere.example", **preflight})
     assert "access-control-allow-origin" not in other.headers
     rid = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=AUTH, timeout=60,
-                     json=_chat("hi", max_tokens=3)).json()["id"]
+                     json=_chat("hi", max_tokens=3, ignore_eos=True)).json()["id"]
     deadline = time.monotonic() + 10
     while rid not in tiny_server.log.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)

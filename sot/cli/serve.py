@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import sys
 import threading
+from pathlib import Path
 
 from sot.cli.common import (
     add_adapt_args, add_drafter_args, add_model_args, load_sot, non_negative_float, non_negative_int, positive_int,
@@ -71,6 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.setLevel(logging.INFO)
     if args.trace < 0:
         raise ConfigError(f"--trace takes a count of requests to keep, got {args.trace}")
+    if args.lora is not None and not (Path(args.lora) / "adapter_config.json").is_file():
+        raise ConfigError(f"--lora: {args.lora} is not a LoRA adapter folder (no adapter_config.json)")
     if args.chat_template is not None:  # a missing file is an error now, not once the model loads
         from sot.prompts import read_chat_template
 

@@ -540,7 +540,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     choices: list[_Choice] = []
     try:
         for i, (prompt, params, first, echoed) in enumerate(asked):
-            ticket, updates = state.worker.submit(prompt, params, tenant=body.user)
+            ticket, updates = state.worker.submit(prompt, params, tenant=body.user, priority=body.priority)
             lp = (LogprobWriter(state.sot.tokenizer, chat, offset=len(echoed or ""))
                   if params.logprobs is not None else None)
             tool = None

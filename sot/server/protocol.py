@@ -75,6 +75,9 @@ class _GenerationRequest(BaseModel):
     #: or ``rejection``; both exact in distribution (see :class:`~sot.sampling.SamplingMode`)
     sampling_mode: Literal["rejection", "coupled"] = SamplingParams.mode.value
     ignore_eos: bool = False
+    #: vLLM's extension: waiting requests are admitted lowest value first (running ones are
+    #: not preempted)
+    priority: int = 0
     #: the end user (OpenAI's field); with ``sot serve --suffix-tenants user`` it keys the
     #: earlier answers that drafts come from
     user: str | None = None

@@ -44,6 +44,7 @@ class _Ticket:
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue
     tenant: str | None = None
+    priority: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     engine_id: int | None = None
     first_token_at: float | None = None
@@ -84,16 +85,16 @@ class EngineWorker:
         return self._thread.is_alive()
 
     # ------------------------------------------------------------ called from the event loop
-    def submit(self, prompt: list[int], params: GenerationParams, tenant: str | None = None
+    def submit(self, prompt: list[int], params: GenerationParams, tenant: str | None = None, priority: int = 0
                ) -> tuple[int, asyncio.Queue]:
-        """Queue a request (``tenant``: whose earlier answers may draft it); returns its ticket
-        and the queue its :class:`Update` s arrive on."""
+        """Queue a request (``tenant``: whose earlier answers may draft it; ``priority``: lower
+        is admitted first); returns its ticket and the queue its :class:`Update` s arrive on."""
         loop = asyncio.get_running_loop()
         with self._lock:
             ticket = self._next
             self._next += 1
         updates: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", (ticket, _Ticket(prompt, params, loop, updates, tenant=tenant))))
+        self._commands.put(("add", (ticket, _Ticket(prompt, params, loop, updates, tenant=tenant, priority=priority))))
         return ticket, updates
 
     def call(self, fn) -> "concurrent.futures.Future":
@@ -148,7 +149,7 @@ class EngineWorker:
         if kind == "add":
             ticket, t = arg
             try:
-                t.engine_id = self.engine.add_request(t.prompt, t.params, tenant=t.tenant)
+                t.engine_id = self.engine.add_request(t.prompt, t.params, tenant=t.tenant, priority=t.priority)
             except Exception as exc:  # noqa: BLE001 - the handler validated; report anything else
                 self._send(t, Update([], error=str(exc)))
                 return
