@@ -8,7 +8,9 @@ A request lists tools in OpenAI's form (``{"type": "function", "function": {"nam
 * ``auto`` (the default with tools): the model decides. Calls are read back from the answer
   when it writes them as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks
   (the format of Hermes, Qwen and SmolLM3 templates, and the one SoT describes to models whose
-  template knows no tools) or as a whole answer that is one such JSON object (Llama 3.x).
+  template knows no tools), or as a whole answer that is one such JSON object (Llama 3.x) or
+  a JSON list of them (Mistral, whose ``[TOOL_CALLS]`` marker is a special token, left out
+  of the text).
 * ``required``: the answer is held by a grammar to a JSON list of one or more calls
   (``[{"name", "arguments"}]``), each call's arguments to its tool's parameter schema.
 * a named function (``{"type": "function", "function": {"name": ...}}``): the answer is held
@@ -288,16 +290,17 @@ def read_calls(text: str, tools: Sequence[Tool], choice: ToolChoice, parallel: b
         if not calls or any(c is None for c in calls):
             return as_text
         return ReadAnswer((), tuple(calls[: None if parallel else 1]))
-    # auto: <tool_call> blocks, or a whole answer that is one call
+    # auto: <tool_call> blocks, or a whole answer that is one call or a list of calls
     if CALL_OPEN not in text:
         stripped = text.strip()
-        if stripped.startswith("{"):
+        if stripped[:1] in ("{", "["):
             try:
-                call = _to_call(json.loads(stripped), names)
+                value = json.loads(stripped)
             except json.JSONDecodeError:
-                call = None
-            if call is not None:
-                return ReadAnswer((), (call,))
+                return as_text
+            calls = [_to_call(v, names) for v in (value if isinstance(value, list) else [value])]
+            if calls and all(c is not None for c in calls):
+                return ReadAnswer((), tuple(calls[: None if parallel else 1]))
         return as_text
     pieces, calls, at = [], [], 0
     while True:

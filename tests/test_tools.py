@@ -67,9 +67,14 @@ def test_calls_are_read_from_tagged_blocks_and_whole_json() -> None:
     # Llama 3.x writes a call as the whole answer, with "parameters"
     whole = read_calls(' {"name": "get_time", "parameters": {"zone": "UTC"}}', TOOLS, auto)
     assert whole.content is None and json.loads(whole.calls[0].arguments) == {"zone": "UTC"}
+    # Mistral writes a list of calls after its [TOOL_CALLS] special token (not in the text)
+    listed = read_calls('[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", '
+                        '"arguments": {"city": "Rome"}}]', TOOLS, auto)
+    assert [c.name for c in listed.calls] == ["get_time", "get_weather"] and listed.content is None
     # what is not a call of a listed tool stays text
     for text in (f'{CALL_OPEN}{{"name": "launch", "arguments": {{}}}}{CALL_CLOSE}', f"{CALL_OPEN}{{broken",
-                 '{"name": "get_time"', "Plain words.", '{"city": "Oslo"}'):
+                 '{"name": "get_time"', "Plain words.", '{"city": "Oslo"}', "[1, 2]", "[]",
+                 '[{"name": "get_time", "arguments": {}}, {"name": "launch"}]'):
         read = read_calls(text, TOOLS, auto)
         assert read.calls == () and read.content == text
     # an unclosed block at the end of the answer is still a call
