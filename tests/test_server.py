@@ -600,6 +600,21 @@ def test_stop_strings_end_the_text_before_them(tiny_server) -> None:
                      json={"model": TINY, "prompt": "abcabc", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
                            "stop": [stop]}).json()["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
+    # vLLM's include_stop_str_in_output keeps the stop string, whole or streamed
+    ask = {"model": TINY, "prompt": "abcabc", "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+           "stop": [stop], "include_stop_str_in_output": True}
+    kept = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json=ask).json()["choices"][0]
+    assert kept["text"] == text[: text.index(stop) + len(stop)]
+    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                      json={**ask, "stream": True}) as r:
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                           if line.startswith("data: {"))
+    assert streamed == kept["text"]
+    # skip_special_tokens false shows the end-of-sequence token's text (forced here by a bias)
+    shown = {skip: httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json={
+        "model": TINY, "prompt": "abc", "max_tokens": 2, "ignore_eos": True, "logit_bias": {"2": 100},
+        "skip_special_tokens": skip}).json()["choices"][0]["text"] for skip in (True, False)}
+    assert shown == {True: "", False: "</s></s>"}
 
 
 def _running(server) -> float:

@@ -546,8 +546,9 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
             tool = None
             if tools is not None and tools[1].calls_tools:
                 tool = ToolAnswer(state.sot.tokenizer, params.stop, *tools, body.parallel_tool_calls)
-            choices.append(_Choice(i, prompt, first, ticket, updates, TextAssembler(state.sot.tokenizer, params.stop),
-                                   lp, echo=echoed, drop=drop, tool=tool))
+            text = TextAssembler(state.sot.tokenizer, params.stop, include_stop=body.include_stop_str_in_output,
+                                 skip_special=body.skip_special_tokens)
+            choices.append(_Choice(i, prompt, first, ticket, updates, text, lp, echo=echoed, drop=drop, tool=tool))
     except BaseException:
         for c in choices:
             state.worker.abort(c.ticket)

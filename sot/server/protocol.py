@@ -93,6 +93,9 @@ class _GenerationRequest(BaseModel):
     min_tokens: int = Field(GenerationParams.min_tokens, ge=0)
     #: tokens that end the answer as an end-of-sequence token does
     stop_token_ids: list[int] | None = None
+    #: vLLM's: the text keeps the stop string that ended it; special tokens are shown
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     #: OpenAI's structured output: ``{"type": "text" | "json_object" | "json_schema",
     #: "json_schema": {"name", "schema", "strict"}}``
@@ -346,9 +349,11 @@ class TextAssembler:
     at the end are held back until the next tokens decide them.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], include_stop: bool = False,
+                 skip_special: bool = True) -> None:
         self.stop = stop
-        self._decoded = IncrementalText(_skipping_specials(tokenizer))
+        self.include_stop = include_stop  # the text ends after the stop string, not before it
+        self._decoded = IncrementalText(_skipping_specials(tokenizer) if skip_special else _with_specials(tokenizer))
         self._longest_stop = max((len(s) for s in stop), default=0)
         self.sent = 0
         self.text = ""
@@ -370,6 +375,8 @@ class TextAssembler:
             i = text.find(s, start)
             if 0 <= i < cut:
                 cut, stopped = i, True
+        if stopped and self.include_stop:
+            cut += next(len(s) for s in self.stop if text.startswith(s, cut))
         if not final and not stopped:
             cut = min(cut, self._decoded.settled_length)  # an incomplete character waits
             for s in self.stop:  # the longest tail that could still grow into a stop string
@@ -515,6 +522,12 @@ class LogprobWriter:
 def _skipping_specials(tokenizer: Any) -> Callable[[list[int]], str]:
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
+    return decode
+
+
+def _with_specials(tokenizer: Any) -> Callable[[list[int]], str]:
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
     return decode
 
 

@@ -32,7 +32,8 @@ _UNSUPPORTED = {
 #: chat-completion extensions a Responses request may carry as they are
 _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
            "stop", "ignore_eos", "sampling_mode", "min_tokens", "stop_token_ids", "guided_json", "guided_regex",
-           "guided_choice", "guided_grammar", "chat_template_kwargs", "priority")
+           "guided_choice", "guided_grammar", "chat_template_kwargs", "priority", "include_stop_str_in_output",
+           "skip_special_tokens")
 
 
 class ResponsesRequest(BaseModel):
