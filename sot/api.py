@@ -420,8 +420,9 @@ class SoT:
                 raise ConfigError(f"tool_choice {use.choice.mode!r} fixes the answer's form; leave out structured")
             kwargs["structured"] = use.format()
         if tools:
-            if not self.is_chat_model:
-                raise ConfigError("this model has no chat template, so it cannot be offered tools")
+            if not self.is_chat_model or chat is False:
+                raise ConfigError("tools are offered through the chat template: this model has none, "
+                                  "or chat=False was asked for")
             prompts, chat = [with_tools(p, use.offered()) for p in prompts], True
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in prompts]

@@ -168,7 +168,8 @@ def test_the_library_reads_calls_and_stays_exact() -> None:
     ask = dict(max_new_tokens=60, tools=[WEATHER, CLOCK], tool_choice="required")
     prompt = ["What is the weather in Oslo?"]
     spec = SoT.load(dtype="float32").generate(prompt, **ask)[0]
-    plain = SoT.load(dtype="float32", drafter="none").generate(prompt, **ask)[0]
+    plain_sot = SoT.load(dtype="float32", drafter="none")
+    plain = plain_sot.generate(prompt, **ask)[0]
     assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop"
     assert len(spec.tool_calls) >= 1 and spec.tool_calls == [
         {**c, "id": s["id"]} for c, s in zip(plain.tool_calls, spec.tool_calls)]
@@ -177,5 +178,6 @@ def test_the_library_reads_calls_and_stays_exact() -> None:
         assert isinstance(json.loads(call["function"]["arguments"]), dict)
     assert "tool_calls" in spec.to_dict()
     with pytest.raises(ConfigError, match="fixes the answer's form"):
-        SoT.load(dtype="float32", drafter="none").generate(prompt, structured=call_format(
-            TOOLS, ToolChoice("required")), **ask)
+        plain_sot.generate(prompt, structured=call_format(TOOLS, ToolChoice("required")), **ask)
+    with pytest.raises(ConfigError, match="through the chat template"):
+        plain_sot.generate(prompt, chat=False, **ask)

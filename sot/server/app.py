@@ -42,7 +42,7 @@ from sot.server.protocol import (
 )
 from sot.server.responses import ResponseBuilder, ResponsesRequest, sse_event
 from sot.server.worker import EngineWorker, Update
-from sot.tools import Tool, ToolChoice
+from sot.tools import ToolUse
 
 #: one line per finished request with ``ServerConfig.log_requests``
 LOG = logging.getLogger("sot.serve")
@@ -278,8 +278,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
-            tools, choice = checked_tools(body.tools, body.tool_choice)
-            tokens = _chat_prompt(state, body, tools if choice.calls_tools else ())
+            tokens = _chat_prompt(state, body, checked_tools(body.tools, body.tool_choice).offered())
         else:
             tokens = sot.encode({"prompt": body.prompt}, chat=False)
         return {"count": len(tokens), "max_model_len": state.context, "tokens": tokens}
@@ -331,9 +330,9 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
 
 async def _chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
     """Answer a chat completion request (whole or streamed)."""
-    tools, choice = body.tool_setup()
-    prompt = _chat_prompt(state, body, tools if choice.calls_tools else ())
-    return await _generate(request, state, body, [prompt], chat=True, tools=(tools, choice))
+    use = body.tool_setup()
+    prompt = _chat_prompt(state, body, use.offered())
+    return await _generate(request, state, body, [prompt], chat=True, tools=use)
 
 
 async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -364,15 +363,14 @@ async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str])
         await chunks.aclose()
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
-                 tools: tuple[Tool, ...]) -> list[int]:
-    """The token ids of a request's chat through the model's template, with the tools
-    offered (if any) and the request's template fields."""
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict]) -> list[int]:
+    """The token ids of a request's chat through the model's template, with ``tools``
+    offered (OpenAI's form; none: no tools) and the request's template fields."""
     sot = state.sot
     messages = body.messages or []
     item: dict = {"messages": [m.to_dict() for m in messages]}
     if tools:
-        item["tools"] = [t.to_openai() for t in tools]
+        item["tools"] = tools
     if not sot.is_chat_model:
         if tools or any(m.role == "tool" or m.tool_calls for m in messages):
             raise APIError(400, "this model has no chat template, so it cannot be offered tools", param="tools")
@@ -513,7 +511,7 @@ def _empty_logprobs(chat: bool) -> dict:
 
 async def _generate(request: Request, state: ServerState, body: _GenerationRequest, prompts: list[list[int]],
                     chat: bool, texts: list[str] | None = None,
-                    tools: tuple[tuple[Tool, ...], ToolChoice] | None = None):
+                    tools: ToolUse | None = None):
     """Answer a request: ``n`` choices for each of ``prompts``, decoded side by side as
     requests of the engine (choice ``i * n + k`` is sample ``k`` of prompt ``i``); ``tools``:
     a chat's tools and tool choice, whose calls are read from each answer."""
@@ -544,8 +542,8 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
             lp = (LogprobWriter(state.sot.tokenizer, chat, offset=len(echoed or ""))
                   if params.logprobs is not None else None)
             tool = None
-            if tools is not None and tools[1].calls_tools:
-                tool = ToolAnswer(state.sot.tokenizer, params.stop, *tools, body.parallel_tool_calls)
+            if tools is not None and tools.choice.calls_tools:
+                tool = ToolAnswer(state.sot.tokenizer, params.stop, tools)
             text = TextAssembler(state.sot.tokenizer, params.stop, include_stop=body.include_stop_str_in_output,
                                  skip_special=body.skip_special_tokens)
             choices.append(_Choice(i, prompt, first, ticket, updates, text, lp, echo=echoed, drop=drop, tool=tool))

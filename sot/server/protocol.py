@@ -13,9 +13,7 @@ from sot.requests import MAX_PENALTY, GenerationParams
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from sot.errors import ConfigError
 from sot.structured import OutputFormat, StructuredOutput
-from sot.tools import (
-    CALL_OPEN, ReadAnswer, Tool, ToolChoice, call_format, new_call_id, parse_tool_choice, parse_tools, read_calls,
-)
+from sot.tools import CALL_OPEN, ReadAnswer, ToolUse, new_call_id
 
 if TYPE_CHECKING:
     from sot.requests import SequenceResult
@@ -235,16 +233,13 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def checked_tools(tools: list[Any] | None, tool_choice: str | dict | None) -> tuple[tuple[Tool, ...], ToolChoice]:
+def checked_tools(tools: list[Any] | None, tool_choice: str | dict | None, parallel: bool = True) -> ToolUse:
     """A request's ``tools`` and ``tool_choice``, checked (a 400 naming the field otherwise)."""
     try:
-        offered = parse_tools(tools or [])
-    except ConfigError as exc:
-        raise APIError(400, str(exc), param="tools") from None
-    try:
-        return offered, parse_tool_choice(tool_choice, offered)
-    except ConfigError as exc:
-        raise APIError(400, str(exc), param="tool_choice") from None
+        return ToolUse.of(tools or [], tool_choice, parallel)
+    except ConfigError as exc:  # (its message begins with the field it is about)
+        field = "tool_choice" if str(exc).startswith("tool_choice") else "tools"
+        raise APIError(400, str(exc), param=field) from None
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -265,20 +260,20 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def tool_setup(self) -> tuple[tuple[Tool, ...], ToolChoice]:
+    def tool_setup(self) -> ToolUse:
         """The request's tools and tool choice, checked (a 400 naming the field otherwise)."""
-        return checked_tools(self.tools, self.tool_choice)
+        return checked_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
         """As for any request, or the form a ``required`` or named ``tool_choice`` holds the
         answer to (which cannot be combined with another form)."""
         asked = super().structured_output()
-        tools, choice = self.tool_setup()
-        calls = call_format(tools, choice, self.parallel_tool_calls)
+        use = self.tool_setup()
+        calls = use.format()
         if calls is None:
             return asked
         if asked is not None:
-            raise APIError(400, f"tool_choice {choice.mode!r} fixes the answer's form; leave out {asked[0]}",
+            raise APIError(400, f"tool_choice {use.choice.mode!r} fixes the answer's form; leave out {asked[0]}",
                            param=asked[0])
         return "tool_choice", calls
 
@@ -402,10 +397,9 @@ class ToolAnswer:
     the text streams as content up to a ``<tool_call>`` tag, and what follows is read as calls
     at the end (or sent as content when it is not a call)."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], tools: tuple[Tool, ...], choice: ToolChoice,
-                 parallel: bool) -> None:
-        self.tools, self.choice, self.parallel = tools, choice, parallel
-        self._content = TextAssembler(tokenizer, stop + (CALL_OPEN,)) if choice.mode == "auto" else None
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], use: ToolUse) -> None:
+        self.use, self.choice = use, use.choice
+        self._content = TextAssembler(tokenizer, stop + (CALL_OPEN,)) if use.choice.mode == "auto" else None
         self.streamed = ""  # content sent so far (auto)
         self.call_id = new_call_id()  # a named tool's call
         self._read: ReadAnswer | None = None
@@ -413,7 +407,7 @@ class ToolAnswer:
     def read(self, text: str) -> ReadAnswer:
         """The calls in the whole answer (a named call keeps the id its stream opened with)."""
         if self._read is None:
-            read = read_calls(text, self.tools, self.choice, self.parallel)
+            read = self.use.read(text)
             if self.choice.mode == "named":
                 read = ReadAnswer((), tuple(dataclasses.replace(c, id=self.call_id) for c in read.calls))
             self._read = read
