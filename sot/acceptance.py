@@ -91,7 +91,8 @@ def accept_rejection(
     """
 
     def choose(node: int, children: list[int]) -> tuple[int | None, int]:
-        residual = target_probs(logits[node : node + 1], params)[0]  # [V] float64
+        # (on the host, where the request's random stream lives, whatever the model's device)
+        residual = target_probs(logits[node : node + 1].cpu(), params)[0]  # [V] float64
         for c in children:
             tok = tree.tokens[c]
             mass = residual[tok].item()
@@ -124,7 +125,8 @@ def accept_coupled(
 
     def choose(node: int, children: list[int]) -> tuple[int | None, int]:
         # one node per depth is walked: its scores and that position's noise, nothing else
-        scores = torch.log_softmax(processed_logits(logits[node : node + 1], params).double(), dim=-1)[0]
+        row = logits[node : node + 1].cpu()  # (the noise is drawn on the host)
+        scores = torch.log_softmax(processed_logits(row, params).double(), dim=-1)[0]
         noise = gumbel_noise(params.seed, sequence, root_position + tree.depths[node] + 1, scores.shape[-1])
         want = int((scores + noise).argmax().item())
         for c in children:

@@ -22,7 +22,7 @@ from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
 from sot.detokenize import IncrementalText
 from sot.dtype_choice import resolve as resolve_dtype_choice
-from sot.models.loading import load_model
+from sot.models.loading import DEFAULT_DEVICE, load_model, resolve_device
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
@@ -163,6 +163,7 @@ class SoT:
         prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
         chat_template: str | None = None,
         lora: str | None = None,
+        device: str = DEFAULT_DEVICE,
     ) -> "SoT":
         """Load a target and build the engine.
 
@@ -193,12 +194,15 @@ class SoT:
                 tokenizer's own, or for a model without one.
             lora: a LoRA adapter folder (PEFT's format) merged into the weights at load
                 (:func:`sot.models.loading.merge_lora`).
+            device: ``auto`` (default: a CUDA GPU when one is visible, else the CPU), ``cpu``,
+                ``cuda`` or ``cuda:N``: where the target, its cache and the predictor live.
         """
         if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
             choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
             raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}")
-        choice = resolve_dtype_choice(dtype, model, drafter, predictor)
-        loaded = load_model(model, dtype=choice.torch_dtype, lora=lora)
+        dev = resolve_device(device)
+        choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
+        loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora)
         stores = None
         if drafter == "auto":
             kind = auto_drafter_kind(loaded.model, predictor)

@@ -19,11 +19,15 @@ real rows of a tree are computed (rounded up to ``ROW_ALIGN``); padding rows get
 
 On the CPU a compiled kernel (:mod:`sot.kernels`) replaces all of this: it walks each row's
 keys in position order with one fixed instruction sequence, which is exact by construction
-and much cheaper than the many small tensor operations above. The PyTorch path remains for
-other devices and for machines without a compiler.
+and much cheaper than the many small tensor operations above. On a CUDA GPU a Triton kernel
+does the same (:mod:`sot.kernels.triton_attention`): there the PyTorch path is not row-invariant,
+since GPU reductions and products choose their grouping by the whole pass's shape. The PyTorch
+path remains for machines without a compiler (and GPUs without Triton).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +48,15 @@ ROW_ALIGN = 4
 def use_kernel(cache: KVCache) -> bool:
     """Whether tree attention runs through the compiled CPU kernel for this cache."""
     return cache.transposed_keys and cpu_kernels() is not None
+
+
+def use_gpu_kernel(cache: KVCache) -> bool:
+    """Whether tree attention runs through the Triton kernel (:mod:`sot.kernels.triton_attention`):
+    a cache on a CUDA GPU where Triton is installed, unless ``SOT_NO_GPU_KERNEL=1``. Elsewhere
+    on a GPU the PyTorch path runs, whose rows can round differently by what shares the pass."""
+    if cache.keys.device.type != "cuda" or os.environ.get("SOT_NO_GPU_KERNEL") == "1":
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def far_end(position: int) -> int:
@@ -68,7 +81,8 @@ class TreeLayout:
     which the first ``n`` (``rows``) are attended.
 
     Attributes:
-        write_slots: ``[B, T]`` cache slot each row's K/V is written to (scratch).
+        write_slots: ``[B, T]`` cache slot each row's K/V is written to (scratch); on the
+            host, whatever the cache's device.
         rows: ``n``, attended rows per sequence.
         far_len: width of the far part computed for the batch (max over rows, aligned).
         far_bias: ``[B, 1, 1, n, far_len]`` 0 where a slot is in the row's far part, else -inf.
@@ -152,16 +166,23 @@ def build_tree_layout(
     """
     batch = len(lengths)
     write_slots = torch.tensor([list(range(n, n + num_rows)) for n in lengths])
-    if use_kernel(cache):
+    gpu = use_gpu_kernel(cache)
+    if gpu or use_kernel(cache):
         width = len(ancestors[0][0])
         pad_row = [-1] * width
         table = [
             [[a + length if a >= 0 else -1 for a in row] for row in anc] + [pad_row] * (num_rows - len(anc))
             for length, anc in zip(lengths, ancestors)
         ]
-        kernel = KernelInputs(
-            torch.tensor(lengths), torch.tensor(table), torch.tensor([len(a) for a in ancestors])
-        )
+        if gpu:  # (int32, on the cache's device)
+            dev = cache.keys.device
+            kernel = KernelInputs(torch.tensor(lengths, dtype=torch.int32).to(dev),
+                                  torch.tensor(table, dtype=torch.int32).to(dev),
+                                  torch.tensor([len(a) for a in ancestors], dtype=torch.int32).to(dev))
+        else:
+            kernel = KernelInputs(
+                torch.tensor(lengths), torch.tensor(table), torch.tensor([len(a) for a in ancestors])
+            )
         return TreeLayout(write_slots=write_slots, kernel=kernel)
     n = min(num_rows, round_up(max(len(a) for a in ancestors), ROW_ALIGN))
     far_ends = torch.zeros(batch, n, dtype=torch.long)
@@ -186,7 +207,7 @@ def build_tree_layout(
     tail_index = base[:, :, None] + tail_slots.view(batch, 1, n * TAIL)
     device = cache.keys.device
     return TreeLayout(
-        write_slots=write_slots.to(device),
+        write_slots=write_slots,  # (stays on the host: writes read each sequence's first slot)
         rows=n,
         far_len=far_len,
         far_bias=far_bias[:, None, None].to(device),
@@ -221,12 +242,17 @@ def tree_attention(
             positions ``p - window + 1 .. p`` only (``None``: all keys).
         softcap: attention-logit soft cap, ``cap * tanh(score / cap)`` (``None``: none).
     Returns:
-        ``[B, T, H, D]``, float32 from the PyTorch path, the cache dtype from the kernel;
-        rows past the tree are zero.
+        ``[B, T, H, D]``, float32 from the PyTorch path and the GPU kernel, the cache dtype
+        from the CPU kernel; rows past the tree are zero.
     """
     if layout.kernel is not None:
         k = layout.kernel
         keys, values = cache.layer(layer)
+        if keys.device.type == "cuda":
+            from sot.kernels.triton_attention import tree_attention as gpu_tree_attention
+
+            return gpu_tree_attention(query, keys, values, k.lengths, k.ancestors, k.rows, scaling, window or 0,
+                                      softcap or 0.0)
         return cpu_kernels().tree_attention_exact(
             query.to(keys.dtype), keys, values, k.lengths, k.ancestors, k.rows, scaling, window or 0, softcap or 0.0
         )

@@ -9,7 +9,7 @@ import torch
 
 def embedding_hash(weight: torch.Tensor) -> str:
     """A short fingerprint of an embedding matrix, independent of its storage dtype."""
-    data = weight.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+    data = weight.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
 
 

@@ -27,13 +27,15 @@ def _cpuinfo() -> tuple[str, str]:
 
 
 def machine_info() -> dict:
-    """Processor, cores, torch threads, SIMD level, native bf16 and torch version."""
+    """Processor, cores, torch threads, SIMD level, native bf16, torch version and the CUDA
+    GPU (its name, or ``None`` when none is visible)."""
     from sot.models.loading import native_bf16
 
     cpu, _ = _cpuinfo()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"cpu": cpu or platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "simd": torch.backends.cpu.get_cpu_capability(),
-            "native_bf16": native_bf16("cpu"), "torch": torch.__version__}
+            "native_bf16": native_bf16("cpu"), "torch": torch.__version__, "gpu": gpu}
 
 
 def machine_key() -> dict:
@@ -41,4 +43,5 @@ def machine_key() -> dict:
     same key time alike."""
     from sot import __version__
 
-    return {**machine_info(), "flags": _cpuinfo()[1], "sot": __version__}
+    info = {k: v for k, v in machine_info().items() if k != "gpu"}  # (keys time CPU work)
+    return {**info, "flags": _cpuinfo()[1], "sot": __version__}

@@ -199,7 +199,7 @@ class HFMethod(BenchMethod):
         if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = self.lookup
         eos = list(params.eos_token_ids) or None
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.model.device)
         clock = _FirstTokenClock()
         t0 = time.perf_counter()
         clock.start = t0

@@ -217,7 +217,8 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
     lines = [
         f"# sot bench: {cfg['prompts']}",
         "",
-        f"model `{cfg['model']}`, engine {cfg['dtype']}, HF {cfg['hf_dtype']}, {len(records)} prompts, "
+        f"model `{cfg['model']}`, engine {cfg['dtype']} on {cfg.get('device', 'cpu')}, HF {cfg['hf_dtype']}, "
+        f"{len(records)} prompts, "
         f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
         f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",
         "",
@@ -261,8 +262,9 @@ def _alone_lines(methods: dict) -> list[str]:
 def _machine_line(m: dict | None) -> str:
     if not m:
         return "machine: not recorded"
+    gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
     return (f"machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, SIMD {m['simd']}, "
-            f"native bf16 {'yes' if m['native_bf16'] else 'no'}, torch {m['torch']}")
+            f"native bf16 {'yes' if m['native_bf16'] else 'no'}, torch {m['torch']}{gpu}")
 
 
 def summary(result: dict) -> str:

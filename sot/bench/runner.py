@@ -39,7 +39,7 @@ from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.machine import machine_info
 from sot.dtype_choice import resolve as resolve_choice
-from sot.models.loading import DEFAULT_MODEL, DTYPES, default_gguf_path, load_model
+from sot.models.loading import DEFAULT_DEVICE, DEFAULT_MODEL, DTYPES, default_gguf_path, load_model, resolve_device
 from sot.prompts import encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 
@@ -57,6 +57,7 @@ class BenchConfig:
     methods: tuple[str, ...] = ("hf", "plain", "pld")
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    device: str = DEFAULT_DEVICE
     hf_dtype: str = "float32"
     max_new_tokens: int = GenerationParams.max_new_tokens
     temperature: float = SamplingParams.temperature
@@ -159,20 +160,22 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
         raise ConfigError("--batch-size above 1 compares engine methods only (plain, pld, suffix, state, auto)")
     if cfg.hf_dtype not in DTYPES:
         raise ConfigError(f"--hf-dtype must be one of {', '.join(DTYPES)}, got {cfg.hf_dtype!r}")
-    engine_dtype = resolve_choice(cfg.dtype, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor)).torch_dtype
+    device = resolve_device(cfg.device)
+    engine_dtype = resolve_choice(cfg.dtype, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor),
+                                  device=str(device)).torch_dtype
     methods: list[BenchMethod] = []
     tokenizer = None
     target = None
     engine_methods = [m for m in cfg.methods if _is_engine(m)]
     if engine_methods:
-        loaded = load_model(cfg.model, dtype=engine_dtype)
+        loaded = load_model(cfg.model, dtype=engine_dtype, device=device)
         tokenizer = loaded.tokenizer
         drafters = {m: _drafter(cfg, m, loaded.model) for m in engine_methods}
         layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))
         target = TargetModel(loaded.model, state_layers=layers)
     for name in cfg.methods:
         if name in ("hf", "hf-pld"):
-            hf = load_model(cfg.model, dtype=DTYPES[cfg.hf_dtype])
+            hf = load_model(cfg.model, dtype=DTYPES[cfg.hf_dtype], device=device)
             tokenizer = tokenizer or hf.tokenizer
             methods.append(HFMethod(name, hf.model, lookup=10 if name == "hf-pld" else 0))
         elif name == "llamacpp":

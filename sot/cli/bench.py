@@ -6,8 +6,8 @@ import sys
 
 from sot.bench.runner import BenchConfig
 from sot.cli.common import (
-    DTYPE_CHOICES, add_chat_flag, add_policy_args, add_tree_args, non_negative_float, non_negative_int, policy_from_args,
-    positive_int,
+    DTYPE_CHOICES, add_chat_flag, add_device_arg, add_policy_args, add_tree_args, non_negative_float, non_negative_int,
+    policy_from_args, positive_int,
 )
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.sampling import SamplingMode
@@ -35,6 +35,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--model", default="default")
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="engine dtype (auto: bfloat16 where the hardware computes it natively, else float32)")
+    add_device_arg(bench)
     bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
     bench.add_argument("--max-new-tokens", type=positive_int, default=BenchConfig.max_new_tokens)
     bench.add_argument("--temperature", type=non_negative_float, default=BenchConfig.temperature)
@@ -66,7 +67,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from sot.bench.report import summary
     from sot.bench.runner import BenchConfig, dtype_drafter, parse_sweep, run_bench
     from sot.dtype_choice import resolve
+    from sot.models.loading import resolve_device
 
+    device = resolve_device(args.device)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     drafter, predictor = dtype_drafter(methods, args.predictor)
     cfg = BenchConfig(
@@ -75,7 +78,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         methods=methods,
         model=args.model,
         # the report names the dtype that ran; auto times the modes for the first speculative method
-        dtype=resolve(args.dtype, args.model, drafter, predictor).dtype,
+        dtype=resolve(args.dtype, args.model, drafter, predictor, device=str(device)).dtype,
+        device=str(device),
         hf_dtype=args.hf_dtype,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

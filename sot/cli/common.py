@@ -57,12 +57,24 @@ def add_drafter_args(p: argparse.ArgumentParser, store: bool = True) -> None:
                             "exists, written back at the end, so later runs draft from this one's answers")
 
 
+#: ``--device`` by default (sot.models.loading.resolve_device interprets it; a test checks
+#: that this equals sot.models.loading.DEFAULT_DEVICE)
+DEFAULT_DEVICE = "auto"
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=DEFAULT_DEVICE, metavar="DEVICE",
+                   help="where the model runs: auto (default: a CUDA GPU when one is visible, else the CPU), cpu, "
+                        "cuda or cuda:N")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="engine dtype (default auto: the mode that decodes fastest here, timed once per machine, "
                         "model and drafter and kept under ~/.cache/sot)")
+    add_device_arg(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print how --dtype was chosen, with the timings")
     add_tree_args(p)
     p.add_argument("--predictor", default=None,
@@ -176,9 +188,11 @@ class Parser(argparse.ArgumentParser):
 def load_sot(args: argparse.Namespace):
     from sot.api import SoT
     from sot.dtype_choice import resolve
+    from sot.models.loading import resolve_device
 
-    choice = resolve(args.dtype, args.model, args.drafter, args.predictor)
-    print(f"loading {args.model} ({choice.dtype}, drafter {args.drafter}) ...", file=sys.stderr)
+    device = resolve_device(args.device)
+    choice = resolve(args.dtype, args.model, args.drafter, args.predictor, device=str(device))
+    print(f"loading {args.model} ({choice.dtype} on {device}, drafter {args.drafter}) ...", file=sys.stderr)
     if args.verbose:
         print(choice.summary(), file=sys.stderr)
     sot = SoT.load(args.model, drafter=args.drafter, dtype=choice.dtype, max_nodes=args.max_nodes,
@@ -186,7 +200,7 @@ def load_sot(args: argparse.Namespace):
                    policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
                    adapt=adapt_from_args(args), prefix_cache_mb=args.prefix_cache_mb,
-                   chat_template=args.chat_template, lora=args.lora)
+                   chat_template=args.chat_template, lora=args.lora, device=str(device))
     sot.dtype_choice = choice
     return sot
 

@@ -9,6 +9,8 @@ linear layer is swapped for a row-stable one that multiplies in fixed blocks of
 from __future__ import annotations
 
 import contextvars
+import importlib.util
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -215,11 +217,21 @@ class TargetModel:
         self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if self.device.type == "cuda" and importlib.util.find_spec("triton") is None:
+            warnings.warn("Triton is not installed: attention on the GPU runs through PyTorch, whose rows can round "
+                          "differently by what shares a verify pass, so an answer may differ from plain decoding's "
+                          "in rare near-ties (pip install triton)", RuntimeWarning, stacklevel=2)
         self.fast = None
         if fast and getattr(config, "model_type", "") in FAST_FAMILIES:
             self.fast = FastLlama(model)
         #: a verify pass's rows per sequence must be a multiple of this
         self.row_multiple = self.fast.row_multiple if self.fast is not None else ROW_UNIT
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the target's device (a CUDA GPU runs it
+        asynchronously), so that a wall-clock reading after this call includes it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def packs_flat(self, cache: KVCache) -> bool:
         """Whether verify passes against ``cache`` compute only the trees' real rows (flat

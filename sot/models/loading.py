@@ -51,6 +51,32 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
     return DTYPES[name]
 
 
+#: ``--device`` by default: a CUDA GPU when one is visible, else the CPU
+DEFAULT_DEVICE = "auto"
+
+
+def resolve_device(name: str = DEFAULT_DEVICE) -> torch.device:
+    """The torch device of a ``--device`` value: ``auto`` (the first CUDA GPU when one is
+    visible, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``. Raises :class:`ConfigError` for
+    another name or a GPU this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"--device {name}: SoT runs on the CPU or a CUDA GPU (auto, cpu, cuda, cuda:N)")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA GPU is visible here (torch {torch.__version__}, "
+                          f"CUDA {torch.version.cuda or 'not built in'}); use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16 -> "bfloat16"``."""
     return str(dtype).removeprefix("torch.")

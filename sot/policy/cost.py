@@ -115,8 +115,10 @@ class CostModel:
         timings = {n: math.inf for n in sizes}
         for round_ in range(repeats + 1):
             for n, (ids, pos, layout) in zip(sizes, passes):
+                target.synchronize()
                 t0 = time.perf_counter()
                 target.verify(cache, ids, pos, layout)
+                target.synchronize()
                 if round_ > 0:
                     timings[n] = min(timings[n], time.perf_counter() - t0)
         return cls(list(timings), list(timings.values()))

@@ -123,12 +123,14 @@ class _Shard:
 @torch.no_grad()
 def target_states(model: torch.nn.Module, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
     """Hidden states ``[T, S + 1, D]`` of one sequence: the ``S`` chosen layers (indices into
-    ``hidden_states``, 0 = embeddings) and, last, the final normed hidden state."""
+    ``hidden_states``, 0 = embeddings) and, last, the final normed hidden state; bfloat16, on
+    the host whatever the model's device."""
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    out = backbone(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    device = next(model.parameters()).device
+    out = backbone(torch.tensor([ids], device=device), output_hidden_states=True, use_cache=False)
     hs = out.hidden_states
     picked = [hs[i][0] for i in layers] + [out.last_hidden_state[0]]
-    return torch.stack(picked, dim=1).to(torch.bfloat16)
+    return torch.stack(picked, dim=1).to(torch.bfloat16).cpu()
 
 
 def build_state_cache(

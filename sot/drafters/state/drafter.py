@@ -124,6 +124,8 @@ class StateDrafter(Drafter):
         self.top_k = top_k
         self.seqs: dict[int, _SeqState] = {}  # by DraftInput.sequence
         self.dtype = next(predictor.parameters()).dtype
+        #: where the predictor runs (the target's device: the states come from there)
+        self.device = next(predictor.parameters()).device
         self._vocab = predictor.draft_vocab.tolist()
 
     @property
@@ -171,18 +173,18 @@ class StateDrafter(Drafter):
         ``(seq, states [n, S, D], next_tokens [n], first_pos)``."""
         p = self.predictor
         self.passes += 1
-        x = p.fuse_states(torch.cat([it[1] for it in items]).to(self.dtype)).unsqueeze(0)
-        tokens = torch.tensor([[t for it in items for t in it[2]]])
-        pos = torch.tensor([[it[3] + i for it in items for i in range(it[1].shape[0])]])
+        x = p.fuse_states(torch.cat([it[1] for it in items]).to(self.device, self.dtype)).unsqueeze(0)
+        tokens = torch.tensor([[t for it in items for t in it[2]]], device=self.device)
+        pos = torch.tensor([[it[3] + i for it in items for i in range(it[1].shape[0])]], device=self.device)
         h, q, k, v = p.project(x, tokens, pos)
         window = p.config.window
         parts = []
         for seq, states, _, _ in items:
             n = states.shape[0]
             seq.reserve(n, k[0])
-            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
             if window:  # a row sees the rows after its position - window, new ones included
-                causal &= torch.ones(n, n, dtype=torch.bool).triu(1 - window)
+                causal &= torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1 - window)
             parts.append((seq, 0, causal))
         h = self._layers(h, q, k, v, pos, parts)
         g, at = h[0], 0
@@ -298,8 +300,8 @@ class StateDrafter(Drafter):
                     tokens.append(gr.tok[n])
                     positions.append(gr.root_pos - 1 + depth)
             self.passes += 1
-            pos = torch.tensor([positions])
-            h, q, k, v = p.project(torch.stack(states).unsqueeze(0), torch.tensor([tokens]), pos)
+            pos = torch.tensor([positions], device=self.device)
+            h, q, k, v = p.project(torch.stack(states).unsqueeze(0), torch.tensor([tokens], device=self.device), pos)
             masks = []  # per live tree: (its state, first scratch row, visibility [m, base + m])
             for gr in live:
                 m = len(gr.frontier)
@@ -311,7 +313,7 @@ class StateDrafter(Drafter):
                 mask = torch.zeros(m, base + m, dtype=torch.bool)
                 for j in range(m):
                     mask[j, gr.anc_rows[base + j]] = True
-                masks.append((gr.seq, base, mask))
+                masks.append((gr.seq, base, mask.to(self.device)))
             g = self._layers(h, q, k, v, pos, masks)[0]  # [M, D]
             logp = torch.log_softmax(p.logits(g).float(), dim=-1)
             val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)

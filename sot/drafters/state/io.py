@@ -162,8 +162,9 @@ def load_predictor(path: str | Path, model: torch.nn.Module, dtype: torch.dtype 
     """Load a predictor for ``model``: a SoT predictor file, or a folder with an EAGLE-3
     checkpoint (:func:`sot.drafters.state.eagle3.load_eagle3`); fails with a clear message
     for another target."""
+    device = model.get_input_embeddings().weight.device
     if Path(path).is_dir():
-        return load_eagle3(path, model, dtype)
+        return load_eagle3(path, model, dtype).to(device)
     cfg = read_predictor_config(path)
     check_compatible(cfg, model, path)
     with safe_open(str(path), framework="pt") as fh:
@@ -173,7 +174,7 @@ def load_predictor(path: str | Path, model: torch.nn.Module, dtype: torch.dtype 
     missing, unexpected = pred.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise DrafterCompatibilityError(f"{path} does not match the predictor layout (missing {missing}, unexpected {unexpected})")
-    return pred.cast_for_inference(dtype)
+    return pred.cast_for_inference(dtype).to(device)  # (on the target's device, as its states are)
 
 
 def grow_predictor(path: str | Path, model: torch.nn.Module, state_layers: tuple[int, ...], decoder_layers: int,
