@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run of a few minutes: the device tests, the CLI on a
-# tiny model (generate, bench with every engine method against transformers), the trainer's
-# tests (they train on the GPU where one is visible) and the speed probe of
-# scripts/device_speed.py. Logs go to $OUT (default ./device-check). Run from the repository
-# root, on a machine whose python3 has torch with CUDA, transformers and Triton:
+# tiny model (generate, bench with engine methods against transformers), the speed probe of
+# scripts/device_speed.py with and without the Triton attention kernel, and the trainer's
+# tests (they train on the GPU where one is visible). Logs go to $OUT (default ./device-check).
+# Run from the repository root, on a machine whose python3 has torch with CUDA, transformers
+# and Triton:
 #   bash scripts/device_check.sh
 set -uo pipefail
 OUT=${OUT:-device-check}
@@ -34,10 +35,10 @@ timeout 240 "$PY" -m sot.cli bench --device cuda --model "$TMP/model" --prompts 
     --methods hf,plain,pld,suffix --hf-dtype bfloat16 --dtype bfloat16 --max-new-tokens 48 --batch-size 1 \
     --out "$TMP/bench" 2>&1 | tee "$OUT/bench.log" | tail -12
 
-echo "== trainer tests"
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_training.py -x --tb=short 2>&1 | tee "$OUT/training.log" | tail -4
-
 echo "== speed probe"
 timeout 200 "$PY" scripts/device_speed.py --device cuda --dtype bfloat16 --prompts 4 2>&1 | tee "$OUT/speed.log"
 SOT_NO_GPU_KERNEL=1 timeout 200 "$PY" scripts/device_speed.py --device cuda --dtype bfloat16 --prompts 4 2>&1 \
     | tee "$OUT/speed_pytorch_attention.log"
+
+echo "== trainer tests"
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_training.py -x --tb=short 2>&1 | tee "$OUT/training.log" | tail -4
