@@ -376,3 +376,21 @@ def test_suffix_store_carries_answers_across_runs(model_dir: Path, tmp_path: Pat
     assert second["steps"] < first["steps"] // 2
     assert "suffix store written" in captured.err
     assert main(["generate", "hi", "--model", str(model_dir), "--drafter", "pld", "--suffix-store", str(store)]) == 2
+
+
+def test_the_parser_needs_no_web_framework() -> None:
+    """``sot generate`` and the other commands parse their flags where FastAPI is missing (a
+    GPU image, say); only ``sot serve`` itself needs it."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('fastapi', 'starlette', 'uvicorn'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from sot.cli import build_parser\n"
+        "print(build_parser().parse_args(['generate', 'hi', '--device', 'cpu']).device)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "cpu"

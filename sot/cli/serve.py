@@ -15,7 +15,7 @@ from sot.errors import ConfigError
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from sot.server.app import ServerConfig
+    from sot.server.config import ServerConfig
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions, streaming, metrics)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -53,7 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM or Ctrl-C; returns 0 after a graceful shutdown."""
     import uvicorn
 
-    from sot.server.app import ServerConfig, create_app
+    from sot.server.app import create_app
+    from sot.server.config import ServerConfig
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")

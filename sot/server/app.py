@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, ClassVar
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +34,7 @@ from sot.engine import GenerationParams, SequenceResult
 from sot.errors import ConfigError
 from sot.requests import check_logit_rules
 from sot.sampling import SamplingMode, SamplingParams
+from sot.server.config import ServerConfig
 from sot.server.metrics import ServerMetrics
 from sot.server.protocol import (
     FINISH_REASONS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -46,40 +47,6 @@ from sot.tools import ToolUse
 
 #: one line per finished request with ``ServerConfig.log_requests``
 LOG = logging.getLogger("sot.serve")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Settings of one server (the CLI's ``sot serve`` flags).
-
-    Attributes:
-        model_name: the id served in ``/v1/models`` and required in requests.
-        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
-        max_batch: sequences decoded together.
-        max_queue: requests waiting for a slot beyond ``max_batch``; more are answered 429.
-        prompt_budget: prompt tokens a step reads at most while others decode (0: whole
-            prompts), so a long prompt does not stall the running streams for its whole read.
-        shutdown_timeout: seconds running requests get to finish after SIGTERM.
-        trace: finished requests whose step traces are kept for ``/trace/{id}`` (0: off).
-        allowed_origins: browser origins allowed to call the API (CORS; ``("*",)``: any;
-            empty: no CORS headers, so browsers refuse cross-origin calls).
-        log_requests: log one line per finished request (id, finish reason, tokens, tau,
-            seconds) to the ``sot.serve`` logger.
-    """
-
-    model_name: str | None = None
-    api_key: str | None = None
-    max_batch: int = 8
-    max_queue: int = 64
-    prompt_budget: int = 256
-    shutdown_timeout: float = 30.0
-    #: keep the step traces of the last ``trace`` finished requests, each served as a page
-    #: at ``/trace/{id}`` (0: no tracing)
-    trace: int = 0
-    allowed_origins: tuple[str, ...] = ()
-    log_requests: bool = False
-    #: requests kept when tracing is asked for without a count (``--trace``)
-    TRACE_KEPT: ClassVar[int] = 64
 
 
 class ServerState:
