@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from sot.cli.common import DTYPE_CHOICES, positive_float, positive_int
+from sot.cli.common import DTYPE_CHOICES, add_device_arg, positive_float, positive_int
 from sot.drafters.state.config import ARCHES, default_state_layers
 from sot.online.loss import OnlineLossConfig
 from sot.train.acceptance import PolicyTrainConfig
@@ -74,6 +74,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                       help="dtype the target runs in (auto: bfloat16 where the hardware computes it natively, "
                            "else float32); the cache stores bf16 either way")
+    add_device_arg(prep)
 
     fit = tsub.add_parser("fit", help="train a state predictor on a prepared state cache")
     fit.add_argument("--model", default=TrainConfig.model)
@@ -197,12 +198,13 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from sot.models.loading import dtype_name, load_model, resolve_dtype
+    from sot.models.loading import dtype_name, load_model, resolve_device, resolve_dtype
     from sot.train.data import build_state_cache, evaluation_conversations, training_conversations
 
+    device = resolve_device(args.device)
     convs = training_conversations(args.data)
     held_out = evaluation_conversations(args.eval_data, args.eval_conversations, convs)  # checked before loading
-    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
     layers = parse_layers(args.layers, loaded.model.config.num_hidden_layers)
     out = Path(args.out)
     meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, args.seq_len)
