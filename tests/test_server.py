@@ -243,7 +243,7 @@ def test_openai_client_responses_api(default_server) -> None:
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}])
     assert follow.status in ("completed", "incomplete") and follow.output
-    for extra in ({"previous_response_id": "resp_1"}, {"input": [{"type": "input_image", "image_url": "x"}]}):
+    for extra in ({"conversation": "conv_1"}, {"input": [{"type": "input_image", "image_url": "x"}]}):
         with pytest.raises(BadRequestError) as err:
             client.responses.create(**{**ask, **extra})
         assert err.value.status_code == 400
@@ -649,6 +649,47 @@ def test_a_disconnect_frees_the_slot(default_server) -> None:
                 time.sleep(0.02)
             assert _running(server) == 1
     _assert_aborted_and_freed(server, aborted)
+
+
+def test_responses_are_kept_and_continued(tiny_server) -> None:
+    """A finished response is kept: ``previous_response_id`` continues its conversation
+    (the answer equals the chat completion of the whole conversation), a streamed one is kept
+    too, ``GET`` reads one back, ``DELETE`` drops it, and ``store: false`` keeps nothing."""
+    url = f"{tiny_server.url}/v1/responses"
+    ask = {"model": TINY, "max_output_tokens": 10, "temperature": 0, "instructions": "be brief"}
+    with httpx.Client(timeout=60, headers=AUTH) as client:
+        first = client.post(url, json={**ask, "input": "abc abc"}).json()
+        assert first["store"] is True and first["previous_response_id"] is None
+        assert client.get(f"{url}/{first['id']}").json() == first
+        said = first["output"][0]["content"][0]["text"]
+        second = client.post(url, json={**ask, "input": "def", "previous_response_id": first["id"]}).json()
+        assert second["previous_response_id"] == first["id"]
+        chat = client.post(f"{tiny_server.url}/v1/chat/completions", json={
+            "model": TINY, "max_tokens": 10, "temperature": 0, "messages": [
+                {"role": "system", "content": "be brief"}, {"role": "user", "content": "abc abc"},
+                {"role": "assistant", "content": said}, {"role": "user", "content": "def"}]}).json()
+        assert second["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+        assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+
+        events = []
+        with client.stream("POST", url, json={**ask, "input": "ghi", "stream": True,
+                                              "previous_response_id": second["id"]}) as r:
+            events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+        streamed = events[-1]["response"]
+        assert client.get(f"{url}/{streamed['id']}").json()["output"] == streamed["output"]
+
+        unkept = client.post(url, json={**ask, "input": "abc", "store": False}).json()
+        assert unkept["store"] is False
+        missing = client.get(f"{url}/{unkept['id']}")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        refused = client.post(url, json={**ask, "input": "x", "previous_response_id": unkept["id"]})
+        assert refused.status_code == 404 and refused.json()["error"]["param"] == "previous_response_id"
+
+        gone = client.delete(f"{url}/{first['id']}")
+        assert gone.json() == {"id": first["id"], "object": "response", "deleted": True}
+        assert client.get(f"{url}/{first['id']}").status_code == 404
+        broken = client.post(url, json={**ask, "input": "x", "previous_response_id": second["id"]})
+        assert broken.status_code == 404 and "no longer kept" in broken.json()["error"]["message"]
 
 
 def test_a_responses_stream_closed_early_frees_the_slot(default_server) -> None:

@@ -2,8 +2,10 @@
 worker's metrics bookkeeping."""
 from __future__ import annotations
 
+import pytest
+
 from sot.server.metrics import ServerMetrics
-from sot.server.protocol import TextAssembler, validation_message
+from sot.server.protocol import APIError, TextAssembler, validation_message
 
 
 class _CharTokenizer:
@@ -47,3 +49,24 @@ def test_step_metrics_count_drafts_and_accepted_positions() -> None:
     assert "sot:spec_decode_num_accepted_tokens_total 3.0" in text
     assert 'sot:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 2.0' in text
     assert 'sot:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
+
+
+def test_the_response_store_keeps_the_most_recently_used() -> None:
+    from sot.server.responses import ResponsesRequest, ResponseStore
+
+    store = ResponseStore(capacity=2)
+    ask = ResponsesRequest(model="m", input="hi")
+
+    def answer(rid: str, text: str) -> dict:
+        return {"id": rid, "output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}]}
+
+    store.put(answer("r1", "one"), ask)
+    store.put(answer("r2", "two"), ResponsesRequest(model="m", input="more", previous_response_id="r1"))
+    assert store.history("r2") == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
+                                   {"role": "user", "content": "more"}, {"role": "assistant", "content": "two"}]
+    store.get("r1")  # used last: r2 goes first
+    store.put(answer("r3", "three"), ask)
+    assert len(store) == 2 and store.get("r1")["id"] == "r1"
+    with pytest.raises(APIError) as err:
+        store.get("r2")
+    assert err.value.status == 404

@@ -40,6 +40,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    metavar="N", help="record every step of each request and serve the last N finished ones "
                    f"(default {ServerConfig.TRACE_KEPT}) as pages at /trace/{{id}}, the id of the completion")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--responses-kept", type=non_negative_int, default=ServerConfig.responses_kept, metavar="N",
+                   help="finished /v1/responses answers kept for previous_response_id and GET /v1/responses/{id}, "
+                        "least recently used first out (0: none)")
     p.add_argument("--log-requests", action="store_true",
                    help="log one line per finished request: id, tokens, tau, seconds, finish reason")
     p.add_argument("--allowed-origins", default="",
@@ -62,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_queue=args.max_queue, prompt_budget=args.prompt_budget,
                           shutdown_timeout=args.shutdown_timeout, trace=args.trace,
                           allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-                          log_requests=args.log_requests)
+                          log_requests=args.log_requests, responses_kept=args.responses_kept)
     if args.log_requests:
         import logging
 

@@ -41,7 +41,7 @@ from sot.server.protocol import (
     LogprobWriter, TextAssembler, TokenizeRequest, ToolAnswer, _GenerationRequest, checked_tools,
     prompt_logprobs_block, sot_figures, sse, usage_of, validation_message,
 )
-from sot.server.responses import ResponseBuilder, ResponsesRequest, sse_event
+from sot.server.responses import ResponseBuilder, ResponsesRequest, ResponseStore, sse_event
 from sot.server.worker import EngineWorker, Update
 from sot.tools import ToolUse
 
@@ -64,6 +64,8 @@ class ServerState:
         self.created = int(time.time())
         #: response id -> (prompt, result) of the last ``config.trace`` finished requests
         self.traces: collections.OrderedDict[str, tuple[list[int], SequenceResult]] = collections.OrderedDict()
+        #: finished /v1/responses answers kept for previous_response_id (None: none kept)
+        self.responses = ResponseStore(config.responses_kept) if config.responses_kept > 0 else None
 
     def keep_trace(self, rid: str, prompt: list[int], result: SequenceResult | None) -> None:
         """Remember a finished request's steps for ``/trace/{rid}`` (the oldest goes first)."""
@@ -210,14 +212,40 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         _check_key(request, config)
         asked = ResponsesRequest.model_validate(await _json(request))
         _check_ready(state)
+        store = state.responses
+        history = None
+        if asked.previous_response_id is not None:
+            if store is None:
+                raise APIError(400, "previous_response_id: this server keeps no responses (--responses-kept 0); "
+                                    "send the whole conversation as input", param="previous_response_id")
+            history = store.history(asked.previous_response_id)
         body = ChatCompletionRequest.model_validate(
-            {**asked.chat_body(), "stream": asked.stream, "stream_options": {"include_usage": True}})
+            {**asked.chat_body(history), "stream": asked.stream, "stream_options": {"include_usage": True}})
         answer = await _chat_completion(request, state, body)
         builder = ResponseBuilder(asked)
+        builder.stored = store is not None and asked.store is not False
+        keep = (lambda done: store.put(done, asked)) if builder.stored else None
         if not asked.stream:
-            return JSONResponse(builder.whole(json.loads(answer.body)))
-        return StreamingResponse(_response_events(builder, answer.body_iterator), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+            done = builder.whole(json.loads(answer.body))
+            if keep is not None:
+                keep(done)
+            return JSONResponse(done)
+        return StreamingResponse(_response_events(builder, answer.body_iterator, keep),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/responses/{rid}")
+    async def stored_response(request: Request, rid: str) -> JSONResponse:
+        """A kept response, as it was answered."""
+        _check_key(request, config)
+        _check_ready(state)
+        return JSONResponse(_response_store(state).get(rid))
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(request: Request, rid: str) -> JSONResponse:
+        _check_key(request, config)
+        _check_ready(state)
+        _response_store(state).delete(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -302,9 +330,17 @@ async def _chat_completion(request: Request, state: ServerState, body: ChatCompl
     return await _generate(request, state, body, [prompt], chat=True, tools=use)
 
 
-async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+def _response_store(state: ServerState) -> ResponseStore:
+    if state.responses is None:
+        raise APIError(404, "this server keeps no responses (--responses-kept 0)", code="not_found")
+    return state.responses
+
+
+async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str],
+                           keep: Callable[[dict], None] | None = None) -> AsyncIterator[str]:
     """A chat completion stream's chunks as Responses events; closing it (a client gone)
-    closes the chat stream, which aborts the request."""
+    closes the chat stream, which aborts the request. ``keep`` receives the finished
+    response (not one that ended in an error or a hang-up)."""
     try:
         first = await chunks.__anext__()  # the chat stream starts here, so closing it always aborts
         for event in builder.opening():
@@ -324,7 +360,10 @@ async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str])
                 text = await chunks.__anext__()
             except StopAsyncIteration:
                 break
-        for event in builder.closing(usage):
+        closing = builder.closing(usage)
+        if keep is not None:  # kept before the last event leaves, so a client that reads it can continue
+            keep(builder.done)
+        for event in closing:
             yield sse_event(event)
     finally:
         await chunks.aclose()

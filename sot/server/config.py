@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+#: finished responses a server keeps by default (``sot serve --responses-kept``)
+RESPONSES_KEPT = 1000
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -23,6 +26,8 @@ class ServerConfig:
             empty: no CORS headers, so browsers refuse cross-origin calls).
         log_requests: log one line per finished request (id, finish reason, tokens, tau,
             seconds) to the ``sot.serve`` logger.
+        responses_kept: finished ``/v1/responses`` answers kept for ``previous_response_id``
+            and ``GET /v1/responses/{id}``, least recently used first out (0: none).
     """
 
     model_name: str | None = None
@@ -36,5 +41,6 @@ class ServerConfig:
     trace: int = 0
     allowed_origins: tuple[str, ...] = ()
     log_requests: bool = False
+    responses_kept: int = RESPONSES_KEPT
     #: requests kept when tracing is asked for without a count (``--trace``)
     TRACE_KEPT: ClassVar[int] = 64

@@ -9,23 +9,28 @@ Responses events (``response.created``, ``response.output_item.added``,
 ``response.output_text.delta``, ``response.function_call_arguments.delta``, ...,
 ``response.completed``).
 
-Responses are not stored (``store`` is answered ``false``), so ``previous_response_id`` is
-refused; send the whole conversation as ``input``.
+A finished response is kept (``store``, true unless the request says false) in a bounded
+:class:`ResponseStore`, so a later request can continue it with ``previous_response_id`` (its
+conversation, then the new input; the earlier ``instructions`` are not carried over, as
+OpenAI does it), and ``GET`` / ``DELETE /v1/responses/{id}`` read or drop it. The prefix
+cache reads the repeated conversation once, so a continuation costs its new tokens.
 """
 from __future__ import annotations
 
 import json
 import secrets
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sot.server.config import RESPONSES_KEPT
 from sot.server.protocol import APIError
 
 #: Responses fields this server does not act on, with what they ask for
 _UNSUPPORTED = {
-    "previous_response_id": "continuing a stored response (responses are not stored; send the whole input)",
     "conversation": "stored conversations", "reasoning": "reasoning settings", "background": "background responses",
     "prompt": "stored prompt templates", "include": "extra output data", "max_tool_calls": "a tool-call limit",
 }
@@ -56,16 +61,20 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
+    previous_response_id: str | None = None
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED and value not in (None, False, [], {}, ""):
                 raise APIError(400, f"{name}: {_UNSUPPORTED[name]} is not supported by this server", param=name)
 
-    def chat_body(self) -> dict:
-        """The chat completion request this one means."""
+    def chat_body(self, history: list[dict] | None = None) -> dict:
+        """The chat completion request this one means; ``history``: the chat messages of the
+        conversation it continues (``previous_response_id``), put before its input."""
         self.check_supported()
-        body: dict = {"model": self.model, "messages": self._messages(), "temperature": self.temperature,
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages += list(history or []) + self.input_messages()
+        body: dict = {"model": self.model, "messages": messages, "temperature": self.temperature,
                       "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls, "user": self.user}
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
@@ -87,12 +96,11 @@ class ResponsesRequest(BaseModel):
                 body[name] = self.model_extra[name]
         return body
 
-    def _messages(self) -> list[dict]:
+    def input_messages(self) -> list[dict]:
+        """The ``input`` as chat messages (without the ``instructions``)."""
         messages: list[dict] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
-            return messages + [{"role": "user", "content": self.input}]
+            return [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             where = f"input[{i}]"
@@ -166,6 +174,10 @@ class ResponseBuilder:
         self._calls: dict[int, dict] = {}  # chat tool-call index -> function_call item being streamed
         self.finish: str | None = None  # the chat finish reason, once streamed
         self.figures: dict | None = None  # SoT's figures, once streamed
+        #: whether the finished response is kept (a store exists and the request allows it)
+        self.stored = False
+        #: the finished response, once :meth:`whole` or :meth:`closing` built it
+        self.done: dict | None = None
 
     def response(self, status: str, usage: dict | None = None, finish: str | None = None,
                  figures: dict | None = None) -> dict:
@@ -179,7 +191,8 @@ class ResponseBuilder:
             "parallel_tool_calls": r.parallel_tool_calls, "temperature": r.temperature, "top_p": r.top_p,
             "tool_choice": r.tool_choice if r.tool_choice is not None else ("auto" if r.tools else "none"),
             "tools": r.tools or [], "text": r.text or {"format": {"type": "text"}}, "metadata": r.metadata or {},
-            "store": False, "usage": _usage(usage) if usage else None,
+            "store": self.stored, "previous_response_id": r.previous_response_id,
+            "usage": _usage(usage) if usage else None,
         }
         if figures is not None:
             out["sot"] = figures
@@ -194,7 +207,8 @@ class ResponseBuilder:
         for call in message.get("tool_calls") or []:
             fn = call["function"]
             self.output.append(_call_item(call["id"], fn["name"], fn["arguments"], "completed"))
-        return self.response("completed", chat.get("usage"), choice["finish_reason"], chat.get("sot"))
+        self.done = self.response("completed", chat.get("usage"), choice["finish_reason"], chat.get("sot"))
+        return self.done
 
     # -- streaming
     def event(self, kind: str, **fields: Any) -> dict:
@@ -268,9 +282,90 @@ class ResponseBuilder:
                 events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                          output_index=index, name=item["name"], arguments=item["arguments"]))
             events.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
-        done = self.response("completed", usage, finish, self.figures)
+        done = self.done = self.response("completed", usage, finish, self.figures)
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         return events + [self.event(kind, response=done)]
+
+
+# ---------------------------------------------------------------------------- the store
+@dataclass
+class _Kept:
+    response: dict  # the response object, as answered
+    turn: list[dict]  # this request's input and its answer, as chat messages
+    previous: str | None  # the response it continued
+
+
+class ResponseStore:
+    """The last ``capacity`` finished responses, for ``previous_response_id`` and ``GET`` /
+    ``DELETE /v1/responses/{id}``. Each keeps only its own turn (its input and answer) and
+    the id it continued, so a long conversation is stored once; reading one back walks the
+    chain. The least recently used response goes first."""
+
+    def __init__(self, capacity: int = RESPONSES_KEPT) -> None:
+        if capacity < 1:
+            raise ValueError(f"a response store keeps at least 1 response, got {capacity}")
+        self.capacity = capacity
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, response: dict, request: ResponsesRequest) -> None:
+        """Keep a finished ``response`` to ``request`` (its input and output as the turn)."""
+        turn = request.input_messages() + _assistant_messages(response["output"])
+        self._kept[response["id"]] = _Kept(response, turn, request.previous_response_id)
+        self._kept.move_to_end(response["id"])
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, rid: str) -> dict:
+        """The response object kept under ``rid`` (a 404 when it is not kept)."""
+        return self._find(rid).response
+
+    def delete(self, rid: str) -> None:
+        self._find(rid)
+        del self._kept[rid]
+
+    def history(self, rid: str) -> list[dict]:
+        """The chat messages of the conversation up to and including response ``rid``'s
+        answer, oldest first (a 404 names a response, or an earlier one of its chain, that is
+        not kept)."""
+        turns, at = [], rid
+        while at is not None:
+            try:
+                kept = self._find(at, param="previous_response_id")
+            except APIError:
+                if at == rid:
+                    raise
+                raise APIError(404, f"response {rid!r} continues {at!r}, which is no longer kept",
+                               param="previous_response_id", code="not_found") from None
+            turns.append(kept.turn)
+            at = kept.previous
+        return [message for turn in reversed(turns) for message in turn]
+
+    def _find(self, rid: str, param: str | None = None) -> _Kept:
+        kept = self._kept.get(rid)
+        if kept is None:
+            raise APIError(404, f"no response with id {rid!r} is kept (responses stored with store: false, "
+                                "deleted or past the server's --responses-kept are not)", param=param,
+                           code="not_found")
+        self._kept.move_to_end(rid)
+        return kept
+
+
+def _assistant_messages(output: list[dict]) -> list[dict]:
+    """A response's output items as the assistant's chat message (its text and calls)."""
+    text = "".join(part.get("text", "") for item in output if item["type"] == "message"
+                   for part in item.get("content", []))
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    if not text and not calls:
+        return []
+    message: dict = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict:
