@@ -25,7 +25,7 @@ import torch
 from sot.acceptance import Acceptance
 from sot.attention import MAX_TREE_DEPTH
 from sot.cache import KVCache
-from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
+from sot.drafters.base import DraftInput, Drafter, DrafterKind, DraftRules, TreeBudget
 from sot.errors import ConfigError
 from sot.logit_rules import AdjustedRows, adjusts
 from sot.models.adapter import ForwardOutput, TargetModel
@@ -508,7 +508,8 @@ class Engine:
         return ForwardOutput(out.logits, out.states.index_select(-2, self._pick.to(out.states.device)), out.offsets)
 
     def _draft_input(self, seq: LiveRequest, states: torch.Tensor | None) -> DraftInput:
-        return DraftInput(seq.id, seq.context, states, seq.result.index, seq.tenant)
+        return DraftInput(seq.id, seq.context, states, seq.result.index, seq.tenant,
+                          DraftRules.of(seq.params.sampling, len(seq.prompt)))
 
     def _plan_and_draft(self, seqs: list[LiveRequest]) -> tuple[StepPlan, list[DraftTree]]:
         """The policy plans the step, the drafter proposes, the policy selects what to

@@ -93,6 +93,47 @@ def test_trained_drafter_is_lossless_and_accepts(tiny_run) -> None:
     assert sum(sum(r.accept_lengths) - r.steps for r in res) > 0, "some drafted tokens should be accepted"
 
 
+@pytest.mark.parametrize("rules", [dict(frequency_penalty=0.7), dict(repetition_penalty=1.4, presence_penalty=0.3),
+                                   dict(logit_bias=((5, 2.5), (9, -1.0)), frequency_penalty=0.2)],
+                         ids=["frequency", "repetition-presence", "bias"])
+def test_draft_rows_follow_the_requests_rules_as_the_target_does(rules: dict) -> None:
+    """A draft row, for a node deep in a tree, gets the penalties and bias the verify pass
+    gives the target's row at that node (:class:`AdjustedRows`), bit for bit; and under the
+    rules speculative output stays plain decoding's, following them or not."""
+    from sot.drafters import DraftInput, DraftRules
+    from sot.drafters.state.drafter import _Growth, _SeqState
+    from sot.logit_rules import AdjustedRows
+    from sot.requests import LiveRequest, SequenceResult
+    from sot.sampling import SamplingParams
+    from sot.tree import tree_from_parents
+
+    model = tiny_model("llama")
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)  # whole vocabulary
+    params = GenerationParams(max_new_tokens=30, sampling=SamplingParams(**rules))
+    prompt, answer = [3, 5, 7, 5, 11], [9, 9, 13, 5]
+    source = DraftInput(0, prompt + answer, rules=DraftRules.of(params.sampling, len(prompt)))
+    growth = _Growth(_SeqState(), answer[-1], len(prompt + answer) - 1, source)
+    growth.tok, growth.par = [9, 21, 5], [-1, 0, 1]  # a path below the root: 9, then 21, then 5
+    logits = torch.randn(4, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    drafted = drafter._with_rules(logits, [(growth, -1), (growth, 0), (growth, 1), (growth, 2)], {})
+    seq = LiveRequest(id=0, prompt=prompt, params=params, generator=None, arrived=0.0,
+                      result=SequenceResult(index=0, token_ids=list(answer), prompt_tokens=len(prompt)))
+    tree = tree_from_parents([answer[-1], 9, 21, 5], [-1, 0, 1, 2])
+    verified = AdjustedRows(logits, tree, seq)
+    for node in range(4):
+        assert torch.equal(drafted[node], verified[node:node + 1][0]), node
+    drafter.follow_rules = False
+    assert torch.equal(drafter._with_rules(logits, [(growth, 2)], {}), logits)
+
+    target = TargetModel(model, state_layers=LAYERS)
+    prompts = random_prompts((9, 40), seed=3)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    for follow in (True, False):
+        drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+        drafter.follow_rules = follow
+        assert [r.token_ids for r in Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params)] == plain
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma", "gemma3"])
 def test_untrained_state_drafter_is_lossless(arch: str, dtype: torch.dtype) -> None:

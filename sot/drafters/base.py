@@ -51,6 +51,35 @@ class TreeBudget:
             raise ConfigError(f"max depth {self.max_depth} exceeds the supported {max_depth}")
 
 
+@dataclass(frozen=True)
+class DraftRules:
+    """The logit rules of a request that a drafter can follow: penalties and bias (as
+    :mod:`sot.logit_rules` applies them to the verified rows). A drafter that follows them
+    proposes what the adjusted target would choose; they change only the drafts, never what is
+    verified or committed.
+
+    Attributes:
+        prompt_len: the context's tokens before the answer (frequency and presence penalties
+            count the answer only; the repetition penalty counts both).
+    """
+
+    prompt_len: int
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def of(cls, sampling: object, prompt_len: int) -> "DraftRules | None":
+        """The rules of a request's sampling settings (a :class:`~sot.sampling.SamplingParams`);
+        ``None`` when it asks for none of them."""
+        rep = sampling.repetition_penalty
+        freq, pres, bias = sampling.frequency_penalty, sampling.presence_penalty, tuple(sampling.logit_bias)
+        if rep == 1.0 and not freq and not pres and not bias:
+            return None
+        return cls(prompt_len, rep, freq, pres, bias)
+
+
 @dataclass
 class DraftInput:
     """What a drafter sees of one sequence at one step.
@@ -66,6 +95,8 @@ class DraftInput:
             they end at the position before the root), or ``None``.
         tenant: who sent the request (an API key or user), for drafters that keep what
             earlier requests generated apart per tenant; ``None``: anonymous.
+        rules: the request's penalties and bias, for drafters that follow them; ``None``:
+            it asks for none.
     """
 
     sequence: int
@@ -73,6 +104,7 @@ class DraftInput:
     states: torch.Tensor | None = None
     index: int = 0
     tenant: str | None = None
+    rules: DraftRules | None = None
 
 
 class Drafter(ABC):

@@ -68,8 +68,9 @@ class _SeqState:
 class _Growth:
     """A tree being grown for one sequence: candidate nodes and the draft rows behind them."""
 
-    def __init__(self, seq: _SeqState, root: int, root_pos: int) -> None:
+    def __init__(self, seq: _SeqState, root: int, root_pos: int, source: DraftInput | None = None) -> None:
         self.seq, self.root, self.root_pos = seq, root, root_pos
+        self.source = source  # what the engine gave (its context and rules)
         # candidate nodes: token, parent (-1 = root), depth, cumulative log-prob
         self.tok: list[int] = []
         self.par: list[int] = []
@@ -123,10 +124,13 @@ class StateDrafter(Drafter):
         self.layers = predictor.config.decoder_layers
         self.top_k = top_k
         self.seqs: dict[int, _SeqState] = {}  # by DraftInput.sequence
+        #: follow each request's penalties and bias in its drafts (:class:`DraftRules`)
+        self.follow_rules = True
         self.dtype = next(predictor.parameters()).dtype
         #: where the predictor runs (the target's device: the states come from there)
         self.device = next(predictor.parameters()).device
         self._vocab = predictor.draft_vocab.tolist()
+        self._index = {t: i for i, t in enumerate(self._vocab)}  # token -> draft-vocabulary row
 
     @property
     def static_width(self) -> int:  # the static policy's beam: top_k nodes per depth
@@ -233,7 +237,7 @@ class StateDrafter(Drafter):
         for j, x in enumerate(inputs):
             seq = self._seq(x.sequence)
             if seq.last is not None and budget.max_nodes >= 2 and budget.max_depth >= 1:
-                growths[j] = _Growth(seq, x.context[-1], len(x.context) - 1)
+                growths[j] = _Growth(seq, x.context[-1], len(x.context) - 1, x)
         if growths:
             self._grow(list(growths.values()), budget)
         out = []
@@ -276,7 +280,8 @@ class StateDrafter(Drafter):
         floor = math.log(least) if least > 0 and not fixed else -math.inf
         self.passes += 1
         last = torch.stack([gr.seq.last for gr in growths])  # [B, D]
-        logp = torch.log_softmax(p.logits(last).float(), dim=-1)
+        bases: dict[int, tuple] = {}  # per growth, its request's rules over the committed context
+        logp = torch.log_softmax(self._with_rules(p.logits(last).float(), [(gr, -1) for gr in growths], bases), dim=-1)
         val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
         for gr, vs, ids in zip(growths, val.tolist(), idx.tolist()):
             gr.frontier = gr.add(-1, 1, 0.0, vs, ids, self._vocab)
@@ -315,7 +320,8 @@ class StateDrafter(Drafter):
                     mask[j, gr.anc_rows[base + j]] = True
                 masks.append((gr.seq, base, mask.to(self.device)))
             g = self._layers(h, q, k, v, pos, masks)[0]  # [M, D]
-            logp = torch.log_softmax(p.logits(g).float(), dim=-1)
+            rows = [(gr, n) for gr in live for n in gr.frontier]
+            logp = torch.log_softmax(self._with_rules(p.logits(g).float(), rows, bases), dim=-1)
             val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
             vals, ids = val.tolist(), idx.tolist()
             at = 0
@@ -327,6 +333,66 @@ class StateDrafter(Drafter):
                     at += 1
                 cand.sort(key=lambda c: -gr.score[c])
                 gr.frontier = cand[:k_top]
+
+    def _with_rules(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict) -> torch.Tensor:
+        """``logits [M, Vd]`` (float32, over the draft vocabulary) with each row's request
+        rules applied as :mod:`sot.logit_rules` applies them to the target's row: bias, then
+        the repetition penalty over the prompt and answer, then the frequency and presence
+        penalties over the answer, each counting the drafted tokens on the row's path (row
+        ``(growth, node)`` predicts the token after ``node``; ``-1``: after the root)."""
+        if not self.follow_rules or all(gr.source is None or gr.source.rules is None for gr, _ in rows):
+            return logits
+        x = logits.clone()
+        for i, (gr, node) in enumerate(rows):
+            rules = gr.source.rules if gr.source is not None else None
+            if rules is None:
+                continue
+            if id(gr) not in bases:
+                bases[id(gr)] = self._rule_base(gr.source, x.shape[-1])
+            counts, seen, bias = bases[id(gr)]
+            path = []
+            while node >= 0:
+                path.append(self._index[gr.tok[node]])
+                node = gr.par[node]
+            if path:  # (a token twice on the path counts twice)
+                at = torch.tensor(path, device=counts.device)
+                counts = counts.index_put((at,), torch.ones(len(path), device=counts.device), accumulate=True)
+                seen = seen.index_put((at,), torch.ones(len(path), dtype=torch.bool, device=seen.device))
+            row = x[i]
+            if bias is not None:
+                row += bias
+            if rules.repetition_penalty != 1.0:
+                r = rules.repetition_penalty
+                row = torch.where(seen, torch.where(row > 0, row / r, row * r), row)
+            if rules.frequency_penalty:
+                row = row - rules.frequency_penalty * counts
+            if rules.presence_penalty:
+                row = row - rules.presence_penalty * (counts > 0).float()
+            x[i] = row
+        return x
+
+    def _rule_base(self, x: DraftInput, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Over the draft vocabulary (``width`` rows), for one request's committed context:
+        the answer's token counts ``[Vd]``, the tokens seen in the prompt or the answer
+        ``[Vd]`` and the bias ``[Vd]`` (``None`` without one); tokens outside the draft
+        vocabulary are never drafted, so they are left out."""
+        rules = x.rules
+        answer = [self._index[t] for t in x.context[rules.prompt_len:] if t in self._index]
+        counts = torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=width).float() if answer \
+            else torch.zeros(width)
+        seen = counts > 0
+        if rules.repetition_penalty != 1.0:
+            prompt = [self._index[t] for t in x.context[:rules.prompt_len] if t in self._index]
+            if prompt:
+                seen[torch.tensor(prompt, dtype=torch.long)] = True
+        bias = None
+        if rules.logit_bias:
+            bias = torch.zeros(width)
+            for t, b in rules.logit_bias:
+                if t in self._index:
+                    bias[self._index[t]] += b
+            bias = bias.to(self.device)
+        return counts.to(self.device), seen.to(self.device), bias
 
     @staticmethod
     def _finish_tree(gr: _Growth, budget: TreeBudget) -> DraftTree:
