@@ -121,6 +121,31 @@ def test_state_drafter_on_device(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", [CUDA])
+def test_adaptation_on_device(device: str, tiny_run) -> None:
+    """Test-time adaptation with the target and predictor on the device: the recorder keeps
+    its rows on the host, the learner trains where the predictor lives, output unchanged."""
+    from sot.drafters import make_drafter
+    from sot.models.loading import load_model
+    from sot.online.adapt import AdaptConfig, Adapter
+    from state_helpers import LAYERS
+
+    loaded = load_model(str(tiny_run["model_dir"]), device=device)
+    target = TargetModel(loaded.model, state_layers=LAYERS)
+    drafter = make_drafter("state", loaded.model, tiny_run["predictor"], top_k=3, lookup=False)
+    engine = Engine(target, drafter, TreeBudget(13, 4), policy=None)
+    adapter = Adapter(engine, AdaptConfig(budget=1.0, lr=3e-3, window=4, rows=64, max_drift=10.0, tolerance=0.99,
+                                          first_guess=0.0))
+    tok = loaded.tokenizer
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"say {w} please"}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for w in ("red", "blue", "cyan", "green")] * 2
+    plain = [r.token_ids for r in run(target, NoDrafter(), prompts)]
+    for batch in (1, 3):
+        assert [r.token_ids for r in engine.generate(prompts, PARAMS, batch_size=batch)] == plain
+    assert adapter.updates > 0, adapter.stats()
+
+
+@pytest.mark.parametrize("device", [CUDA])
 def test_sampling_on_device(device: str) -> None:
     """Seeded coupled sampling equals plain decoding's draws on the device; rejection sampling
     (the request's random stream on the host) and logit rules run there too."""

@@ -678,6 +678,14 @@ def test_responses_are_kept_and_continued(tiny_server) -> None:
         streamed = events[-1]["response"]
         assert client.get(f"{url}/{streamed['id']}").json()["output"] == streamed["output"]
 
+        listed = client.get(f"{url}/{second['id']}/input_items", params={"order": "asc"}).json()
+        assert listed["object"] == "list" and not listed["has_more"]
+        assert [(i["type"], i["role"], i["content"]) for i in listed["data"]] == [
+            ("message", "user", [{"type": "input_text", "text": "def"}])]
+        assert listed["first_id"] == listed["data"][0]["id"]
+        bad = client.get(f"{url}/{second['id']}/input_items", params={"order": "sideways"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "order"
+
         unkept = client.post(url, json={**ask, "input": "abc", "store": False}).json()
         assert unkept["store"] is False
         missing = client.get(f"{url}/{unkept['id']}")

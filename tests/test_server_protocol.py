@@ -70,3 +70,9 @@ def test_the_response_store_keeps_the_most_recently_used() -> None:
     with pytest.raises(APIError) as err:
         store.get("r2")
     assert err.value.status == 404
+    items = [{"role": "user", "content": f"m{i}"} for i in range(5)]
+    store.put(answer("r4", "four"), ResponsesRequest(model="m", input=items))
+    first = store.input_items("r4", limit=2)
+    assert [i["content"][0]["text"] for i in first["data"]] == ["m4", "m3"] and first["has_more"]
+    rest = store.input_items("r4", limit=10, after=first["last_id"])
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["m2", "m1", "m0"] and not rest["has_more"]

@@ -92,7 +92,7 @@ class OnlineLearner:
         the pull towards the anchor (no publishing: see :meth:`finish`)."""
         self.model.train()
         loss, _ = online_loss(self.model, self.model, seq.crop(self.config.rows), self.config.loss,
-                              torch.device("cpu"))
+                              next(self.model.parameters()).device)
         pull = sum((p - self.anchor[n]).pow(2).sum() for n, p in self.model.named_parameters())
         loss = loss + self.config.anchor * pull / self._count
         self.opt.zero_grad(set_to_none=True)

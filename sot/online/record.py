@@ -130,8 +130,8 @@ class NodeRecorder:
             if self.final_norm is not None:
                 with torch.no_grad():
                     last = self.final_norm(last)
-            final = last.to(torch.bfloat16)
-        return drafter, final
+            final = last.to(torch.bfloat16).cpu()
+        return drafter.cpu(), final  # (kept on the host, whatever the target's device)
 
     # -- StepObserver
     def prefilled(self, seq, states: torch.Tensor | None, logits: torch.Tensor) -> None:
@@ -146,7 +146,7 @@ class NodeRecorder:
         ids = torch.full((n, self.top_k), -1, dtype=torch.int32)
         logp = torch.zeros(n, self.top_k)
         top_i, top_v = top_distribution(logits[None], self.top_k)
-        ids[-1, : top_i.shape[1]], logp[-1, : top_v.shape[1]] = top_i[0], top_v[0]
+        ids[-1, : top_i.shape[1]], logp[-1, : top_v.shape[1]] = top_i[0].cpu(), top_v[0].cpu()
         rec.ids.append(ids)
         rec.logp.append(logp)
         rec.filled = n
@@ -169,8 +169,8 @@ class NodeRecorder:
             if final is not None:
                 rec.final.append(final)
             top_i, top_v = top_distribution(out.seq_logits(b)[path], self.top_k)
-            rec.ids.append(top_i)
-            rec.logp.append(top_v)
+            rec.ids.append(top_i.cpu())
+            rec.logp.append(top_v.cpu())
             rec.tokens.extend(tree.tokens[i] for i in path)  # the root sits at root_pos
             rec.filled += len(path)
             if seq.id in drafted and tree.size > 1:

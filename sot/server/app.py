@@ -1,10 +1,11 @@
 """``sot serve``: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
-(OpenAI's Responses API, as a chat completion), ``GET /v1/models`` (and
+(OpenAI's Responses API, as a chat completion; ``GET`` and ``DELETE /v1/responses/{id}`` and
+``GET /v1/responses/{id}/input_items`` for kept ones), ``GET /v1/models`` (and
 ``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the
-server drains, 200 when ready) and ``GET /metrics`` (Prometheus text). Every error is an OpenAI-style JSON body with its status;
-a full queue answers 429 with ``Retry-After``. A client that disconnects aborts its request.
+server drains, 200 when ready) and ``GET /metrics`` (Prometheus text). Every error is an
+OpenAI-style JSON body with its status; a full queue answers 429 with ``Retry-After``. A client that disconnects aborts its request.
 On SIGTERM the server stops accepting requests, lets running ones finish for
 ``shutdown_timeout`` seconds, ends the rest with a final ``abort`` event, and exits 0.
 """
@@ -239,6 +240,14 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         _check_key(request, config)
         _check_ready(state)
         return JSONResponse(_response_store(state).get(rid))
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def response_input_items(request: Request, rid: str, limit: int = 20, order: str = "desc",
+                                   after: str | None = None) -> JSONResponse:
+        """The input items of a kept response (OpenAI's list, with its paging fields)."""
+        _check_key(request, config)
+        _check_ready(state)
+        return JSONResponse(_response_store(state).input_items(rid, limit, order, after))
 
     @app.delete("/v1/responses/{rid}")
     async def delete_response(request: Request, rid: str) -> JSONResponse:

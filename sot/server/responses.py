@@ -293,6 +293,7 @@ class _Kept:
     response: dict  # the response object, as answered
     turn: list[dict]  # this request's input and its answer, as chat messages
     previous: str | None  # the response it continued
+    items: list[dict]  # this request's input, as Responses items with ids
 
 
 class ResponseStore:
@@ -313,7 +314,7 @@ class ResponseStore:
     def put(self, response: dict, request: ResponsesRequest) -> None:
         """Keep a finished ``response`` to ``request`` (its input and output as the turn)."""
         turn = request.input_messages() + _assistant_messages(response["output"])
-        self._kept[response["id"]] = _Kept(response, turn, request.previous_response_id)
+        self._kept[response["id"]] = _Kept(response, turn, request.previous_response_id, _input_items(request.input))
         self._kept.move_to_end(response["id"])
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)
@@ -321,6 +322,25 @@ class ResponseStore:
     def get(self, rid: str) -> dict:
         """The response object kept under ``rid`` (a 404 when it is not kept)."""
         return self._find(rid).response
+
+    def input_items(self, rid: str, limit: int = 20, order: str = "desc", after: str | None = None) -> dict:
+        """OpenAI's list of the input items of response ``rid``: ``limit`` of them (1 to
+        100), newest first (``order`` ``desc``) or oldest first (``asc``), from the item after
+        ``after``."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be in 1..100, got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+        items = self._find(rid).items
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after: response {rid!r} has no input item {after!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     def delete(self, rid: str) -> None:
         self._find(rid)
@@ -351,6 +371,25 @@ class ResponseStore:
                            code="not_found")
         self._kept.move_to_end(rid)
         return kept
+
+
+_ITEM_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+
+
+def _input_items(given: str | list[dict]) -> list[dict]:
+    """A request's ``input`` as Responses items, each with an id (a message's text as parts)."""
+    items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        item.setdefault("id", _ITEM_PREFIX.get(kind, "item_") + secrets.token_hex(12))
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("status", "completed")
+        out.append(item)
+    return out
 
 
 def _assistant_messages(output: list[dict]) -> list[dict]:
