@@ -651,6 +651,29 @@ def test_a_disconnect_frees_the_slot(default_server) -> None:
     _assert_aborted_and_freed(server, aborted)
 
 
+def test_continuous_usage_stats(tiny_server) -> None:
+    """vLLM's ``continuous_usage_stats``: every chunk of a stream (two choices here) carries
+    the usage so far, growing to the final usage chunk's; without it the chunks carry none."""
+    body = _chat("abc abc abc", max_tokens=12, temperature=0.8, seed=2, n=2, stream=True,
+                 stream_options={"include_usage": True, "continuous_usage_stats": True})
+
+    def chunks(payload: dict) -> list[dict]:
+        with httpx.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=payload, headers=AUTH,
+                          timeout=60) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    got = chunks(body)
+    usages = [c["usage"] for c in got]
+    assert all(u is not None for u in usages)
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[0] == 0
+    assert not got[-1]["choices"] and usages[-1]["completion_tokens"] > 0  # the final usage chunk
+    assert usages[-2]["completion_tokens"] == usages[-1]["completion_tokens"]
+    assert usages[-2]["prompt_tokens"] == usages[-1]["prompt_tokens"]
+    plain = chunks({**body, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == done[-1]
+
+
 def test_responses_are_kept_and_continued(tiny_server) -> None:
     """A finished response is kept: ``previous_response_id`` continues its conversation
     (the answer equals the chat completion of the whole conversation), a streamed one is kept

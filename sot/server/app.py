@@ -5,8 +5,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/resp
 ``GET /v1/responses/{id}/input_items`` for kept ones), ``GET /v1/models`` (and
 ``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the
 server drains, 200 when ready) and ``GET /metrics`` (Prometheus text). Every error is an
-OpenAI-style JSON body with its status; a full queue answers 429 with ``Retry-After``. A client that disconnects aborts its request.
-On SIGTERM the server stops accepting requests, lets running ones finish for
+OpenAI-style JSON body with its status; a full queue answers 429 with ``Retry-After``. A
+client that disconnects aborts its request. On SIGTERM the server stops accepting requests, lets running ones finish for
 ``shutdown_timeout`` seconds, ends the rest with a final ``abort`` event, and exits 0.
 """
 from __future__ import annotations
@@ -506,6 +506,13 @@ def _usage(choices: list[_Choice], results: list[SequenceResult | None]) -> dict
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _usage_so_far(choices: list[_Choice]) -> dict:
+    """The usage of a streaming response up to now (each prompt counted once)."""
+    prompt = sum(len(c.prompt) for c in choices if c.first_sample)
+    completion = sum(len(c.text.ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def _figures(results: list[SequenceResult | None]) -> dict | None:
     """SoT's figures of a response: those of its one choice, or summed over its choices
     (``mean_accept_len`` over all their steps)."""
@@ -570,9 +577,11 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     started = time.monotonic()
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(state, choices, rid, body.model, chat, include_usage, body.return_token_ids),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        running = include_usage and bool(options.continuous_usage_stats)
+        events = _stream(state, choices, rid, body.model, chat, include_usage, body.return_token_ids, running)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         finals = await asyncio.gather(*(_collect(request, state, c) for c in choices))
     finally:
@@ -658,9 +667,10 @@ async def _collect(request: Request, state: ServerState, choice: _Choice) -> Upd
 
 
 async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: str, chat: bool,
-                  include_usage: bool, token_ids: bool = False) -> AsyncIterator[str]:
+                  include_usage: bool, token_ids: bool = False, running_usage: bool = False) -> AsyncIterator[str]:
     """Server-sent events of one request's choices, in the order their tokens come; if the
-    client goes away the generator is closed and every unfinished choice aborted."""
+    client goes away the generator is closed and every unfinished choice aborted. With
+    ``running_usage`` (vLLM's ``continuous_usage_stats``) every chunk carries the usage so far."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -678,7 +688,7 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
             choice["token_ids"] = ids or []
         payload = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
         if include_usage:
-            payload["usage"] = None
+            payload["usage"] = _usage_so_far(choices) if running_usage else None
         payload.update(extra or {})
         return sse(payload)
 

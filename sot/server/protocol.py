@@ -40,8 +40,12 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``, with vLLM's ``continuous_usage_stats`` (with
+    ``include_usage``: every chunk carries the usage so far)."""
+
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class ResponseFormat(BaseModel):
