@@ -6,8 +6,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/resp
 ``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the
 server drains, 200 when ready) and ``GET /metrics`` (Prometheus text). Every error is an
 OpenAI-style JSON body with its status; a full queue answers 429 with ``Retry-After``. A
-client that disconnects aborts its request. On SIGTERM the server stops accepting requests, lets running ones finish for
-``shutdown_timeout`` seconds, ends the rest with a final ``abort`` event, and exits 0.
+client that disconnects aborts its request. On SIGTERM the server stops accepting requests,
+lets running ones finish for ``shutdown_timeout`` seconds, ends the rest with a final
+``abort`` event, and exits 0.
 """
 from __future__ import annotations
 
