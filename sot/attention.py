@@ -174,15 +174,10 @@ def build_tree_layout(
             [[a + length if a >= 0 else -1 for a in row] for row in anc] + [pad_row] * (num_rows - len(anc))
             for length, anc in zip(lengths, ancestors)
         ]
-        if gpu:  # (int32, on the cache's device)
-            dev = cache.keys.device
-            kernel = KernelInputs(torch.tensor(lengths, dtype=torch.int32).to(dev),
-                                  torch.tensor(table, dtype=torch.int32).to(dev),
-                                  torch.tensor([len(a) for a in ancestors], dtype=torch.int32).to(dev))
-        else:
-            kernel = KernelInputs(
-                torch.tensor(lengths), torch.tensor(table), torch.tensor([len(a) for a in ancestors])
-            )
+        # the CPU kernel reads int64 on the host, the GPU kernel int32 on the cache's device
+        kind, dev = (torch.int32, cache.keys.device) if gpu else (torch.int64, None)
+        kernel = KernelInputs(*(torch.tensor(v, dtype=kind, device=dev)
+                                for v in (lengths, table, [len(a) for a in ancestors])))
         return TreeLayout(write_slots=write_slots, kernel=kernel)
     n = min(num_rows, round_up(max(len(a) for a in ancestors), ROW_ALIGN))
     far_ends = torch.zeros(batch, n, dtype=torch.long)

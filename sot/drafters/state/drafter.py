@@ -68,7 +68,7 @@ class _SeqState:
 class _Growth:
     """A tree being grown for one sequence: candidate nodes and the draft rows behind them."""
 
-    def __init__(self, seq: _SeqState, root: int, root_pos: int, source: DraftInput | None = None) -> None:
+    def __init__(self, seq: _SeqState, root: int, root_pos: int, source: DraftInput) -> None:
         self.seq, self.root, self.root_pos = seq, root, root_pos
         self.source = source  # what the engine gave (its context and rules)
         # candidate nodes: token, parent (-1 = root), depth, cumulative log-prob
@@ -280,7 +280,9 @@ class StateDrafter(Drafter):
         floor = math.log(least) if least > 0 and not fixed else -math.inf
         self.passes += 1
         last = torch.stack([gr.seq.last for gr in growths])  # [B, D]
-        bases: dict[int, tuple] = {}  # per growth, its request's rules over the committed context
+        # per growth, its request's rules over the committed context (None: no growth has rules)
+        ruled = self.follow_rules and any(gr.source.rules is not None for gr in growths)
+        bases: dict[int, tuple] | None = {} if ruled else None
         logp = torch.log_softmax(self._with_rules(p.logits(last).float(), [(gr, -1) for gr in growths], bases), dim=-1)
         val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
         for gr, vs, ids in zip(growths, val.tolist(), idx.tolist()):
@@ -334,17 +336,18 @@ class StateDrafter(Drafter):
                 cand.sort(key=lambda c: -gr.score[c])
                 gr.frontier = cand[:k_top]
 
-    def _with_rules(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict) -> torch.Tensor:
+    def _with_rules(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict | None) -> torch.Tensor:
         """``logits [M, Vd]`` (float32, over the draft vocabulary) with each row's request
         rules applied as :mod:`sot.logit_rules` applies them to the target's row: bias, then
         the repetition penalty over the prompt and answer, then the frequency and presence
         penalties over the answer, each counting the drafted tokens on the row's path (row
-        ``(growth, node)`` predicts the token after ``node``; ``-1``: after the root)."""
-        if not self.follow_rules or all(gr.source is None or gr.source.rules is None for gr, _ in rows):
+        ``(growth, node)`` predicts the token after ``node``; ``-1``: after the root).
+        ``bases`` caches each growth's counts for one tree; ``None``: no row has rules."""
+        if bases is None:
             return logits
         x = logits.clone()
         for i, (gr, node) in enumerate(rows):
-            rules = gr.source.rules if gr.source is not None else None
+            rules = gr.source.rules
             if rules is None:
                 continue
             if id(gr) not in bases:
