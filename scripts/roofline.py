@@ -1,10 +1,12 @@
 """Roofline report of this machine: how close each exact path's passes come to the machine's peaks.
 
-For each path the machine can run (float32 over GGUF 4-bit blocks, float32 panels, bfloat16), on
-the default model after a 256-token context:
+For each path the machine can run (float32 over GGUF 4-bit blocks, float32 panels, bfloat16, and
+``--dtype int8``'s 8-bit integer products over the blocks), on the default model after a 256-token
+context:
 - the one-row pass (plain decoding's) and the 16-row verify pass, whole, fastest of rounds;
 - the products alone (every packed weight of the pass, at 1 and 16 rows): achieved GB/s of weight
-  bytes at one row, achieved GFLOP/s at 16 rows;
+  bytes at one row, achieved GFLOP/s at 16 rows (for int8, integer multiply-adds counted as two
+  operations, against the float32 peak);
 - a breakdown of each pass by part: products, attention, norms, rope with the cache write, and the
   rest (embedding, activation, Python and dispatch), timed by wrapping each part's function; where
   the layers run as one compiled call, the breakdown is of the Python loop over the same kernels
@@ -111,7 +113,7 @@ def weight_bytes(lin) -> int:
     return sum(p.numel() * p.element_size() for p in parts if isinstance(p, torch.Tensor))
 
 
-def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: PartTimer) -> dict:
+def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: PartTimer, int8: bool = False) -> dict:
     from sot.attention import build_tree_layout
     from sot.models.adapter import TargetModel
     from sot.models.loading import load_model
@@ -120,7 +122,7 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        loaded = load_model("default", dtype=dtype)
+        loaded = load_model("default", dtype=dtype, int8=int8)
         target = TargetModel(loaded.model)
     finally:
         for k, v in saved.items():
@@ -131,7 +133,7 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
     fast = target.fast
     fast.kernel = _KernelProxy(fast.kernel, timer) if fast.kernel is not None else None
     linears = [fast.lm_head] + [lin for lay in fast.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
-    kinds = sorted({("blocks" if isinstance(lin.packed, tuple) else lin.kind) for lin in linears})
+    kinds = sorted({("int8" if lin.int8 else "blocks" if isinstance(lin.packed, tuple) else lin.kind) for lin in linears})
     nbytes = sum(weight_bytes(lin) for lin in linears)
     params = sum(lin.weight.numel() for lin in linears)
 
@@ -141,7 +143,7 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
     prompt = torch.randint(0, vocab, (CONTEXT,), generator=gen)
     target.prefill(cache, 0, prompt)
     cache.set_length(0, CONTEXT)
-    out = {"path": name, "dtype": str(dtype).removeprefix("torch."), "kernels": kinds,
+    out = {"path": name, "dtype": str(dtype).removeprefix("torch."), "int8": int8, "kernels": kinds,
            "weight_mb": round(nbytes / 1e6, 1), "params_m": round(params / 1e6, 1)}
     for rows in (1, 16):
         tree = tree_from_parents(prompt[-rows:].tolist(), [-1] + [(i - 1) // 2 for i in range(1, rows)])
@@ -239,7 +241,7 @@ def report(data: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/roofline", help="folder for <machine>.json and <machine>.md")
-    ap.add_argument("--paths", default="blocks,panels,bf16", help="paths to measure (blocks, panels, bf16)")
+    ap.add_argument("--paths", default="blocks,panels,bf16,int8", help="paths to measure (blocks, panels, bf16, int8)")
     args = ap.parse_args()
 
     from sot.machine import machine_info
@@ -251,11 +253,12 @@ def main() -> None:
              "gflop_s_bfloat16": peak_flops(torch.bfloat16)}
     known = {"blocks": ("float32, 4-bit blocks", torch.float32, {}),
              "panels": ("float32, panels", torch.float32, {"SOT_NO_BLOCKS": "1"}),
-             "bf16": ("bfloat16", torch.bfloat16, {})}
+             "bf16": ("bfloat16", torch.bfloat16, {}),
+             "int8": ("int8 products, 4-bit blocks", torch.float32, {})}
     paths = []
     for key in args.paths.split(","):
         name, dtype, env = known[key.strip()]
-        paths.append(measure_path(name, dtype, env, timer))
+        paths.append(measure_path(name, dtype, env, timer, int8=key.strip() == "int8"))
         print(f"{name}: one row {paths[-1]['rows1']['pass_ms']:.2f} ms, 16 rows {paths[-1]['rows16']['pass_ms']:.2f} ms",
               flush=True)
     data = {"machine": machine, "peaks": peaks, "paths": paths}

@@ -202,7 +202,7 @@ class SoT:
             raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}")
         dev = resolve_device(device)
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
-        loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora)
+        loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)
         stores = None
         if drafter == "auto":
             kind = auto_drafter_kind(loaded.model, predictor)

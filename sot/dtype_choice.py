@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from sot.machine import machine_key
-from sot.models.loading import DTYPES, cache_root, keep_json, native_bf16, resolve_model_path
+from sot.models.loading import DTYPES, INT8, MODE_DTYPES, cache_root, keep_json, native_bf16, resolve_model_path
 
 #: modes timed by ``auto``, in the order they are tried (float32 first: exact everywhere)
 CANDIDATES = ("float32", "bfloat16")
@@ -93,7 +93,13 @@ class DtypeChoice:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The parameter dtype of the mode."""
+        return MODE_DTYPES[self.dtype]
+
+    @property
+    def int8(self) -> bool:
+        """Whether the products run in 8-bit integers (``--dtype int8``)."""
+        return self.dtype == INT8
 
     def summary(self) -> str:
         """A few lines for ``-v``: the choice, where it came from, each mode's timings."""

@@ -74,6 +74,20 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
     return model.to(dtype)
 
 
+def blockify(model: torch.nn.Module, head: bool = False) -> torch.nn.Module:
+    """``model`` with every decoder-layer weight (and with ``head`` the output layer's) rounded
+    to a grid of exact GGUF Q4_1 blocks of 32 inputs, as a model dequantized from a GGUF file
+    has them (in place; returns the model)."""
+    modules = list(model.model.layers.modules()) + ([model.lm_head] if head else [])
+    for lin in modules:
+        if isinstance(lin, torch.nn.Linear):
+            w = lin.weight.data.reshape(lin.weight.shape[0], -1, 32)
+            low = w.min(-1, keepdim=True).values.half().float()
+            d = ((w.max(-1, keepdim=True).values - low) / 15).half().float()
+            lin.weight.data = (d * torch.round((w - low) / d).clamp(0, 15) + low).reshape(lin.weight.shape)
+    return model
+
+
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Hugging Face ``generate(do_sample=False)`` continuation of ``prompt``."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)

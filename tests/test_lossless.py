@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ARCHS, RandomTreeDrafter, clone, hf_greedy, random_prompts, tiny_model
+from helpers import ARCHS, RandomTreeDrafter, blockify, clone, hf_greedy, random_prompts, tiny_model
 from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.kernels import cpu_kernels
 from sot.models.adapter import TargetModel
+from sot.models.loading import INT8_ATTR
 
 NEW = 40
 LENGTHS = (7, 30, 75)  # different prompt lengths in one batch
@@ -117,7 +118,8 @@ def test_fast_path_matches_generic_path_bit_for_bit() -> None:
 
 
 @pytest.mark.parametrize("arch,products,dtype", [
-    ("llama", "panels", torch.float32), ("llama", "blocks", torch.float32), ("qwen2", "panels", torch.float32),
+    ("llama", "panels", torch.float32), ("llama", "blocks", torch.float32), ("llama", "int8", torch.float32),
+    ("qwen2", "panels", torch.float32),
     ("mistral", "blocks", torch.float32), ("llama", "onednn", torch.float32), ("llama", "onednn-short", torch.float32),
     ("llama", "onednn", torch.bfloat16),
     ("mistral", "onednn", torch.bfloat16),
@@ -128,7 +130,8 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
     as the Python loop over the same kernels: padded and flat-packed passes of two sequences,
     a sliding window (Mistral), a bias (Qwen2); float32 on SoT's panels and 4-bit blocks, and
     on oneDNN's packed products (as bfloat16 runs where oneDNN packs it: CPUs with AVX-512),
-    also where short blocks must be padded to whole ones ("onednn-short")."""
+    also where short blocks must be padded to whole ones ("onednn-short"); and the 8-bit integer
+    products of ``--dtype int8`` over the blocks."""
     import sot.kernels.linear
     import sot.models.fast_llama
     from sot.tree import tree_from_paths
@@ -143,16 +146,7 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
         monkeypatch.setattr(sot.models.fast_llama, "fused_rms_norm", lambda dtype, device: kernels.rms_norm_f32)
     if products == "onednn-short":
         monkeypatch.setattr(sot.kernels.linear.PackedLinear, "_probe_partial_blocks", lambda self: False)
-    blocks = products == "blocks"
-
-    def blockify(model: torch.nn.Module) -> torch.nn.Module:  # every weight a grid of exact Q4_1 blocks
-        for lin in model.model.layers.modules():
-            if isinstance(lin, torch.nn.Linear):
-                w = lin.weight.data.reshape(lin.weight.shape[0], -1, 32)
-                low = w.min(-1, keepdim=True).values.half().float()
-                d = ((w.max(-1, keepdim=True).values - low) / 15).half().float()
-                lin.weight.data = (d * torch.round((w - low) / d).clamp(0, 15) + low).reshape(lin.weight.shape)
-        return model
+    blocks = products in ("blocks", "int8")
 
     model = tiny_model(arch, seed=5, **({"sliding_window": 24} if arch == "mistral" else {}))
     if blocks:
@@ -161,7 +155,9 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
     for compiled in (True, False):
         if not compiled:
             monkeypatch.setenv("SOT_NO_LAYER_CALL", "1")
-        target = TargetModel(clone(model, dtype), state_layers=(0, 1, 2))
+        copy = clone(model, dtype)
+        setattr(copy, INT8_ATTR, products == "int8")
+        target = TargetModel(copy, state_layers=(0, 1, 2))
         monkeypatch.delenv("SOT_NO_LAYER_CALL", raising=False)
         linears = [lin for lay in target.fast.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
         if dtype == torch.bfloat16 and any(lin.kind != "mkldnn" for lin in linears):
@@ -171,6 +167,7 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
             assert not any(lin.partial_ok for lin in linears)
         assert (target.fast.layer_call is not None) == compiled
         assert all(isinstance(lin.packed, tuple) == blocks for lin in linears)
+        assert all(lin.int8 == (products == "int8") for lin in linears)
         prompts = random_prompts((37, 29), seed=8)
         outs = []
         for flat in (False, True):

@@ -161,14 +161,13 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
     if cfg.hf_dtype not in DTYPES:
         raise ConfigError(f"--hf-dtype must be one of {', '.join(DTYPES)}, got {cfg.hf_dtype!r}")
     device = resolve_device(cfg.device)
-    engine_dtype = resolve_choice(cfg.dtype, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor),
-                                  device=str(device)).torch_dtype
+    engine_mode = resolve_choice(cfg.dtype, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor), device=str(device))
     methods: list[BenchMethod] = []
     tokenizer = None
     target = None
     engine_methods = [m for m in cfg.methods if _is_engine(m)]
     if engine_methods:
-        loaded = load_model(cfg.model, dtype=engine_dtype, device=device)
+        loaded = load_model(cfg.model, dtype=engine_mode.torch_dtype, device=device, int8=engine_mode.int8)
         tokenizer = loaded.tokenizer
         drafters = {m: _drafter(cfg, m, loaded.model) for m in engine_methods}
         layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))

@@ -39,7 +39,9 @@ positive_float = _checked(float, "a number", lambda v: v > 0, "> 0")
 
 #: values of --dtype (sot.models.loading.resolve_dtype interprets them; kept here so that
 #: parsing arguments does not import torch; a test checks that the two lists agree)
-DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "int8")
+#: the float modes only: where the target's states are recorded for training or weights written
+FLOAT_DTYPE_CHOICES = tuple(d for d in DTYPE_CHOICES if d != "int8")
 
 
 #: ``--drafter`` choices; ``auto`` is resolved by :meth:`sot.api.SoT.load`
@@ -72,8 +74,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="engine dtype (default auto: the mode that decodes fastest here, timed once per machine, "
-                        "model and drafter and kept under ~/.cache/sot)")
+                   help="engine dtype (default auto: the faster of float32 and bfloat16 here, timed once per machine, "
+                        "model and drafter and kept under ~/.cache/sot); int8: products in 8-bit integers over a "
+                        "GGUF model's blocks, as llama.cpp computes them (faster on CPUs; answers differ slightly "
+                        "from float32's, and speculation stays exact)")
     add_device_arg(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print how --dtype was chosen, with the timings")
     add_tree_args(p)

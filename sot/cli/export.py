@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sot.cli.common import DTYPE_CHOICES
+from sot.cli.common import FLOAT_DTYPE_CHOICES
 
 #: formats ``sot export`` writes
 EXPORT_FORMATS = ("eagle3",)
 #: weight dtypes of an exported checkpoint: the engine's, without ``auto``
-EXPORT_DTYPES = tuple(d for d in DTYPE_CHOICES if d != "auto")
+EXPORT_DTYPES = tuple(d for d in FLOAT_DTYPE_CHOICES if d != "auto")
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from sot.cli.common import DTYPE_CHOICES, add_device_arg, positive_float, positive_int
+from sot.cli.common import FLOAT_DTYPE_CHOICES, add_device_arg, positive_float, positive_int
 from sot.drafters.state.config import ARCHES, default_state_layers
 from sot.online.loss import OnlineLossConfig
 from sot.train.acceptance import PolicyTrainConfig
@@ -71,7 +71,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                            "--data (default: the sharegpt-heldout split, whatever --data is)")
     prep.add_argument("--seq-len", type=positive_int, default=1024)
     prep.add_argument("--layers", default=None, help="hidden-state layers, e.g. 2,15,27 (default: 2, L/2, L-3)")
-    prep.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+    prep.add_argument("--dtype", choices=FLOAT_DTYPE_CHOICES, default="auto",
                       help="dtype the target runs in (auto: bfloat16 where the hardware computes it natively, "
                            "else float32); the cache stores bf16 either way")
     add_device_arg(prep)
@@ -147,7 +147,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                     help="recorded data kept; the oldest shards go beyond it")
     op.add_argument("--max-seconds", type=float, default=OnPolicyConfig.max_seconds,
                     help="stop (with a checkpoint) after this much decoding and training time")
-    op.add_argument("--dtype", choices=DTYPE_CHOICES, default=OnPolicyConfig.dtype)
+    op.add_argument("--dtype", choices=FLOAT_DTYPE_CHOICES, default=OnPolicyConfig.dtype)
     op.add_argument("--seed", type=int, default=OnPolicyConfig.seed)
 
     pol = tsub.add_parser("policy", help="train a commit policy from logged decoding traces: the acceptance "
@@ -169,7 +169,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                      help="comma list of sampling temperatures to decode at (coupled sampling)")
     pol.add_argument("--batch-sizes", default=",".join(str(b) for b in PolicyTrainConfig.batch_sizes),
                      help="comma list of batch sizes; they take turns over the prompts")
-    pol.add_argument("--dtype", choices=DTYPE_CHOICES, default=PolicyTrainConfig.dtype)
+    pol.add_argument("--dtype", choices=FLOAT_DTYPE_CHOICES, default=PolicyTrainConfig.dtype)
     pol.add_argument("--epochs", type=positive_int, default=PolicyTrainConfig.epochs,
                      help="epochs of the acceptance model's fit (--kind learned)")
     pol.add_argument("--rl-epochs", type=positive_int, default=PolicyTrainConfig.rl_epochs,

@@ -18,7 +18,7 @@ from types import ModuleType
 
 
 #: the kernel sources, compiled into one module
-SOURCES = ("attention.cpp", "linear.cpp", "norm_rope.cpp", "layers.cpp", "module.cpp")
+SOURCES = ("attention.cpp", "linear.cpp", "linear_int8.cpp", "norm_rope.cpp", "layers.cpp", "module.cpp")
 #: what they include from this folder
 HEADERS = ("common.h",)
 

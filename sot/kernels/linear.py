@@ -42,26 +42,23 @@ def _fp16_candidates(approx: torch.Tensor) -> list[torch.Tensor]:
     return [(bits + off).view(torch.float16).float() for off in (0, -1, 1, -2, 2)]
 
 
-def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def block_grid(weight: torch.Tensor, width: int = 16
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0:
-    ``w = d * q``) blocks of 32 inputs, in the panel layout of the compiled
-    ``linear_blocks_f32``: ``(data, scale, mins)`` (``mins`` empty for 8-bit), or ``None``
-    when some block is not exactly of that form. Every decoded weight is checked to equal
-    the float32 one bit for bit, so a product over the blocks equals ``linear_f32``'s.
-
-    A model dequantized from a GGUF file (the default model) has such weights: it then reads
-    an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
+    ``w = d * q``) blocks of 32 inputs: ``(q [N', K/32, 32] int16, d [N', K/32], m [N', K/32]
+    or None for 8-bit)``, with ``N`` zero-padded to ``N'``, a multiple of ``width``; ``None``
+    when some block is not exactly of that form. Every decoded weight is checked to equal the
+    float32 one bit for bit (decoded as the kernels do: ``d * q``, then ``+ m``)."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % 32 or n == 0:
         return None
-    panels = -(-n // 16)
+    padded = -(-n // width) * width
     w = weight.detach()
-    if panels * 16 != n:
-        w = torch.cat([w, w.new_zeros(panels * 16 - n, k)])
-    blocks = w.reshape(panels * 16, k // 32, 32)
+    if padded != n:
+        w = torch.cat([w, w.new_zeros(padded - n, k)])
+    blocks = w.reshape(padded, k // 32, 32)
 
     def solve(levels: range, offset: torch.Tensor | None, spread: torch.Tensor):
-        # decoded exactly as the kernel does: d * q, then + m (4-bit), each step rounded
         found = torch.zeros(blocks.shape[:2], dtype=torch.bool)
         scale = torch.zeros(blocks.shape[:2])
         q = torch.zeros(blocks.shape, dtype=torch.int16)
@@ -78,21 +75,61 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
                 break
         return bool(found.all()), scale, q
 
-    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16]
-        return t.reshape(panels, 16, k // 32).transpose(1, 2).contiguous()
-
     low = blocks.min(-1).values
     if bool((low.to(torch.float16).float() == low).all()):
         ok, scale, q = solve(range(0, 16), low, (blocks.max(-1).values - low) / 15)
-        if ok:  # 4-bit: byte j holds column j (low nibble) and column j + 8 (high nibble)
-            q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
-            data = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
-            return data, per_panel(scale), per_panel(low)
+        if ok:
+            return q, scale, low
     ok, scale, q = solve(range(-128, 128), None, blocks.abs().max(-1).values / 127)
-    if ok:
-        data = q.to(torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1).contiguous()
-        return data, per_panel(scale), torch.empty(0)
-    return None
+    return (q, scale, None) if ok else None
+
+
+def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`) in the
+    panel layout of the compiled ``linear_blocks_f32``: ``(data, scale, mins)`` (``mins`` empty
+    for 8-bit), or ``None`` when the weight is not such a grid. A product over the blocks
+    equals ``linear_f32``'s on the float32 weight.
+
+    A model dequantized from a GGUF file (the default model) has such weights: it then reads
+    an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
+    grid = block_grid(weight)
+    if grid is None:
+        return None
+    q, scale, low = grid
+    panels, k = q.shape[0] // 16, weight.shape[1]
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16]
+        return t.reshape(panels, 16, k // 32).transpose(1, 2).contiguous()
+
+    if low is not None:  # 4-bit: byte j holds column j (low nibble) and column j + 8 (high nibble)
+        q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
+        data = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
+        return data, per_panel(scale), per_panel(low)
+    data = q.to(torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1).contiguous()
+    return data, per_panel(scale), torch.empty(0)
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`) in the
+    8-column panel layout of the compiled ``linear_int8`` (see ``linear_int8.cpp``):
+    ``(data, scale, mins)``, ``mins`` empty for 8-bit blocks; ``None`` when the weight is not
+    such a grid."""
+    grid = block_grid(weight, width=8)
+    if grid is None:
+        return None
+    q, scale, low = grid
+    panels, nb = q.shape[0] // 8, q.shape[1]
+    # [panels, 8 columns, nb, 32 inputs] -> [panels, nb, groups of 4 inputs, 8 columns, 4]
+    q = q.reshape(panels, 8, nb, 8, 4).permute(0, 2, 3, 1, 4)
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 8, nb] -> [panels, nb, 8]
+        return t.reshape(panels, 8, nb).transpose(1, 2).contiguous()
+
+    if low is not None:  # 4-bit: group 2j in the low nibbles, group 2j + 1 in the high ones
+        q = q.to(torch.uint8)
+        data = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(panels, nb, 128).contiguous()
+        return data, per_panel(scale), per_panel(low)
+    return q.to(torch.int8).reshape(panels, nb, 256).contiguous(), per_panel(scale), torch.empty(0)
 
 
 class PackedLinear:
@@ -113,10 +150,19 @@ class PackedLinear:
     (:func:`pack_blocks`; same bits, a sixth of the memory traffic). ``compress=False`` or the
     environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels; ``SOT_NO_FUSED_BLOCKS=1``
     decodes every block product through a float32 panel copy instead of in registers.
+
+    ``int8=True`` multiplies such a weight in 8-bit integers instead (``linear_int8``: each
+    input row rounded to 8-bit blocks, llama.cpp's arithmetic; :func:`pack_int8`). Its rows are
+    just as independent of each other, but its results are not float32's: the ``--dtype int8``
+    mode. A weight that is not a grid of blocks keeps the float32 kernel.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compress: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compress: bool = True,
+                 int8: bool = False) -> None:
         self.compress = compress and not os.environ.get("SOT_NO_BLOCKS")
+        self.int8_wanted = int8
+        #: the products run in 8-bit integers (``linear_int8``)
+        self.int8 = False
         #: block products decode in registers or small L1 blocks (else through a float32 panel copy)
         self.fused = os.environ.get("SOT_NO_FUSED_BLOCKS", "0") != "1"
         self.weight = weight.detach().contiguous()
@@ -148,10 +194,16 @@ class PackedLinear:
             self._pack(first)
 
     def _pack(self, kind: str) -> bool:
+        self.int8 = False
         try:
             if kind == "sot":
-                blocks = pack_blocks(self.weight) if self.compress else None
+                blocks = int8 = None
+                if self.int8_wanted:
+                    blocks = int8 = pack_int8(self.weight)
+                if blocks is None and self.compress:
+                    blocks = pack_blocks(self.weight)
                 self.packed = blocks if blocks is not None else pack_panels(self.weight)
+                self.int8 = int8 is not None
             elif kind == "mkldnn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROW_UNIT)
             else:
@@ -173,6 +225,8 @@ class PackedLinear:
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "sot":
+            if self.int8:
+                return self.kernel.linear_int8(x, *self.packed, self.weight.shape[0], self.bias)
             if isinstance(self.packed, tuple):
                 return self.kernel.linear_blocks_f32(x, *self.packed, self.weight.shape[0], self.bias, self.fused)
             return self.kernel.linear_f32(x, self.packed, self.weight.shape[0], self.bias)

@@ -23,6 +23,7 @@ from sot.errors import UnsupportedModelError
 from sot.kernels import cpu_kernels
 from sot.kernels.linear import PackedLinear, fused_rms_norm
 from sot.models.fast_llama import FAST_FAMILIES, FastLlama
+from sot.models.loading import INT8_ATTR
 from sot.models.rows import ROW_UNIT
 from sot.packing import pack_trees
 from sot.prefix_cache import PREFILL_CHUNK
@@ -49,7 +50,7 @@ def _packed(module: torch.nn.Module, weight_nk: Callable[[], torch.Tensor]) -> P
     key = (module.weight.data_ptr(), module.weight._version)
     cached = getattr(module, "_sot_packed", None)
     if cached is None or cached[0] != key:
-        cached = (key, PackedLinear(weight_nk(), module.bias))
+        cached = (key, PackedLinear(weight_nk(), module.bias, int8=getattr(module, "_sot_int8", False)))
         module._sot_packed = cached
     return cached[1]
 
@@ -71,16 +72,18 @@ def _stable_conv1d_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Te
     return _packed(module, lambda: module.weight.t())(flat, stable=True).view(*x.shape[:-1], -1)
 
 
-def make_row_stable(model: torch.nn.Module) -> None:
-    """Swap every ``nn.Linear`` (and GPT-2 ``Conv1D``) of ``model`` for a row-stable version.
+def make_row_stable(model: torch.nn.Module, int8: bool = False) -> None:
+    """Swap every ``nn.Linear`` (and GPT-2 ``Conv1D``) of ``model`` for a row-stable version
+    (``int8``: its products in 8-bit integers where its weight is a grid of GGUF blocks).
 
     Parameters are shared, not copied; tied embeddings stay tied.
     """
     from transformers.pytorch_utils import Conv1D
 
     for module in model.modules():
-        if type(module) is torch.nn.Linear:
+        if type(module) in (torch.nn.Linear, RowStableLinear):
             module.__class__ = RowStableLinear
+            module._sot_int8 = int8
         elif isinstance(module, Conv1D):
             module.forward = _stable_conv1d_forward.__get__(module)
 
@@ -202,7 +205,9 @@ class TargetModel:
             raise UnsupportedModelError(
                 f"{type(model).__name__} does not support custom attention functions: {exc}"
             ) from exc
-        make_row_stable(model)
+        #: products in 8-bit integers over the GGUF blocks (``--dtype int8``, set by load_model)
+        self.int8 = bool(getattr(model, INT8_ATTR, False))
+        make_row_stable(model, self.int8)
         use_fused_norms(model)
         self.model = model
         self.config = config
@@ -223,7 +228,11 @@ class TargetModel:
                           "in rare near-ties (pip install triton)", RuntimeWarning, stacklevel=2)
         self.fast = None
         if fast and getattr(config, "model_type", "") in FAST_FAMILIES:
-            self.fast = FastLlama(model)
+            self.fast = FastLlama(model, int8=self.int8)
+            if self.int8 and not self.fast.int8_products:
+                warnings.warn("--dtype int8 multiplies weights stored as GGUF Q4_1 or Q8_0 blocks (a model loaded from "
+                              "a .gguf file, like the default one); this model has none, so its products run in "
+                              "float32", RuntimeWarning, stacklevel=2)
         #: a verify pass's rows per sequence must be a multiple of this
         self.row_multiple = self.fast.row_multiple if self.fast is not None else ROW_UNIT
 

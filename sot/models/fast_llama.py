@@ -30,6 +30,16 @@ def layer_window(attention: torch.nn.Module, config: object) -> int | None:
     return getattr(config, "sliding_window", None) or None
 
 
+def _product_kind(lin: PackedLinear) -> str:
+    """How the compiled layer call runs a product (``layers.cpp``): on SoT's float32 panels,
+    4/8-bit blocks decoded to float32, 8-bit integer products, or oneDNN."""
+    if lin.kind == "mkldnn":
+        return "onednn"
+    if lin.int8:
+        return "int8"
+    return "blocks" if isinstance(lin.packed, tuple) else "panels"
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor
@@ -44,7 +54,8 @@ class _Layer:
 class FastLlama:
     """Forward of a transformers Llama-family model over rows with explicit positions."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, int8: bool = False) -> None:
+        """``int8``: products in 8-bit integers over the GGUF blocks (``--dtype int8``)."""
         core = model.model
         cfg = model.config
         self.eps = cfg.rms_norm_eps
@@ -54,7 +65,7 @@ class FastLlama:
         self.inter = cfg.intermediate_size
         self.embed = core.embed_tokens.weight
         self.norm = core.norm.weight
-        self.lm_head = PackedLinear(model.lm_head.weight)
+        self.lm_head = PackedLinear(model.lm_head.weight, int8=int8)
         self.rotary = core.rotary_emb
         self.layers = []
         for layer in core.layers:
@@ -66,10 +77,11 @@ class FastLlama:
                 _Layer(
                     ln1=layer.input_layernorm.weight,
                     ln2=layer.post_attention_layernorm.weight,
-                    qkv=PackedLinear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), bias),
-                    o=PackedLinear(att.o_proj.weight),
-                    gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                    down=PackedLinear(mlp.down_proj.weight),
+                    qkv=PackedLinear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), bias,
+                                     int8=int8),
+                    o=PackedLinear(att.o_proj.weight, int8=int8),
+                    gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), int8=int8),
+                    down=PackedLinear(mlp.down_proj.weight, int8=int8),
                     window=layer_window(att, cfg),
                 )
             )
@@ -77,6 +89,8 @@ class FastLlama:
         self.fused_norm = fused_rms_norm(self.embed.dtype, self.embed.device)
         self.kernel = cpu_kernels() if self.embed.device.type == "cpu" else None
         linears = [self.lm_head] + [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        #: how many products run in 8-bit integers (``int8``: those whose weights are GGUF blocks)
+        self.int8_products = sum(lin.int8 for lin in linears)
         #: passes may have any row count when every product is exact for partial blocks
         self.row_multiple = 1 if all(lin.partial_ok for lin in linears) else ROW_UNIT
         #: the decoder layers as one compiled call (the same kernels, in the same order), where
@@ -91,9 +105,8 @@ class FastLlama:
         if (self.kernel is None or self.fused_norm is None or os.environ.get("SOT_NO_LAYER_CALL")
                 or getattr(cfg, "attn_logit_softcapping", None) or not hasattr(self.kernel, "LlamaLayers")):
             return None
-        kinds = {"sot": "panels", "mkldnn": "onednn"}
         linears = [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
-        if any(lin.kind not in kinds for lin in linears):
+        if any(lin.kind not in ("sot", "mkldnn") for lin in linears):
             return None
         call = self.kernel.LlamaLayers(self.eps, self.num_heads, self.num_kv_heads, self.head_dim, self.inter,
                                        self.scaling)
@@ -102,7 +115,7 @@ class FastLlama:
             call.add(lay.ln1, lay.ln2,
                      [list(lin.packed) if isinstance(lin.packed, tuple) else [lin.packed] for lin in products],
                      [lin.weight.shape[0] for lin in products], [lin.bias for lin in products],
-                     ["blocks" if isinstance(lin.packed, tuple) else kinds[lin.kind] for lin in products],
+                     [_product_kind(lin) for lin in products],
                      [lin.partial_ok for lin in products], all(lin.fused for lin in products), ROW_UNIT,
                      lay.window or 0)
         return call

@@ -25,8 +25,15 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: values of ``--dtype``: ``auto`` picks bfloat16 where the hardware computes it natively
-DTYPE_CHOICES = ("auto", *DTYPES)
+#: the mode whose products run in 8-bit integers over a GGUF model's blocks (llama.cpp's
+#: arithmetic: each product's input rounded to 8-bit blocks of 32); its parameters are float32
+INT8 = "int8"
+#: each mode's parameter dtype
+MODE_DTYPES = {**DTYPES, INT8: torch.float32}
+#: values of ``--dtype``: ``auto`` picks the faster float mode (:mod:`sot.dtype_choice`)
+DTYPE_CHOICES = ("auto", *MODE_DTYPES)
+#: the attribute that marks a loaded model for 8-bit integer products (read by the adapter)
+INT8_ATTR = "_sot_int8"
 
 
 def native_bf16(device: str | torch.device = "cpu") -> bool:
@@ -43,12 +50,13 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
 
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
-    """The torch dtype of a ``--dtype`` value (``auto``, ``bfloat16`` or ``float32``)."""
+    """The parameter dtype of a ``--dtype`` value (``auto``, ``bfloat16``, ``float32``, or
+    ``int8``, whose parameters are float32)."""
     if name == "auto":
         return torch.bfloat16 if native_bf16(device) else torch.float32
-    if name not in DTYPES:
+    if name not in MODE_DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
-    return DTYPES[name]
+    return MODE_DTYPES[name]
 
 
 #: ``--device`` by default: a CUDA GPU when one is visible, else the CPU
@@ -225,7 +233,7 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               lora: str | None = None) -> LoadedModel:
+               lora: str | None = None, int8: bool = False) -> LoadedModel:
     """Load a target model and tokenizer from a ``--model`` value.
 
     Args:
@@ -235,7 +243,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         lora: a LoRA adapter folder (PEFT's ``adapter_config.json`` and
             ``adapter_model.safetensors``) merged into the weights at load, in float32
             before the cast to ``dtype``: the merged model is the one decoded.
+        int8: run the products in 8-bit integers over the weights' GGUF blocks (``--dtype
+            int8``; float32 parameters, on the CPU).
     """
+    if int8 and (dtype != torch.float32 or torch.device(device).type != "cpu"):
+        raise ConfigError("--dtype int8 runs float32 parameters on the CPU (--device cpu)")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(spec)
@@ -256,6 +268,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
     model.to(device).eval()
+    setattr(model, INT8_ATTR, int8)
     name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else path.name
     if lora:
         name = f"{name}+{Path(lora).resolve().name}"

@@ -144,7 +144,7 @@ def cost_cache_path(target, max_rows: int) -> Path | None:
     key = json.dumps({
         "format": COST_FORMAT, "machine": machine_key(), "target": target_fingerprint(model),
         "layout": hashlib.sha256(repr(layout).encode()).hexdigest()[:16], "dtype": str(target.dtype),
-        "fast": target.fast is not None, "row_multiple": target.row_multiple, "rows": max_rows,
+        "fast": target.fast is not None, "int8": target.int8, "row_multiple": target.row_multiple, "rows": max_rows,
         "kernels": build_key() if cpu_kernels() is not None else None,  # else the PyTorch path
         "env": {k: os.environ.get(k) for k in ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_KERNELS")},
     }, sort_keys=True, default=str)

@@ -1,0 +1,194 @@
+#include "common.h"
+
+// Products in 8-bit integers over GGUF blocks of 32 inputs, llama.cpp's arithmetic: each row
+// of the input is rounded to 8-bit blocks (scale d_a = max |x| / 127, q_a = round(x / d_a)),
+// and an output is a float32 sum over the blocks, in order, of
+//   d_w * d_a * sum(q_w q_a)        (+ m_w * d_a * sum(q_a) for 4-bit blocks with a minimum),
+// with the integer sums exact. Every row is rounded and summed on its own, in the same order
+// whatever the row count, so a row's bits never depend on the other rows of the call: plain
+// decoding and tree verification agree, as with the float32 kernels. The results differ from
+// float32 products (the activations are rounded), which is why this is a mode of its own.
+//
+// Weights come in panels of 8 output columns (sot.kernels.linear.pack_int8):
+//   4-bit: data [P, K/32, 128] uint8: byte 32 j + 4 c + t holds q[c][8 j + t] (low nibble) and
+//          q[c][8 j + 4 + t] (high nibble), so a 32-byte load gives 4 inputs of 8 columns;
+//   8-bit: data [P, K/32, 256] int8: byte 32 g + 4 c + t holds q[c][4 g + t];
+//   scale (and, 4-bit, mins): [P, K/32, 8] float32.
+namespace {
+
+constexpr int64_t kCols = 8;
+constexpr int kGroupRows = 4;
+
+// x [M, K] -> qa [M, K] int8, da [M, K/32] (scales), sa [M, K/32] (d_a * sum of the block's q_a).
+void quantize_rows(const float* x, int64_t blocks, int8_t* qa, float* da, float* sa) {
+  at::parallel_for(0, blocks, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * 32;
+      float amax = 0.0f;
+      for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int sum = 0;
+      for (int t = 0; t < 32; ++t) {
+        const int q = std::clamp(static_cast<int>(std::nearbyint(xb[t] * id)), -127, 127);
+        qa[b * 32 + t] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      da[b] = d;
+      sa[b] = d * static_cast<float>(sum);
+    }
+  });
+}
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// MR rows (qa: the first row's quantized inputs, rows K apart) times one panel: out [MR][8].
+template <int MR, bool Q4>
+inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
+                      const float* scale, const float* mins, float* out) {
+  const int64_t nb = K / 32;
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    __m256i s[MR];  // Q4: 16-bit sums (at most 8 * 2 * 15 * 127); Q8: 32-bit sums
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) s[i] = _mm256_setzero_si256();
+    if (Q4) {
+      const uint8_t* blk = data + kb * 128;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
+        const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* a = qa + i * K + kb * 32 + 8 * j;
+          s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a))));
+          s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(a + 4))));
+        }
+      }
+    } else {
+      const uint8_t* blk = data + kb * 256;
+      for (int g = 0; g < 8; ++g) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * g));
+        const __m256i aw = _mm256_abs_epi8(w);  // |w| as unsigned bytes; the sign moves onto q_a
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(load4(qa + i * K + kb * 32 + 4 * g)), w);
+          s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), ones));
+        }
+      }
+    }
+    const __m256 dw = _mm256_loadu_ps(scale + kb * kCols);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256i dot = Q4 ? _mm256_madd_epi16(s[i], ones) : s[i];
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(da[i * nb + kb])), acc[i]);
+      if (Q4) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + kb * kCols), _mm256_set1_ps(sa[i * nb + kb]), acc[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kCols, acc[i]);
+}
+#else
+template <int MR, bool Q4>
+inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
+                      const float* scale, const float* mins, float* out) {
+  const int64_t nb = K / 32;
+  for (int i = 0; i < MR; ++i)
+    for (int64_t c = 0; c < kCols; ++c) {
+      float acc = 0.0f;
+      for (int64_t kb = 0; kb < nb; ++kb) {
+        int32_t dot = 0;
+        for (int t = 0; t < 32; ++t) {
+          int w;
+          if (Q4) {
+            const uint8_t byte = data[kb * 128 + 32 * (t / 8) + 4 * c + t % 4];
+            w = (t % 8) < 4 ? byte & 15 : byte >> 4;
+          } else {
+            w = reinterpret_cast<const int8_t*>(data)[kb * 256 + 32 * (t / 4) + 4 * c + t % 4];
+          }
+          dot += w * qa[i * K + kb * 32 + t];
+        }
+        acc = std::fma(static_cast<float>(dot), scale[kb * kCols + c] * da[i * nb + kb], acc);
+        if (Q4) acc = std::fma(mins[kb * kCols + c], sa[i * nb + kb], acc);
+      }
+      out[i * kCols + c] = acc;
+    }
+}
+#endif
+
+template <bool Q4>
+inline void int8_rows(int64_t rows, const int8_t* qa, const float* da, const float* sa, int64_t K,
+                      const uint8_t* data, const float* scale, const float* mins, float* out) {
+  switch (rows) {
+    case 1: int8_tile<1, Q4>(qa, da, sa, K, data, scale, mins, out); break;
+    case 2: int8_tile<2, Q4>(qa, da, sa, K, data, scale, mins, out); break;
+    case 3: int8_tile<3, Q4>(qa, da, sa, K, data, scale, mins, out); break;
+    default: int8_tile<kGroupRows, Q4>(qa, da, sa, K, data, scale, mins, out); break;
+  }
+}
+
+}  // namespace
+
+// x: [M, K] float32 (K a multiple of 32); data, scale, mins: the packed weight (mins empty for
+// 8-bit blocks); N: the output size; bias: [N] or None. Returns y [M, N] float32.
+at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
+                       std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), P = data.size(0), nb = K / 32;
+  const bool q4 = data.scalar_type() == at::kByte;
+  TORCH_CHECK(K % 32 == 0 && data.dim() == 3 && data.size(1) == nb && data.size(2) == (q4 ? 128 : 256) &&
+              (q4 || data.scalar_type() == at::kChar) && data.is_contiguous(), "packed weight mismatch");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * nb * kCols,
+              "packed weight mismatch");
+  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scale.numel()),
+              "packed weight mismatch");
+  TORCH_CHECK(P * kCols >= N, "N exceeds the packed weight");
+  at::Tensor xc = x.contiguous(), y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias size mismatch");
+    bp = b.data_ptr<float>();
+  }
+  std::vector<int8_t> qa(M * K);
+  std::vector<float> da(M * nb), sa(M * nb);
+  quantize_rows(xc.data_ptr<float>(), M * nb, qa.data(), da.data(), sa.data());
+  const uint8_t* dp = reinterpret_cast<const uint8_t*>(data.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t bytes = nb * (q4 ? 128 : 256), per = nb * kCols;
+  // rows in near-equal groups of at most kGroupRows (6 rows as 3 + 3)
+  const int64_t groups = (M + kGroupRows - 1) / kGroupRows, base = M / groups, extra = M % groups;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    float tile[kGroupRows * kCols];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kCols, cols = std::min<int64_t>(kCols, N - n0);
+      for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+        const int64_t rows = base + (g < extra ? 1 : 0);
+        const int8_t* qg = qa.data() + m0 * K;
+        const float *dg = da.data() + m0 * nb, *sg = sa.data() + m0 * nb;
+        if (q4) {
+          int8_rows<true>(rows, qg, dg, sg, K, dp + p * bytes, sp + p * per, mp + p * per, tile);
+        } else {
+          int8_rows<false>(rows, qg, dg, sg, K, dp + p * bytes, sp + p * per, nullptr, tile);
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          float* dst = yp + (m0 + i) * N + n0;
+          for (int64_t c = 0; c < cols; ++c) dst[c] = bp ? tile[i * kCols + c] + bp[n0 + c] : tile[i * kCols + c];
+        }
+        m0 += rows;
+      }
+    }
+  });
+  return y;
+}

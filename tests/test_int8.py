@@ -1,0 +1,128 @@
+"""``--dtype int8``: products in 8-bit integers over GGUF blocks (llama.cpp's arithmetic).
+The kernel computes the documented formula, each row on its own; decoding in that mode is
+as lossless as in float32; the mode is refused where it cannot run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import RandomTreeDrafter, blockify, random_prompts, tiny_model
+from sot.drafters import NoDrafter, TreeBudget
+from sot.engine import Engine, GenerationParams
+from sot.errors import ConfigError
+from sot.kernels import cpu_kernels
+from sot.models.adapter import TargetModel
+from sot.models.loading import INT8_ATTR, load_model
+
+PARAMS = GenerationParams(max_new_tokens=40)
+
+
+def _kernel():
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    return kernel
+
+
+def _reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The formula of ``linear_int8.cpp`` in float64 with a float32 rounding after each step:
+    rows rounded to 8-bit blocks, exact integer block sums, blocks summed in order."""
+    rows = x.shape[0]
+    xb = x.reshape(rows, -1, 32)
+    da = xb.abs().amax(-1) / 127
+    qa = torch.round(xb * torch.where(da != 0, 1 / da, torch.zeros_like(da))[..., None]).clamp(-127, 127)
+    sa = da * qa.sum(-1)
+    dots = torch.einsum("mbt,nbt->mnb", qa.double(), q.double())
+    acc = torch.zeros(rows, q.shape[0], dtype=torch.float64)
+    for b in range(q.shape[1]):
+        scale = (d[None, :, b] * da[:, b, None]).double()
+        acc = (acc + dots[:, :, b] * scale).float().double()
+        if m is not None:
+            acc = (acc + m[None, :, b].double() * sa[:, b, None].double()).float().double()
+    return acc.float()
+
+
+def test_int8_products_follow_the_formula_row_by_row() -> None:
+    """4-bit (Q4_1) and 8-bit (Q8_0) blocks: the product is the formula's value, and every
+    slice of rows gives the bits of the whole call (rows never depend on each other); a
+    weight that is not a grid of blocks keeps the float32 kernel."""
+    from sot.kernels.linear import PackedLinear, pack_int8
+
+    kernel = _kernel()
+    gen = torch.Generator().manual_seed(8)
+    n, k = 100, 96
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
+    low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q4[..., 0], q4[..., 1] = 0, 15
+    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q8[..., 0] = 127
+    x = torch.randn(21, k, generator=gen)
+    x[3] = 0.0  # an all-zero row: scale 0
+    bias = torch.randn(n, generator=gen)
+    for q, m in ((q4, low), (q8, None)):
+        w = (d * q + (m if m is not None else 0)).reshape(n, k)
+        packed = pack_int8(w)
+        assert packed is not None and packed[0].dtype == (torch.uint8 if m is not None else torch.int8)
+        full = kernel.linear_int8(x, *packed, n, bias)
+        torch.testing.assert_close(full, _reference(x, q, d[..., 0], None if m is None else m[..., 0]) + bias,
+                                   rtol=1e-6, atol=1e-6)
+        assert not torch.equal(full, x @ w.T + bias)  # activations are rounded: not float32's product
+        torch.testing.assert_close(full, x @ w.T + bias, rtol=0.05, atol=0.05 * float(full.abs().max()))
+        for lo, hi in ((0, 1), (4, 6), (3, 6), (5, 9), (1, 6), (0, 6), (2, 9), (0, 8), (1, 11), (0, 12), (4, 17)):
+            assert torch.equal(kernel.linear_int8(x[lo:hi], *packed, n, bias), full[lo:hi])
+        lin = PackedLinear(w, bias, int8=True)
+        assert lin.int8 and torch.equal(lin(x[:5], stable=True), full[:5])
+    assert pack_int8(torch.randn(n, k, generator=gen)) is None
+    plain = PackedLinear(torch.randn(n, k, generator=gen), int8=True)
+    assert not plain.int8 and plain.kind == "sot"
+
+
+def _int8_target(arch: str, seed: int = 5) -> TargetModel:
+    model = blockify(tiny_model(arch, seed=seed), head=True)
+    setattr(model, INT8_ATTR, True)
+    return TargetModel(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_int8_decoding_is_lossless(arch: str) -> None:
+    """In the int8 mode, speculative decoding (random trees, batch of three and alone) commits
+    the same tokens from the same logits bits as plain decoding, while those logits differ
+    from the float32 mode's (a mode of its own). Llama runs the fast path, Qwen3 the generic
+    one (its linear modules)."""
+    _kernel()
+    target = _int8_target(arch)
+    assert target.int8
+    if target.fast is not None:
+        assert target.fast.int8_products == 4 * 2 + 1  # (the output layer too)
+    prompts = random_prompts((7, 30, 75), seed=1)
+
+    def traced(drafter, batch) -> list[torch.Tensor]:
+        out = Engine(target, drafter, TreeBudget(16, 6), trace=True).generate(batch, PARAMS)
+        return [torch.stack(r.logit_trace)[: r.new_tokens] for r in out]
+
+    plain = [traced(NoDrafter(), [p])[0] for p in prompts]
+    tokens = [t.argmax(-1).tolist() for t in plain]
+    spec = traced(RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.8, seed=2), prompts)
+    for a, b in zip(plain, spec):
+        assert torch.equal(a, b)
+    if target.fast is None:  # the generic path packs its linear modules at their first call
+        packed = [m._sot_packed[1] for m in target.model.modules() if hasattr(m, "_sot_packed")]
+        assert packed and all(lin.int8 for lin in packed)
+    float_model = blockify(tiny_model(arch, seed=5), head=True)
+    float_plain = Engine(TargetModel(float_model), NoDrafter(), TreeBudget(16, 6), trace=True).generate(
+        [prompts[0]], PARAMS)[0]
+    assert not torch.equal(torch.stack(float_plain.logit_trace)[: float_plain.new_tokens][:1], plain[0][:1])
+
+
+def test_int8_mode_without_blocks_warns_and_off_the_cpu_is_refused() -> None:
+    """A model without GGUF blocks has nothing to multiply in 8 bits: a warning says its
+    products stay float32. The mode runs float32 parameters on the CPU only."""
+    _kernel()
+    model = tiny_model("llama", seed=5)
+    setattr(model, INT8_ATTR, True)
+    with pytest.warns(RuntimeWarning, match="no.*GGUF|has none"):
+        target = TargetModel(model)
+    assert target.fast.int8_products == 0
+    with pytest.raises(ConfigError, match="int8"):
+        load_model("default", dtype=torch.bfloat16, int8=True)
