@@ -133,7 +133,8 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
     fast = target.fast
     fast.kernel = _KernelProxy(fast.kernel, timer) if fast.kernel is not None else None
     linears = [fast.lm_head] + [lin for lay in fast.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
-    kinds = sorted({("int8" if lin.int8 else "blocks" if isinstance(lin.packed, tuple) else lin.kind) for lin in linears})
+    kinds = sorted({"int8" if lin.int8 else "blocks" if isinstance(lin.packed, tuple) else lin.kind
+                    for lin in linears})
     nbytes = sum(weight_bytes(lin) for lin in linears)
     params = sum(lin.weight.numel() for lin in linears)
 
