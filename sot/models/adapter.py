@@ -47,10 +47,11 @@ def row_stable() -> Iterator[None]:
 def _packed(module: torch.nn.Module, weight_nk: Callable[[], torch.Tensor]) -> PackedLinear:
     """The module's weight packed once for row-stable products (the fast path's kernels),
     re-packed if the parameter was replaced or changed in place."""
-    key = (module.weight.data_ptr(), module.weight._version)
+    int8 = getattr(module, "_sot_int8", False)
+    key = (module.weight.data_ptr(), module.weight._version, int8)
     cached = getattr(module, "_sot_packed", None)
     if cached is None or cached[0] != key:
-        cached = (key, PackedLinear(weight_nk(), module.bias, int8=getattr(module, "_sot_int8", False)))
+        cached = (key, PackedLinear(weight_nk(), module.bias, int8=int8))
         module._sot_packed = cached
     return cached[1]
 
