@@ -45,7 +45,7 @@ def _reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tenso
 def test_int8_products_follow_the_formula_row_by_row() -> None:
     """4-bit (Q4_1) and 8-bit (Q8_0) blocks: the product is the formula's value, and every
     slice of rows gives the bits of the whole call (rows never depend on each other); a
-    weight that is not a grid of blocks keeps the float32 kernel."""
+    weight without blocks of 32 inputs keeps the float32 kernel."""
     from sot.kernels.linear import PackedLinear, pack_int8
 
     kernel = _kernel()
@@ -73,25 +73,28 @@ def test_int8_products_follow_the_formula_row_by_row() -> None:
             assert torch.equal(kernel.linear_int8(x[lo:hi], *packed, n, bias), full[lo:hi])
         lin = PackedLinear(w, bias, int8=True)
         assert lin.int8 and torch.equal(lin(x[:5], stable=True), full[:5])
-    assert pack_int8(torch.randn(n, k, generator=gen)) is None
-    plain = PackedLinear(torch.randn(n, k, generator=gen), int8=True)
+    assert pack_int8(torch.randn(n, k, generator=gen)) is None  # not a grid (int8 mode rounds it: below)
+    plain = PackedLinear(torch.randn(n, 40, generator=gen), int8=True)  # no blocks of 32 inputs
     assert not plain.int8 and plain.kind == "sot"
 
 
-def _int8_target(arch: str, seed: int = 5) -> TargetModel:
-    model = blockify(tiny_model(arch, seed=seed), head=True)
+def _int8_target(arch: str, gguf: bool, seed: int = 5) -> TargetModel:
+    model = tiny_model(arch, seed=seed)
+    if gguf:
+        model = blockify(model, head=True)
     setattr(model, INT8_ATTR, True)
     return TargetModel(model)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_int8_decoding_is_lossless(arch: str) -> None:
+@pytest.mark.parametrize("arch,gguf", [("llama", True), ("qwen3", True), ("llama", False)],
+                         ids=["llama", "qwen3", "llama-float-weights"])
+def test_int8_decoding_is_lossless(arch: str, gguf: bool) -> None:
     """In the int8 mode, speculative decoding (random trees, batch of three and alone) commits
     the same tokens from the same logits bits as plain decoding, while those logits differ
     from the float32 mode's (a mode of its own). Llama runs the fast path, Qwen3 the generic
-    one (its linear modules)."""
+    one (its linear modules); float weights (no GGUF blocks) are rounded to Q8_0 first."""
     _kernel()
-    target = _int8_target(arch)
+    target = _int8_target(arch, gguf)
     assert target.int8
     if target.fast is not None:
         assert target.fast.int8_products == 4 * 2 + 1  # (the output layer too)
@@ -109,19 +112,41 @@ def test_int8_decoding_is_lossless(arch: str) -> None:
     if target.fast is None:  # the generic path packs its linear modules at their first call
         packed = [m._sot_packed[1] for m in target.model.modules() if hasattr(m, "_sot_packed")]
         assert packed and all(lin.int8 for lin in packed)
-    float_model = blockify(tiny_model(arch, seed=5), head=True)
+    float_model = tiny_model(arch, seed=5)
+    if gguf:
+        float_model = blockify(float_model, head=True)
     float_plain = Engine(TargetModel(float_model), NoDrafter(), TreeBudget(16, 6), trace=True).generate(
         [prompts[0]], PARAMS)[0]
     assert not torch.equal(torch.stack(float_plain.logit_trace)[: float_plain.new_tokens][:1], plain[0][:1])
 
 
-def test_int8_mode_without_blocks_warns_and_off_the_cpu_is_refused() -> None:
-    """A model without GGUF blocks has nothing to multiply in 8 bits: a warning says its
-    products stay float32. The mode runs float32 parameters on the CPU only."""
+def test_float_weights_round_to_q8_0() -> None:
+    """A float weight is rounded as llama.cpp converts to q8_0: per block of 32 inputs a
+    float16 scale max|w| / 127 and q = round(w / d), so every weight is within half a step."""
+    from sot.kernels.linear import PackedLinear, round_q8_0
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(20, 64, generator=gen)
+    w[1, :32] = 0.0  # an all-zero block
+    q, d, mins = round_q8_0(w)
+    assert mins is None and q.shape == (24, 2, 32) and d.dtype == torch.float32
+    assert torch.equal(d, d.half().float()) and int(q.abs().max()) <= 127 and float(d[1, 0]) == 0.0
+    rebuilt = (q[:20].float() * d[:20, :, None]).reshape(20, 64)
+    assert bool(((rebuilt - w).abs() <= d[:20].repeat_interleave(32, 1) / 2 + 1e-7).all())
+    assert round_q8_0(torch.randn(8, 48, generator=gen)) is None
     _kernel()
-    model = tiny_model("llama", seed=5)
+    lin = PackedLinear(w, int8=True)
+    assert lin.int8 and lin.packed[0].dtype == torch.int8
+
+
+def test_int8_mode_without_blocks_warns_and_off_the_cpu_is_refused() -> None:
+    """Products whose input size is no multiple of 32 cannot be cut into blocks: when no
+    weight can, a warning says the products stay float32. The mode runs float32 parameters on
+    the CPU only."""
+    _kernel()
+    model = tiny_model("llama", seed=5, hidden_size=48, intermediate_size=80)
     setattr(model, INT8_ATTR, True)
-    with pytest.warns(RuntimeWarning, match="no.*GGUF|has none"):
+    with pytest.warns(RuntimeWarning, match="multiple of 32"):
         target = TargetModel(model)
     assert target.fast.int8_products == 0
     with pytest.raises(ConfigError, match="int8"):

@@ -35,7 +35,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--model", default="default")
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="engine dtype (auto: the faster of float32 and bfloat16 here; int8: 8-bit integer "
-                            "products over a GGUF model's blocks, see sot generate --help)")
+                            "products, see sot generate --help)")
     add_device_arg(bench)
     bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
     bench.add_argument("--max-new-tokens", type=positive_int, default=BenchConfig.max_new_tokens)

@@ -76,8 +76,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="engine dtype (default auto: the faster of float32 and bfloat16 here, timed once per machine, "
                         "model and drafter and kept under ~/.cache/sot); int8: products in 8-bit integers over a "
-                        "GGUF model's blocks, as llama.cpp computes them (faster on CPUs; answers differ slightly "
-                        "from float32's, and speculation stays exact)")
+                        "GGUF model's blocks (other weights rounded to 8-bit blocks), as llama.cpp computes them "
+                        "(faster on CPUs; answers differ slightly from float32's, and speculation stays exact)")
     add_device_arg(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print how --dtype was chosen, with the timings")
     add_tree_args(p)

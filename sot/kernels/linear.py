@@ -109,12 +109,33 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return data, per_panel(scale), torch.empty(0)
 
 
-def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def round_q8_0(weight: torch.Tensor, width: int = 8) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+    """``weight [N, K]`` rounded to GGUF Q8_0 blocks of 32 inputs, as llama.cpp converts a
+    float model to q8_0 (scale ``d = max |w| / 127`` in float16, ``q = round(w / d)``), in
+    :func:`block_grid`'s form; ``None`` when ``K`` is not a multiple of 32."""
+    n, k = weight.shape
+    if k % 32 or n == 0:
+        return None
+    padded = -(-n // width) * width
+    w = weight.detach().float()
+    if padded != n:
+        w = torch.cat([w, w.new_zeros(padded - n, k)])
+    blocks = w.reshape(padded, k // 32, 32)
+    d = (blocks.abs().amax(-1) / 127).half().float()
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int16)
+    return q, d, None
+
+
+def pack_int8(weight: torch.Tensor, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`) in the
     8-column panel layout of the compiled ``linear_int8`` (see ``linear_int8.cpp``):
-    ``(data, scale, mins)``, ``mins`` empty for 8-bit blocks; ``None`` when the weight is not
-    such a grid."""
+    ``(data, scale, mins)``, ``mins`` empty for 8-bit blocks. A weight that is not such a grid
+    gives ``None``, or with ``quantize`` its Q8_0 rounding (:func:`round_q8_0`; ``None`` when
+    ``K`` is not a multiple of 32)."""
     grid = block_grid(weight, width=8)
+    if grid is None and quantize:
+        grid = round_q8_0(weight)
     if grid is None:
         return None
     q, scale, low = grid
@@ -154,7 +175,9 @@ class PackedLinear:
     ``int8=True`` multiplies such a weight in 8-bit integers instead (``linear_int8``: each
     input row rounded to 8-bit blocks, llama.cpp's arithmetic; :func:`pack_int8`). Its rows are
     just as independent of each other, but its results are not float32's: the ``--dtype int8``
-    mode. A weight that is not a grid of blocks keeps the float32 kernel.
+    mode. Another float32 weight is rounded to Q8_0 blocks first (:func:`round_q8_0`), as
+    llama.cpp converts a float model; one whose input size is not a multiple of 32 keeps the
+    float32 kernel.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compress: bool = True,
@@ -198,8 +221,8 @@ class PackedLinear:
         try:
             if kind == "sot":
                 blocks = int8 = None
-                if self.int8_wanted:
-                    blocks = int8 = pack_int8(self.weight)
+                if self.int8_wanted and self.weight.dtype == torch.float32:
+                    blocks = int8 = pack_int8(self.weight, quantize=True)
                 if blocks is None and self.compress:
                     blocks = pack_blocks(self.weight)
                 self.packed = blocks if blocks is not None else pack_panels(self.weight)

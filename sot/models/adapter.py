@@ -231,9 +231,8 @@ class TargetModel:
         if fast and getattr(config, "model_type", "") in FAST_FAMILIES:
             self.fast = FastLlama(model, int8=self.int8)
             if self.int8 and not self.fast.int8_products:
-                warnings.warn("--dtype int8 multiplies weights stored as GGUF Q4_1 or Q8_0 blocks (a model loaded from "
-                              "a .gguf file, like the default one); this model has none, so its products run in "
-                              "float32", RuntimeWarning, stacklevel=2)
+                warnings.warn("--dtype int8 multiplies weights in blocks of 32 inputs; no weight of this model has a "
+                              "multiple of 32 inputs, so its products run in float32", RuntimeWarning, stacklevel=2)
         #: a verify pass's rows per sequence must be a multiple of this
         self.row_multiple = self.fast.row_multiple if self.fast is not None else ROW_UNIT
 

@@ -25,8 +25,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: the mode whose products run in 8-bit integers over a GGUF model's blocks (llama.cpp's
-#: arithmetic: each product's input rounded to 8-bit blocks of 32); its parameters are float32
+#: the mode whose products run in 8-bit integers over a GGUF model's blocks, other weights rounded
+#: to Q8_0 blocks (llama.cpp's arithmetic: each product's input rounded to 8-bit blocks of 32);
+#: its parameters are float32
 INT8 = "int8"
 #: each mode's parameter dtype
 MODE_DTYPES = {**DTYPES, INT8: torch.float32}
@@ -243,8 +244,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         lora: a LoRA adapter folder (PEFT's ``adapter_config.json`` and
             ``adapter_model.safetensors``) merged into the weights at load, in float32
             before the cast to ``dtype``: the merged model is the one decoded.
-        int8: run the products in 8-bit integers over the weights' GGUF blocks (``--dtype
-            int8``; float32 parameters, on the CPU).
+        int8: run the products in 8-bit integers over the weights' GGUF blocks, other
+            weights rounded to Q8_0 blocks (``--dtype int8``; float32 parameters, on the CPU).
     """
     if int8 and (dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ConfigError("--dtype int8 runs float32 parameters on the CPU (--device cpu)")
