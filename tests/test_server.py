@@ -723,6 +723,34 @@ def test_responses_are_kept_and_continued(tiny_server) -> None:
         assert broken.status_code == 404 and "no longer kept" in broken.json()["error"]["message"]
 
 
+def test_responses_give_log_probabilities(tiny_server) -> None:
+    """``include: [message.output_text.logprobs]`` (with ``top_logprobs``) gives each answer
+    token's log probability and alternatives: the chat completion's for the same request,
+    whole and across a stream's deltas; other ``include`` values are refused by name."""
+    url = f"{tiny_server.url}/v1/responses"
+    ask = {"model": TINY, "max_output_tokens": 8, "temperature": 0, "input": "abc abc",
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    with httpx.Client(timeout=60, headers=AUTH) as client:
+        whole = client.post(url, json=ask).json()
+        part = whole["output"][0]["content"][0]
+        assert whole["top_logprobs"] == 2 and part["logprobs"]
+        assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in part["logprobs"])
+        chat = client.post(f"{tiny_server.url}/v1/chat/completions", json={
+            "model": TINY, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "messages": [{"role": "user", "content": "abc abc"}]}).json()
+        assert part["logprobs"] == chat["choices"][0]["logprobs"]["content"]
+        with client.stream("POST", url, json={**ask, "stream": True}) as r:
+            events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        assert [x for e in deltas for x in e["logprobs"]] == part["logprobs"]
+        (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+        assert done["logprobs"] == part["logprobs"]
+        plain = client.post(url, json={k: v for k, v in ask.items() if k not in ("include", "top_logprobs")}).json()
+        assert plain["output"][0]["content"][0]["logprobs"] == [] and plain["top_logprobs"] == 0
+        bad = client.post(url, json={**ask, "include": ["reasoning.encrypted_content"]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "include"
+
+
 def test_a_responses_stream_closed_early_frees_the_slot(default_server) -> None:
     """The Responses stream is a translation of a chat stream: a client that hangs up on it
     aborts the request as a chat client's would."""

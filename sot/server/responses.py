@@ -26,14 +26,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sot.sampling import MAX_TOP_LOGPROBS
 from sot.server.config import RESPONSES_KEPT
 from sot.server.protocol import APIError
 
 #: Responses fields this server does not act on, with what they ask for
 _UNSUPPORTED = {
     "conversation": "stored conversations", "reasoning": "reasoning settings", "background": "background responses",
-    "prompt": "stored prompt templates", "include": "extra output data", "max_tool_calls": "a tool-call limit",
+    "prompt": "stored prompt templates", "max_tool_calls": "a tool-call limit",
 }
+#: the ``include`` value that asks for the answer's log probabilities (the only one this server gives)
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 #: chat-completion extensions a Responses request may carry as they are
 _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
            "stop", "ignore_eos", "sampling_mode", "min_tokens", "stop_token_ids", "guided_json", "guided_regex",
@@ -62,11 +65,25 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     previous_response_id: str | None = None
+    #: extra output: ``message.output_text.logprobs`` (each answer token's log probability)
+    include: list[str] | None = None
+    #: alternatives given with each token's log probability (0-20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED and value not in (None, False, [], {}, ""):
                 raise APIError(400, f"{name}: {_UNSUPPORTED[name]} is not supported by this server", param=name)
+        other = [item for item in self.include or [] if item != LOGPROBS_INCLUDE]
+        if other:
+            raise APIError(400, f"include: {', '.join(other)} is not supported by this server (it gives "
+                                f"{LOGPROBS_INCLUDE})", param="include")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the answer's tokens come with log probabilities (``include`` asks for them, or
+        ``top_logprobs`` is set)."""
+        return LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
 
     def chat_body(self, history: list[dict] | None = None) -> dict:
         """The chat completion request this one means; ``history``: the chat messages of the
@@ -78,6 +95,8 @@ class ResponsesRequest(BaseModel):
                       "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls, "user": self.user}
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
+        if self.wants_logprobs:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         if self.tools:
             body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -192,7 +211,7 @@ class ResponseBuilder:
             "tool_choice": r.tool_choice if r.tool_choice is not None else ("auto" if r.tools else "none"),
             "tools": r.tools or [], "text": r.text or {"format": {"type": "text"}}, "metadata": r.metadata or {},
             "store": self.stored, "previous_response_id": r.previous_response_id,
-            "usage": _usage(usage) if usage else None,
+            "top_logprobs": r.top_logprobs or 0, "usage": _usage(usage) if usage else None,
         }
         if figures is not None:
             out["sot"] = figures
@@ -203,7 +222,8 @@ class ResponseBuilder:
         choice = chat["choices"][0]
         message = choice["message"]
         if message.get("content"):
-            self.output.append(_message_item("msg_" + secrets.token_hex(12), message["content"], "completed"))
+            self.output.append(_message_item("msg_" + secrets.token_hex(12), message["content"], "completed",
+                                             _token_logprobs(choice)))
         for call in message.get("tool_calls") or []:
             fn = call["function"]
             self.output.append(_call_item(call["id"], fn["name"], fn["arguments"], "completed"))
@@ -225,7 +245,7 @@ class ResponseBuilder:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], _token_logprobs(choice))
             for d in delta.get("tool_calls") or []:
                 events += self._call(d)
             if choice.get("finish_reason") is not None:
@@ -233,7 +253,7 @@ class ResponseBuilder:
                 self.figures = chunk.get("sot")
         return events
 
-    def _text(self, text: str) -> list[dict]:
+    def _text(self, text: str, logprobs: list[dict]) -> list[dict]:
         events = []
         if self._message is None:
             self._message = _message_item("msg_" + secrets.token_hex(12), "", "in_progress")
@@ -245,9 +265,10 @@ class ResponseBuilder:
             events.append(self.event("response.content_part.added", item_id=self._message["id"], output_index=index,
                                      content_index=0, part=dict(self._message["content"][0])))
         self._message["content"][0]["text"] += text
+        self._message["content"][0]["logprobs"] += logprobs
         events.append(self.event("response.output_text.delta", item_id=self._message["id"],
                                  output_index=self.output.index(self._message), content_index=0, delta=text,
-                                 logprobs=[]))
+                                 logprobs=logprobs))
         return events
 
     def _call(self, d: dict) -> list[dict]:
@@ -275,7 +296,7 @@ class ResponseBuilder:
             if item["type"] == "message":
                 part = item["content"][0]
                 events.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                         content_index=0, text=part["text"], logprobs=[]))
+                                         content_index=0, text=part["text"], logprobs=part["logprobs"]))
                 events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                          content_index=0, part=dict(part)))
             else:
@@ -407,9 +428,15 @@ def _assistant_messages(output: list[dict]) -> list[dict]:
     return [message]
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def _token_logprobs(choice: dict) -> list[dict]:
+    """A chat choice's (or chunk's) token log probabilities, in the Responses form: the same
+    ``{token, logprob, bytes, top_logprobs}`` entries as the chat ``logprobs.content``."""
+    return list((choice.get("logprobs") or {}).get("content") or [])
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
