@@ -19,24 +19,59 @@ namespace {
 constexpr int64_t kCols = 8;
 constexpr int kGroupRows = 4;
 
+// One block of 32 inputs -> q [32] int8, its scale d = max |x| / 127 and d * sum(q).
+inline void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);  // (a maximum is exact in any order)
+#else
+  float amax = 0.0f;
+  for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(x[t]));
+#endif
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+#if defined(__AVX2__)
+  // x * id rounded to the nearest integer, ties to even (as std::nearbyint), kept in [-127, 127]
+  const __m256 vid = _mm256_set1_ps(id);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i qi[4], sum = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qi[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(r), lo), hi);
+    sum = _mm256_add_epi32(sum, qi[j]);
+  }
+  // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it)
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  const int total = _mm_cvtsi128_si32(s4);
+#else
+  int total = 0;
+  for (int t = 0; t < 32; ++t) {
+    const int v = std::clamp(static_cast<int>(std::nearbyint(x[t] * id)), -127, 127);
+    q[t] = static_cast<int8_t>(v);
+    total += v;
+  }
+#endif
+  *d_out = d;
+  *s_out = d * static_cast<float>(total);
+}
+
 // x [M, K] -> qa [M, K] int8, da [M, K/32] (scales), sa [M, K/32] (d_a * sum of the block's q_a).
 void quantize_rows(const float* x, int64_t blocks, int8_t* qa, float* da, float* sa) {
-  at::parallel_for(0, blocks, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* xb = x + b * 32;
-      float amax = 0.0f;
-      for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
-      const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      int sum = 0;
-      for (int t = 0; t < 32; ++t) {
-        const int q = std::clamp(static_cast<int>(std::nearbyint(xb[t] * id)), -127, 127);
-        qa[b * 32 + t] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      da[b] = d;
-      sa[b] = d * static_cast<float>(sum);
-    }
+  at::parallel_for(0, blocks, 2048, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) quantize_block(x + b * 32, qa + b * 32, da + b, sa + b);
   });
 }
 
