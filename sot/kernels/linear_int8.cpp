@@ -82,10 +82,11 @@ inline int32_t load4(const int8_t* p) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// MR rows (qa: the first row's quantized inputs, rows K apart) times one panel: out [MR][8].
+// MR rows (qa: the first row's quantized inputs, rows K apart) times one panel: out [MR][8],
+// rows `ldo` apart, plus the panel's 8 biases when `bias` is given (added last).
 template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
-                      const float* scale, const float* mins, float* out) {
+                      const float* scale, const float* mins, float* out, int64_t ldo, const float* bias) {
   const int64_t nb = K / 32;
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
@@ -97,6 +98,8 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
     for (int i = 0; i < MR; ++i) s[i] = _mm256_setzero_si256();
     if (Q4) {
       const uint8_t* blk = data + kb * 128;
+      // (not unrolled: unrolled, GCC computes every product of the block first and spills them)
+#pragma GCC unroll 1
       for (int j = 0; j < 4; ++j) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
         const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
@@ -109,6 +112,7 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
       }
     } else {
       const uint8_t* blk = data + kb * 256;
+#pragma GCC unroll 1
       for (int g = 0; g < 8; ++g) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * g));
         const __m256i aw = _mm256_abs_epi8(w);  // |w| as unsigned bytes; the sign moves onto q_a
@@ -128,12 +132,13 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kCols, acc[i]);
+  for (int i = 0; i < MR; ++i)
+    _mm256_storeu_ps(out + i * ldo, bias ? _mm256_add_ps(acc[i], _mm256_loadu_ps(bias)) : acc[i]);
 }
 #else
 template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
-                      const float* scale, const float* mins, float* out) {
+                      const float* scale, const float* mins, float* out, int64_t ldo, const float* bias) {
   const int64_t nb = K / 32;
   for (int i = 0; i < MR; ++i)
     for (int64_t c = 0; c < kCols; ++c) {
@@ -153,19 +158,20 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
         acc = std::fma(static_cast<float>(dot), scale[kb * kCols + c] * da[i * nb + kb], acc);
         if (Q4) acc = std::fma(mins[kb * kCols + c], sa[i * nb + kb], acc);
       }
-      out[i * kCols + c] = acc;
+      out[i * ldo + c] = bias ? acc + bias[c] : acc;
     }
 }
 #endif
 
 template <bool Q4>
 inline void int8_rows(int64_t rows, const int8_t* qa, const float* da, const float* sa, int64_t K,
-                      const uint8_t* data, const float* scale, const float* mins, float* out) {
+                      const uint8_t* data, const float* scale, const float* mins, float* out, int64_t ldo,
+                      const float* bias) {
   switch (rows) {
-    case 1: int8_tile<1, Q4>(qa, da, sa, K, data, scale, mins, out); break;
-    case 2: int8_tile<2, Q4>(qa, da, sa, K, data, scale, mins, out); break;
-    case 3: int8_tile<3, Q4>(qa, da, sa, K, data, scale, mins, out); break;
-    default: int8_tile<kGroupRows, Q4>(qa, da, sa, K, data, scale, mins, out); break;
+    case 1: int8_tile<1, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
+    case 2: int8_tile<2, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
+    case 3: int8_tile<3, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
+    default: int8_tile<kGroupRows, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
   }
 }
 
@@ -208,18 +214,26 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tens
     float tile[kGroupRows * kCols];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kCols, cols = std::min<int64_t>(kCols, N - n0);
+      const uint8_t* dpp = dp + p * bytes;
+      const float *spp = sp + p * per, *mpp = q4 ? mp + p * per : nullptr;
       for (int64_t g = 0, m0 = 0; g < groups; ++g) {
         const int64_t rows = base + (g < extra ? 1 : 0);
         const int8_t* qg = qa.data() + m0 * K;
         const float *dg = da.data() + m0 * nb, *sg = sa.data() + m0 * nb;
+        // a whole panel goes straight to y; the last, partial one through a tile
+        float* out = cols == kCols ? yp + m0 * N + n0 : tile;
+        const int64_t ldo = cols == kCols ? N : kCols;
+        const float* bias = cols == kCols && bp ? bp + n0 : nullptr;
         if (q4) {
-          int8_rows<true>(rows, qg, dg, sg, K, dp + p * bytes, sp + p * per, mp + p * per, tile);
+          int8_rows<true>(rows, qg, dg, sg, K, dpp, spp, mpp, out, ldo, bias);
         } else {
-          int8_rows<false>(rows, qg, dg, sg, K, dp + p * bytes, sp + p * per, nullptr, tile);
+          int8_rows<false>(rows, qg, dg, sg, K, dpp, spp, nullptr, out, ldo, bias);
         }
-        for (int64_t i = 0; i < rows; ++i) {
-          float* dst = yp + (m0 + i) * N + n0;
-          for (int64_t c = 0; c < cols; ++c) dst[c] = bp ? tile[i * kCols + c] + bp[n0 + c] : tile[i * kCols + c];
+        if (cols < kCols) {
+          for (int64_t i = 0; i < rows; ++i) {
+            float* dst = yp + (m0 + i) * N + n0;
+            for (int64_t c = 0; c < cols; ++c) dst[c] = bp ? tile[i * kCols + c] + bp[n0 + c] : tile[i * kCols + c];
+          }
         }
         m0 += rows;
       }
