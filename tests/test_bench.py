@@ -258,3 +258,38 @@ def test_lockstep_batches_take_turns_by_step_and_time_each_method_on_its_own_ste
         alone = m.engine.generate(prompts, params, batch_size=2)
         assert [r.token_ids for r in recs] == [r.token_ids for r in alone]
     assert [len(r.token_ids) for r in runs["plain"]] == [20] * 5
+
+
+def test_dtype_sweep_runs_each_mode_against_its_own_plain(setup) -> None:
+    """``--sweep dtype=float32,int8``: every engine method in each mode, in the same alternating
+    rounds; each speculative method is held to its own mode's plain decoding (identical in
+    both), and the rows compare the modes."""
+    from sot.bench.runner import parse_sweep
+    from sot.kernels import cpu_kernels
+
+    assert parse_sweep("dtype=float32,int8") == ("dtype", ("float32", "int8"))
+    for bad in ("dtype=float32,float32", "dtype=auto,int8", "dtype=int4"):
+        with pytest.raises(ConfigError, match="distinct modes"):
+            parse_sweep(bad)
+    if cpu_kernels() is None:
+        pytest.skip("the int8 mode needs the compiled CPU kernels")
+    model, prompts, root = setup
+    out = root / "sweep-dtype"
+    cfg = _config(model, prompts, out, methods=("plain", "pld"), max_new_tokens=16,
+                  sweep=("dtype", ("float32", "int8")))
+    res = run_bench(cfg)
+    assert set(res["methods"]) == {"plain[float32]", "pld[float32]", "plain[int8]", "pld[int8]"}
+    assert all(res["methods"][f"pld[{mode}]"]["identical_to_plain"] == "3/3" for mode in ("float32", "int8"))
+    assert res["methods"]["plain[int8]"]["speedup_vs_plain"] is None
+    rows = res["sweep"]["rows"]
+    assert [r["value"] for r in rows] == ["float32", "int8"] and rows[0]["plain_vs_first"] == 1.0
+    assert all(r["tokens_per_s_vs_plain"] > 0 for r in rows)
+    assert "| mode | plain tok/s |" in (out / "report.md").read_text()
+    from sot.bench.runner import build_methods
+
+    built, _, _ = build_methods(cfg)
+    assert {m.name: m.engine.target.int8 for m in built} == {"plain[float32]": False, "plain[int8]": True,
+                                                             "pld[float32]": False, "pld[int8]": True}
+    with pytest.raises(ConfigError, match="batch size 1"):
+        run_bench(_config(model, prompts, root / "no", methods=("plain", "pld"), batch_size=2,
+                          sweep=("dtype", ("float32", "int8"))))

@@ -16,6 +16,18 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _is_plain(method: str) -> bool:
+    """``plain``, or one mode's plain decoding under ``--sweep dtype`` (``plain[int8]``)."""
+    return method == "plain" or method.startswith("plain[")
+
+
+def _plain_of(method: str, by_method: dict[str, dict[int, RunRecord]]) -> dict[int, RunRecord]:
+    """The plain decoding ``method`` is compared with: under ``--sweep dtype``, its own mode's
+    (``state[int8]`` against ``plain[int8]``), else ``plain``."""
+    tag = method[method.index("["):] if method.endswith("]") and "[" in method else ""
+    return by_method.get(f"plain{tag}") or by_method.get("plain", {})
+
+
 def _ratios(records: dict[int, RunRecord], base: dict[int, RunRecord]) -> list[float]:
     """Per-prompt tokens/s ratio against ``base``, in prompt order."""
     out = []
@@ -63,7 +75,7 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, gree
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "speedup_vs_hf": _summary(_ratios(recs, by_method.get("hf", {}))) if m != "hf" else None,
-            "speedup_vs_plain": _summary(_ratios(recs, by_method.get("plain", {}))) if m != "plain" else None,
+            "speedup_vs_plain": _summary(_ratios(recs, _plain_of(m, by_method))) if not _is_plain(m) else None,
             # None for methods that do not report steps (transformers, llama.cpp).
             "mean_accept_len": (sum(accepts) / steps) if steps else None,
             "accept_hist": {str(k): v for k, v in sorted(hist.items())},
@@ -82,8 +94,8 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, gree
             "fallbacks_per_prompt": (sum(r.fallbacks for r in recs.values()) / len(recs)) if steps else None,
             "prompts_with_fallback": sum(1 for r in recs.values() if r.fallbacks) if steps else None,
         }
-        plain = by_method.get("plain", {})
-        if greedy and plain and m != "plain":
+        plain = _plain_of(m, by_method)
+        if greedy and plain and not _is_plain(m):
             same = 0
             for i, rec in sorted(recs.items()):
                 if i not in plain:
@@ -241,6 +253,11 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
             lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain') or 0:.2f}x | "
                          f"{row['mean_accept_len']:.2f} | {(s or {}).get('median', 0):.2f}x | "
                          f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain']} |")
+        if sw["name"] == "dtype":
+            lines += ["", "| mode | plain tok/s | plain vs the first mode | speculative vs the first mode |",
+                      "|---|---|---|---|"]
+            lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {r['plain_vs_first']:.2f}x | "
+                      f"{r['spec_vs_first']:.2f}x |" for r in sw["rows"]]
         if sw["name"] == "batch-size":
             lines += ["", "| batch | plain tok/s | drafting share of sequence steps | draft time share |",
                       "|---|---|---|---|"]

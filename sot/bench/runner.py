@@ -39,13 +39,15 @@ from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.machine import machine_info
 from sot.dtype_choice import resolve as resolve_choice
-from sot.models.loading import DEFAULT_DEVICE, DEFAULT_MODEL, DTYPES, default_gguf_path, load_model, resolve_device
+from sot.models.loading import (
+    DEFAULT_DEVICE, DEFAULT_MODEL, DTYPE_CHOICES, DTYPES, default_gguf_path, load_model, resolve_device,
+)
 from sot.prompts import encode, has_chat_template
 from sot.sampling import SamplingMode, SamplingParams
 
 SCHEMA = "sot-bench/1"
 SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "draft-top-k": "draft_top_k",
-             "warmup": "warmup", "batch-size": "batch_size", "policy": "kind"}
+             "warmup": "warmup", "batch-size": "batch_size", "policy": "kind", "dtype": "dtype"}
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,16 @@ class BenchConfig:
 
 def parse_sweep(text: str) -> tuple[str, tuple[int | str, ...]]:
     """``"max-depth=1,2,4"`` -> ``("max-depth", (1, 2, 4))``; ``"policy=heuristic,rl"`` ->
-    ``("policy", ("heuristic", "rl"))``."""
+    ``("policy", ("heuristic", "rl"))``; ``"dtype=float32,int8"`` -> ``("dtype", ("float32", "int8"))``."""
     name, _, values = text.partition("=")
     if name not in SWEEPABLE or not values:
         raise ConfigError(f"--sweep takes NAME=v1,v2,... with NAME one of {', '.join(SWEEPABLE)}")
+    if name == "dtype":
+        modes = tuple(values.split(","))
+        known = [d for d in DTYPE_CHOICES if d != "auto"]
+        if any(m not in known for m in modes) or len(set(modes)) != len(modes):
+            raise ConfigError(f"--sweep dtype= takes distinct modes among {', '.join(known)}, got {values}")
+        return name, modes
     if name == "policy":
         kinds = tuple(values.split(","))
         known = [k.value for k in PolicyKind]
@@ -161,17 +169,24 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
     if cfg.hf_dtype not in DTYPES:
         raise ConfigError(f"--hf-dtype must be one of {', '.join(DTYPES)}, got {cfg.hf_dtype!r}")
     device = resolve_device(cfg.device)
-    engine_mode = resolve_choice(cfg.dtype, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor), device=str(device))
+    dtype_sweep = cfg.sweep[1] if cfg.sweep and cfg.sweep[0] == "dtype" else None
+    if dtype_sweep and cfg.batch_size > 1:
+        raise ConfigError("--sweep dtype compares modes at batch size 1 (drop --batch-size)")
     methods: list[BenchMethod] = []
     tokenizer = None
     target = None
     engine_methods = [m for m in cfg.methods if _is_engine(m)]
-    if engine_methods:
-        loaded = load_model(cfg.model, dtype=engine_mode.torch_dtype, device=device, int8=engine_mode.int8)
+    #: per engine mode (one, or each of --sweep dtype's): its target and the methods' drafters
+    engines: dict[str, tuple[TargetModel, dict]] = {}
+    for mode_name in (dtype_sweep or (cfg.dtype,)) if engine_methods else ():
+        mode = resolve_choice(mode_name, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor), device=str(device))
+        loaded = load_model(cfg.model, dtype=mode.torch_dtype, device=device, int8=mode.int8)
         tokenizer = loaded.tokenizer
         drafters = {m: _drafter(cfg, m, loaded.model) for m in engine_methods}
         layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))
-        target = TargetModel(loaded.model, state_layers=layers)
+        engines[mode.dtype] = (TargetModel(loaded.model, state_layers=layers), drafters)
+    if engines:
+        target, drafters = next(iter(engines.values()))
     for name in cfg.methods:
         if name in ("hf", "hf-pld"):
             hf = load_model(cfg.model, dtype=DTYPES[cfg.hf_dtype], device=device)
@@ -185,6 +200,11 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
                 methods.append(LlamaCppMethod(gguf))
             except ImportError:
                 cfg.notes.append("llamacpp skipped: llama-cpp-python is not installed (pip install 'sot[llamacpp]')")
+        elif dtype_sweep and _is_engine(name):
+            # each mode's engines side by side, as methods of their own in the alternating rounds
+            for mode_name, (mode_target, mode_drafters) in engines.items():
+                methods.append(EngineMethod(f"{method_label(name)}[{mode_name}]", mode_target, mode_drafters[name],
+                                            _budget(cfg), cfg.policy, cfg.prefix_cache_mb))
         elif cfg.sweep and cfg.sweep[0] == "policy" and name != "plain":
             # the policies side by side, as methods of their own in the alternating rounds
             for kind in cfg.sweep[1]:
@@ -297,6 +317,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         result["turns"] = per_turn(runs, names)
     if cfg.sweep and cfg.sweep[0] == "policy":
         result["sweep"] = policy_sweep(cfg, aggregates, out)
+    elif cfg.sweep and cfg.sweep[0] == "dtype":
+        result["sweep"] = dtype_sweep(cfg, aggregates, out)
     elif cfg.sweep:
         result["sweep"] = run_sweep(cfg, target, prompts, params, out)
     write_report(result, runs, names, records, out)
@@ -319,6 +341,29 @@ def policy_sweep(cfg: BenchConfig, aggregates: dict, out: Path) -> dict:
                      "mean_tree_size": a.get("mean_tree_size"), "plain_step_share": a.get("plain_step_share")})
     sweep_plot("policy", rows, out)
     return {"name": "policy", "method": spec, "rows": rows}
+
+
+def dtype_sweep(cfg: BenchConfig, aggregates: dict, out: Path) -> dict:
+    """The rows of ``--sweep dtype=...``: per mode, its speculative method's tokens/s against
+    that mode's plain decoding (tau, identity), and both against the first mode's."""
+    spec = next((m for m in cfg.methods if m != "plain" and _is_engine(m)), None)
+    if spec is None or "plain" not in cfg.methods:
+        raise ConfigError("--sweep dtype needs plain and a speculative engine method (state, pld, suffix, auto) "
+                          "in --methods")
+    modes = cfg.sweep[1]
+    first_plain = aggregates[f"plain[{modes[0]}]"]["tokens_per_s"]
+    first_spec = aggregates[f"{method_label(spec)}[{modes[0]}]"]["tokens_per_s"]
+    rows = []
+    for mode in modes:
+        a, p = aggregates[f"{method_label(spec)}[{mode}]"], aggregates[f"plain[{mode}]"]
+        rows.append({"value": mode, "tokens_per_s": a["tokens_per_s"], "mean_accept_len": a["mean_accept_len"],
+                     "speedup_vs_plain": a.get("speedup_vs_plain"), "identical_to_plain": a.get("identical_to_plain"),
+                     "tokens_per_s_vs_plain": a["tokens_per_s"] / p["tokens_per_s"],
+                     "plain_tokens_per_s": p["tokens_per_s"],
+                     "plain_vs_first": p["tokens_per_s"] / first_plain, "spec_vs_first": a["tokens_per_s"] / first_spec,
+                     "mean_tree_size": a.get("mean_tree_size"), "plain_step_share": a.get("plain_step_share")})
+    sweep_plot("dtype", rows, out)
+    return {"name": "dtype", "method": spec, "rows": rows}
 
 
 def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[int]], params: GenerationParams, out: Path) -> dict:

@@ -58,8 +58,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--ignore-eos", action="store_true")
     bench.add_argument("--sweep", default=None,
                        help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget), draft-top-k, warmup, "
-                            "batch-size, or policy (e.g. policy=heuristic,learned,rl: each policy runs as a method of "
-                            "its own, alternating with the others on every prompt)")
+                            "batch-size, policy (e.g. policy=heuristic,learned,rl: each policy runs as a method of "
+                            "its own, alternating with the others on every prompt), or dtype (e.g. dtype=float32,int8: "
+                            "every engine method in each mode, each compared with its own mode's plain decoding)")
     bench.add_argument("--out", default="bench-out", help="output folder")
     add_chat_flag(bench)
 
@@ -73,13 +74,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     drafter, predictor = dtype_drafter(methods, args.predictor)
+    sweep = parse_sweep(args.sweep) if args.sweep else None
     cfg = BenchConfig(
         prompts=args.prompts,
         limit=args.limit,
         methods=methods,
         model=args.model,
         # the report names the dtype that ran; auto times the modes for the first speculative method
-        dtype=resolve(args.dtype, args.model, drafter, predictor, device=str(device)).dtype,
+        # (with --sweep dtype, the swept modes run and --dtype is not read)
+        dtype=(" and ".join(sweep[1]) if sweep and sweep[0] == "dtype"
+               else resolve(args.dtype, args.model, drafter, predictor, device=str(device)).dtype),
         device=str(device),
         hf_dtype=args.hf_dtype,
         max_new_tokens=args.max_new_tokens,
@@ -96,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         lookup=args.lookup,
         chat=args.chat,
         ignore_eos=args.ignore_eos,
-        sweep=parse_sweep(args.sweep) if args.sweep else None,
+        sweep=sweep,
         multiturn=args.multiturn,
         prefix_cache_mb=args.prefix_cache_mb,
         out=args.out,
