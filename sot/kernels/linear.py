@@ -110,8 +110,9 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def round_q8_0(weight: torch.Tensor, width: int = 8) -> tuple[torch.Tensor, torch.Tensor, None] | None:
-    """``weight [N, K]`` rounded to GGUF Q8_0 blocks of 32 inputs, as llama.cpp converts a
-    float model to q8_0 (scale ``d = max |w| / 127`` in float16, ``q = round(w / d)``), in
+    """``weight [N, K]`` rounded to GGUF Q8_0 blocks of 32 inputs, the way llama.cpp's q8_0
+    conversion does it (scale ``d = max |w| / 127`` kept in float16; here ``q = round(w / d)``
+    with that float16 ``d``, ties to even), in
     :func:`block_grid`'s form; ``None`` when ``K`` is not a multiple of 32."""
     n, k = weight.shape
     if k % 32 or n == 0:
