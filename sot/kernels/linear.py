@@ -176,8 +176,8 @@ class PackedLinear:
     ``int8=True`` multiplies such a weight in 8-bit integers instead (``linear_int8``: each
     input row rounded to 8-bit blocks, llama.cpp's arithmetic; :func:`pack_int8`). Its rows are
     just as independent of each other, but its results are not float32's: the ``--dtype int8``
-    mode. Another float32 weight is rounded to Q8_0 blocks first (:func:`round_q8_0`), as
-    llama.cpp converts a float model; one whose input size is not a multiple of 32 keeps the
+    mode. Another float32 weight is rounded to Q8_0 blocks first (:func:`round_q8_0`), like
+    llama.cpp's q8_0 conversion; one whose input size is not a multiple of 32 keeps the
     float32 kernel.
     """
 
