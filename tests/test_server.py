@@ -745,6 +745,8 @@ def test_responses_give_log_probabilities(tiny_server) -> None:
         assert [x for e in deltas for x in e["logprobs"]] == part["logprobs"]
         (done,) = [e for e in events if e["type"] == "response.output_text.done"]
         assert done["logprobs"] == part["logprobs"]
+        alone = client.post(url, json={k: v for k, v in ask.items() if k != "include"}).json()  # top_logprobs asks too
+        assert alone["output"][0]["content"][0]["logprobs"] == part["logprobs"]
         plain = client.post(url, json={k: v for k, v in ask.items() if k not in ("include", "top_logprobs")}).json()
         assert plain["output"][0]["content"][0]["logprobs"] == [] and plain["top_logprobs"] == 0
         bad = client.post(url, json={**ask, "include": ["reasoning.encrypted_content"]})

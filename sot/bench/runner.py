@@ -169,8 +169,8 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
     if cfg.hf_dtype not in DTYPES:
         raise ConfigError(f"--hf-dtype must be one of {', '.join(DTYPES)}, got {cfg.hf_dtype!r}")
     device = resolve_device(cfg.device)
-    dtype_sweep = cfg.sweep[1] if cfg.sweep and cfg.sweep[0] == "dtype" else None
-    if dtype_sweep and cfg.batch_size > 1:
+    swept_modes = cfg.sweep[1] if cfg.sweep and cfg.sweep[0] == "dtype" else None
+    if swept_modes and cfg.batch_size > 1:
         raise ConfigError("--sweep dtype compares modes at batch size 1 (drop --batch-size)")
     methods: list[BenchMethod] = []
     tokenizer = None
@@ -178,7 +178,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
     engine_methods = [m for m in cfg.methods if _is_engine(m)]
     #: per engine mode (one, or each of --sweep dtype's): its target and the methods' drafters
     engines: dict[str, tuple[TargetModel, dict]] = {}
-    for mode_name in (dtype_sweep or (cfg.dtype,)) if engine_methods else ():
+    for mode_name in (swept_modes or (cfg.dtype,)) if engine_methods else ():
         mode = resolve_choice(mode_name, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor), device=str(device))
         loaded = load_model(cfg.model, dtype=mode.torch_dtype, device=device, int8=mode.int8)
         tokenizer = loaded.tokenizer
@@ -200,7 +200,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
                 methods.append(LlamaCppMethod(gguf))
             except ImportError:
                 cfg.notes.append("llamacpp skipped: llama-cpp-python is not installed (pip install 'sot[llamacpp]')")
-        elif dtype_sweep and _is_engine(name):
+        elif swept_modes and _is_engine(name):
             # each mode's engines side by side, as methods of their own in the alternating rounds
             for mode_name, (mode_target, mode_drafters) in engines.items():
                 methods.append(EngineMethod(f"{method_label(name)}[{mode_name}]", mode_target, mode_drafters[name],

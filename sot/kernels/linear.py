@@ -42,6 +42,17 @@ def _fp16_candidates(approx: torch.Tensor) -> list[torch.Tensor]:
     return [(bits + off).view(torch.float16).float() for off in (0, -1, 1, -2, 2)]
 
 
+def _blocks_of(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """``weight [N, K]`` as ``[N', K/32, 32]`` blocks of 32 inputs, ``N`` zero-padded to ``N'``, a
+    multiple of ``width`` (``K`` a multiple of 32)."""
+    n, k = weight.shape
+    padded = -(-n // width) * width
+    w = weight.detach()
+    if padded != n:
+        w = torch.cat([w, w.new_zeros(padded - n, k)])
+    return w.reshape(padded, k // 32, 32)
+
+
 def block_grid(weight: torch.Tensor, width: int = 16
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0:
@@ -52,11 +63,7 @@ def block_grid(weight: torch.Tensor, width: int = 16
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % 32 or n == 0:
         return None
-    padded = -(-n // width) * width
-    w = weight.detach()
-    if padded != n:
-        w = torch.cat([w, w.new_zeros(padded - n, k)])
-    blocks = w.reshape(padded, k // 32, 32)
+    blocks = _blocks_of(weight, width)
 
     def solve(levels: range, offset: torch.Tensor | None, spread: torch.Tensor):
         found = torch.zeros(blocks.shape[:2], dtype=torch.bool)
@@ -117,11 +124,7 @@ def round_q8_0(weight: torch.Tensor, width: int = 8) -> tuple[torch.Tensor, torc
     n, k = weight.shape
     if k % 32 or n == 0:
         return None
-    padded = -(-n // width) * width
-    w = weight.detach().float()
-    if padded != n:
-        w = torch.cat([w, w.new_zeros(padded - n, k)])
-    blocks = w.reshape(padded, k // 32, 32)
+    blocks = _blocks_of(weight.float(), width)
     d = (blocks.abs().amax(-1) / 127).half().float()
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int16)
