@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run of a few minutes: the device tests, the CLI on a
 # tiny model (generate, bench with engine methods against transformers), the speed probe of
-# scripts/device_speed.py with and without the Triton attention kernel, and the trainer's
+# scripts/device_speed.py with and without CUDA graphs, a profile of plain decoding, and the trainer's
 # tests (they train on the GPU where one is visible). Logs go to $OUT (default ./device-check).
 # Run from the repository root, on a machine whose python3 has torch with CUDA, transformers
 # and Triton:
@@ -35,10 +35,10 @@ timeout 240 "$PY" -m sot.cli bench --device cuda --model "$TMP/model" --prompts 
     --methods hf,plain,pld,suffix --hf-dtype bfloat16 --dtype bfloat16 --max-new-tokens 48 --batch-size 1 \
     --out "$TMP/bench" 2>&1 | tee "$OUT/bench.log" | tail -12
 
-echo "== speed probe"
+echo "== speed probe (verify passes as CUDA graphs and eager, side by side), then a profile"
 timeout 200 "$PY" scripts/device_speed.py --device cuda --dtype bfloat16 --prompts 4 2>&1 | tee "$OUT/speed.log"
-SOT_NO_GPU_KERNEL=1 timeout 200 "$PY" scripts/device_speed.py --device cuda --dtype bfloat16 --prompts 4 2>&1 \
-    | tee "$OUT/speed_pytorch_attention.log"
+timeout 150 "$PY" scripts/device_speed.py --device cuda --dtype bfloat16 --prompts 2 --graphs on --profile 2>&1 \
+    | tee "$OUT/profile.log" | tail -40
 
 echo "== trainer tests"
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_training.py -x --tb=short 2>&1 | tee "$OUT/training.log" | tail -4

@@ -99,6 +99,8 @@ class TreeLayout:
             Example: trees of 3 and 1 nodes, ``T = 4``: ``flat_index = [0, 1, 2, 4]``,
             ``flat_offsets = (0, 3, 4)``.
         flat_offsets: ``[B + 1]`` sequence ``b``'s rows are ``flat_offsets[b] .. flat_offsets[b + 1]``.
+        write_rows: ``[B * Hkv * T]`` on a GPU, :meth:`KVCache.write_rows` of ``write_slots``:
+            the K/V writes then read nothing on the host (a pass can replay as a CUDA graph).
     """
 
     write_slots: torch.Tensor
@@ -112,6 +114,7 @@ class TreeLayout:
     kernel: KernelInputs | None = None
     flat_index: torch.Tensor | None = None
     flat_offsets: tuple[int, ...] | None = None
+    write_rows: torch.Tensor | None = None
     #: (far, tail) biases per sliding window, built by the first layer that uses the window
     window_biases: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, compare=False, repr=False)
@@ -169,16 +172,20 @@ def build_tree_layout(
     gpu = use_gpu_kernel(cache)
     if gpu or use_kernel(cache):
         width = len(ancestors[0][0])
-        pad_row = [-1] * width
+        # On a GPU the table's width is rounded up to a power of two (the kernel rounds its
+        # reads up to one anyway), so passes of one row count share a CUDA graph.
+        extra = [-1] * ((1 << (width - 1).bit_length()) - width if gpu else 0)
+        pad_row = [-1] * (width + len(extra))
         table = [
-            [[a + length if a >= 0 else -1 for a in row] for row in anc] + [pad_row] * (num_rows - len(anc))
+            [[a + length if a >= 0 else -1 for a in row] + extra for row in anc] + [pad_row] * (num_rows - len(anc))
             for length, anc in zip(lengths, ancestors)
         ]
         # the CPU kernel reads int64 on the host, the GPU kernel int32 on the cache's device
         kind, dev = (torch.int32, cache.keys.device) if gpu else (torch.int64, None)
         kernel = KernelInputs(*(torch.tensor(v, dtype=kind, device=dev)
                                 for v in (lengths, table, [len(a) for a in ancestors])))
-        return TreeLayout(write_slots=write_slots, kernel=kernel)
+        return TreeLayout(write_slots=write_slots, kernel=kernel,
+                          write_rows=cache.write_rows(write_slots) if gpu else None)
     n = min(num_rows, round_up(max(len(a) for a in ancestors), ROW_ALIGN))
     far_ends = torch.zeros(batch, n, dtype=torch.long)
     tail_slots = torch.zeros(batch, n, TAIL, dtype=torch.long)
@@ -243,7 +250,7 @@ def tree_attention(
     if layout.kernel is not None:
         k = layout.kernel
         keys, values = cache.layer(layer)
-        if keys.device.type == "cuda":
+        if not cache.transposed_keys:  # the GPU kernel's layout (the CPU kernel's keys are transposed)
             from sot.kernels.triton_attention import tree_attention as gpu_tree_attention
 
             return gpu_tree_attention(query, keys, values, k.lengths, k.ancestors, k.rows, scaling, window or 0,

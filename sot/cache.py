@@ -69,13 +69,23 @@ class KVCache:
         keys = self.keys[layer]
         return (keys.transpose(-1, -2) if self.transposed_keys else keys), self.values[layer]
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              rows: torch.Tensor | None = None) -> None:
         """Append rows to scratch slots.
 
         Args:
-            slots: ``[B, T]`` slot of each row; a tree step writes ``lengths[b] + row``.
+            slots: ``[B, T]`` slot of each row, on the host; a tree step writes ``lengths[b] + row``.
             keys, values: ``[B, Hkv, T, D]`` the new rows.
+            rows: the same places as :meth:`write_rows` gives them, on the cache's device: two
+                scatters that read nothing on the host (what a CUDA graph replays); keys not
+                transposed only.
         """
+        if rows is not None and not self.transposed_keys:
+            k_store, v_store = self.layer(layer)
+            dim = v_store.shape[-1]
+            k_store.view(-1, dim).index_copy_(0, rows, keys.reshape(-1, dim))
+            v_store.view(-1, dim).index_copy_(0, rows, values.reshape(-1, dim))
+            return
         k_store, v_store = self.layer_sd(layer)
         if slots.shape[0] == 1:  # one sequence: its slots are a contiguous run
             start = int(slots[0, 0])
@@ -88,6 +98,16 @@ class KVCache:
             end = start + slots.shape[1]
             k_store[b, :, start:end] = keys[b]
             v_store[b, :, start:end] = values[b]
+
+    def write_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[B * Hkv * T]`` (int64, on the cache's device): for host ``slots [B, T]``, the row
+        of each new K/V row in a layer's storage viewed as ``[B * Hkv * S, D]``, that is
+        ``(b * Hkv + h) * S + slots[b, t]``, in the order of ``[B, Hkv, T]``.
+
+        Example: 2 KV heads, 64 slots, ``slots = [[5, 6]]`` -> ``[5, 6, 69, 70]``."""
+        batch, kv_heads = slots.shape[0], self.values.shape[2]
+        base = (torch.arange(batch)[:, None] * kv_heads + torch.arange(kv_heads)) * self.capacity  # [B, Hkv]
+        return (base[:, :, None] + slots[:, None, :]).reshape(-1).to(self.values.device)
 
     def read_span(self, b: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of sequence ``b``'s rows in slots ``[start, end)`` of every layer: keys

@@ -104,6 +104,32 @@ def test_gpu_attention_rows_do_not_depend_on_the_pass(device: str, window: int, 
 
 
 @pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graphs_keep_every_bit(device: str, arch: str, dtype: torch.dtype) -> None:
+    """Verify passes replayed as CUDA graphs (:mod:`sot.models.graphs`) give the eager passes'
+    tokens and logits rows bit for bit, speculative and plain, in a batch and alone; the
+    graphs answer most passes and no capture fails."""
+    model = clone(tiny_model(arch, seed=3, max_position_embeddings=1024), dtype).to(device)
+    prompts = random_prompts((7, 75, 300), seed=4)
+    eager = TargetModel(model, cuda_graphs=False)
+    assert eager.graphs is None
+    plain = [run(eager, NoDrafter(), [p], trace=True)[0] for p in prompts]
+    tokens = [r.token_ids for r in plain]
+    graphed = TargetModel(model)
+    drafter = RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.75, seed=5)
+    spec = run(graphed, drafter, prompts, trace=True)
+    assert [r.token_ids for r in spec] == tokens
+    assert [r.token_ids for r in run(graphed, NoDrafter(), prompts)] == tokens
+    for alone, batched in zip(plain, spec):
+        a = torch.stack(alone.logit_trace)[: alone.new_tokens]
+        b = torch.stack(batched.logit_trace)[: batched.new_tokens]
+        assert torch.equal(a, b)
+    graphs = graphed.graphs
+    assert graphs.failed is None and graphs.replays > NEW, (graphs.failed, graphs.replays)
+
+
+@pytest.mark.parametrize("device", [CUDA])
 def test_state_drafter_on_device(device: str) -> None:
     """The state predictor lives on the target's device and drafts there; output unchanged."""
     from sot.drafters.state import StateDrafter, new_predictor

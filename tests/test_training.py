@@ -101,9 +101,10 @@ def test_init_from_recounts_the_draft_vocabulary(tiny_run, tmp_path) -> None:
 
 
 def test_ddp_two_processes(tiny_run, tmp_path) -> None:
-    """``torchrun`` with 2 CPU processes (gloo) runs the same trainer unchanged."""
+    """``torchrun`` with 2 CPU processes (gloo) runs the same trainer unchanged (any GPU
+    hidden: a one-GPU machine has no device for the second process)."""
     out = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "sot.cli", "train", "fit", "--model", str(tiny_run["model_dir"]), "--data", str(tiny_run["data"]),
            "--out", str(out), "--steps", "3", "--tokens-per-step", "1024", "--unroll", "2", "--draft-vocab", "0",
@@ -153,3 +154,15 @@ def test_stop_after_keeps_the_planned_schedule(tiny_run, tmp_path) -> None:
     assert ckpt["history"][-1]["lr"] > 0.8 * cfg.lr
     with pytest.raises(ConfigError, match="--stop-after must be a step number >= 0"):
         fit(dataclasses.replace(cfg, out=str(tmp_path / "bad"), stop_after=-1))
+
+
+def test_a_process_without_its_own_gpu_is_refused(monkeypatch) -> None:
+    """A node's training process whose local rank has no GPU gets an error that says what to
+    run instead (not CUDA's 'invalid device ordinal')."""
+    from sot.train import trainer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match="nproc-per-node=1.*CUDA_VISIBLE_DEVICES="):
+        trainer._dist_setup()

@@ -46,7 +46,7 @@ def _tree_attention_kernel(
     widx = tl.arange(0, WP)
     anc_row = tl.load(anc_ptr + b * sa_b + t * sa_t + widx, mask=widx < W, other=-1)
     depth = tl.sum((anc_row >= 0).to(tl.int32), axis=0) - 1
-    p = length + depth  # the row's position (padding rows: depth -1, nothing to walk)
+    p = length + depth  # the row's position (a padding row, depth -1, walks the committed keys; never stored)
     lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
     start = (lo // BLOCK) * BLOCK
     g = tl.arange(0, GP)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib.util
+import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from sot.errors import UnsupportedModelError
 from sot.kernels import cpu_kernels
 from sot.kernels.linear import PackedLinear, fused_rms_norm
 from sot.models.fast_llama import FAST_FAMILIES, FastLlama
+from sot.models.graphs import VerifyGraphs
 from sot.models.loading import INT8_ATTR
 from sot.models.rows import ROW_UNIT
 from sot.packing import pack_trees
@@ -135,7 +137,7 @@ def sot_attention(
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
     cache, layout = sot_context.cache, sot_context.layout
-    cache.write(layer, layout.write_slots, key, value)
+    cache.write(layer, layout.write_slots, key, value, layout.write_rows)
     out = tree_attention(query, cache, layer, layout, scale, window, softcap)
     return out.to(query.dtype), None
 
@@ -193,9 +195,13 @@ class TargetModel:
         model: a transformers causal LM, already in its final dtype and device.
         state_layers: indices into ``hidden_states`` (0 = embeddings) to return with each
             forward; empty when the drafter needs none.
+        fast: run Llama-family models through :class:`FastLlama` (SoT's own forward).
+        cuda_graphs: on a CUDA GPU, replay verify passes as CUDA graphs
+            (:mod:`sot.models.graphs`; ``SOT_NO_CUDA_GRAPHS=1`` also turns them off).
     """
 
-    def __init__(self, model: torch.nn.Module, state_layers: tuple[int, ...] = (), fast: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, state_layers: tuple[int, ...] = (), fast: bool = True,
+                 cuda_graphs: bool = True) -> None:
         config = model.config
         if getattr(config, "is_encoder_decoder", False):
             raise UnsupportedModelError("SoT needs a decoder-only causal LM")
@@ -235,6 +241,9 @@ class TargetModel:
                               "multiple of 32 inputs, so its products run in float32", RuntimeWarning, stacklevel=2)
         #: a verify pass's rows per sequence must be a multiple of this
         self.row_multiple = self.fast.row_multiple if self.fast is not None else ROW_UNIT
+        #: the CUDA graphs of verify passes, or ``None`` (not on a GPU, or turned off)
+        self.graphs = (VerifyGraphs() if cuda_graphs and self.device.type == "cuda"
+                       and os.environ.get("SOT_NO_CUDA_GRAPHS") != "1" else None)
 
     def synchronize(self) -> None:
         """Wait for the work queued on the target's device (a CUDA GPU runs it
@@ -331,4 +340,9 @@ class TargetModel:
     ) -> ForwardOutput:
         """Run tree rows ``input_ids [B, T]`` at ``positions [B, T]`` (T a multiple of ``row_multiple``)."""
         with row_stable():
+            if self.graphs is not None:
+                out = self.graphs.run(lambda ids, pos, lay: self._run(ids, pos, ForwardContext(cache, lay)),
+                                      cache, input_ids, positions, layout)
+                if out is not None:
+                    return out
             return self._run(input_ids.to(self.device), positions.to(self.device), ForwardContext(cache, layout))

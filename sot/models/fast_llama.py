@@ -185,7 +185,7 @@ class FastLlama:
             else:
                 qk = self._rope(qkv[:, :, : nq + nkv].transpose(1, 2), cos, sin)  # q and k heads at once
                 q, k = qk[:, :nq], qk[:, nq:]
-                cache.write(idx, layout.write_slots, k, qkv[:, :, nq + nkv :].transpose(1, 2))
+                cache.write(idx, layout.write_slots, k, qkv[:, :, nq + nkv :].transpose(1, 2), layout.write_rows)
             att = tree_attention(q, cache, idx, layout, self.scaling, layer.window)
             att = att.to(h.dtype).reshape(batch * rows, nq * hd)
             x, h = self._add_rms(h, layer.o(att, True).view(batch, rows, -1), layer.ln2)

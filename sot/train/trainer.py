@@ -109,6 +109,12 @@ def _dist_setup() -> tuple[int, int, torch.device]:
     rank = int(os.environ.get("RANK", "0"))
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        visible = torch.cuda.device_count()
+        if local >= visible:
+            raise ConfigError(
+                f"training process {local} of this node has no GPU of its own ({visible} visible): run at most "
+                f"{visible} per node (torchrun --nproc-per-node={visible}), or train on the CPU with the GPUs "
+                "hidden (CUDA_VISIBLE_DEVICES=)")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:
