@@ -136,6 +136,10 @@ def test_a_shape_is_captured_on_its_second_pass(gpu_layout) -> None:
                            sot.attention.build_tree_layout([3], [[[0]]], target.row_multiple,
                                                            target.new_cache(1, 64)))
     assert out is None  # another cache: another shape, seen once
+    graphs.clear()
+    assert not graphs.graphs
+    run(target, NoDrafter(), [prompt], 1)
+    assert graphs.captures == 2
 
 
 def test_a_failed_capture_turns_graphs_off(gpu_layout) -> None:

@@ -9,7 +9,8 @@ pass shape: the token grid ``[B, T]``, the width of the attention kernel's ances
 the cache the pass runs against. The inputs that change from pass to pass (token ids,
 positions, the K/V write rows, and the kernel's lengths, ancestor table and real rows) are
 copied into the graph's own buffers before each replay; what else a pass reads (the weights,
-the cache) stays where the graph saw it. A replay runs the kernels of the eager pass on the
+the cache) stays where the graph saw it. So a model's parameters may change in place, but a
+parameter replaced by another tensor needs :meth:`VerifyGraphs.clear` first. A replay runs the kernels of the eager pass on the
 same shapes, so every row keeps its bits (``tests/test_devices.py`` checks that on a GPU).
 
 A shape is captured the second time it is seen: its first pass runs eagerly, which also
@@ -62,6 +63,11 @@ class VerifyGraphs:
         self.failed: str | None = None
         #: passes answered by a replay
         self.replays = 0
+
+    def clear(self) -> None:
+        """Forget every graph (after a model's parameters were replaced by other tensors)."""
+        self.graphs.clear()
+        self._seen.clear()
 
     @staticmethod
     def _key(cache, ids: torch.Tensor, layout: TreeLayout) -> tuple:
