@@ -374,6 +374,45 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
     assert not isinstance(PackedLinear(nearly).packed, tuple)
 
 
+def test_compiled_block_search_equals_the_pytorch_one() -> None:
+    """``block_grid_f32`` (one pass per block) finds the blocks the PyTorch search finds, bit
+    for bit: Q4_1 and Q8_0 grids (with rows of zero padding), and no grid where the weights
+    are none (one weight off by one ulp, Q4_1 blocks beside Q8_0 ones, random floats)."""
+    from sot.kernels.linear import _block_grid_torch, _blocks_of, block_grid
+
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("the compiled kernel is unavailable here")
+    gen = torch.Generator().manual_seed(3)
+    n, k = 37, 128  # 37 rows: padded to 48 with zero rows
+    scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 1e-3).half().float()
+    low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q4[..., 0], q4[..., 1] = 0, 15
+    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q8[..., 0] = 127
+    grids = {"q4_1": scale * q4 + low, "q8_0": scale * q8}
+    off = grids["q4_1"].clone()
+    off[3, 1, 7] = torch.nextafter(off[3, 1, 7], torch.tensor(1.0))
+    mixed = grids["q4_1"].clone()
+    mixed[:5] = grids["q8_0"][:5]
+    others = {"one ulp off": off, "mixed": mixed, "random": torch.randn(n, k // 32, 32, generator=gen)}
+    found = {}
+    for name, w in {**grids, **others}.items():
+        blocks = _blocks_of(w.reshape(n, k), 16)
+        mine, reference = kernel.block_grid_f32(blocks), _block_grid_torch(blocks)
+        assert (not mine) == (reference is None), name
+        found[name] = bool(mine)
+        if mine:
+            assert len(mine) == (2 if reference[2] is None else 3), name
+            for a, b in zip(mine, reference):  # q (int16), then scales and minimums as float32 bits
+                assert a.dtype == b.dtype, name
+                assert torch.equal(a, b) if a.dtype == torch.int16 else torch.equal(a.view(torch.int32),
+                                                                                    b.view(torch.int32)), name
+        assert (block_grid(w.reshape(n, k)) is None) == (reference is None), name
+    assert found == {**dict.fromkeys(grids, True), **dict.fromkeys(others, False)}
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen3"])
 def test_sliding_window_is_honoured(arch: str) -> None:
     """With every layer sliding (window W, two layers), a row at position p sees tokens

@@ -52,5 +52,6 @@ at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor
 at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias);
 at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins,
                              int64_t N, std::optional<at::Tensor> bias, bool fused);
+std::vector<at::Tensor> block_grid_f32(at::Tensor blocks);
 at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
                        std::optional<at::Tensor> bias);

@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <atomic>
+
 // Row-stable float32 linear layer: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]).
 //
 // Weights are packed once into panels of 16 output columns, [P, K, 16] (pack with
@@ -405,4 +407,99 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
                    scratch.data() + j * K * kPanel);
     return static_cast<const float*>(scratch.data());
   });
+}
+
+// ---------------------------------------------------------------------------- finding the blocks
+// block_grid_f32: float32 weights as exact GGUF blocks of 32 (Q4_1: w = d * q + m, q in 0..15;
+// Q8_0: w = d * q, q in -128..127; d and m float16 values), the arithmetic of
+// sot.kernels.linear._block_grid_torch in one pass per block instead of a dozen passes over
+// the whole weight: the same candidate scales in the same order (float16 at and next to the
+// spread, nearest first), the same float32 operations one at a time (no contraction), and a
+// block's weights decoded bit for bit or the candidate refused.
+namespace {
+
+constexpr int kBlock = 32;
+constexpr int kCandidateOffsets[5] = {0, -1, 1, -2, 2};
+
+inline float half_bits_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// One block: the first candidate scale that decodes all 32 weights exactly, into q and d.
+template <bool kMin>
+inline bool solve_block(const float* w, float low, float approx, float qlo, float qhi, int16_t* q, float* d_out) {
+  const uint16_t bits = c10::Half(approx).x;
+  for (int off : kCandidateOffsets) {
+    const float d = half_bits_value(static_cast<uint16_t>(bits + off));
+    const float safe = d == 0.0f ? 1.0f : d;
+    float cand[kBlock];
+    int32_t differ = 0;
+    for (int i = 0; i < kBlock; ++i) {  // no early exit, so that the loop vectorizes
+      const float base = kMin ? w[i] - low : w[i];
+      const float c = std::min(std::max(std::nearbyint(base / safe), qlo), qhi);  // ties to even
+      const float scaled = d * c;
+      const float rebuilt = kMin ? scaled + low : scaled;
+      uint32_t x, y;
+      std::memcpy(&x, &rebuilt, 4);
+      std::memcpy(&y, w + i, 4);
+      differ |= static_cast<int32_t>(x ^ y);
+      cand[i] = c;
+    }
+    if (differ == 0) {
+      for (int i = 0; i < kBlock; ++i) q[i] = static_cast<int16_t>(cand[i]);
+      *d_out = d;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+// blocks [N', K/32, 32] float32 -> {q [N', K/32, 32] int16, d [N', K/32], m [N', K/32]} (Q4_1),
+// {q, d} (Q8_0), or {} when some block is neither.
+std::vector<at::Tensor> block_grid_f32(at::Tensor blocks) {
+  TORCH_CHECK(blocks.scalar_type() == at::kFloat && blocks.dim() == 3 && blocks.size(2) == kBlock,
+              "block_grid_f32 takes float32 blocks [N, K/32, 32]");
+  blocks = blocks.contiguous();
+  const int64_t n = blocks.size(0) * blocks.size(1);
+  const float* w = blocks.data_ptr<float>();
+  at::Tensor q = at::empty({blocks.size(0), blocks.size(1), kBlock}, blocks.options().dtype(at::kShort));
+  at::Tensor d = at::empty({blocks.size(0), blocks.size(1)}, blocks.options());
+  at::Tensor m = at::empty({blocks.size(0), blocks.size(1)}, blocks.options());
+  int16_t* qp = q.data_ptr<int16_t>();
+  float* dp = d.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  // Q4_1 only where every block's minimum is a float16 value
+  std::atomic<bool> min_ok{true};
+  at::parallel_for(0, n, 1024, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1 && min_ok.load(std::memory_order_relaxed); ++b) {
+      const float* x = w + b * kBlock;
+      float low = x[0];
+      for (int i = 1; i < kBlock; ++i) low = std::min(low, x[i]);
+      mp[b] = low;
+      if (static_cast<float>(c10::Half(low)) != low) min_ok = false;
+    }
+  });
+  if (min_ok) {
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, n, 1024, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
+        const float* x = w + b * kBlock;
+        float high = x[0];
+        for (int i = 1; i < kBlock; ++i) high = std::max(high, x[i]);
+        if (!solve_block<true>(x, mp[b], (high - mp[b]) / 15.0f, 0.0f, 15.0f, qp + b * kBlock, dp + b)) ok = false;
+      }
+    });
+    if (ok) return {q, d, m};
+  }
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, n, 1024, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
+      const float* x = w + b * kBlock;
+      float top = std::fabs(x[0]);
+      for (int i = 1; i < kBlock; ++i) top = std::max(top, std::fabs(x[i]));
+      if (!solve_block<false>(x, 0.0f, top / 127.0f, -128.0f, 127.0f, qp + b * kBlock, dp + b)) ok = false;
+    }
+  });
+  if (ok) return {q, d};
+  return {};
 }

@@ -12,6 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_f32", &rms_norm_f32, "fused float32 RMSNorm (optionally after a residual add)");
   m.def("linear_f32", &linear_f32, "row-stable float32 linear layer on panel-packed weights");
   m.def("linear_blocks_f32", &linear_blocks_f32, "linear_f32 on float32 weights stored as exact 4/8-bit blocks");
+  m.def("block_grid_f32", &block_grid_f32, "float32 weights as exact GGUF 4/8-bit blocks, or nothing");
   m.def("linear_int8", &linear_int8, "row-stable product in 8-bit integers over 4/8-bit blocks");
   bind_llama_layers(m);
 }
