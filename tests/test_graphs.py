@@ -62,10 +62,15 @@ class Recorder:
 
 
 class RecordedGraphs(VerifyGraphs):
-    def __init__(self, max_graphs: int, fail: bool = False) -> None:
-        super().__init__(max_graphs)
+    def __init__(self, max_graphs: int, fail: bool = False, **limits: int) -> None:
+        super().__init__(max_graphs, **limits)
         self.fail = fail
         self.captures = 0
+        self.rows: list[int] = []  # every pass's rows
+
+    def run(self, forward, cache, input_ids, positions, layout):
+        self.rows.append(input_ids.numel())
+        return super().run(forward, cache, input_ids, positions, layout)
 
     @staticmethod
     def _new_graph() -> Recorder:
@@ -75,6 +80,7 @@ class RecordedGraphs(VerifyGraphs):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captures += 1
+        body()  # a capture runs the pass's Python too (on a GPU its kernels are recorded, not run)
         graph.body = body
 
 
@@ -140,6 +146,24 @@ def test_a_shape_is_captured_on_its_second_pass(gpu_layout) -> None:
     assert not graphs.graphs
     run(target, NoDrafter(), [prompt], 1)
     assert graphs.captures == 2
+
+
+def test_wide_passes_run_eagerly_and_graph_memory_is_bounded(gpu_layout) -> None:
+    """Passes of more rows than ``max_rows`` are never captured; the kept graphs' outputs stay
+    within ``max_bytes`` (the least recently used dropped); the answers are unchanged."""
+    model = tiny_model("llama", seed=1)
+    prompts = random_prompts((12, 30, 50), seed=2)
+    tokens = [r.token_ids for r in run(target_of(model, None), NoDrafter(), prompts, 3)]
+    budget = 4 * model.config.vocab_size * 4  # the float32 logits of 4 rows
+    graphs = RecordedGraphs(max_graphs=8, max_rows=8, max_bytes=budget)
+    target = target_of(model, graphs)
+    trees = RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.7, seed=4)  # 16-node trees
+    for drafter, batch in ((trees, 1), (NoDrafter(), 3), (NoDrafter(), 1)):
+        assert [r.token_ids for r in run(target, drafter, prompts, batch)] == tokens
+        assert all(entry.ids.numel() <= 8 for entry in graphs.graphs.values())
+        assert sum(entry.nbytes for entry in graphs.graphs.values()) <= budget
+    assert max(graphs.rows) > 8, "no pass was too wide"
+    assert graphs.replays > 0 and graphs.captures >= 2
 
 
 def test_a_failed_capture_turns_graphs_off(gpu_layout) -> None:

@@ -14,8 +14,11 @@ parameter replaced by another tensor needs :meth:`VerifyGraphs.clear` first. A r
 same shapes, so every row keeps its bits (``tests/test_devices.py`` checks that on a GPU).
 
 A shape is captured the second time it is seen: its first pass runs eagerly, which also
-compiles the Triton kernel for it. At most :data:`MAX_GRAPHS` are kept, the least recently
-used dropped first. ``SOT_NO_CUDA_GRAPHS=1`` turns graphs off, and a capture that fails
+compiles the Triton kernel for it. At most :data:`MAX_GRAPHS` are kept, whose outputs take at
+most :data:`MAX_GRAPH_BYTES`, the least recently used dropped first; a pass of more than
+:data:`MAX_GRAPH_ROWS` rows runs eagerly (its kernels are long enough that launching them
+costs little, and its logits alone would hold much memory: 128 rows of a 256k vocabulary
+are 64 MiB in bfloat16). ``SOT_NO_CUDA_GRAPHS=1`` turns graphs off, and a capture that fails
 turns them off for the model with a warning (every pass then runs eagerly, as before).
 """
 from __future__ import annotations
@@ -33,6 +36,10 @@ from sot.attention import KernelInputs, TreeLayout
 #: graphs kept per model (each holds its own activations; a 30-layer, width-576 model's
 #: 8 x 16-row pass needs a few tens of MB)
 MAX_GRAPHS = 48
+#: the most rows (sequences x rows each) a graphed pass has
+MAX_GRAPH_ROWS = 256
+#: the most bytes the kept graphs' outputs (logits, states) take together
+MAX_GRAPH_BYTES = 2 << 30
 
 
 @dataclass
@@ -46,16 +53,25 @@ class _Graph:
     kernel: KernelInputs  # lengths [B], ancestors [B, T, W], rows [B] (int32)
     out: Any  # the ForwardOutput the capture produced (its tensors live in the graph's pool)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the graph's outputs."""
+        tensors = [self.out.logits] + ([] if self.out.states is None else [self.out.states])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
 
 class VerifyGraphs:
     """The CUDA graphs of one target model's verify passes.
 
     Args:
         max_graphs: graphs kept at once (least recently used dropped first).
+        max_rows: passes of more rows run eagerly.
+        max_bytes: the kept graphs' outputs take at most this many bytes.
     """
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS) -> None:
-        self.max_graphs = max_graphs
+    def __init__(self, max_graphs: int = MAX_GRAPHS, max_rows: int = MAX_GRAPH_ROWS,
+                 max_bytes: int = MAX_GRAPH_BYTES) -> None:
+        self.max_graphs, self.max_rows, self.max_bytes = max_graphs, max_rows, max_bytes
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: set[tuple] = set()
         self._pool = None
@@ -83,7 +99,8 @@ class VerifyGraphs:
         Returns the ForwardOutput (copies of the graph's outputs, so a later replay leaves
         them alone), or ``None`` where the pass should run eagerly: a shape's first pass, a
         layout without the GPU kernel's inputs, or graphs turned off."""
-        if self.failed is not None or layout.kernel is None or layout.write_rows is None:
+        if (self.failed is not None or layout.kernel is None or layout.write_rows is None
+                or input_ids.numel() > self.max_rows):
             return None
         key = self._key(cache, input_ids, layout)
         entry = self.graphs.get(key)
@@ -97,7 +114,8 @@ class VerifyGraphs:
             if entry is None:
                 return None
             self.graphs[key] = entry
-            while len(self.graphs) > self.max_graphs:
+            while len(self.graphs) > 1 and (len(self.graphs) > self.max_graphs
+                                            or sum(e.nbytes for e in self.graphs.values()) > self.max_bytes):
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
