@@ -166,6 +166,32 @@ def test_wide_passes_run_eagerly_and_graph_memory_is_bounded(gpu_layout) -> None
     assert graphs.replays > 0 and graphs.captures >= 2
 
 
+def test_whole_prompt_chunks_replay_too(gpu_layout) -> None:
+    """A prompt's whole chunks (``PREFILL_CHUNK`` rows) replay as graphs: answers, logits rows
+    and prompt log probabilities (every chunk row's logits) equal the eager ones."""
+    from sot.prefix_cache import PREFILL_CHUNK
+
+    model = tiny_model("llama", seed=5)
+    # 3, 2 and 2 whole chunks; the last two end on one, so their first token comes from a replay
+    prompts = random_prompts((200, 128, 192), seed=6)
+
+    def answers(target: TargetModel, batch: int, logprobs: int | None):
+        params = GenerationParams(max_new_tokens=8, prompt_logprobs=logprobs)
+        out = Engine(target, NoDrafter(), TreeBudget(16, 6), policy=None, trace=True).generate(prompts, params,
+                                                                                                  batch_size=batch)
+        return [(r.token_ids, r.prompt_logprobs, torch.stack(r.logit_trace)) for r in out]
+
+    for logprobs in (None, 2):
+        eager = answers(target_of(model, None), 1, logprobs)
+        graphs = RecordedGraphs(max_graphs=8)
+        target = target_of(model, graphs)
+        for batch in (1, 3):
+            for (tokens, lp, logits), (e_tokens, e_lp, e_logits) in zip(answers(target, batch, logprobs), eager):
+                assert tokens == e_tokens and lp == e_lp and torch.equal(logits, e_logits)
+        assert any(tuple(entry.ids.shape) == (1, PREFILL_CHUNK) for entry in graphs.graphs.values())
+        assert graphs.replays > 0
+
+
 def test_a_failed_capture_turns_graphs_off(gpu_layout) -> None:
     model = tiny_model("llama", seed=1)
     prompt = random_prompts((12,), seed=2)[0]

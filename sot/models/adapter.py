@@ -13,7 +13,7 @@ import importlib.util
 import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -321,8 +321,7 @@ class TargetModel:
             view.lengths[0] = start + s
             batch = pack_trees([chain_tree(piece[0], piece[1:])], view, self)
             with row_stable():
-                out = self._run(batch.ids.to(self.device), batch.positions.to(self.device),
-                                ForwardContext(view, batch.layout), last_row=None if on_rows else len(piece) - 1)
+                out = self._prefill_pass(view, batch, last_row=None if on_rows else len(piece) - 1)
             last = out.logits
             if on_rows is not None:
                 rows = out.seq_logits(0)[:len(piece)]
@@ -333,6 +332,18 @@ class TargetModel:
         cache.lengths[batch_index] = start + len(ids)
         whole = (states[0] if len(states) == 1 else torch.cat(states))[None] if states else None
         return ForwardOutput(logits=last.reshape(1, 1, -1), states=whole)
+
+    def _prefill_pass(self, view: KVCache, batch, last_row: int | None) -> ForwardOutput:
+        """One prompt chunk's pass (:meth:`prefill`). On a GPU a whole chunk's grid
+        (``PREFILL_CHUNK`` rows) replays as a CUDA graph, computing every row's logits, of
+        which the last row's are kept; each row has the eager pass's bits either way."""
+        ids, pos = batch.ids, batch.positions
+        if self.graphs is not None and ids.shape[1] == PREFILL_CHUNK:
+            out = self.graphs.run(lambda i, p, lay: self._run(i, p, ForwardContext(view, lay)), view, ids, pos,
+                                  batch.layout)
+            if out is not None:
+                return out if last_row is None else replace(out, logits=out.logits[0, last_row:last_row + 1])
+        return self._run(ids.to(self.device), pos.to(self.device), ForwardContext(view, batch.layout), last_row)
 
     @torch.inference_mode()
     def verify(

@@ -13,6 +13,9 @@ the cache) stays where the graph saw it. So a model's parameters may change in p
 parameter replaced by another tensor needs :meth:`VerifyGraphs.clear` first. A replay runs the kernels of the eager pass on the
 same shapes, so every row keeps its bits (``tests/test_devices.py`` checks that on a GPU).
 
+The prompt's whole chunks (``PREFILL_CHUNK`` rows, :meth:`TargetModel.prefill`) go through
+the same graphs: a graph computes every row's logits, and the caller keeps the last row's.
+
 A shape is captured the second time it is seen: its first pass runs eagerly, which also
 compiles the Triton kernel for it. At most :data:`MAX_GRAPHS` are kept, whose outputs take at
 most :data:`MAX_GRAPH_BYTES`, the least recently used dropped first; a pass of more than
