@@ -9,7 +9,8 @@ weights need to travel to the device).
    prompts, batch 1 and 8: tokens/s, their ratio, mean tokens per step, and whether every
    output is identical.
 
-Both with verify passes replayed as CUDA graphs and eager, side by side (``--graphs``).
+Both with verify passes replayed as CUDA graphs and eager, side by side (``--graphs``), and
+the time to read a 1024-token prompt with each.
 
     python scripts/device_speed.py --device cuda --dtype bfloat16
 """
@@ -55,6 +56,22 @@ class OracleChain(Drafter):
         return trees
 
 
+def prompt_reading(targets: dict[str, TargetModel], vocab: int, tokens: int = 1024, rounds: int = 3) -> None:
+    """Reading a ``tokens``-long prompt into a fresh cache (``TargetModel.prefill``, chunks of
+    ``PREFILL_CHUNK``), each target in turn, best of ``rounds``."""
+    prompt = torch.randint(3, vocab, (tokens,), generator=torch.Generator().manual_seed(2))
+    best = dict.fromkeys(targets, float("inf"))
+    for _ in range(rounds):
+        for mode, target in targets.items():
+            cache = target.new_cache(1, tokens + 64)
+            target.synchronize()
+            t0 = time.perf_counter()
+            target.prefill(cache, 0, prompt)
+            target.synchronize()
+            best[mode] = min(best[mode], time.perf_counter() - t0)
+    print(f"reading a {tokens}-token prompt: " + ", ".join(f"{m} {s * 1e3:.1f} ms" for m, s in best.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
@@ -84,6 +101,7 @@ def main() -> None:
         one = cost.verify(1)
         print(f"verify rows ({mode}):  " + "  ".join(f"{r}: {cost.verify(r) * 1e3:.2f} ms ({cost.verify(r) / one:.2f}x)"
                                                    for r in [1, 2, 4, 8, 16, 32, 64, 128]))
+    prompt_reading(targets, SHAPE["vocab_size"])
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (args.prompt_tokens,), generator=gen).tolist()
