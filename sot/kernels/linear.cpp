@@ -452,6 +452,17 @@ inline bool solve_block(const float* w, float low, float approx, float qlo, floa
   return false;
 }
 
+// Whether ok(b) holds for every block b < n (blocks in parallel; all stop at the first failure).
+template <typename F>
+inline bool every_block(int64_t n, const F& ok) {
+  std::atomic<bool> all{true};
+  at::parallel_for(0, n, 1024, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1 && all.load(std::memory_order_relaxed); ++b)
+      if (!ok(b)) all = false;
+  });
+  return all;
+}
+
 }  // namespace
 
 // blocks [N', K/32, 32] float32 -> {q [N', K/32, 32] int16, d [N', K/32], m [N', K/32]} (Q4_1),
@@ -469,37 +480,26 @@ std::vector<at::Tensor> block_grid_f32(at::Tensor blocks) {
   float* dp = d.data_ptr<float>();
   float* mp = m.data_ptr<float>();
   // Q4_1 only where every block's minimum is a float16 value
-  std::atomic<bool> min_ok{true};
-  at::parallel_for(0, n, 1024, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1 && min_ok.load(std::memory_order_relaxed); ++b) {
-      const float* x = w + b * kBlock;
-      float low = x[0];
-      for (int i = 1; i < kBlock; ++i) low = std::min(low, x[i]);
-      mp[b] = low;
-      if (static_cast<float>(c10::Half(low)) != low) min_ok = false;
-    }
+  const bool q4 = every_block(n, [&](int64_t b) {
+    const float* x = w + b * kBlock;
+    float low = x[0];
+    for (int i = 1; i < kBlock; ++i) low = std::min(low, x[i]);
+    mp[b] = low;
+    return static_cast<float>(c10::Half(low)) == low;
   });
-  if (min_ok) {
-    std::atomic<bool> ok{true};
-    at::parallel_for(0, n, 1024, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
+  if (q4 && every_block(n, [&](int64_t b) {
         const float* x = w + b * kBlock;
         float high = x[0];
         for (int i = 1; i < kBlock; ++i) high = std::max(high, x[i]);
-        if (!solve_block<true>(x, mp[b], (high - mp[b]) / 15.0f, 0.0f, 15.0f, qp + b * kBlock, dp + b)) ok = false;
-      }
-    });
-    if (ok) return {q, d, m};
-  }
-  std::atomic<bool> ok{true};
-  at::parallel_for(0, n, 1024, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
-      const float* x = w + b * kBlock;
-      float top = std::fabs(x[0]);
-      for (int i = 1; i < kBlock; ++i) top = std::max(top, std::fabs(x[i]));
-      if (!solve_block<false>(x, 0.0f, top / 127.0f, -128.0f, 127.0f, qp + b * kBlock, dp + b)) ok = false;
-    }
-  });
-  if (ok) return {q, d};
+        return solve_block<true>(x, mp[b], (high - mp[b]) / 15.0f, 0.0f, 15.0f, qp + b * kBlock, dp + b);
+      }))
+    return {q, d, m};
+  if (every_block(n, [&](int64_t b) {
+        const float* x = w + b * kBlock;
+        float top = std::fabs(x[0]);
+        for (int i = 1; i < kBlock; ++i) top = std::max(top, std::fabs(x[i]));
+        return solve_block<false>(x, 0.0f, top / 127.0f, -128.0f, 127.0f, qp + b * kBlock, dp + b);
+      }))
+    return {q, d};
   return {};
 }

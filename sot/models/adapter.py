@@ -321,7 +321,10 @@ class TargetModel:
             view.lengths[0] = start + s
             batch = pack_trees([chain_tree(piece[0], piece[1:])], view, self)
             with row_stable():
-                out = self._prefill_pass(view, batch, last_row=None if on_rows else len(piece) - 1)
+                # (on a GPU a whole chunk's grid replays as a CUDA graph; shorter ones run eagerly)
+                out = self._pass(view, batch.ids, batch.positions, batch.layout,
+                                 last_row=None if on_rows else len(piece) - 1,
+                                 graph=batch.ids.shape[1] == PREFILL_CHUNK)
             last = out.logits
             if on_rows is not None:
                 rows = out.seq_logits(0)[:len(piece)]
@@ -333,17 +336,18 @@ class TargetModel:
         whole = (states[0] if len(states) == 1 else torch.cat(states))[None] if states else None
         return ForwardOutput(logits=last.reshape(1, 1, -1), states=whole)
 
-    def _prefill_pass(self, view: KVCache, batch, last_row: int | None) -> ForwardOutput:
-        """One prompt chunk's pass (:meth:`prefill`). On a GPU a whole chunk's grid
-        (``PREFILL_CHUNK`` rows) replays as a CUDA graph, computing every row's logits, of
-        which the last row's are kept; each row has the eager pass's bits either way."""
-        ids, pos = batch.ids, batch.positions
-        if self.graphs is not None and ids.shape[1] == PREFILL_CHUNK:
-            out = self.graphs.run(lambda i, p, lay: self._run(i, p, ForwardContext(view, lay)), view, ids, pos,
-                                  batch.layout)
+    def _pass(self, cache: KVCache, input_ids: torch.Tensor, positions: torch.Tensor, layout: TreeLayout,
+              last_row: int | None = None, graph: bool = True) -> ForwardOutput:
+        """One pass over ``input_ids, positions [B, T]``: replayed as a CUDA graph where one
+        applies (computing every row's logits, of which only ``last_row``'s are kept when
+        given), else eagerly; each row has the same bits either way."""
+        if graph and self.graphs is not None:
+            out = self.graphs.run(lambda i, p, lay: self._run(i, p, ForwardContext(cache, lay)), cache, input_ids,
+                                  positions, layout)
             if out is not None:
                 return out if last_row is None else replace(out, logits=out.logits[0, last_row:last_row + 1])
-        return self._run(ids.to(self.device), pos.to(self.device), ForwardContext(view, batch.layout), last_row)
+        return self._run(input_ids.to(self.device), positions.to(self.device), ForwardContext(cache, layout),
+                         last_row)
 
     @torch.inference_mode()
     def verify(
@@ -351,9 +355,4 @@ class TargetModel:
     ) -> ForwardOutput:
         """Run tree rows ``input_ids [B, T]`` at ``positions [B, T]`` (T a multiple of ``row_multiple``)."""
         with row_stable():
-            if self.graphs is not None:
-                out = self.graphs.run(lambda ids, pos, lay: self._run(ids, pos, ForwardContext(cache, lay)),
-                                      cache, input_ids, positions, layout)
-                if out is not None:
-                    return out
-            return self._run(input_ids.to(self.device), positions.to(self.device), ForwardContext(cache, layout))
+            return self._pass(cache, input_ids, positions, layout)
