@@ -28,7 +28,7 @@ from sot.errors import SoTError
 from sot.prompts import PromptItem
 from sot.requests import SequenceResult
 from sot.server.metrics import ServerMetrics
-from sot.server.protocol import TextAssembler
+from sot.detokenize import TextAssembler
 from sot.server.worker import EngineWorker
 
 

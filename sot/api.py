@@ -20,11 +20,11 @@ from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
-from sot.detokenize import IncrementalText
+from sot.detokenize import TextAssembler
 from sot.dtype_choice import resolve as resolve_dtype_choice
 from sot.models.loading import DEFAULT_DEVICE, load_model, resolve_device
 from sot.online.adapt import AdaptConfig, Adapter
-from sot.policy import PolicyConfig
+from sot.policy import PolicyConfig, PolicyKind
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from sot.prompts import PromptItem, encode, has_chat_template, use_chat_template, with_tools
 from sot.requests import check_logit_rules
@@ -101,7 +101,8 @@ class Score:
 
     def to_dict(self) -> dict:
         return {"token_ids": self.token_ids, "scored_tokens": self.scored_tokens,
-                "total_logprob": self.total_logprob, "perplexity": self.perplexity,
+                "total_logprob": self.total_logprob,
+                "perplexity": None if math.isnan(self.perplexity) else self.perplexity,  # (JSON has no NaN)
                 "logprobs": [None if e is None else asdict(e) for e in self.logprobs]}
 
 
@@ -115,7 +116,17 @@ class StreamEvent:
     finished: bool
 
 
+def _check_number(name: str, value: Any, integer: bool = False) -> None:
+    """A :class:`ConfigError` unless ``value`` is a number (an ``int`` with ``integer``)."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+
+
 def _check_sampling(temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> None:
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+        _check_number(name, value)
+    _check_number("top_k", top_k, integer=True)
     if temperature < 0:
         raise ConfigError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
@@ -156,7 +167,7 @@ class SoT:
         max_depth: int = TreeBudget.max_depth,
         predictor: str | None = None,
         top_k: int = DRAFT_TOP_K,
-        policy: PolicyConfig | None = None,
+        policy: PolicyConfig | str | None = None,
         suffix_store: str | None = None,
         suffix_per_tenant: bool = False,
         adapt: AdaptConfig | None = None,
@@ -180,7 +191,8 @@ class SoT:
             predictor: a state predictor file or an EAGLE-3 head folder (default: the one
                 shipped for the default model).
             top_k: children per expanded node in state-predictor trees.
-            policy: the commit policy (default: heuristic, no warm-up).
+            policy: the commit policy (default: heuristic, no warm-up), or its kind's name
+                (``"static"``, ``"learned"``, ...) with the other settings at their defaults.
             suffix_store: a file of earlier answers to draft from (read if it exists; write
                 it back with :meth:`save_suffix_store`).
             suffix_per_tenant: keep earlier answers apart per tenant (``add_request``'s
@@ -200,6 +212,14 @@ class SoT:
         if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
             choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
             raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}")
+        if isinstance(policy, str):
+            try:
+                policy = PolicyConfig(kind=PolicyKind(policy))
+            except ValueError:
+                kinds = ", ".join(k.value for k in PolicyKind)
+                raise ConfigError(f"unknown policy {policy!r}; choose from {kinds}") from None
+        elif policy is not None and not isinstance(policy, PolicyConfig):
+            raise ConfigError(f"policy must be a PolicyConfig or a policy name, got {type(policy).__name__}")
         dev = resolve_device(device)
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
         loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)
@@ -282,7 +302,7 @@ class SoT:
         min_p: float = SamplingParams.min_p,
         seed: int = SamplingParams.seed,
         sampling: str | SamplingMode = SamplingParams.mode,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         ignore_eos: bool = False,
         logprobs: int | None = None,
         min_tokens: int = GenerationParams.min_tokens,
@@ -306,6 +326,8 @@ class SoT:
                 (:class:`~sot.structured.StructuredOutput`).
         """
         _check_sampling(temperature, top_p, top_k, min_p)
+        _check_number("max_new_tokens", max_new_tokens, integer=True)
+        _check_number("min_tokens", min_tokens, integer=True)
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -321,7 +343,7 @@ class SoT:
         params = GenerationParams(
             max_new_tokens=max_new_tokens,
             sampling=sp,
-            stop=tuple(stop),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
             eos_token_ids=() if ignore_eos else self.eos_ids(),
             logprobs=logprobs,
             min_tokens=min_tokens,
@@ -398,17 +420,19 @@ class SoT:
                 index=i, prompt_ids=list(prompt), token_ids=list(c.token_ids), pieces=pieces, text=c.text,
                 finish_reason=c.finish_reason, tau=round(c.mean_accept_len, 4), seconds=round(c.seconds, 4),
                 steps=[r.to_json() for r in c.step_records], states=states,
-                vocab={str(t): self.tokenizer.decode([t]) for t in sorted({t for r in c.step_records for t in r.tokens})},
+                vocab={str(t): self.tokenizer.decode([t])
+                       for t in sorted({t for r in c.step_records for t in r.tokens})},
             ))
         return out
 
     def generate(
-        self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int = 1, trace: bool = False,
-        tools: list[dict] | None = None, tool_choice: str | dict | None = None, parallel_tool_calls: bool = True,
-        **kwargs: Any,
+        self, prompts: PromptItem | Sequence[PromptItem], chat: bool | None = None, batch_size: int = 1,
+        trace: bool = False, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True, **kwargs: Any,
     ) -> list[Completion]:
-        """Generate for each prompt (a string or a JSONL-style record); ``trace`` keeps each
-        completion's step records (:attr:`Completion.step_records`).
+        """Generate for each prompt (a string or a JSONL-style record, or a list of them: one
+        completion each); ``trace`` keeps each completion's step records
+        (:attr:`Completion.step_records`).
 
         ``tools`` (OpenAI's function list) are offered in the chat template, and the calls
         read from each answer are in :attr:`Completion.tool_calls`; ``tool_choice`` is
@@ -418,6 +442,7 @@ class SoT:
         Other keyword arguments are those of :meth:`params` (``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``sampling``, ``stop``, ...).
         """
+        prompts = _as_list(prompts)
         use = ToolUse.of(tools or [], tool_choice, parallel_tool_calls)
         if use.format() is not None:
             if kwargs.get("structured") is not None:
@@ -436,7 +461,7 @@ class SoT:
                 c.tool_calls = [call.to_openai() for call in use.read(c.text).calls]
         return out
 
-    def score(self, texts: Sequence[PromptItem], chat: bool | None = False, top_logprobs: int = 0,
+    def score(self, texts: PromptItem | Sequence[PromptItem], chat: bool | None = False, top_logprobs: int = 0,
               batch_size: int = 1) -> list[Score]:
         """Each text's tokens with their log probabilities under the model: the figures plain
         decoding would give each token after the ones before it (the texts are read by the
@@ -445,37 +470,36 @@ class SoT:
 
         Args:
             texts: strings (raw text by default), or records with ``messages`` and
-                ``chat=True`` to score a conversation in the chat template.
+                ``chat=True`` to score a conversation in the chat template (as it is, with no
+                answer opened after it); one text or a list.
             top_logprobs: alternatives to report per token (0-20).
         """
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ConfigError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
-        ids = [self.encode(t, chat) for t in texts]
+        # a text is scored as given: a conversation ends with its last message, not with the
+        # opening of an answer
+        ids = [self.encode(t, chat, generation_prompt=False) for t in _as_list(texts)]
         params = GenerationParams(max_new_tokens=1, prompt_logprobs=top_logprobs)
         results = self.engine.generate(ids, params, batch_size) if ids else []
         return [Score(p, list(r.prompt_logprobs)) for p, r in zip(ids, results)]
 
     def stream(
-        self, prompts: Sequence[PromptItem], chat: bool | None = None, batch_size: int | None = None, **kwargs: Any
+        self, prompts: PromptItem | Sequence[PromptItem], chat: bool | None = None, batch_size: int | None = None,
+        **kwargs: Any,
     ) -> Iterator[StreamEvent]:
         """Yield text as it is committed, for prompts generated together (at most
         ``batch_size`` at a time, as a continuous batch; default: all at once)."""
         params = self.params(**kwargs)
-        ids = [self.encode(p, chat) for p in prompts]
-
-        def decode(ids: list[int]) -> str:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-        texts = [IncrementalText(decode) for _ in ids]
-        shown = [0] * len(ids)
+        ids = [self.encode(p, chat) for p in _as_list(prompts)]
+        # an incomplete character, and text that may begin a stop string, wait for the next
+        # tokens; a stop string ends the text before it
+        texts = [TextAssembler(self.tokenizer, params.stop) for _ in ids]
         self.last_stream = []
         for event in self.engine.stream(ids, params, self.last_stream, batch_size):
-            texts[event.sequence].extend(event.token_ids)
-            decoded = texts[event.sequence]
-            text = decoded.text
-            # Hold back an incomplete multi-byte character until its last token arrives.
-            stable = len(text) if event.finished else decoded.settled_length
-            delta = text[shown[event.sequence] : stable]
-            shown[event.sequence] = max(shown[event.sequence], stable)
+            delta = texts[event.sequence].add(event.token_ids, final=event.finished)
             yield StreamEvent(event.sequence, delta, event.token_ids, event.finished)
 
+
+def _as_list(prompts: PromptItem | Sequence[PromptItem]) -> list[PromptItem]:
+    """One prompt (a string or a record) as a list of one; a list of prompts as it is."""
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)

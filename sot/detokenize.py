@@ -11,10 +11,13 @@ byte-fallback decoders (Llama, Gemma) turn a whole run of byte tokens into repla
 characters when it begins or ends inside one. Text ending in an incomplete character waits
 for the character's last token before it is settled. A tokenizer that rewrites text across
 the boundary (a clean-up rule such as " ." to ".") makes it decode the whole list once.
+
+:class:`TextAssembler` builds on it what a stream shows: text deltas that end before a stop
+string and hold back what could still begin one (``SoT.stream``, ``AsyncSoT`` and the server).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 #: tokens left unsettled at most (a character takes at most 4 byte tokens)
 MAX_UNSETTLED = 16
@@ -85,3 +88,64 @@ class IncrementalText:
     def __len__(self) -> int:
         """Characters of :attr:`text`, without building it."""
         return len(self._settled) + len(self._tail)
+
+
+def decoder(tokenizer: Any, skip_special: bool = True) -> Callable[[list[int]], str]:
+    """``tokenizer.decode`` with ``skip_special_tokens`` fixed: what :class:`IncrementalText`
+    takes."""
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special)
+    return decode
+
+
+class TextAssembler:
+    """Turns a request's committed tokens into text deltas.
+
+    The text is decoded incrementally (:class:`~sot.detokenize.IncrementalText`), so an update
+    costs the same early and late in a long answer. A stop string ends the text before it;
+    while the request runs, text that might begin a stop string and an incomplete character
+    at the end are held back until the next tokens decide them.
+    """
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], include_stop: bool = False,
+                 skip_special: bool = True) -> None:
+        self.stop = stop
+        self.include_stop = include_stop  # the text ends after the stop string, not before it
+        self._decoded = IncrementalText(decoder(tokenizer, skip_special))
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self.sent = 0
+        self.text = ""
+
+    @property
+    def ids(self) -> list[int]:
+        """Every token added so far."""
+        return self._decoded.ids
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        """The new text after ``token_ids``; ``final`` releases everything held back."""
+        self._decoded.extend(token_ids)
+        text = self._decoded.text
+        cut = len(text)
+        stopped = False
+        # what was sent holds no stop string and ends in none's beginning: look past it only
+        start = max(0, self.sent - self._longest_stop)
+        for s in self.stop:
+            i = text.find(s, start)
+            if 0 <= i < cut:
+                cut, stopped = i, True
+        if stopped and self.include_stop:
+            cut += next(len(s) for s in self.stop if text.startswith(s, cut))
+        if not final and not stopped:
+            cut = min(cut, self._decoded.settled_length)  # an incomplete character waits
+            for s in self.stop:  # the longest tail that could still grow into a stop string
+                for k in range(min(len(s) - 1, cut), 0, -1):
+                    if text[cut - k : cut] == s[:k]:
+                        cut -= k
+                        break
+        self.text = text[:cut] if (final or stopped) else text
+        delta = text[self.sent : cut] if cut > self.sent else ""
+        self.sent = max(self.sent, cut)
+        return delta
+
+    def final_text(self) -> str:
+        return self.text[: self.sent] if self.sent <= len(self.text) else self.text

@@ -528,9 +528,11 @@ class Engine:
             drafted = self.drafter.propose(inputs, plan.budget)
             proposed = dict(zip(plan.drafting, drafted))
         chosen = policy.select(plan, proposed)
-        drafting = set(plan.drafting)
+        # (plain decoding's "drafter" proposes root-only trees: its steps are plain steps)
+        drafting = set(plan.drafting) if self.drafter.kind is not DrafterKind.NONE else set()
         if self.record_steps:
-            self._proposed = {k: step_mode(policy.seqs.get(k), k, plan, proposed) for k in given}
+            shown = proposed if drafting else {}
+            self._proposed = {k: step_mode(policy.seqs.get(k), k, plan, shown) for k in given}
         trees = []
         for seq in seqs:
             if seq.id not in drafting:
@@ -638,7 +640,8 @@ class Engine:
         :meth:`stream`; ``sot bench`` uses it to advance several engines a step at a time."""
         check_prompts(prompts, params, self.target.max_positions, batch_size, self.target.vocab_size)
         if self.has_unfinished():
-            raise ConfigError("the engine is serving other requests; use add_request and step")
+            raise ConfigError("the engine has unfinished requests (from add_request, or a stream not read to its "
+                              "end: close it); step them to the end first")
         saved = self.max_batch
         self.max_batch = batch_size
         self.drafter.reset(min(len(prompts), batch_size or len(prompts)))

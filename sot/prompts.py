@@ -19,8 +19,12 @@ def json_lines(path: str | Path, missing: str = "prompts file not found") -> lis
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{missing}: {path}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     out = []
-    for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

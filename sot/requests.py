@@ -117,10 +117,11 @@ class TokenEvent:
     Attributes:
         sequence: the request's index (its prompt's position in a :meth:`Engine.generate`
             call, or the index given to :meth:`Engine.add_request`).
-        token_ids: the tokens committed (empty for an abort).
+        token_ids: the tokens committed.
         finished: the request is complete; ``finish_reason`` says why.
         request_id: the request's id.
-        finish_reason: ``length``, ``eos``, ``stop`` or ``abort`` once finished, else ``None``.
+        finish_reason: ``length``, ``eos`` or ``stop`` once finished, else ``None``
+            (:meth:`Engine.abort` ends a request without an event).
     """
 
     sequence: int
@@ -176,10 +177,14 @@ def check_prompts(prompts: list[list[int]], params: GenerationParams, max_positi
 def check_request(prompt: list[int], params: GenerationParams, max_positions: int | None,
                   vocab_size: int | None = None) -> None:
     """Raise a :class:`~sot.errors.SoTError` naming what is wrong with one request."""
+    if isinstance(prompt, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ConfigError("the prompt must be a list of token ids (encode text with SoT.encode)")
     if not prompt:
         raise ConfigError("the prompt is empty")
-    if params.max_new_tokens < 1:
-        raise ConfigError("max_new_tokens must be at least 1")
+    if vocab_size and not all(0 <= t < vocab_size for t in prompt):
+        raise ConfigError(f"the prompt's token ids must be in [0, {vocab_size})")
+    if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an integer of at least 1, got {params.max_new_tokens!r}")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
         if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
@@ -301,14 +306,31 @@ class LiveRequest:
         self.result.finish_reason = reason
         self.result.text = decode(self.result.token_ids)
 
+    def _completes_stop(self, tok: int) -> bool:
+        """Whether the text of the answer ending in the just appended ``tok`` holds one of
+        the stop strings that it did not hold before (``decoded`` follows every token)."""
+        decoded, params = self.decoded, self.params
+        settled = decoded.settled_length  # text before it that no later token changes
+        decoded.extend([tok])
+        text = decoded.text
+        return any(text.find(s, max(0, settled - len(s) + 1)) >= 0 for s in params.stop)
+
     def commit(self, tokens: list[int], now: float, step: bool, decode: Callable[[list[int]], str]) -> TokenEvent:
         """Append ``tokens`` up to the first stop condition and return the event that reports
         them; ``step`` records the count as an accepted length (the prompt's first token is
-        not one)."""
+        not one).
+
+        The conditions are checked after each token, as plain decoding meets them one token a
+        step, so an accepted run ends where plain decoding would have ended: at an
+        end-of-sequence token, at a completed grammar, at the token whose text completes a
+        stop string, or at ``max_new_tokens``. A stop string completed by the last allowed
+        token is a ``stop``, not a ``length``."""
         res, params = self.result, self.params
         before = len(res.token_ids)
         taken: list[int] = []
         reason = None
+        if params.stop and self.decoded is None:
+            self.decoded = IncrementalText(decode)
         for tok in tokens:
             taken.append(tok)
             res.token_ids.append(tok)
@@ -317,23 +339,17 @@ class LiveRequest:
             if tok in params.eos_token_ids:
                 reason = "eos"
                 break
-            if len(res.token_ids) >= params.max_new_tokens:
-                reason = "length"
-                break
             if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete
                 reason = "stop"
                 break
+            if params.stop and self._completes_stop(tok):
+                reason = "stop"
+                break
+            if len(res.token_ids) >= params.max_new_tokens:
+                reason = "length"
+                break
         if step:
             res.accept_lengths.append(len(taken))
-        if params.stop and reason is None:
-            if self.decoded is None:
-                self.decoded = IncrementalText(decode)
-            # the settled text held no stop string: look from its last characters on
-            start = max(0, self.decoded.settled_length - max(len(s) for s in params.stop))
-            self.decoded.extend(res.token_ids[len(self.decoded.ids):])
-            text = self.decoded.text
-            if any(text.find(s, start) >= 0 for s in params.stop):
-                reason = "stop"
         res.seconds = now - self.started
         # the acceptance added a log probability per offered token: keep those committed
         del res.logprobs[len(res.token_ids):]

@@ -97,25 +97,25 @@ def parse_tools(raw: Any) -> tuple[Tool, ...]:
     for i, item in enumerate(raw):
         where = f"tools[{i}]"
         if not isinstance(item, dict) or item.get("type", "function") != "function":
-            raise ConfigError(f"tools {where}: only tools of type 'function' are supported")
+            raise ConfigError(f"{where}: only tools of type 'function' are supported")
         fn = item.get("function")
         if not isinstance(fn, dict):
-            raise ConfigError(f"tools {where}: needs a 'function' object with a name")
+            raise ConfigError(f"{where}: needs a 'function' object with a name")
         name = fn.get("name")
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
-            raise ConfigError(f"tools {where}: the function name must be 1-64 letters, digits, '_' or '-', "
+            raise ConfigError(f"{where}: the function name must be 1-64 letters, digits, '_' or '-', "
                               f"got {name!r}")
         description = fn.get("description") or ""
         if not isinstance(description, str):
-            raise ConfigError(f"tools {where}: the description must be a string")
+            raise ConfigError(f"{where}: the description must be a string")
         params = fn.get("parameters")
         if params is None:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise ConfigError(f"tools {where}: parameters must be a JSON schema object")
+            raise ConfigError(f"{where}: parameters must be a JSON schema object")
         problem = _schema_problem(params)
         if problem:
-            raise ConfigError(f"tools {where}: parameters of {name!r} are not a usable JSON schema: {problem}")
+            raise ConfigError(f"{where}: parameters of {name!r} are not a usable JSON schema: {problem}")
         tools.append(Tool(name, description, json.dumps(params)))
     names = [t.name for t in tools]
     repeated = sorted({n for n in names if names.count(n) > 1})

@@ -62,3 +62,23 @@ def test_leaving_a_stream_frees_its_slot_and_a_closed_engine_refuses(model_dir: 
             await engine.generate("abc", chat=False, max_new_tokens=3)
 
     asyncio.run(run())
+
+
+def test_requests_in_flight_when_the_engine_closes_end_with_an_error(model_dir: Path) -> None:
+    """A request still running and one submitted just before ``close`` both end with an
+    error (none waits for ever); the engine is idle afterwards."""
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+
+    async def run() -> list:
+        engine = AsyncSoT(sot, max_batch=1)
+        running = asyncio.create_task(engine.generate("abc", chat=False, max_new_tokens=400, ignore_eos=True))
+        await asyncio.sleep(0.3)
+        queued = asyncio.create_task(engine.generate("abd", chat=False, max_new_tokens=4))
+        await asyncio.sleep(0)  # (submitted: its command waits in the worker's queue)
+        engine.close()
+        return await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), timeout=20)
+
+    outcomes = asyncio.run(run())
+    assert all(isinstance(o, SoTError) and "shutting down" in str(o) for o in outcomes), outcomes
+    assert not sot.engine.has_unfinished()
+

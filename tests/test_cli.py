@@ -78,6 +78,71 @@ def test_score_gives_the_models_log_probabilities(model_dir: Path, tmp_path: Pat
     assert "give either a TEXT or --prompts" in capsys.readouterr().err
 
 
+def test_one_prompt_or_stop_string_may_be_a_plain_string(model_dir: Path) -> None:
+    """A string is one prompt (or one stop string), not a list of characters; a stream's
+    text ends before the stop string, as the whole answer's does; a conversation is scored
+    as it is, with no answer opened after it."""
+    sot = SoT.load(str(model_dir), drafter="pld", dtype="float32")
+    kw = dict(max_new_tokens=20, chat=False, ignore_eos=True)
+    one = sot.generate("abcabc", **kw)
+    assert len(one) == 1 and one[0].token_ids == sot.generate(["abcabc"], **kw)[0].token_ids
+    stop = one[0].text[4:6]
+    cut = sot.generate("abcabc", stop=stop, **kw)[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == sot.generate(["abcabc"], stop=[stop], **kw)[0].token_ids
+    events = list(sot.stream("abcabc", stop=stop, **kw))
+    assert "".join(e.text for e in events) == cut.text and stop not in cut.text and events[-1].finished
+    assert len(sot.score("abcabc")) == 1
+    talk = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    scored = sot.score(talk, chat=True)[0]
+    assert scored.token_ids == sot.encode(talk, chat=True, generation_prompt=False)
+    assert sot.tokenizer.decode(scored.token_ids).endswith("assistant: hello<unk>")  # ("\\n" is <unk>)
+
+
+def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Path) -> None:
+    from sot.requests import GenerationParams
+
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    for bad, message in ((dict(max_new_tokens="5"), "max_new_tokens must be an integer"),
+                         (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),
+                         (dict(top_k=2.5), "top_k must be an integer"),
+                         (dict(temperature=None), "temperature must be a number")):
+        with pytest.raises(ConfigError, match=message):
+            sot.generate("abc", chat=False, **bad)
+    for prompt in ("hello", [1, "2"], [10**6]):
+        with pytest.raises(ConfigError, match="the prompt"):
+            sot.engine.add_request(prompt, GenerationParams(max_new_tokens=2))
+    assert not sot.engine.has_unfinished()
+    assert len(sot.generate("abc", chat=False, max_new_tokens=2)[0].token_ids) <= 2
+    assert SoT.load(str(model_dir), drafter="pld", dtype="float32", policy="static").engine.policy_config.kind.value \
+        == "static"
+    with pytest.raises(ConfigError, match="unknown policy 'fast'"):
+        SoT.load(str(model_dir), drafter="pld", dtype="float32", policy="fast")
+
+
+def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tmp_path: Path, capsys) -> None:
+    """Caught before any model loads where it can be; exit 2 with one line naming the file."""
+    base = ["generate", "abc", "--model", "/no/such/model"]  # (a load would fail with another message)
+    for extra, message in ((["--trace", str(tmp_path / "no" / "t.jsonl")], "does not exist"),
+                           (["--trace", str(tmp_path)], "is a folder"),
+                           (["--suffix-store", str(tmp_path / "no" / "s.store")], "does not exist"),
+                           (["--tools", str(tmp_path / "tools.json")], "no such file"),
+                           (["--json-schema", str(tmp_path / "schema.json")], "no such file")):
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and "model path" not in err and "Traceback" not in err, (extra, err)
+    assert main(["trace", "abc", "--model", "/no/such/model", "--out", str(tmp_path / "no" / "x.html")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    assert main(["generate", "--prompts", str(latin), "--model", "/no/such/model"]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err
+    assert main(["score", "a", "--model", str(model_dir), "--json"]) == 0  # one token: no perplexity
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"] is None
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("sot ")
+
+
 def test_generate_structured_output_flags(model_dir: Path, tmp_path: Path, capsys) -> None:
     import re
 
@@ -172,6 +237,37 @@ def test_stop_strings_end_generation(model_dir: Path) -> None:
     assert stop not in stopped.text and free.text.startswith(stopped.text)
 
 
+@pytest.mark.parametrize("drafter", ["pld", "suffix"])
+def test_stop_strings_end_speculative_runs_where_plain_decoding_ends(model_dir: Path, drafter: str,
+                                                                     monkeypatch) -> None:
+    """A stop string completed inside an accepted run ends the answer at that token: the same
+    tokens and finish reason as plain decoding, for stops at many places in the answer."""
+    from sot.policy import PolicyConfig, PolicyKind
+    from sot.requests import LiveRequest
+
+    cut_runs = []
+    commit = LiveRequest.commit
+
+    def counting(self, tokens, *args):  # counts runs cut short by a stop string
+        event = commit(self, tokens, *args)
+        cut_runs.append(event.finish_reason == "stop" and len(event.token_ids) < len(tokens))
+        return event
+
+    monkeypatch.setattr(LiveRequest, "commit", counting)
+    plain = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    # a static tree drafts every step, however the tiny model's timings look
+    spec = SoT.load(str(model_dir), drafter=drafter, dtype="float32", policy=PolicyConfig(kind=PolicyKind.STATIC))
+    prompt = "abcabcabcabc"
+    free = spec.generate([prompt], max_new_tokens=40, chat=False, ignore_eos=True)[0]
+    assert max(free.accept_lengths) >= 3, "the drafter must accept runs for the test to mean anything"
+    for at in range(2, len(free.text) - 2, 3):  # (6 characters: most first occur inside a run)
+        kwargs = dict(max_new_tokens=40, chat=False, ignore_eos=True, stop=[free.text[at : at + 6]])
+        want = plain.generate([prompt], **kwargs)[0]
+        got = spec.generate([prompt], **kwargs)[0]
+        assert (got.token_ids, got.finish_reason, got.text) == (want.token_ids, want.finish_reason, want.text)
+    assert sum(cut_runs) > 0, "some stop strings must fall inside an accepted run"
+
+
 def test_missing_model_is_a_clean_error() -> None:
     res = run_cli("generate", "hi", "--model", "/no/such/model")
     assert res.returncode == 2
@@ -194,6 +290,17 @@ def test_bad_flag_value_is_a_clean_error() -> None:
     assert "must be >= 0" in res.stderr and "Traceback" not in res.stderr
     res = run_cli("generate", "hi", "--drafter", "magic")
     assert res.returncode == 2 and "invalid choice" in res.stderr
+
+
+@pytest.mark.parametrize("flag,value,message", [("--logprobs", "25", "must be 0 to 20"),
+                                                ("--frequency-penalty", "3", "must be -2 to 2"),
+                                                ("--repetition-penalty", "0", "must be > 0"),
+                                                ("--logit-bias", "5=200", "BIAS must be -100 to 100")])
+def test_range_flags_are_checked_by_name_before_loading(flag: str, value: str, message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "hi", "--model", "/no/such/model", flag, value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {flag}: {message}" in err
 
 
 def test_prompt_longer_than_context(model_dir: Path, capsys) -> None:

@@ -298,6 +298,13 @@ def test_a_head_for_another_target_is_refused(tmp_path) -> None:
     deep = _random_checkpoint(tmp_path / "deep", model, seed=5, eagle_aux_hidden_state_layer_ids=[2, 16, 29])
     with pytest.raises(DrafterCompatibilityError, match=r"input layers \[2, 16, 29\], target has 2 layers"):
         load_predictor(deep, model)
+    scaled = _random_checkpoint(tmp_path / "scaled", model, seed=5, rope_theta=None,  # (transformers 5's layout)
+                                rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(DrafterCompatibilityError, match="rope_scaling .*llama3"):
+        load_predictor(scaled, model)
+    based = _random_checkpoint(tmp_path / "based", model, seed=5, rope_theta=None,
+                               rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    assert load_predictor(based, model).config.rope_theta == 500000.0
     not_eagle = tmp_path / "llama"
     model.save_pretrained(not_eagle)
     with pytest.raises(DrafterCompatibilityError, match="not LlamaForCausalLMEagle3"):

@@ -617,6 +617,81 @@ def test_stop_strings_end_the_text_before_them(tiny_server) -> None:
     assert shown == {True: "", False: "</s></s>"}
 
 
+def test_stop_strings_end_token_ids_and_usage_where_plain_decoding_ends(tiny_server) -> None:
+    """The tokens of an answer cut by a stop string end at the token that completes it, as
+    plain decoding's do, also when that token was accepted in the middle of a drafted run;
+    ``usage`` counts those tokens, and a stop completed by the last allowed token is ``stop``."""
+    def ask(**kw) -> dict:
+        body = {"model": TINY, "prompt": "abcabcabcabc", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, **kw}
+        resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    free = ask()["choices"][0]
+    ids, text = free["token_ids"], free["text"]
+    decode = {n: httpx.post(f"{tiny_server.url}/detokenize", headers=AUTH, timeout=60,  # (without </s>, as the text)
+                            json={"model": TINY, "tokens": ids[:n]}).json()["prompt"].replace("</s>", "")
+              for n in range(1, len(ids) + 1)}
+    for at in range(2, len(text) - 6, 4):
+        stop = text[at : at + 6]
+        end = min(n for n in decode if stop in decode[n])  # plain decoding stops at this token
+        cut = ask(stop=stop)
+        assert cut["choices"][0]["token_ids"] == ids[:end] and cut["choices"][0]["finish_reason"] == "stop"
+        assert cut["usage"]["completion_tokens"] == end
+        last = ask(stop=stop, max_tokens=end)["choices"][0]
+        assert last["finish_reason"] == "stop" and last["token_ids"] == ids[:end]
+
+
+def test_openai_request_conventions(tiny_server) -> None:
+    """What OpenAI clients rely on: ``null`` for an optional field means its default, a
+    completion prompt may be a list of token-id prompts, a completion's ``max_tokens``
+    defaults to 16, ``stream_options`` needs a stream, and errors name the field the client
+    sent (Responses fields too)."""
+    url = tiny_server.url
+    with httpx.Client(timeout=60, headers=AUTH) as client:
+        nulls = dict(temperature=None, top_p=None, n=None, stream=None, logprobs=None, presence_penalty=None,
+                     frequency_penalty=None, parallel_tool_calls=None, top_k=None, ignore_eos=None)
+        resp = client.post(f"{url}/v1/chat/completions", json=_chat("abc", max_tokens=3, **nulls))
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, resp.text
+        resp = client.post(f"{url}/v1/responses", json={"model": TINY, "input": "abc", "max_output_tokens": 3,
+                                                         "temperature": None, "top_p": None, "stream": None})
+        assert resp.status_code == 200, resp.text
+
+        def complete(**kw) -> dict:
+            resp = client.post(f"{url}/v1/completions", json={"model": TINY, "temperature": 0, **kw})
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+        alone = [complete(prompt=p, max_tokens=5)["choices"][0]["text"] for p in ([67, 68, 69], [70, 71])]
+        both = complete(prompt=[[67, 68, 69], [70, 71]], max_tokens=5)["choices"]
+        assert [c["text"] for c in sorted(both, key=lambda c: c["index"])] == alone
+        for limit in ({}, {"max_tokens": None}):
+            assert complete(prompt="abc", ignore_eos=True, **limit)["usage"]["completion_tokens"] == 16
+
+        def error(path: str, body: dict, status: int = 400) -> dict:
+            resp = client.post(f"{url}{path}", json={"model": TINY, **body})
+            assert resp.status_code == status, resp.text
+            return resp.json()["error"]
+
+        assert error("/v1/chat/completions", _chat("abc", stream_options={"include_usage": True}))["param"] == \
+            "stream_options"
+        assert error("/v1/completions", {"prompt": "x" * 700, "max_tokens": 2})["param"] == "prompt"
+        assert error("/v1/chat/completions", _chat("x" * 700, max_tokens=2))["param"] == "messages"
+        zero = error("/v1/chat/completions", _chat("abc", max_completion_tokens=0))
+        assert zero["param"] == "max_completion_tokens" and "max_completion_tokens" in zero["message"]
+        zero = error("/v1/responses", {"input": "abc", "max_output_tokens": 0})
+        assert zero["param"] == "max_output_tokens" and "max_output_tokens" in zero["message"]
+        assert error("/v1/responses", {"input": "x" * 700, "max_output_tokens": 2})["param"] == "input"
+        wrong_method = client.put(f"{url}/v1/chat/completions", json={})
+        assert wrong_method.status_code == 405
+        assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+        cut = client.post(f"{url}/v1/responses", json={"model": TINY, "input": "abc", "max_output_tokens": 2,
+                                                        "temperature": 0, "ignore_eos": True}).json()
+        assert cut["status"] == "incomplete" and cut["output"][0]["status"] == "incomplete"
+        assert cut["tool_choice"] == "auto"
+
+
 def _running(server) -> float:
     return server.metric("sot:num_requests_running")
 

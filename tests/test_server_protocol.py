@@ -76,3 +76,40 @@ def test_the_response_store_keeps_the_most_recently_used() -> None:
     assert [i["content"][0]["text"] for i in first["data"]] == ["m4", "m3"] and first["has_more"]
     rest = store.input_items("r4", limit=10, after=first["last_id"])
     assert [i["content"][0]["text"] for i in rest["data"]] == ["m2", "m1", "m0"] and not rest["has_more"]
+
+
+def test_logprob_bytes_join_to_the_answer_across_split_characters() -> None:
+    """OpenAI's ``bytes`` per token: where a character is split across tokens (each decodes
+    alone to a replacement character), the tokens' bytes still join to the answer's UTF-8,
+    for byte-level BPE (the default model's tokenizer) and byte-fallback pieces."""
+    from transformers import AutoTokenizer
+
+    from sot.models.loading import resolve_model_path
+    from sot.sampling import TokenLogprob
+    from sot.server.protocol import LogprobWriter
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+    text = "日本語のテキスト 😀🎉 naïve"
+    ids = tok.encode(text, add_special_tokens=False)
+    writer = LogprobWriter(tok, chat=True)
+    writer.add([TokenLogprob(t, -0.5, [(t, -0.5)]) for t in ids])
+    content = writer.upto(len(text))["content"]
+    assert sum(e["token"] == "\ufffd" for e in content) >= 4, "the text must split characters across tokens"
+    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8") == text
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
+
+    class ByteFallback:  # SentencePiece-style pieces: "<0xE6>" tokens spell a character's bytes
+        pieces = ["<0xE6>", "<0x97>", "<0xA5>", "▁a"]
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            raw = b"".join(bytes([int(self.pieces[i][3:5], 16)]) if self.pieces[i].startswith("<0x")
+                           else self.pieces[i].replace("▁", " ").encode() for i in ids)
+            return raw.decode("utf-8", errors="replace")
+
+        def convert_ids_to_tokens(self, token: int) -> str:
+            return self.pieces[token]
+
+    writer = LogprobWriter(ByteFallback(), chat=True)
+    writer.add([TokenLogprob(t, -1.0, []) for t in range(4)])
+    content = writer.upto(10)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8") == "日 a"

@@ -78,7 +78,7 @@ def test_store_save_and_load_round_trip(tmp_path) -> None:
     for tenant in ("a", "b", None):
         assert loaded.get(tenant).all_sequences() == stores.get(tenant).all_sequences()
     (tmp_path / "bad").write_text("not a store")
-    with pytest.raises(ConfigError, match="cannot read suffix store"):
+    with pytest.raises(ConfigError, match="is not a suffix store written by SoT"):
         SuffixStores().load(tmp_path / "bad")
 
 

@@ -55,6 +55,17 @@ def test_accepted_paths_and_bonus_tokens_reproduce_the_output(drafter: str) -> N
         assert any(not all(rec.verified) or len(rec.accepted) < sum(rec.verified) for rec in r.step_records)
 
 
+def test_plain_decoding_steps_are_plain_steps() -> None:
+    """Without a drafter every step after the prompt's is a plain step, in the trace and in
+    the result's count (the policy still plans them, for a drafter that proposes nothing)."""
+    from sot.drafters import make_drafter
+
+    engine = Engine(TargetModel(tiny_model("llama", seed=2)), make_drafter("none"), record_steps=True)
+    for r in engine.generate(random_prompts((9, 14), seed=1), PARAMS):
+        assert [rec.mode for rec in r.step_records] == ["prefill"] + ["plain"] * r.steps
+        assert r.plain_steps == r.steps > 0
+
+
 def test_per_depth_counts_equal_the_result_statistics() -> None:
     _, _, _, results = _state_run(policy=None)  # the adaptive policy: free drafts and plain steps too
     for r in results:

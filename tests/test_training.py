@@ -154,6 +154,35 @@ def test_stop_after_keeps_the_planned_schedule(tiny_run, tmp_path) -> None:
     assert ckpt["history"][-1]["lr"] > 0.8 * cfg.lr
     with pytest.raises(ConfigError, match="--stop-after must be a step number >= 0"):
         fit(dataclasses.replace(cfg, out=str(tmp_path / "bad"), stop_after=-1))
+    fit(cfg)  # the same command again: the run stopped there, so it trains nothing more
+    assert torch.load(tmp_path / "early" / "checkpoint.pt", weights_only=False)["step"] == 8
+
+
+def test_a_run_resumes_only_with_its_own_settings(tiny_run, tmp_path) -> None:
+    """A folder holding a run is resumed with the settings that shape its predictor, its
+    target and its data, or refused with the ones that differ; a cache made with another
+    model, or one with nothing in it, is refused."""
+    from helpers import tiny_model_dir
+    from sot.models.loading import load_model
+    from sot.train.data import build_state_cache
+    from state_helpers import LAYERS
+
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "run"), steps=4, stop_after=2, eval_every=100,
+                              save_every=100)
+    fit(cfg)
+    for change, flag in ((dict(draft_vocab=40), "--draft-vocab 0"), (dict(arch="eagle3"), "--arch 'native'")):
+        with pytest.raises(ConfigError, match=f"holds a run started with {flag}"):
+            fit(dataclasses.replace(cfg, stop_after=0, **change))
+    with pytest.raises(ConfigError, match="holds no sequence of 1002 tokens or more"):
+        fit(dataclasses.replace(cfg, out=str(tmp_path / "long"), unroll=1000))
+    other = tiny_model_dir(tmp_path / "other", seed=1)  # the same shapes, other weights
+    with pytest.raises(ConfigError, match="was made with another model"):
+        fit(dataclasses.replace(cfg, out=str(tmp_path / "other-run"), model=str(other)))
+    loaded = load_model(str(other))
+    with pytest.raises(ConfigError, match="nothing to cache"):
+        build_state_cache(loaded.model, loaded.tokenizer, [{"prompt": "no reply"}], tmp_path / "empty", LAYERS, None,
+                          256, progress=False)
+    assert not (tmp_path / "empty" / "meta.json").exists()
 
 
 def test_a_process_without_its_own_gpu_is_refused(monkeypatch) -> None:
@@ -166,3 +195,15 @@ def test_a_process_without_its_own_gpu_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ConfigError, match="nproc-per-node=1.*CUDA_VISIBLE_DEVICES="):
         trainer._dist_setup()
+
+
+def test_kept_policy_traces_are_reused_only_with_their_settings(tmp_path) -> None:
+    from sot.train.acceptance import PolicyTrainConfig, load_or_collect
+
+    cfg = PolicyTrainConfig(model="m", out=str(tmp_path), prompts=4, temperatures=(0.0,))
+    kept = {"features": torch.zeros(1), "config": {k: (list(v) if isinstance(v, tuple) else v)
+                                                   for k, v in cfg.__dict__.items()}}
+    torch.save(kept, tmp_path / "traces.pt")
+    assert load_or_collect(cfg)["config"] == kept["config"]
+    with pytest.raises(ConfigError, match=r"collected with --model 'm' \(now 'other'\), --temperatures"):
+        load_or_collect(dataclasses.replace(cfg, model="other", temperatures=(0.0, 1.0)))

@@ -71,6 +71,16 @@ def test_gen_data_answers_with_the_target_and_resumes(tiny_run, tmp_path) -> Non
     assert generate_answers(model, out, limit=4, max_new_tokens=8, batch_size=2, max_prompt_tokens=64,
                             conversations=convs) == 4
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["t0", "t1", "t3", "t4"]
+    # a last line cut short by an interrupted run is made again; a prompt that leaves no room
+    # for its answer in the context is skipped, not cut
+    out.write_text(out.read_text()[:-20])
+    assert generate_answers(model, out, limit=4, max_new_tokens=8, batch_size=2, max_prompt_tokens=64,
+                            conversations=convs) == 4
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["t0", "t1", "t3", "t4"]
+    full = tmp_path / "full.jsonl"
+    assert generate_answers(model, full, limit=2, max_new_tokens=500, batch_size=2, conversations=convs) == 0
+    with pytest.raises(ConfigError, match="leaves no room for a prompt"):
+        generate_answers(model, full, limit=2, max_new_tokens=512, conversations=convs)
 
 
 def test_gen_data_match_keeps_only_matching_prompts(tiny_run, tmp_path) -> None:

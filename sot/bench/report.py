@@ -44,8 +44,11 @@ def _summary(values: list[float]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, greedy: bool) -> dict[str, dict]:
-    """Per-method figures. Speedups are per-prompt tokens/s ratios (median and range)."""
+def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, greedy: bool | set[str]) -> dict[str, dict]:
+    """Per-method figures. Speedups are per-prompt tokens/s ratios (median and range).
+    ``greedy``: whether the methods' outputs should equal plain decoding's (compared and
+    counted in ``identical_to_plain``), or the set of the methods whose should (seeded
+    sampling: the engine's methods, not transformers' or llama.cpp's)."""
     by_method: dict[str, dict[int, RunRecord]] = {m: {} for m in methods}
     for r in records:
         by_method[r.method][r.prompt_index] = r
@@ -95,7 +98,7 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, gree
             "prompts_with_fallback": sum(1 for r in recs.values() if r.fallbacks) if steps else None,
         }
         plain = _plain_of(m, by_method)
-        if greedy and plain and not _is_plain(m):
+        if (m in greedy if isinstance(greedy, set) else greedy) and plain and not _is_plain(m):
             same = 0
             for i, rec in sorted(recs.items()):
                 if i not in plain:
@@ -249,10 +252,10 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
                   "| value | tok/s | total vs plain | tau | per-prompt speedup vs plain (median) | tree size | identical |",
                   "|---|---|---|---|---|---|---|"]
         for row in sw["rows"]:
-            s = row.get("speedup_vs_plain")
+            s = (row.get("speedup_vs_plain") or {}).get("median")  # (none for batches: one time per batch)
             lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain') or 0:.2f}x | "
-                         f"{row['mean_accept_len']:.2f} | {(s or {}).get('median', 0):.2f}x | "
-                         f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain']} |")
+                         f"{row['mean_accept_len']:.2f} | {'-' if s is None else f'{s:.2f}x'} | "
+                         f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain'] or '-'} |")
         if sw["name"] == "dtype":
             lines += ["", "| mode | plain tok/s | plain vs the first mode | speculative vs the first mode |",
                       "|---|---|---|---|"]
@@ -266,6 +269,8 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
         if sw["name"] == "policy":
             lines += ["", "| policy | sequence steps without a drafted tree |", "|---|---|"]
             lines += [f"| {r['value']} | {100 * (r.get('plain_step_share') or 0):.0f}% |" for r in sw["rows"]]
+        if (out / "sweep.png").is_file():
+            lines += ["", "![sweep.png](sweep.png)"]
     written = plots(result["methods"], out)
     lines += ["", *[f"![{w}]({w})" for w in written]]
     (out / "report.md").write_text("\n".join(lines) + "\n")

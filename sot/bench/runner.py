@@ -206,10 +206,13 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
                 methods.append(EngineMethod(f"{method_label(name)}[{mode_name}]", mode_target, mode_drafters[name],
                                             _budget(cfg), cfg.policy, cfg.prefix_cache_mb))
         elif cfg.sweep and cfg.sweep[0] == "policy" and name != "plain":
-            # the policies side by side, as methods of their own in the alternating rounds
-            for kind in cfg.sweep[1]:
+            # the policies side by side, as methods of their own in the alternating rounds; each
+            # has a drafter of its own (a drafter keeps per-request state, and engines number
+            # their requests alike)
+            for i, kind in enumerate(cfg.sweep[1]):
                 policy = dataclasses.replace(cfg.policy, kind=PolicyKind(kind))
-                methods.append(EngineMethod(f"{method_label(name)}[{kind}]", target, drafters[name], _budget(cfg),
+                drafter = drafters[name] if i == 0 else _drafter(cfg, name, target.model)
+                methods.append(EngineMethod(f"{method_label(name)}[{kind}]", target, drafter, _budget(cfg),
                                             policy, cfg.prefix_cache_mb))
         else:
             methods.append(EngineMethod(method_label(name), target, drafters[name], _budget(cfg), cfg.policy,
@@ -245,9 +248,20 @@ def _run_lockstep(methods: list[BenchMethod], prompts: list[list[int]], params: 
 def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel, prompts: list[list[int]],
                    params: GenerationParams) -> None:
     """Greedy batches: does every sequence equal plain decoding of its prompt alone (batch 1)?
-    Adds ``identical_to_alone`` ("k/n") to each engine method."""
-    alone = EngineMethod("alone", target, make_drafter(DrafterKind.NONE), TreeBudget())
-    reference = [alone.run(ids, params).token_ids for ids in tqdm(prompts, desc="alone", unit="run")]
+    Adds ``identical_to_alone`` ("k/n") to each engine method. Each prompt runs alone under
+    the index it had in the batch, which keys coupled sampling's noise, so a seeded sample
+    compares with the same draws."""
+    engine = EngineMethod("alone", target, make_drafter(DrafterKind.NONE), TreeBudget()).engine
+
+    def alone(ids: list[int], index: int) -> list[int]:
+        rid = engine.add_request(ids, params, index=index)
+        while engine.has_unfinished():
+            for ev in engine.step():
+                if ev.finished and ev.request_id == rid:
+                    return ev.result.token_ids
+        raise RuntimeError("the request ended without a result")
+
+    reference = [alone(ids, j) for j, ids in enumerate(tqdm(prompts, desc="alone", unit="run"))]
     for name, entry in aggregates.items():
         recs = [r for r in runs if r.method == name]
         same = sum(1 for r in recs if r.token_ids == reference[r.prompt_index])
@@ -300,9 +314,11 @@ def run_bench(cfg: BenchConfig) -> dict:
                     bar.set_postfix_str(f"{m.name} {rec.tokens_per_s:.1f} tok/s")
                     bar.update()
     names = [m.name for m in methods]
-    # coupled sampling makes seeded outputs token-identical to plain decoding, like greedy
-    aggregates = aggregate(runs, names, model_rss, greedy=cfg.temperature == 0 or cfg.sampling == "coupled")
-    if batch > 1 and (cfg.temperature == 0 or cfg.sampling == "coupled") and target is not None:
+    # coupled sampling makes the engine's seeded outputs token-identical to plain decoding, like greedy
+    exact = set(names) if cfg.temperature == 0 else \
+        {m.name for m in methods if m.uses_engine} if cfg.sampling == "coupled" else set()
+    aggregates = aggregate(runs, names, model_rss, greedy=exact)
+    if batch > 1 and exact and target is not None:
         _compare_alone(aggregates, runs, target, prompts, params)
     result = {
         "schema": SCHEMA,
@@ -401,13 +417,18 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
     rows = []
     plain_rate = sum(r.new_tokens for r in runs["plain"]) / max(1e-9, sum(r.wall_time for r in runs["plain"]))
     for v, m in variants:
-        agg = aggregate(runs[m.name] + runs["plain"], [m.name, "plain"], 0, greedy=True)[m.name]
+        agg = aggregate(runs[m.name] + runs["plain"], [m.name, "plain"], 0, greedy=_exact(cfg))[m.name]
         rows.append({"value": v, "tokens_per_s": agg["tokens_per_s"], "mean_accept_len": agg["mean_accept_len"],
                      "speedup_vs_plain": agg["speedup_vs_plain"], "identical_to_plain": agg["identical_to_plain"],
                      "tokens_per_s_vs_plain": agg["tokens_per_s"] / max(1e-9, plain_rate),
                      "mean_tree_size": agg["mean_tree_size"]})
     sweep_plot(name, rows, out)
     return {"name": name, "method": spec, "rows": rows}
+
+
+def _exact(cfg: BenchConfig) -> bool:
+    """Whether the engine's outputs should equal plain decoding's: greedy, or seeded coupled sampling."""
+    return cfg.temperature == 0 or cfg.sampling == "coupled"
 
 
 def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: TargetModel, prompts: list[list[int]],
@@ -420,7 +441,7 @@ def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: Targe
     for v in tqdm(values, desc="sweep batch-size", unit="size"):
         got = _run_lockstep([plain, method], prompts, params, [str(i) for i in range(len(prompts))], v)
         base, runs = [r for r in got if r.method == "plain"], [r for r in got if r.method == spec]
-        agg = aggregate(runs + base, [spec, "plain"], 0, greedy=True)
+        agg = aggregate(runs + base, [spec, "plain"], 0, greedy=_exact(cfg))
         a, p = agg[spec], agg["plain"]
         rows.append({"value": v, "tokens_per_s": a["tokens_per_s"], "plain_tokens_per_s": p["tokens_per_s"],
                      "tokens_per_s_vs_plain": a["tokens_per_s"] / max(1e-9, p["tokens_per_s"]),

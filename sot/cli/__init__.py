@@ -24,7 +24,10 @@ HANDLERS = {"generate": cmd_generate, "chat": cmd_chat, "trace": cmd_trace, "sco
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sot`` parser with every subcommand."""
+    from sot import __version__
+
     parser = Parser(prog="sot", description="SoT: lossless speculative decoding with state prediction")
+    parser.add_argument("--version", action="version", version=f"sot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_generate_parsers(sub)
     add_serve_parser(sub)
@@ -43,6 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return HANDLERS[args.command](args)
     except SoTError as exc:
         print(f"sot: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file the user named cannot be read or written
+        if exc.filename is None or os.environ.get("SOT_DEBUG"):
+            raise
+        print(f"sot: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nsot: interrupted", file=sys.stderr)

@@ -3,15 +3,18 @@ defaults come from the config dataclasses), the one-line-error parser, and model
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from sot.drafters.base import DRAFT_TOP_K, TreeBudget
+from sot.errors import SoTError
 from sot.online.defaults import ADAPT_BUDGET
 from sot.policy.config import PolicyConfig, PolicyKind
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
-from sot.requests import GenerationParams
-from sot.sampling import SamplingMode, SamplingParams
+from sot.requests import MAX_LOGIT_BIAS, MAX_PENALTY, GenerationParams
+from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams
 
 
 def _checked(cast: type, name: str, ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
@@ -35,6 +38,8 @@ non_negative_float = _checked(float, "a number", lambda v: v >= 0, ">= 0")
 probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 unit_interval = _checked(float, "a number", lambda v: 0 <= v <= 1, "in [0, 1]")
 positive_float = _checked(float, "a number", lambda v: v > 0, "> 0")
+top_logprobs = _checked(int, "an integer", lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"0 to {MAX_TOP_LOGPROBS}")
+penalty = _checked(float, "a number", lambda v: abs(v) <= MAX_PENALTY, f"-{MAX_PENALTY:g} to {MAX_PENALTY:g}")
 
 
 #: values of --dtype (sot.models.loading.resolve_dtype interprets them; kept here so that
@@ -165,12 +170,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--min-tokens", type=non_negative_int, default=GenerationParams.min_tokens,
                    help="no end-of-sequence token before this many tokens")
-    p.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty,
+    p.add_argument("--repetition-penalty", type=positive_float, default=SamplingParams.repetition_penalty,
                    help="divide (multiply, if negative) the logit of every token seen in the prompt or the "
                         "answer by this (1: off)")
-    p.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty,
+    p.add_argument("--frequency-penalty", type=penalty, default=SamplingParams.frequency_penalty,
                    help="subtract this from a token's logit per time it occurs in the answer (-2 to 2)")
-    p.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty,
+    p.add_argument("--presence-penalty", type=penalty, default=SamplingParams.presence_penalty,
                    help="subtract this from the logit of every token in the answer (-2 to 2)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS", type=_logit_bias,
                    help="add BIAS (-100 to 100) to token id TOKEN's logit (repeatable)")
@@ -194,6 +199,7 @@ def load_sot(args: argparse.Namespace):
     from sot.dtype_choice import resolve
     from sot.models.loading import resolve_device
 
+    check_output_path(getattr(args, "suffix_store", None), "--suffix-store")
     device = resolve_device(args.device)
     choice = resolve(args.dtype, args.model, args.drafter, args.predictor, device=str(device))
     print(f"loading {args.model} ({choice.dtype} on {device}, drafter {args.drafter}) ...", file=sys.stderr)
@@ -209,6 +215,21 @@ def load_sot(args: argparse.Namespace):
     return sot
 
 
+def check_output_path(path: str | None, flag: str) -> None:
+    """Stop now, before a model loads, when the file ``path`` (``None``: not asked for) could
+    not be written later: it names a folder, or its folder does not exist or is not writable."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise SoTError(f"{flag} {path}: is a folder; give a file path")
+    folder = target.parent
+    if not folder.is_dir():
+        raise SoTError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise SoTError(f"{flag} {path}: the folder {folder} is not writable")
+
+
 def save_suffix_store(sot, args: argparse.Namespace) -> None:
     """Write the drafter's earlier answers back to ``--suffix-store``, when given."""
     path = getattr(args, "suffix_store", None)
@@ -220,9 +241,12 @@ def save_suffix_store(sot, args: argparse.Namespace) -> None:
 def _logit_bias(text: str) -> tuple[int, float]:
     token, sep, bias = text.partition("=")
     try:
-        return int(token), float(bias)
+        pair = int(token), float(bias)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS (a token id and a number), got {text!r}") from None
+    if not abs(pair[1]) <= MAX_LOGIT_BIAS:
+        raise argparse.ArgumentTypeError(f"BIAS must be -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got {bias}")
+    return pair
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:

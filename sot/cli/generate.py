@@ -6,8 +6,8 @@ import json
 import sys
 
 from sot.cli.common import (
-    add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, load_sot, positive_int,
-    non_negative_int, save_suffix_store, sampling_kwargs,
+    add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, check_output_path, load_sot,
+    positive_int, save_suffix_store, sampling_kwargs, top_logprobs,
 )
 from sot.errors import SoTError
 
@@ -22,7 +22,7 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
                      help="sequences decoded together; a finished one's place goes to the next prompt")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    gen.add_argument("--logprobs", type=non_negative_int, default=None, metavar="K",
+    gen.add_argument("--logprobs", type=top_logprobs, default=None, metavar="K",
                      help="with --json: each token's log probability under the model, with the K most likely "
                           "tokens at its position (0-20)")
     gen.add_argument("--trace", metavar="FILE.jsonl",
@@ -63,7 +63,7 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--prompts", help="JSONL file: {'prompt'} (or {'messages'} with --chat) per line")
     sc.add_argument("--batch-size", type=positive_int, default=1, help="texts read together")
     sc.add_argument("--json", action="store_true", help="print one JSON object per text, with every token's figures")
-    sc.add_argument("--top-logprobs", type=non_negative_int, default=0, metavar="K",
+    sc.add_argument("--top-logprobs", type=top_logprobs, default=0, metavar="K",
                     help="with --json: the K most likely tokens at each position (0-20)")
     add_model_args(sc)
     sc.add_argument("--chat", action="store_true", help="apply the chat template (default: raw text)")
@@ -87,6 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SoTError("--logprobs needs --json (the figures are printed in each prompt's JSON object)")
     use = _tool_use(args)
     structured = _structured(args)
+    check_output_path(args.trace, "--trace")
     if use is not None:
         if args.chat is False:
             raise SoTError("--tools needs the chat template; leave out --no-chat")
@@ -110,8 +111,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         save_suffix_store(sot, args)
         return 0
     results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=bool(args.trace))
-    if args.trace:
-        _write_trace(args, sot, ids, results)
     for i, r in enumerate(results):
         if args.json:
             record = r.to_dict()
@@ -129,6 +128,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(r.text)
             _print_calls(use, r.text)
             print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+    if args.trace:  # (after the answers: a trace that cannot be written loses none of them)
+        _write_trace(args, sot, ids, results)
     _adapt_line(sot)
     save_suffix_store(sot, args)
     return 0
@@ -146,7 +147,9 @@ def _tool_use(args: argparse.Namespace):
             raise SoTError("--tool-choice needs --tools")
         return None
     text = args.tools
-    if not text.lstrip().startswith("[") and Path(text).is_file():
+    if not text.lstrip().startswith(("[", "{")):  # (not JSON: a file)
+        if not Path(text).is_file():
+            raise SoTError(f"--tools {text}: no such file, and not a JSON list of tools")
         text = Path(text).read_text()
     try:
         tools = json.loads(text)
@@ -157,8 +160,10 @@ def _tool_use(args: argparse.Namespace):
         choice = {"type": "function", "function": {"name": choice}}
     try:
         return ToolUse.of(tools, choice)
-    except ConfigError as exc:  # (its message begins with the field: tools or tool_choice)
-        raise SoTError("--" + str(exc).replace("tool_choice", "tool-choice", 1)) from None
+    except ConfigError as exc:  # (its message begins with the field: tools, tools[i] or tool_choice)
+        msg = str(exc)
+        flag = "--tools " if msg.startswith("tools[") else "--"
+        raise SoTError(flag + msg.replace("tool_choice", "tool-choice", 1)) from None
 
 
 def _print_calls(use, text: str) -> None:
@@ -180,6 +185,8 @@ def _structured(args: argparse.Namespace):
 
     def text_or_file(value: str, flag: str) -> str:
         path = Path(value)
+        if flag == "--json-schema" and not value.lstrip().startswith("{") and not path.is_file():
+            raise SoTError(f"--json-schema {value}: no such file, and not a JSON schema (an object)")
         if flag == "--grammar" or (not value.lstrip().startswith("{") and path.is_file()):
             try:
                 return path.read_text()
@@ -259,6 +266,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     if sum(x is not None for x in (args.prompt, args.prompts, args.from_file)) != 1:
         raise SoTError("give one of a PROMPT, --prompts FILE.jsonl or --from TRACE.jsonl")
+    check_output_path(args.out, "--out")
+    check_output_path(getattr(args, "save", None), "--save")
     if args.from_file:
         try:
             run, traced = read_trace(args.from_file)

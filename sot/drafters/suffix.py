@@ -222,8 +222,11 @@ class SuffixStores:
             with np.load(Path(path), allow_pickle=False) as data:
                 tokens, lengths = data["tokens"].tolist(), data["lengths"].tolist()
                 owners, names = data["owners"].tolist(), data["tenants"].tolist()
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"cannot read suffix store {path}: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read suffix store {path}: {exc.strerror or exc}") from None
+        except (ValueError, KeyError, EOFError):  # (np.load's errors name its own options)
+            raise ConfigError(f"{path} is not a suffix store written by SoT (save_suffix_store, --suffix-store); "
+                              "delete it or give another file") from None
         at = 0
         for length, owner in zip(lengths, owners):
             store = self.get(names[owner] or None) if self.per_tenant else self.get(None)

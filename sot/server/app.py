@@ -43,7 +43,7 @@ from sot.server.protocol import (
     LogprobWriter, TextAssembler, TokenizeRequest, ToolAnswer, _GenerationRequest, checked_tools,
     prompt_logprobs_block, sot_figures, sse, usage_of, validation_message,
 )
-from sot.server.responses import ResponseBuilder, ResponsesRequest, ResponseStore, sse_event
+from sot.server.responses import ResponseBuilder, ResponsesRequest, ResponseStore, responses_error, sse_event
 from sot.server.worker import EngineWorker, Update
 from sot.tools import ToolUse
 
@@ -221,9 +221,13 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
                 raise APIError(400, "previous_response_id: this server keeps no responses (--responses-kept 0); "
                                     "send the whole conversation as input", param="previous_response_id")
             history = store.history(asked.previous_response_id)
-        body = ChatCompletionRequest.model_validate(
-            {**asked.chat_body(history), "stream": asked.stream, "stream_options": {"include_usage": True}})
-        answer = await _chat_completion(request, state, body)
+        try:
+            body = ChatCompletionRequest.model_validate(
+                {**asked.chat_body(history), "stream": asked.stream,
+                 "stream_options": {"include_usage": True} if asked.stream else None})
+            answer = await _chat_completion(request, state, body)
+        except APIError as exc:  # name the Responses fields, not the chat ones they became
+            raise responses_error(exc) from None
         builder = ResponseBuilder(asked)
         builder.stored = store is not None and asked.store is not False
         keep = (lambda done: store.put(done, asked)) if builder.stored else None
@@ -265,10 +269,12 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
         if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
             texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
             prompts = [state.sot.encode({"prompt": text}, chat=False) for text in texts]
-        else:  # token ids
-            prompts = [list(body.prompt)]
-            _check_token_ids(state, prompts[0], "prompt")
-            texts = [state.sot.tokenizer.decode(prompts[0])]
+        else:  # token ids, or a list of token-id prompts
+            prompts = [list(p) for p in body.prompt] if body.prompt and isinstance(body.prompt[0], list) \
+                else [list(body.prompt)]
+            for ids in prompts:
+                _check_token_ids(state, ids, "prompt")
+            texts = [state.sot.tokenizer.decode(ids) for ids in prompts]
         return await _generate(request, state, body, prompts, chat=False, texts=texts)
 
     @app.post("/tokenize")
@@ -415,20 +421,21 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     body.check_supported()
     context = state.context
     if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt")
+        raise APIError(400, "the prompt is empty", param=body.prompt_field)
     if context and len(prompt) >= context:
         raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {context} tokens",
-                       param="messages", code="context_length_exceeded")
-    limit = body.token_limit()
+                       param=body.prompt_field, code="context_length_exceeded")
+    limit, field = body.token_limit(), body.limit_field()
     echo = bool(getattr(body, "echo", False))
     if limit is None:
         limit = context - len(prompt) if context else 256
     if limit < 1 and not (limit == 0 and echo):
-        raise APIError(400, f"max_tokens must be at least 1 (0 with echo), got {limit}", param="max_tokens")
+        zero = " (0 with echo)" if isinstance(body, CompletionRequest) else ""
+        raise APIError(400, f"{field} must be at least 1{zero}, got {limit}", param=field)
     limit = max(limit, 1)  # max_tokens 0: one token is decoded and dropped
     if context and len(prompt) + limit > context:
-        raise APIError(400, f"the prompt's {len(prompt)} tokens plus max_tokens={limit} exceed this model's context "
-                       f"of {context} tokens", param="max_tokens", code="context_length_exceeded")
+        raise APIError(400, f"the prompt's {len(prompt)} tokens plus {field}={limit} exceed this model's context "
+                       f"of {context} tokens", param=field, code="context_length_exceeded")
     seed = body.seed if body.seed is not None else random.getrandbits(63)
     sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                               min_p=body.min_p, seed=seed,

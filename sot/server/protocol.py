@@ -3,12 +3,14 @@ stream of tokens turns into (stop strings cut, incomplete characters held back).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from typing import TYPE_CHECKING, Any, Callable, Literal
+import re
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sot.detokenize import IncrementalText
+from sot.detokenize import IncrementalText, TextAssembler, decoder
 from sot.requests import MAX_PENALTY, GenerationParams
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from sot.errors import ConfigError
@@ -35,8 +37,23 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_error")
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code}}
+
+
+class NullMeansDefault(BaseModel):
+    """A request body whose optional fields may be sent as ``null``, as OpenAI's API allows:
+    a null stands for the field's default (``temperature: null`` is temperature 1)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_to_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required() or fields[k].get_default() is None}
 
 
 class StreamOptions(BaseModel):
@@ -56,9 +73,12 @@ class ResponseFormat(BaseModel):
     json_schema: dict | None = None
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(NullMeansDefault):
     """Fields shared by chat and text completions (OpenAI's, plus ``top_k``,
     ``sampling_mode`` and ``ignore_eos`` as in vLLM-style extensions)."""
+
+    #: the fields that hold the prompt and the answer's token limit (named in errors)
+    prompt_field: ClassVar[str] = "prompt"
 
     model_config = ConfigDict(extra="allow")
 
@@ -167,8 +187,18 @@ class _GenerationRequest(BaseModel):
             raise APIError(400, "stop sequences must not be empty", param="stop")
         return stops
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> "_GenerationRequest":
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        return self
+
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def limit_field(self) -> str:
+        """The field :meth:`token_limit` came from."""
+        return "max_tokens"
 
     def logprob_count(self) -> int | None:
         """Alternatives per token to return with log probabilities (``None``: none)."""
@@ -247,6 +277,7 @@ def checked_tools(tools: list[Any] | None, tool_choice: str | dict | None, paral
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    prompt_field: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -284,6 +315,9 @@ class ChatCompletionRequest(_GenerationRequest):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def logprob_count(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -291,7 +325,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str]
+    #: a text, token ids, or a list of either (one choice per prompt)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    #: OpenAI's default for completions (a chat answer may run to the end of the context)
+    max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     #: return the prompt before the completion (with ``logprobs``, its tokens' too); with
     #: ``max_tokens`` 0, the prompt alone (how evaluation harnesses score a text)
@@ -337,59 +374,6 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
         return "the request body must be a JSON object", None
     return (f"{param}: {msg}" if param else msg), param
-
-
-class TextAssembler:
-    """Turns a request's committed tokens into text deltas.
-
-    The text is decoded incrementally (:class:`~sot.detokenize.IncrementalText`), so an update
-    costs the same early and late in a long answer. A stop string ends the text before it;
-    while the request runs, text that might begin a stop string and an incomplete character
-    at the end are held back until the next tokens decide them.
-    """
-
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], include_stop: bool = False,
-                 skip_special: bool = True) -> None:
-        self.stop = stop
-        self.include_stop = include_stop  # the text ends after the stop string, not before it
-        self._decoded = IncrementalText(_skipping_specials(tokenizer) if skip_special else _with_specials(tokenizer))
-        self._longest_stop = max((len(s) for s in stop), default=0)
-        self.sent = 0
-        self.text = ""
-
-    @property
-    def ids(self) -> list[int]:
-        """Every token added so far."""
-        return self._decoded.ids
-
-    def add(self, token_ids: list[int], final: bool) -> str:
-        """The new text after ``token_ids``; ``final`` releases everything held back."""
-        self._decoded.extend(token_ids)
-        text = self._decoded.text
-        cut = len(text)
-        stopped = False
-        # what was sent holds no stop string and ends in none's beginning: look past it only
-        start = max(0, self.sent - self._longest_stop)
-        for s in self.stop:
-            i = text.find(s, start)
-            if 0 <= i < cut:
-                cut, stopped = i, True
-        if stopped and self.include_stop:
-            cut += next(len(s) for s in self.stop if text.startswith(s, cut))
-        if not final and not stopped:
-            cut = min(cut, self._decoded.settled_length)  # an incomplete character waits
-            for s in self.stop:  # the longest tail that could still grow into a stop string
-                for k in range(min(len(s) - 1, cut), 0, -1):
-                    if text[cut - k : cut] == s[:k]:
-                        cut -= k
-                        break
-        self.text = text[:cut] if (final or stopped) else text
-        delta = text[self.sent : cut] if cut > self.sent else ""
-        self.sent = max(self.sent, cut)
-        return delta
-
-    def final_text(self) -> str:
-        return self.text[: self.sent] if self.sent <= len(self.text) else self.text
 
 
 class ToolAnswer:
@@ -478,7 +462,7 @@ class LogprobWriter:
         self.offset = offset  # characters before the answer in the returned text (an echoed prompt)
         self.entries: list[TokenLogprob] = []  # every generated token's, in order
         self.reported = 0
-        self._decoded = IncrementalText(_skipping_specials(tokenizer))
+        self._decoded = IncrementalText(decoder(tokenizer))
         self._lengths = [0]  # [n]: characters of the first n tokens' text
 
     def add(self, entries: list[TokenLogprob]) -> None:
@@ -509,7 +493,7 @@ class LogprobWriter:
         if self.chat:
             def item(token: int, logprob: float) -> dict:
                 s = self._piece(token)
-                return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+                return {"token": s, "logprob": logprob, "bytes": list(token_bytes(self.tokenizer, token, s))}
             return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
                                 for e in entries], "refusal": None}
         return {"tokens": [self._piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
@@ -517,16 +501,40 @@ class LogprobWriter:
                 "text_offset": [self.offset + self._text_length(i) for i in range(start, end)]}
 
 
-def _skipping_specials(tokenizer: Any) -> Callable[[list[int]], str]:
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    return decode
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 
-def _with_specials(tokenizer: Any) -> Callable[[list[int]], str]:
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False)
-    return decode
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character that stands for each byte in a byte-level BPE token (GPT-2's scheme:
+    printable Latin-1 bytes stand for themselves, the others for characters from U+0100 on)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    alphabet, moved = {}, 0
+    for b in range(256):
+        if b in kept:
+            alphabet[chr(b)] = b
+        else:
+            alphabet[chr(256 + moved)] = b
+            moved += 1
+    return alphabet
+
+
+def token_bytes(tokenizer: Any, token: int, text: str) -> bytes:
+    """The bytes of one token, OpenAI's ``bytes`` field: ``text`` (the token decoded alone) in
+    UTF-8, or, where the token holds only part of a character (``text`` then shows a
+    replacement character), the raw bytes its byte-level or byte-fallback piece stands for,
+    so that the bytes of consecutive tokens join to the answer's UTF-8."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token)
+    match = _BYTE_TOKEN.fullmatch(piece or "")
+    if match:
+        return bytes([int(match.group(1), 16)])
+    alphabet = _byte_level_alphabet()
+    if piece and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return text.encode("utf-8")
 
 
 def _top_dict(tokenizer: Any, entry: TokenLogprob) -> dict[str, float]:

@@ -24,11 +24,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from sot.sampling import MAX_TOP_LOGPROBS
 from sot.server.config import RESPONSES_KEPT
-from sot.server.protocol import APIError
+from sot.server.protocol import APIError, NullMeansDefault
 
 #: Responses fields this server does not act on, with what they ask for
 _UNSUPPORTED = {
@@ -43,8 +43,19 @@ _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "frequency_penalty", 
            "guided_choice", "guided_grammar", "chat_template_kwargs", "priority", "include_stop_str_in_output",
            "skip_special_tokens")
 
+#: chat-completion fields and the Responses fields they come from (named in errors)
+_CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 
-class ResponsesRequest(BaseModel):
+
+def responses_error(exc: APIError) -> APIError:
+    """``exc``, raised for the chat completion a Responses request became, naming the
+    Responses request's own fields."""
+    param = _CHAT_FIELDS.get(exc.param, exc.param) if exc.param else exc.param
+    message = exc.message.replace("max_completion_tokens", "max_output_tokens")
+    return APIError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
+
+
+class ResponsesRequest(NullMeansDefault):
     """The fields of a Responses request that SoT reads (others are refused by name or,
     like ``metadata`` and ``store``, answered as given)."""
 
@@ -208,7 +219,7 @@ class ResponseBuilder:
             "error": None, "incomplete_details": incomplete, "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens, "model": r.model, "output": self.output,
             "parallel_tool_calls": r.parallel_tool_calls, "temperature": r.temperature, "top_p": r.top_p,
-            "tool_choice": r.tool_choice if r.tool_choice is not None else ("auto" if r.tools else "none"),
+            "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
             "tools": r.tools or [], "text": r.text or {"format": {"type": "text"}}, "metadata": r.metadata or {},
             "store": self.stored, "previous_response_id": r.previous_response_id,
             "top_logprobs": r.top_logprobs or 0, "usage": _usage(usage) if usage else None,
@@ -221,12 +232,13 @@ class ResponseBuilder:
         """The response of a whole chat completion."""
         choice = chat["choices"][0]
         message = choice["message"]
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         if message.get("content"):
-            self.output.append(_message_item("msg_" + secrets.token_hex(12), message["content"], "completed",
+            self.output.append(_message_item("msg_" + secrets.token_hex(12), message["content"], status,
                                              _token_logprobs(choice)))
         for call in message.get("tool_calls") or []:
             fn = call["function"]
-            self.output.append(_call_item(call["id"], fn["name"], fn["arguments"], "completed"))
+            self.output.append(_call_item(call["id"], fn["name"], fn["arguments"], status))
         self.done = self.response("completed", chat.get("usage"), choice["finish_reason"], chat.get("sot"))
         return self.done
 

@@ -51,6 +51,10 @@ class _Ticket:
     last_token_at: float | None = None
 
 
+#: the error of requests the worker cannot take any more
+SHUTDOWN = "the server is shutting down"
+
+
 class EngineWorker:
     """Runs ``engine`` on a daemon thread until :meth:`stop`.
 
@@ -76,7 +80,8 @@ class EngineWorker:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left and end the thread."""
-        self._stopping.set()
+        with self._lock:  # (a request submitted before this is failed by the thread; after it, by submit)
+            self._stopping.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout)
 
@@ -90,11 +95,15 @@ class EngineWorker:
         """Queue a request (``tenant``: whose earlier answers may draft it; ``priority``: lower
         is admitted first); returns its ticket and the queue its :class:`Update` s arrive on."""
         loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
         with self._lock:
             ticket = self._next
             self._next += 1
-        updates: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", (ticket, _Ticket(prompt, params, loop, updates, tenant=tenant, priority=priority))))
+            if self._stopping.is_set():
+                updates.put_nowait(Update([], error=SHUTDOWN))
+            else:
+                self._commands.put(("add", (ticket, _Ticket(prompt, params, loop, updates, tenant=tenant,
+                                                            priority=priority))))
         return ticket, updates
 
     def call(self, fn) -> "concurrent.futures.Future":
@@ -130,7 +139,22 @@ class EngineWorker:
             self.metrics.set_load(engine.num_running, engine.num_waiting)  # before clients hear of the step
             for ev in events:
                 self._deliver(ev, now)
-        self._fail_all("the server is shutting down")
+        self._fail_all(SHUTDOWN)
+        self._fail_queued(SHUTDOWN)
+
+    def _fail_queued(self, message: str) -> None:
+        """Answer the commands still queued at shutdown: a request added there gets ``message``
+        as its error (it would otherwise wait for ever), a call gets it as an exception."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.metrics.finished("error")
+                self._send(arg[1], Update([], error=message))
+            elif kind == "call" and arg[1].set_running_or_notify_cancel():
+                arg[1].set_exception(RuntimeError(message))
 
     def _apply_commands(self, block: bool) -> None:
         try:

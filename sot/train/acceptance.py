@@ -231,13 +231,26 @@ def write_calibration_plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+#: settings the kept traces of a run folder were collected with (reused only with the same)
+TRACE_KEYS = ("model", "predictor", "prompts", "code_prompts", "max_new_tokens", "temperatures", "batch_sizes",
+              "dtype", "max_nodes", "max_depth", "seed")
+
+
 def load_or_collect(cfg: PolicyTrainConfig) -> dict:
     """The traces of ``cfg.out/traces.pt`` when present, else new ones (saved there)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     trace_file = out / "traces.pt"
     if trace_file.is_file():
-        return torch.load(trace_file, weights_only=False)
+        traces = torch.load(trace_file, weights_only=False)
+        saved = traces.get("config", {})
+        asked = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
+        differ = [f"--{k.replace('_', '-')} {saved[k]!r} (now {asked[k]!r})" for k in TRACE_KEYS
+                  if k in saved and saved[k] != asked[k]]
+        if differ:
+            raise ConfigError(f"{trace_file} was collected with {', '.join(differ)}; delete it to collect traces "
+                              "anew, or give another --out")
+        return traces
     traces = collect_traces(cfg)
     torch.save(traces, trace_file)
     return traces

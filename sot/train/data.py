@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from sot.data.sharegpt import is_heldout, load_conversations
 from sot.errors import ConfigError
+from sot.fingerprint import embedding_hash
 from sot.prompts import json_lines
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -197,9 +198,13 @@ def build_state_cache(
             break
     flush()
     bar.close()
+    if not total:  # (no meta.json: the folder is not a usable cache)
+        raise ConfigError(f"{out}: nothing to cache; the data holds no conversation with an assistant reply "
+                          f"within {seq_len} tokens (--seq-len)")
     size = sum((out / f).stat().st_size for f in files)
     meta = {"tokens": total, "sequences": sequences, "layers": list(layers), "hidden_size": hidden,
-            "seq_len": seq_len, "shards": files, "bytes": size}
+            "seq_len": seq_len, "shards": files, "bytes": size,
+            "embed_hash": embedding_hash(model.get_input_embeddings().weight)}  # (the model it was made with)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
@@ -224,6 +229,8 @@ class StateDataset:
                 raise ConfigError(f"{f} holds no complete state cache (meta.json missing)")
             metas.append(json.loads(meta_path.read_text()))
         for f, m in zip(folders[1:], metas[1:]):
+            if m.get("embed_hash", metas[0].get("embed_hash")) != metas[0].get("embed_hash", m.get("embed_hash")):
+                raise ConfigError(f"state caches {folders[0]} and {f} were made with different models")
             if (m["hidden_size"], m["layers"]) != (metas[0]["hidden_size"], metas[0]["layers"]):
                 raise ConfigError(f"state caches {folders[0]} and {f} differ in hidden size or layers "
                                   f"({metas[0]['hidden_size']}, {metas[0]['layers']} vs {m['hidden_size']}, {m['layers']})")
@@ -239,6 +246,11 @@ class StateDataset:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def length(self, i: int) -> int:
+        """Tokens of sequence ``i``."""
+        _, a, b = self._index[i]
+        return b - a
 
     @property
     def layers(self) -> tuple[int, ...]:

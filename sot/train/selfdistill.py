@@ -66,11 +66,26 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
     path = Path(out)
     done: set[str] = set()
     if path.is_file():
-        done = {json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()}
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                done.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                if number < len(lines):
+                    raise ConfigError(f"{path}:{number}: not a record this command wrote; fix or remove "
+                                      "that line to resume") from None
+                # the last line, cut short by an interrupted run: dropped, and its answer made again
+                path.write_text("".join(x + "\n" for x in lines[:-1]))
     source: Iterable[tuple[str, str]]
     if prompts is not None:
         source = read_prompts(prompts)
     sot = SoT.load(model, drafter=drafter)
+    context = sot.target.max_positions
+    if context and max_new_tokens >= context:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in this model's context "
+                          f"of {context} tokens")
     if prompts is None:
         source = _first_turns(training_conversations() if conversations is None else conversations)
     todo = []
@@ -83,6 +98,9 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
             continue
         if len(sot.tokenizer(text, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
             continue
+        rendered = sot.encode({"messages": [{"role": "user", "content": text}]}, chat=True)
+        if context and len(rendered) + max_new_tokens > context:  # (a cut prompt would not match its record)
+            continue
         todo.append((cid, text))
     params = sot.params(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,8 +108,6 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
         for i in range(0, len(todo), batch_size):
             chunk = todo[i : i + batch_size]
             ids = [sot.encode({"messages": [{"role": "user", "content": text}]}, chat=True) for _, text in chunk]
-            limit_ctx = sot.target.max_positions
-            ids = [p[-(limit_ctx - max_new_tokens) :] if limit_ctx else p for p in ids]
             for (cid, text), res in zip(chunk, sot.generate_ids(ids, params, batch_size=len(ids))):
                 record = {"id": cid, "conversations": [{"from": "human", "value": text},
                                                        {"from": "gpt", "value": res.text}]}

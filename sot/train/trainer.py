@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from sot.drafters.state import StatePredictor, grow_predictor, new_predictor, save_predictor
 from sot.drafters.state.config import ARCHES, EAGLE3, NATIVE
 from sot.errors import ConfigError
+from sot.fingerprint import embedding_hash
 from sot.train.data import StateDataset
 from sot.train.plots import write_plots
 
@@ -260,8 +261,35 @@ def _check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"an EAGLE-3 predictor has one decoder layer; drop --decoder-layers {cfg.decoder_layers}")
     if cfg.stop_after < 0:
         raise ConfigError(f"--stop-after must be a step number >= 0, got {cfg.stop_after}")
+    if cfg.max_seconds < 0:
+        raise ConfigError(f"--max-seconds must be >= 0 (0: no limit), got {cfg.max_seconds}")
+    if cfg.draft_vocab < 0:
+        raise ConfigError(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {cfg.draft_vocab}")
     if cfg.recount_vocab and not cfg.init_from:
         raise ConfigError("--recount-vocab applies to --init-from (a new predictor always counts its vocabulary)")
+
+
+#: settings a resumed run must share with the run in its folder (they fix the predictor's shape,
+#: its target or its data)
+RESUME_KEYS = ("model", "data", "arch", "decoder_layers", "draft_vocab", "init_from", "init")
+
+
+def _check_resume(out: Path, saved: dict, asked: dict) -> None:
+    """A :class:`ConfigError` naming the settings that differ from the run kept in ``out``."""
+    differ = [f"--{k.replace('_', '-')} {saved[k]!r} (now {asked[k]!r})" for k in RESUME_KEYS
+              if k in saved and saved[k] != asked.get(k)]
+    if differ:
+        raise ConfigError(f"{out} holds a run started with {', '.join(differ)}; resume it with those settings, "
+                          "or give another --out")
+
+
+def _stop_reason(cfg: TrainConfig, step: int, seconds: float) -> str | None:
+    """Why a run stops at ``step`` after ``seconds`` of training in all (``None``: it goes on)."""
+    if cfg.stop_after and step >= cfg.stop_after:
+        return "--stop-after"
+    if cfg.max_seconds and seconds >= cfg.max_seconds:
+        return "--max-seconds"
+    return None
 
 
 def fit(cfg: TrainConfig) -> Path:
@@ -284,6 +312,17 @@ def fit(cfg: TrainConfig) -> Path:
     if train.meta["hidden_size"] != target.config.hidden_size:
         raise ConfigError(f"state cache {data_dir} was made for hidden size {train.meta['hidden_size']}, "
                           f"the model has {target.config.hidden_size}")
+    made_with = train.meta.get("embed_hash")  # (caches written before it was recorded have none)
+    if made_with is not None and made_with != embedding_hash(target.get_input_embeddings().weight):
+        raise ConfigError(f"state cache {data_dir} was made with another model than {cfg.model}; "
+                          "prepare one with this --model")
+    shortest = cfg.unroll + 2  # an unrolled chain of --unroll steps needs that many tokens
+    if not any(train.length(i) >= shortest for i in range(len(train))):
+        raise ConfigError(f"state cache {data_dir} holds no sequence of {shortest} tokens or more, which "
+                          f"--unroll {cfg.unroll} needs; lower --unroll or cache longer conversations")
+    if cfg.arch == EAGLE3 and len(train.layers) != 3:
+        raise ConfigError(f"--arch eagle3 reads three target layers; state cache {data_dir} holds "
+                          f"{len(train.layers)} ({train.layers}): prepare it with three --layers")
     vocab_size = target.get_input_embeddings().weight.shape[0]
     if cfg.init_from:  # continue from a predictor file (e.g. the shipped one) with fresh optimizer state
         recounted = (draft_vocabulary(train, vocab_size, cfg.draft_vocab),) if cfg.recount_vocab else None
@@ -315,7 +354,12 @@ def fit(cfg: TrainConfig) -> Path:
     ckpt = out / "checkpoint.pt"
     if ckpt.is_file():
         state = torch.load(ckpt, map_location=device, weights_only=False)
-        pred.load_state_dict(state["model"])
+        _check_resume(out, state.get("config", {}), asdict(cfg))
+        try:
+            pred.load_state_dict(state["model"])
+        except RuntimeError:
+            raise ConfigError(f"{out}/checkpoint.pt holds a predictor of another shape; resume it with the "
+                              "settings it was started with, or give another --out") from None
         opt.load_state_dict(state["optimizer"])
         start, history, evals = state["step"], state["history"], state["evals"]
         seen_tokens, elapsed_before = state.get("tokens", 0), state.get("seconds", 0.0)
@@ -352,13 +396,19 @@ def fit(cfg: TrainConfig) -> Path:
     step = start
     if start == 0:
         run_eval(0)
-    while step < cfg.steps:
+    why = _stop_reason(cfg, start, elapsed_before) if start else None
+    if why is not None and rank == 0:  # (a run that stopped there: running it again trains nothing)
+        tqdm.write(f"{out} stopped at step {start} ({why}); nothing to do")
+    while step < cfg.steps and why is None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step) * group.get("scale", 1.0)
         opt.zero_grad(set_to_none=True)
         batch, ntok = [], 0
         while ntok < cfg.tokens_per_step // world:
-            item = train[next(stream)]
+            index = next(stream)
+            if train.length(index) < shortest:  # (too short to unroll: it would give no chain)
+                continue
+            item = train[index]
             batch.append(item)
             ntok += item[0].shape[0]
         agg: dict[str, float] = {}
@@ -388,8 +438,7 @@ def fit(cfg: TrainConfig) -> Path:
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc0']:.2f}", kl0=f"{record['kl0']:.2f}")
         seconds = elapsed_before + time.perf_counter() - t0
-        stop = torch.tensor([1.0 if (cfg.max_seconds and seconds >= cfg.max_seconds)
-                             or (cfg.stop_after and step >= cfg.stop_after) else 0.0])
+        stop = torch.tensor([1.0 if _stop_reason(cfg, step, seconds) else 0.0])
         if world > 1:
             dist.broadcast(stop, 0)
         if step % cfg.eval_every == 0 or step == cfg.steps or stop.item():
@@ -398,8 +447,7 @@ def fit(cfg: TrainConfig) -> Path:
             save(step, seconds)
         if stop.item():
             if rank == 0:
-                why = "--stop-after" if cfg.stop_after and step >= cfg.stop_after else "--max-seconds"
-                tqdm.write(f"stopping after {seconds:.0f}s at step {step} ({why})")
+                tqdm.write(f"stopping after {seconds:.0f}s at step {step} ({_stop_reason(cfg, step, seconds)})")
             break
     bar.close()
     if rank == 0:

@@ -141,6 +141,9 @@ def _state_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
 
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg_file, weights = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if (path / "predictor.safetensors").is_file() and (path / "checkpoint.pt").is_file():
+        raise DrafterCompatibilityError(f"{path} is a training run's folder; give its predictor file, "
+                                        f"{path / 'predictor.safetensors'}")
     if not cfg_file.is_file():
         raise DrafterCompatibilityError(f"{path} has no {CONFIG_FILE}: not an EAGLE-3 checkpoint folder")
     try:
@@ -190,9 +193,12 @@ def eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredict
     state_layers = _state_layers(cfg, num_layers)
     if any(not 0 <= i <= num_layers for i in state_layers):
         problems.append(f"input layers {list(state_layers)}, target has {num_layers} layers")
-    scaling = cfg.get("rope_scaling")
+    # rope settings: ``rope_theta`` / ``rope_scaling``, or transformers 5's ``rope_parameters``
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
     if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
         problems.append(f"rope_scaling {scaling} (SoT's predictor uses plain rope)")
+    rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     if heads <= 0:
         problems.append("no num_attention_heads")
     if problems:
@@ -202,7 +208,7 @@ def eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredict
     return StatePredictorConfig(
         hidden_size=d, num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or d // heads), intermediate_size=int(cfg["intermediate_size"]),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
         state_layers=state_layers, draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab), target=target,
         arch=EAGLE3, norm_before_residual=bool(cfg.get("norm_before_residual", False)))
 
