@@ -61,6 +61,7 @@ class AsyncSoT:
         if max_batch < 1:
             raise SoTError(f"max_batch must be >= 1, got {max_batch}")
         self.sot = sot
+        self._max_batch = sot.engine.max_batch  # (given back on close)
         sot.engine.max_batch = max_batch
         self._worker = EngineWorker(sot.engine, ServerMetrics())
         self._worker.start()
@@ -72,8 +73,10 @@ class AsyncSoT:
         self.close()
 
     def close(self) -> None:
-        """Stop the engine thread (requests still running end with an error)."""
+        """Stop the engine thread (requests still running end with an error); the engine's
+        batch limit is given back."""
         self._worker.stop()
+        self.sot.engine.max_batch = self._max_batch
 
     async def stream(self, prompt: PromptItem, chat: bool | None = None, tenant: str | None = None,
                      priority: int = 0, **kwargs: Any) -> AsyncIterator[StreamEvent]:

@@ -228,7 +228,8 @@ function show(i) {
   slider.max = Math.max(0, seq.steps.length - 1);
   slider.value = current;
   document.getElementById('summary').textContent =
-    `${seq.pieces.length} tokens in ${seq.steps.length} steps, mean accepted length ${Number(seq.tau).toFixed(2)}`;
+    `${seq.pieces.length} tokens: the prompt's pass and ${Math.max(0, seq.steps.length - 1)} steps, ` +
+    `mean accepted length ${Number(seq.tau).toFixed(2)}`;
   drawTokens(); drawTree(); drawStates(); drawSteps();
 }
 

@@ -110,6 +110,8 @@ def test_batched_bench_checks_each_sequence_against_alone(setup) -> None:
         agg = res["methods"][name]
         assert agg["identical_to_alone"] == "3/3" and agg["new_tokens"] == 3 * 16
     assert "decoded alone: 3/3" in (out / "report.md").read_text()
+    speedup = res["methods"]["pld"]["speedup_vs_plain"]  # (the batch's: its prompts share one time)
+    assert speedup["min"] is None and speedup["median"] > 0
     # seeded sampling: each prompt alone draws the noise of its index in the batch
     assert main(["bench", "--prompts", str(prompts), "--methods", "plain,pld", "--model", str(model), "--batch-size",
                  "2", "--max-new-tokens", "8", "--no-chat", "--temperature", "1", "--seed", "3", "--out",

@@ -158,6 +158,30 @@ def test_stop_after_keeps_the_planned_schedule(tiny_run, tmp_path) -> None:
     assert torch.load(tmp_path / "early" / "checkpoint.pt", weights_only=False)["step"] == 8
 
 
+def test_an_interrupted_run_keeps_its_steps(tiny_run, tmp_path, monkeypatch) -> None:
+    """Ctrl-C saves the steps done since the last save; the same command resumes there."""
+    from sot.train import trainer
+
+    calls = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def interrupting(*args, **kwargs):  # (called once a step, before the optimizer's step)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", interrupting)
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "run"), steps=6, eval_every=100, save_every=100)
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg)
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 2
+    monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", clip)
+    fit(cfg)
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 6 and [h["step"] for h in state["history"]] == list(range(1, 7))
+
+
 def test_a_run_resumes_only_with_its_own_settings(tiny_run, tmp_path) -> None:
     """A folder holding a run is resumed with the settings that shape its predictor, its
     target and its data, or refused with the ones that differ; a cache made with another

@@ -116,6 +116,8 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, gree
 def _fmt_speedup(s: dict | None) -> str:
     if not s:
         return "-"
+    if s.get("min") is None:  # a batch: one time for all its prompts, so no per-prompt range
+        return f"{s['median']:.2f}x"
     return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
 
 

@@ -7,7 +7,8 @@ on its own steps (:func:`~sot.bench.methods.run_lockstep`). ``results.json`` sch
 
 * ``config``: the run's settings;
 * ``methods``: per method, ``tokens_per_s`` (total new tokens / total time),
-  ``speedup_vs_hf`` / ``speedup_vs_plain`` (per-prompt tokens/s ratios: median, min, max),
+  ``speedup_vs_hf`` / ``speedup_vs_plain`` (per-prompt tokens/s ratios: median, min, max;
+  with ``--batch-size`` above 1 the batch's ratio, min and max null),
   ``mean_accept_len`` (tau), ``accept_hist``, ``accept_rate_per_depth``, ``ttft_s`` (median),
   ``peak_rss_mb`` (process peak during the method's runs), ``peak_rss_over_model_mb`` (that
   peak minus the RSS after loading and warm-up), ``run_rss_growth_mb`` (the most one run
@@ -318,6 +319,10 @@ def run_bench(cfg: BenchConfig) -> dict:
     exact = set(names) if cfg.temperature == 0 else \
         {m.name for m in methods if m.uses_engine} if cfg.sampling == "coupled" else set()
     aggregates = aggregate(runs, names, model_rss, greedy=exact)
+    if batch > 1:  # a batch's prompts share its steps' time: the ratio is the batch's, with no range
+        for entry in aggregates.values():
+            if entry.get("speedup_vs_plain"):
+                entry["speedup_vs_plain"].update(min=None, max=None)
     if batch > 1 and exact and target is not None:
         _compare_alone(aggregates, runs, target, prompts, params)
     result = {

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -193,7 +194,7 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
                          batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
                          drafter=args.drafter, max_prompt_tokens=args.max_prompt_tokens,
                          match=args.match, prompts=args.prompts)
-    print(f"wrote {n} regenerated conversations to {args.out}", file=sys.stderr)
+    print(f"{args.out} holds {n} regenerated conversations", file=sys.stderr)
     return 0
 
 
@@ -228,7 +229,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
         save_every=args.save_every, seed=args.seed, max_seconds=args.max_seconds, stop_after=args.stop_after,
         precision=args.precision,
     )
-    fit(cfg)
+    path = fit(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"predictor: {path} (use it with sot generate --predictor {path})", file=sys.stderr)
     return 0
 
 

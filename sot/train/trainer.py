@@ -399,56 +399,63 @@ def fit(cfg: TrainConfig) -> Path:
     why = _stop_reason(cfg, start, elapsed_before) if start else None
     if why is not None and rank == 0:  # (a run that stopped there: running it again trains nothing)
         tqdm.write(f"{out} stopped at step {start} ({why}); nothing to do")
-    while step < cfg.steps and why is None:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step) * group.get("scale", 1.0)
-        opt.zero_grad(set_to_none=True)
-        batch, ntok = [], 0
-        while ntok < cfg.tokens_per_step // world:
-            index = next(stream)
-            if train.length(index) < shortest:  # (too short to unroll: it would give no chain)
-                continue
-            item = train[index]
-            batch.append(item)
-            ntok += item[0].shape[0]
-        agg: dict[str, float] = {}
-        stab_sum, stab_n = 0.0, 0
-        for j, (tokens, mask, states) in enumerate(batch):
-            sync = j == len(batch) - 1
-            ctx = model.no_sync() if (world > 1 and not sync) else nullcontext()
-            with ctx:
-                seen_sequences += 1
-                stab = seen_sequences % cfg.stability_every == 0  # the extra pass on every n-th sequence
-                loss, parts = sequence_loss(model, pred, tokens, mask, states, cfg, device, stab)
-                (loss * tokens.shape[0] / ntok).backward()
-            stab_val = parts.pop("stability", None)
-            if stab_val is not None:
-                stab_sum, stab_n = stab_sum + stab_val, stab_n + 1
-            for key, val in parts.items():
-                agg[key] = agg.get(key, 0.0) + val * tokens.shape[0] / ntok
-        agg["stability"] = stab_sum / stab_n if stab_n else 0.0
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        step += 1
-        seen_tokens += ntok * world
-        vals = _all_mean(torch.tensor([agg[k] for k in sorted(agg)]), world)
-        record = {k: float(v) for k, v in zip(sorted(agg), vals)}
-        record.update(step=step, lr=lr_at(step - 1), tokens=seen_tokens)
-        history.append(record)
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc0']:.2f}", kl0=f"{record['kl0']:.2f}")
-        seconds = elapsed_before + time.perf_counter() - t0
-        stop = torch.tensor([1.0 if _stop_reason(cfg, step, seconds) else 0.0])
-        if world > 1:
-            dist.broadcast(stop, 0)
-        if step % cfg.eval_every == 0 or step == cfg.steps or stop.item():
-            run_eval(step)
-        if step % cfg.save_every == 0 or step == cfg.steps or stop.item():
-            save(step, seconds)
-        if stop.item():
-            if rank == 0:
-                tqdm.write(f"stopping after {seconds:.0f}s at step {step} ({_stop_reason(cfg, step, seconds)})")
-            break
+    done_seconds = elapsed_before  # training time at the last completed step
+    try:
+        while step < cfg.steps and why is None:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step) * group.get("scale", 1.0)
+            opt.zero_grad(set_to_none=True)
+            batch, ntok = [], 0
+            while ntok < cfg.tokens_per_step // world:
+                index = next(stream)
+                if train.length(index) < shortest:  # (too short to unroll: it would give no chain)
+                    continue
+                item = train[index]
+                batch.append(item)
+                ntok += item[0].shape[0]
+            agg: dict[str, float] = {}
+            stab_sum, stab_n = 0.0, 0
+            for j, (tokens, mask, states) in enumerate(batch):
+                sync = j == len(batch) - 1
+                ctx = model.no_sync() if (world > 1 and not sync) else nullcontext()
+                with ctx:
+                    seen_sequences += 1
+                    stab = seen_sequences % cfg.stability_every == 0  # the extra pass on every n-th sequence
+                    loss, parts = sequence_loss(model, pred, tokens, mask, states, cfg, device, stab)
+                    (loss * tokens.shape[0] / ntok).backward()
+                stab_val = parts.pop("stability", None)
+                if stab_val is not None:
+                    stab_sum, stab_n = stab_sum + stab_val, stab_n + 1
+                for key, val in parts.items():
+                    agg[key] = agg.get(key, 0.0) + val * tokens.shape[0] / ntok
+            agg["stability"] = stab_sum / stab_n if stab_n else 0.0
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step += 1
+            seen_tokens += ntok * world
+            vals = _all_mean(torch.tensor([agg[k] for k in sorted(agg)]), world)
+            record = {k: float(v) for k, v in zip(sorted(agg), vals)}
+            record.update(step=step, lr=lr_at(step - 1), tokens=seen_tokens)
+            history.append(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc0']:.2f}", kl0=f"{record['kl0']:.2f}")
+            seconds = done_seconds = elapsed_before + time.perf_counter() - t0
+            stop = torch.tensor([1.0 if _stop_reason(cfg, step, seconds) else 0.0])
+            if world > 1:
+                dist.broadcast(stop, 0)
+            if step % cfg.eval_every == 0 or step == cfg.steps or stop.item():
+                run_eval(step)
+            if step % cfg.save_every == 0 or step == cfg.steps or stop.item():
+                save(step, seconds)
+            if stop.item():
+                if rank == 0:
+                    tqdm.write(f"stopping after {seconds:.0f}s at step {step} ({_stop_reason(cfg, step, seconds)})")
+                break
+    except KeyboardInterrupt:  # keep the steps done since the last save
+        if step > start and rank == 0:
+            save(step, done_seconds)
+            tqdm.write(f"interrupted: {out} saved at step {step}; the same command resumes it")
+        raise
     bar.close()
     if rank == 0:
         summary = {"steps": step, "tokens": seen_tokens, "seconds": elapsed_before + time.perf_counter() - t0,
