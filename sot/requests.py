@@ -3,6 +3,7 @@ token events, and the engine's step statistics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -177,7 +178,7 @@ def check_prompts(prompts: list[list[int]], params: GenerationParams, max_positi
 def check_request(prompt: list[int], params: GenerationParams, max_positions: int | None,
                   vocab_size: int | None = None) -> None:
     """Raise a :class:`~sot.errors.SoTError` naming what is wrong with one request."""
-    if isinstance(prompt, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, (str, bytes)) or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
         raise ConfigError("the prompt must be a list of token ids (encode text with SoT.encode)")
     if not prompt:
         raise ConfigError("the prompt is empty")

@@ -78,7 +78,9 @@ def test_requests_in_flight_when_the_engine_closes_end_with_an_error(model_dir: 
         engine.close()
         return await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), timeout=20)
 
+    limit = sot.engine.max_batch
     outcomes = asyncio.run(run())
     assert all(isinstance(o, SoTError) and "shutting down" in str(o) for o in outcomes), outcomes
     assert not sot.engine.has_unfinished()
+    assert sot.engine.max_batch == limit, "the engine's batch limit is given back"
 

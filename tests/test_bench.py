@@ -295,6 +295,10 @@ def test_dtype_sweep_runs_each_mode_against_its_own_plain(setup) -> None:
     assert "| mode | plain tok/s |" in (out / "report.md").read_text()
     from sot.bench.runner import build_methods
 
+    policies, _, _ = build_methods(_config(model, prompts, out, methods=("plain", "pld"),
+                                           sweep=("policy", ("heuristic", "static"))))
+    pld = [m for m in policies if m.name.startswith("pld[")]
+    assert len(pld) == 2 and pld[0].engine.drafter is not pld[1].engine.drafter, "each policy has its own drafter"
     built, _, _ = build_methods(cfg)
     assert {m.name: m.engine.target.int8 for m in built} == {"plain[float32]": False, "plain[int8]": True,
                                                              "pld[float32]": False, "pld[int8]": True}

@@ -112,6 +112,11 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
         with pytest.raises(ConfigError, match="the prompt"):
             sot.engine.add_request(prompt, GenerationParams(max_new_tokens=2))
     assert not sot.engine.has_unfinished()
+    import numpy as np
+
+    rid = sot.engine.add_request([np.int64(t) for t in sot.encode("abc", chat=False)],  # (any integer type)
+                                 GenerationParams(max_new_tokens=2))
+    assert sot.engine.abort(rid) and not sot.engine.has_unfinished()
     assert len(sot.generate("abc", chat=False, max_new_tokens=2)[0].token_ids) <= 2
     assert SoT.load(str(model_dir), drafter="pld", dtype="float32", policy="static").engine.policy_config.kind.value \
         == "static"
@@ -119,7 +124,8 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
         SoT.load(str(model_dir), drafter="pld", dtype="float32", policy="fast")
 
 
-def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tmp_path: Path, capsys) -> None:
+def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tmp_path: Path, capsys,
+                                                            monkeypatch) -> None:
     """Caught before any model loads where it can be; exit 2 with one line naming the file."""
     base = ["generate", "abc", "--model", "/no/such/model"]  # (a load would fail with another message)
     for extra, message in ((["--trace", str(tmp_path / "no" / "t.jsonl")], "does not exist"),
@@ -138,6 +144,14 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
     assert "not UTF-8 text" in capsys.readouterr().err
     assert main(["score", "a", "--model", str(model_dir), "--json"]) == 0  # one token: no perplexity
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"] is None
+    import sot.cli as cli
+
+    def unwritable(args):  # a file error after the model loaded: one line naming the file, exit 2
+        raise PermissionError(13, "Permission denied", "/srv/out.jsonl")
+
+    monkeypatch.setitem(cli.HANDLERS, "generate", unwritable)
+    assert main(["generate", "hi"]) == 2
+    assert capsys.readouterr().err == "sot: error: /srv/out.jsonl: Permission denied\n"
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("sot ")

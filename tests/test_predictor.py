@@ -53,8 +53,11 @@ def test_a_grown_predictor_drafts_what_the_file_did() -> None:
 
 def test_mismatched_target_is_refused(tiny_run, tmp_path) -> None:
     other = tiny_model("llama", seed=5)  # same shapes, different weights
-    with pytest.raises(DrafterCompatibilityError, match="trained for another target.*embed_hash"):
+    with pytest.raises(DrafterCompatibilityError, match=r"trained for another target.*embed_hash.*\(--model\)"):
         load_predictor(tiny_run["predictor"], other)
+    run_folder = tiny_run["predictor"].parent  # (a training run's folder, not its predictor file)
+    with pytest.raises(DrafterCompatibilityError, match="training run's folder; give its predictor file"):
+        load_predictor(run_folder, other)
     gpt2 = tiny_model("gpt2")
     with pytest.raises(DrafterCompatibilityError, match="architecture"):
         check_compatible(read_predictor_config(tiny_run["predictor"]), gpt2)

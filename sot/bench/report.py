@@ -44,11 +44,10 @@ def _summary(values: list[float]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, greedy: bool | set[str]) -> dict[str, dict]:
+def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, exact: set[str]) -> dict[str, dict]:
     """Per-method figures. Speedups are per-prompt tokens/s ratios (median and range).
-    ``greedy``: whether the methods' outputs should equal plain decoding's (compared and
-    counted in ``identical_to_plain``), or the set of the methods whose should (seeded
-    sampling: the engine's methods, not transformers' or llama.cpp's)."""
+    ``exact``: the methods whose outputs should equal plain decoding's, compared and counted
+    in ``identical_to_plain`` (greedy: all; seeded coupled sampling: the engine's methods)."""
     by_method: dict[str, dict[int, RunRecord]] = {m: {} for m in methods}
     for r in records:
         by_method[r.method][r.prompt_index] = r
@@ -98,7 +97,7 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, gree
             "prompts_with_fallback": sum(1 for r in recs.values() if r.fallbacks) if steps else None,
         }
         plain = _plain_of(m, by_method)
-        if (m in greedy if isinstance(greedy, set) else greedy) and plain and not _is_plain(m):
+        if m in exact and plain and not _is_plain(m):
             same = 0
             for i, rec in sorted(recs.items()):
                 if i not in plain:

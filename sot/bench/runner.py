@@ -316,9 +316,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                     bar.update()
     names = [m.name for m in methods]
     # coupled sampling makes the engine's seeded outputs token-identical to plain decoding, like greedy
-    exact = set(names) if cfg.temperature == 0 else \
-        {m.name for m in methods if m.uses_engine} if cfg.sampling == "coupled" else set()
-    aggregates = aggregate(runs, names, model_rss, greedy=exact)
+    exact = set(names) if cfg.temperature == 0 else {m.name for m in methods if m.uses_engine and _exact(cfg)}
+    aggregates = aggregate(runs, names, model_rss, exact)
     if batch > 1:  # a batch's prompts share its steps' time: the ratio is the batch's, with no range
         for entry in aggregates.values():
             if entry.get("speedup_vs_plain"):
@@ -422,7 +421,8 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
     rows = []
     plain_rate = sum(r.new_tokens for r in runs["plain"]) / max(1e-9, sum(r.wall_time for r in runs["plain"]))
     for v, m in variants:
-        agg = aggregate(runs[m.name] + runs["plain"], [m.name, "plain"], 0, greedy=_exact(cfg))[m.name]
+        exact = {m.name} if _exact(cfg) else set()
+        agg = aggregate(runs[m.name] + runs["plain"], [m.name, "plain"], 0, exact)[m.name]
         rows.append({"value": v, "tokens_per_s": agg["tokens_per_s"], "mean_accept_len": agg["mean_accept_len"],
                      "speedup_vs_plain": agg["speedup_vs_plain"], "identical_to_plain": agg["identical_to_plain"],
                      "tokens_per_s_vs_plain": agg["tokens_per_s"] / max(1e-9, plain_rate),
@@ -446,7 +446,7 @@ def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: Targe
     for v in tqdm(values, desc="sweep batch-size", unit="size"):
         got = _run_lockstep([plain, method], prompts, params, [str(i) for i in range(len(prompts))], v)
         base, runs = [r for r in got if r.method == "plain"], [r for r in got if r.method == spec]
-        agg = aggregate(runs + base, [spec, "plain"], 0, greedy=_exact(cfg))
+        agg = aggregate(runs + base, [spec, "plain"], 0, {spec} if _exact(cfg) else set())
         a, p = agg[spec], agg["plain"]
         rows.append({"value": v, "tokens_per_s": a["tokens_per_s"], "plain_tokens_per_s": p["tokens_per_s"],
                      "tokens_per_s_vs_plain": a["tokens_per_s"] / max(1e-9, p["tokens_per_s"]),

@@ -28,16 +28,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from sot.drafters.state.eagle3 import export_eagle3, layer_ids
     from sot.models.loading import load_model, resolve_dtype
 
-    from sot.errors import DrafterCompatibilityError
-
     model = load_model(args.model, dtype=torch.float32).model
-    try:
-        pred = load_predictor(args.predictor, model)
-    except DrafterCompatibilityError as exc:
-        if "another target model" not in str(exc):
-            raise
-        raise DrafterCompatibilityError(f"{exc}; or, if it was trained for another model, give that model with "
-                                        f"--model (now {args.model})") from None
+    pred = load_predictor(args.predictor, model)
     out = export_eagle3(pred, args.out_dir, model, dtype=resolve_dtype(args.dtype))
     ids = layer_ids(pred.config.state_layers)
     print(f"wrote {out}/config.json and model.safetensors: EAGLE-3 head, draft vocabulary "

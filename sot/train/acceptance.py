@@ -25,6 +25,7 @@ import torch
 
 from sot.drafters.base import TreeBudget
 from sot.errors import ConfigError
+from sot.train import changed_settings
 
 
 @dataclass(frozen=True)
@@ -245,8 +246,7 @@ def load_or_collect(cfg: PolicyTrainConfig) -> dict:
         traces = torch.load(trace_file, weights_only=False)
         saved = traces.get("config", {})
         asked = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
-        differ = [f"--{k.replace('_', '-')} {saved[k]!r} (now {asked[k]!r})" for k in TRACE_KEYS
-                  if k in saved and saved[k] != asked[k]]
+        differ = changed_settings(saved, asked, TRACE_KEYS)
         if differ:
             raise ConfigError(f"{trace_file} was collected with {', '.join(differ)}; delete it to collect traces "
                               "anew, or give another --out")

@@ -229,7 +229,8 @@ class StateDataset:
                 raise ConfigError(f"{f} holds no complete state cache (meta.json missing)")
             metas.append(json.loads(meta_path.read_text()))
         for f, m in zip(folders[1:], metas[1:]):
-            if m.get("embed_hash", metas[0].get("embed_hash")) != metas[0].get("embed_hash", m.get("embed_hash")):
+            first, this = metas[0].get("embed_hash"), m.get("embed_hash")  # (older caches have none)
+            if first and this and first != this:
                 raise ConfigError(f"state caches {folders[0]} and {f} were made with different models")
             if (m["hidden_size"], m["layers"]) != (metas[0]["hidden_size"], metas[0]["layers"]):
                 raise ConfigError(f"state caches {folders[0]} and {f} differ in hidden size or layers "

@@ -34,6 +34,7 @@ from sot.drafters.state import StatePredictor, grow_predictor, new_predictor, sa
 from sot.drafters.state.config import ARCHES, EAGLE3, NATIVE
 from sot.errors import ConfigError
 from sot.fingerprint import embedding_hash
+from sot.train import changed_settings
 from sot.train.data import StateDataset
 from sot.train.plots import write_plots
 
@@ -276,8 +277,7 @@ RESUME_KEYS = ("model", "data", "arch", "decoder_layers", "draft_vocab", "init_f
 
 def _check_resume(out: Path, saved: dict, asked: dict) -> None:
     """A :class:`ConfigError` naming the settings that differ from the run kept in ``out``."""
-    differ = [f"--{k.replace('_', '-')} {saved[k]!r} (now {asked[k]!r})" for k in RESUME_KEYS
-              if k in saved and saved[k] != asked.get(k)]
+    differ = changed_settings(saved, asked, RESUME_KEYS)
     if differ:
         raise ConfigError(f"{out} holds a run started with {', '.join(differ)}; resume it with those settings, "
                           "or give another --out")

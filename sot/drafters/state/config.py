@@ -130,5 +130,5 @@ def check_compatible(config: StatePredictorConfig, model: torch.nn.Module, path:
     if diffs:
         raise DrafterCompatibilityError(
             f"state predictor {path} was trained for another target model ({'; '.join(diffs)}); "
-            "train one for this model with 'sot train'"
+            "give the model it was trained for (--model), or train one for this model with 'sot train'"
         )
