@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import psutil
 import pytest
 
 from helpers import tiny_model_dir
-from server_helpers import REPO, ServerProcess
+from server_helpers import REPO, ServerProcess, free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 TINY = "tiny"
@@ -584,7 +585,8 @@ def test_model_card_version_cors_and_request_log(tiny_server) -> None:
 
 
 def test_api_key_is_required(tiny_server) -> None:
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    # a key with a character beyond ASCII is a wrong key too, not a 500
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": b"Bearer s\xe9krit"}):
         resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=_chat("hi", max_tokens=2), headers=headers)
         assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{tiny_server.url}/v1/models", headers=AUTH).status_code == 200
@@ -998,6 +1000,24 @@ def test_sigterm_finishes_streams_and_exits_0(tiny_dir, tmp_path) -> None:
         server.stop()
 
 
+def test_serve_stops_at_once_when_it_cannot_serve(tmp_path) -> None:
+    """A model that fails to load ends the server with the error (it does not answer 503 until
+    someone notices); a port already taken is a one-line error before anything says the server
+    listens."""
+    cmd = [sys.executable, "-m", "sot.cli", "serve", "--host", "127.0.0.1"]
+    res = subprocess.run([*cmd, "--port", str(free_port()), "--model", str(tmp_path / "no-such-model")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stderr
+    assert "failed to load" in res.stderr and "no-such-model" in res.stderr and "Traceback" not in res.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        res = subprocess.run([*cmd, "--port", str(taken.getsockname()[1])], capture_output=True, text=True,
+                             timeout=120)
+    assert res.returncode == 2 and "cannot listen on 127.0.0.1" in res.stderr and "another --port" in res.stderr
+    assert "listening" not in res.stderr and "Traceback" not in res.stderr
+
+
 def test_suffix_stores_per_user_live_with_the_server(tiny_dir, tmp_path) -> None:
     """``--suffix-tenants user``: each request's answer goes to its ``user``'s store, shared by
     that user's later requests (the repeated question drafts its earlier answer) and never
@@ -1036,11 +1056,13 @@ def test_trace_pages_of_finished_requests(tiny_server, default_server) -> None:
                           json={"model": TINY, "prompt": prompt, "max_tokens": 12, "temperature": 0,
                                 "ignore_eos": True})
         ids.append(resp.json()["id"])
-    page = httpx.get(f"{tiny_server.url}/trace/{ids[-1]}", timeout=60)
+    # the page holds the prompt and the answer, so it needs the key as the API does
+    assert httpx.get(f"{tiny_server.url}/trace/{ids[-1]}", timeout=60).status_code == 401
+    page = httpx.get(f"{tiny_server.url}/trace/{ids[-1]}", headers=AUTH, timeout=60)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'id="trace-data"' in page.text and ids[-1] in page.text
     for missing in (ids[0], "cmpl-nope"):
-        gone = httpx.get(f"{tiny_server.url}/trace/{missing}", timeout=30)
+        gone = httpx.get(f"{tiny_server.url}/trace/{missing}", headers=AUTH, timeout=30)
         assert gone.status_code == 404 and "only the last 2" in gone.json()["error"]["message"]
     off = httpx.get(f"{default_server.url}/trace/{ids[-1]}", timeout=30)
     assert off.status_code == 404 and "--trace" in off.json()["error"]["message"]

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import socket
 import sys
 import threading
 from pathlib import Path
 
 from sot.cli.common import (
-    add_adapt_args, add_drafter_args, add_model_args, load_sot, non_negative_float, non_negative_int, positive_int,
-    save_suffix_store,
+    add_adapt_args, add_drafter_args, add_model_args, load_sot, non_negative_float, non_negative_int, positive_float,
+    positive_int, save_suffix_store,
 )
 from sot.errors import ConfigError
 
@@ -19,7 +21,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions, streaming, metrics)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     add_drafter_args(p)
@@ -82,7 +84,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from sot.prompts import read_chat_template
 
         args.chat_template = read_chat_template(args.chat_template)
-    app = create_app(lambda: load_sot(args), config)
+    sock = _listen(args.host, args.port)
+    url = f"http://{args.host}:{args.port}"
+
+    def loaded(error: str | None) -> None:
+        if error is None:
+            print(f"sot serve: ready on {url} (model {state.model_name})", file=sys.stderr)
+        else:  # nothing to serve: stop now rather than answer 503 until someone notices
+            print(f"sot serve: error: the model failed to load: {error}", file=sys.stderr)
+            server.should_exit = True
+
+    app = create_app(lambda: load_sot(args), config, on_loaded=loaded)
     state = app.state.sot_state
 
     class _Server(uvicorn.Server):
@@ -110,15 +122,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=config.shutdown_timeout + 5))
-    print(f"sot serve: starting on http://{args.host}:{args.port} (the model loads in the background; "
-          "GET /health answers 200 when ready)", file=sys.stderr)
-    server.run()
+    print(f"sot serve: listening on {url}; loading the model (GET /health answers 200 when ready)",
+          file=sys.stderr)
+    server.run(sockets=[sock])
     if state.load_error:
-        print(f"sot serve: error: the model failed to load: {state.load_error}", file=sys.stderr)
         return 1
     if state.sot is not None:
         save_suffix_store(state.sot, args)
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, or a ConfigError a user can act on (port taken, no such
+    address): checked before the model loads, and before anything says the server started."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = " (another server uses it; pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -127,19 +158,22 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="server base URL, e.g. http://127.0.0.1:8000 (repeat to compare servers)")
     p.add_argument("--label", action="append", default=None, help="a name per --url (default: the URL)")
     p.add_argument("--model", default=None, help="model id to request (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", action="append", default=None,
+                   help="the servers' key: once for all, or once per --url in their order")
     p.add_argument("--prompts", default="sharegpt-heldout",
                    help="a bench prompt set (sharegpt-heldout, humaneval, ...) or a .jsonl file")
     p.add_argument("--num-prompts", type=positive_int, default=16, help="requests per level and server")
     p.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels")
-    p.add_argument("--request-rate", type=float, default=None,
+    p.add_argument("--request-rate", type=positive_float, default=None,
                    help="send requests at this Poisson rate (per second) instead of fixed concurrency")
     p.add_argument("--max-tokens", type=positive_int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask for exactly --max-tokens tokens (the 'ignore_eos' extension of SoT and vLLM)")
     p.add_argument("--rounds", type=positive_int, default=1, help="alternating rounds per level")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds one request may take, from sending it to its last token; a request still "
+                        "running then is ended and counted as failed")
     p.add_argument("--out", default=None, help="folder for results.json and bench-serve.png")
 
 

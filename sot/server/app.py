@@ -6,9 +6,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/resp
 ``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the
 server drains, 200 when ready) and ``GET /metrics`` (Prometheus text). Every error is an
 OpenAI-style JSON body with its status; a full queue answers 429 with ``Retry-After``. A
-client that disconnects aborts its request. On SIGTERM the server stops accepting requests,
-lets running ones finish for ``shutdown_timeout`` seconds, ends the rest with a final
-``abort`` event, and exits 0.
+client that disconnects aborts its request. On SIGTERM the server stops accepting connections
+(requests on connections already open get 503), lets running ones finish for
+``shutdown_timeout`` seconds, ends the rest with a final ``abort`` event, and exits 0.
 """
 from __future__ import annotations
 
@@ -86,9 +86,12 @@ class ServerState:
         return self.sot.target.max_positions if self.sot is not None else None
 
 
-def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
+def create_app(load: Callable[[], Any], config: ServerConfig,
+               on_loaded: Callable[[str | None], None] | None = None) -> FastAPI:
     """The app; ``load()`` returns a :class:`sot.api.SoT` and runs on a thread after start-up,
-    so ``/health`` answers 503 while it works."""
+    so ``/health`` answers 503 while it works. ``on_loaded`` is called from that thread once it
+    ends: with ``None`` when the engine serves, or with the error when loading failed (the
+    CLI prints it and stops the server)."""
     metrics = ServerMetrics()
     state = ServerState(config, metrics)
 
@@ -106,6 +109,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
             state.worker = worker
         except Exception as exc:  # noqa: BLE001 - /health reports it
             state.load_error = f"{type(exc).__name__}: {exc}"
+        if on_loaded is not None:
+            on_loaded(state.load_error)
 
     async def lifespan(app: FastAPI):
         threading.Thread(target=load_in_background, name="sot-load", daemon=True).start()
@@ -180,7 +185,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig) -> FastAPI:
 
     # ------------------------------------------------------------ generation
     @app.get("/trace/{rid}")
-    async def trace_page(rid: str) -> HTMLResponse:
+    async def trace_page(request: Request, rid: str) -> HTMLResponse:
+        _check_key(request, config)  # the page holds the request's prompt and answer
         if config.trace <= 0:
             raise APIError(404, "tracing is off; start the server with --trace")
         _check_ready(state)
@@ -321,7 +327,10 @@ def _check_key(request: Request, config: ServerConfig) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
+    # compared as bytes (compare_digest refuses str beyond ASCII): the header's raw bytes, which
+    # Starlette decodes as Latin-1, against the key's UTF-8
+    sent, key = token.strip().encode("latin-1"), config.api_key.encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(sent, key):
         raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
 
 

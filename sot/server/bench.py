@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import random
 import statistics
@@ -66,46 +67,65 @@ class LevelResult:
 
 
 def _percentiles(values: list[float]) -> dict:
+    """p50, p90 and p99 of sorted ``values``, interpolated between the two nearest samples
+    (NumPy's default, as vLLM's benchmark reports them; the p50 of two samples is their mean)."""
     if not values:
         return {"p50": None, "p90": None, "p99": None}
 
     def pick(q: float) -> float:
-        return round(values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))], 4)
+        pos = q * (len(values) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(values) - 1)
+        return round(values[lo] + (values[hi] - values[lo]) * (pos - lo), 4)
 
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-async def one_request(client, url: str, body: dict, headers: dict) -> RequestRecord:
-    """Stream one chat completion and time it."""
-    t0 = time.perf_counter()
+async def one_request(client, url: str, body: dict, headers: dict,
+                      timeout: float | None = None) -> RequestRecord:
+    """Stream one chat completion and time it; a request still running after ``timeout``
+    seconds (None: no limit) is ended and recorded as failed."""
     rec = RequestRecord(ok=False)
+    try:
+        await asyncio.wait_for(_stream(client, url, body, headers, rec), timeout)
+    except asyncio.TimeoutError:
+        rec.ok, rec.error = False, f"timed out after {timeout:g} s"
+    return rec
+
+
+async def _stream(client, url: str, body: dict, headers: dict, rec: RequestRecord) -> None:
+    """Fill ``rec`` from one streamed chat completion."""
+    t0 = time.perf_counter()
+    usage = False
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {text[:200]}"
-                return rec
+                return
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
                     rec.error = str(event["error"])
-                    return rec
+                    return
                 if event.get("usage"):
-                    rec.tokens = event["usage"]["completion_tokens"]
+                    rec.tokens, usage = event["usage"]["completion_tokens"], True
                 if event.get("sot"):
                     rec.tau = event["sot"].get("mean_accept_len")
                 for choice in event.get("choices", []):
                     if choice.get("delta", {}).get("content") and rec.ttft == 0.0:
                         rec.ttft = time.perf_counter() - t0
         rec.latency = time.perf_counter() - t0
-        rec.ok = rec.tokens > 0
-        if rec.ok and rec.ttft == 0.0:
+        if not usage:  # tokens are counted from usage: without it every figure would be wrong
+            rec.error = "the stream carried no usage (the server ignored stream_options.include_usage)"
+            return
+        rec.ok = True
+        if rec.ttft == 0.0:
             rec.ttft = rec.latency
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
         rec.error = f"{type(exc).__name__}: {exc}"
-    return rec
 
 
 async def run_level(url: str, bodies: list[dict], headers: dict, concurrency: int | None, rate: float | None,
@@ -114,13 +134,13 @@ async def run_level(url: str, bodies: list[dict], headers: dict, concurrency: in
     import httpx
 
     limits = httpx.Limits(max_connections=max(concurrency or 0, 64))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:  # and each read
         t0 = time.perf_counter()
         if rate is not None:
             rng = random.Random(0)
             tasks = []
             for body in bodies:
-                tasks.append(asyncio.create_task(one_request(client, url, body, headers)))
+                tasks.append(asyncio.create_task(one_request(client, url, body, headers, timeout)))
                 await asyncio.sleep(rng.expovariate(rate))
             records = list(await asyncio.gather(*tasks))
         else:
@@ -130,7 +150,7 @@ async def run_level(url: str, bodies: list[dict], headers: dict, concurrency: in
             async def user() -> None:
                 while queue:
                     i, body = queue.pop(0)
-                    records[i] = await one_request(client, url, body, headers)
+                    records[i] = await one_request(client, url, body, headers, timeout)
 
             await asyncio.gather(*(user() for _ in range(concurrency or 1)))
         return time.perf_counter() - t0, records
@@ -192,32 +212,47 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     if any(c is not None and c < 1 for c in levels):
         raise ConfigError("concurrency levels must be >= 1")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    models = {u: args.model or _model_id(u, headers) for u in urls}
+    keys = args.api_key or [None]
+    if len(keys) not in (1, len(urls)):
+        raise ConfigError("give one --api-key for every server, or one --api-key per --url")
+    headers = {u: {"Authorization": f"Bearer {k}"} if k else {} for u, k in zip(urls, keys * len(urls))}
+    out = Path(args.out) if args.out else None
+    if out is not None:  # a bad folder is an error now, not after the whole run
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--out {args.out}: cannot make the folder ({exc.strerror})") from None
+    models = {u: args.model or _model_id(u, headers[u]) for u in urls}
     results: dict[tuple[str, str], LevelResult] = {}
     runs = [(lvl, r, u, lab) for lvl in levels for r in range(args.rounds) for u, lab in zip(urls, labels)]
     for level, _, url, label in tqdm(runs, desc="bench-serve", unit="run"):
         name = f"rate {args.request_rate}/s" if level is None else f"concurrency {level}"
-        wall, records = asyncio.run(run_level(url, _bodies(args, models[url]), headers, level, args.request_rate,
-                                              args.timeout))
+        wall, records = asyncio.run(run_level(url, _bodies(args, models[url]), headers[url], level,
+                                              args.request_rate, args.timeout))
         res = results.setdefault((label, name), LevelResult(label, name))
         res.wall_seconds += wall
         res.requests += records
         res.rss_mb = server_rss_mb(url)
     summaries = [r.summary() for r in results.values()]
     _print_table(summaries)
-    failed = sum(s["requests"] - s["ok"] for s in summaries)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         payload = {"command": " ".join(sys.argv), "settings": {k: v for k, v in vars(args).items() if k != "api_key"},
                    "results": summaries,
                    "requests": {f"{k[0]} / {k[1]}": [asdict(r) for r in v.requests] for k, v in results.items()}}
         (out / "results.json").write_text(json.dumps(payload, indent=1))
         _plot(summaries, out / "bench-serve.png")
         print(f"wrote {out / 'results.json'} and {out / 'bench-serve.png'}", file=sys.stderr)
-    if failed:
-        print(f"bench-serve: {failed} requests failed (see results.json)", file=sys.stderr)
+    errors = collections.Counter(r.error or "no reason given" for res in results.values() for r in res.requests
+                                 if not r.ok)
+    if errors:
+        print(f"bench-serve: {sum(errors.values())} of {sum(s['requests'] for s in summaries)} requests failed; "
+              "their figures are left out of the table:", file=sys.stderr)
+        for error, count in errors.most_common(5):
+            print(f"  {count} x {error}", file=sys.stderr)
+        if len(errors) > 5:
+            print(f"  ... and {len(errors) - 5} other errors" + (" (results.json has each)" if out else ""),
+                  file=sys.stderr)
+        return 1
     return 0
 
 
@@ -228,7 +263,8 @@ def _print_table(summaries: list[dict]) -> None:
         t, p = s["ttft_s"], s["tpot_s"]
         ms = [f"{v * 1000:.1f}" if v is not None else "-" for v in (p["p50"], p["p90"], p["p99"])]
         tau = f"{s['mean_tau']:.2f}" if s["mean_tau"] is not None else "-"
-        print(f"| {s['label']} | {s['level']} | {s['throughput_tok_s']:.1f} | {t['p50']} / {t['p90']} / {t['p99']} | "
+        ttft = " / ".join(f"{v}" if v is not None else "-" for v in (t["p50"], t["p90"], t["p99"]))
+        print(f"| {s['label']} | {s['level']} | {s['throughput_tok_s']:.1f} | {ttft} | "
               f"{' / '.join(ms)} | {tau} | {s['server_rss_mb'] or '-'} | {s['ok']}/{s['requests']} |")
 
 
