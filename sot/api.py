@@ -9,6 +9,7 @@ Example::
 """
 from __future__ import annotations
 
+import collections.abc
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -474,11 +475,17 @@ class SoT:
                 answer opened after it); one text or a list.
             top_logprobs: alternatives to report per token (0-20).
         """
+        _check_number("top_logprobs", top_logprobs, integer=True)
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ConfigError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
         # a text is scored as given: a conversation ends with its last message, not with the
         # opening of an answer
         ids = [self.encode(t, chat, generation_prompt=False) for t in _as_list(texts)]
+        limit = self.target.max_positions
+        for i, p in enumerate(ids):  # (the pass that reads a text also opens one token after it)
+            if limit and len(p) >= limit:
+                raise ConfigError(f"text {i} has {len(p)} tokens; this model scores at most {limit - 1} "
+                                  f"(its context is {limit} tokens)")
         params = GenerationParams(max_new_tokens=1, prompt_logprobs=top_logprobs)
         results = self.engine.generate(ids, params, batch_size) if ids else []
         return [Score(p, list(r.prompt_logprobs)) for p, r in zip(ids, results)]
@@ -502,4 +509,9 @@ class SoT:
 
 def _as_list(prompts: PromptItem | Sequence[PromptItem]) -> list[PromptItem]:
     """One prompt (a string or a record) as a list of one; a list of prompts as it is."""
-    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, bytes) or not isinstance(prompts, collections.abc.Iterable):
+        kind = type(prompts).__name__
+        raise ConfigError(f"expected a prompt (a string or a record) or a list of prompts, got {kind}")
+    return list(prompts)

@@ -65,6 +65,19 @@ def check_record(record: Any, where: str = "prompt") -> None:
     raise ConfigError(f"{where}: needs 'prompt' (string), 'messages' (list of {{role, content}}) or 'turns' (list of strings)")
 
 
+def check_utf8(text: str, where: str = "the text") -> str:
+    """``text``, or a :class:`ConfigError` if it holds bytes that are not UTF-8 (Python keeps
+    such bytes of a command line or a terminal's input as lone surrogates, which no tokenizer
+    can read)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"the byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"U+{char:04X}"
+        raise ConfigError(f"{where} is not valid UTF-8 ({what} at character {exc.start})") from None
+    return text
+
+
 def to_messages(item: PromptItem) -> list[dict] | None:
     """The chat messages of an item, or ``None`` for a raw completion prompt."""
     if isinstance(item, str):
@@ -108,8 +121,11 @@ def encode(tokenizer: Any, item: PromptItem, chat: bool, generation_prompt: bool
     cannot render the messages is a :class:`ConfigError` with its reason."""
     check_record(item)
     if not chat:
-        return list(tokenizer(to_text(item))["input_ids"])
+        return list(tokenizer(check_utf8(to_text(item)))["input_ids"])
     messages, extra = to_messages(item), {}
+    for m in messages:
+        if isinstance(m.get("content"), str):
+            check_utf8(m["content"])
     tools = isinstance(item, dict) and (item.get("tools") or any(m.get("role") == "tool" or m.get("tool_calls")
                                                                 for m in messages))
     if continue_final and (not messages or messages[-1].get("role") != "assistant"):

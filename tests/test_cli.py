@@ -76,6 +76,25 @@ def test_score_gives_the_models_log_probabilities(model_dir: Path, tmp_path: Pat
     assert [e["logprob"] for e in record["logprobs"][1:]] == [e.logprob for e in scores[0].logprobs[1:]]
     assert main(["score", "--model", str(model_dir)]) == 2
     assert "give either a TEXT or --prompts" in capsys.readouterr().err
+    assert main(["score", texts[0], "--model", str(model_dir), "--top-logprobs", "1"]) == 2
+    assert "--top-logprobs needs --json" in capsys.readouterr().err
+
+
+def test_score_refuses_what_it_cannot_read(model_dir: Path) -> None:
+    """A text past the context, bytes that are not UTF-8 and arguments of the wrong type are
+    errors that say so."""
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    assert len(sot.score("a" * 159)[0].token_ids) == 159
+    with pytest.raises(ConfigError, match="text 0 has 160 tokens; this model scores at most 159"):
+        sot.score("a" * 160)
+    with pytest.raises(ConfigError, match=r"not valid UTF-8 \(the byte 0xff at character 3\)"):
+        sot.score("hi \udcff there")
+    with pytest.raises(ConfigError, match="not valid UTF-8"):
+        sot.generate({"messages": [{"role": "user", "content": "\udcfe"}]}, chat=True, max_new_tokens=2)
+    with pytest.raises(ConfigError, match="top_logprobs must be an integer"):
+        sot.score("a b", top_logprobs="3")
+    with pytest.raises(ConfigError, match="list of prompts, got int"):
+        sot.score(5)
 
 
 def test_one_prompt_or_stop_string_may_be_a_plain_string(model_dir: Path) -> None:
@@ -138,6 +157,9 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
         assert message in err and "model path" not in err and "Traceback" not in err, (extra, err)
     assert main(["trace", "abc", "--model", "/no/such/model", "--out", str(tmp_path / "no" / "x.html")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    saved = tmp_path / "saved.jsonl"
+    assert main(["trace", "--from", str(saved), "--save", str(tmp_path / "copy.jsonl")]) == 2
+    assert "with --from the data is already in" in capsys.readouterr().err
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
     assert main(["generate", "--prompts", str(latin), "--model", "/no/such/model"]) == 2
@@ -362,14 +384,34 @@ def test_api_argument_errors(model_dir: Path) -> None:
         SoT.load(str(model_dir), drafter="magic")
 
 
-def test_chat_session(model_dir: Path) -> None:
+def test_chat_session(model_dir: Path, tmp_path: Path) -> None:
+    """Each line is a turn; a turn that cannot run (past the context) is reported and dropped
+    and the session goes on; /reset and /help are commands, not messages; the answers alone go
+    to stdout; the earlier-answers store is written at the end."""
+    store = tmp_path / "answers.store"
     res = subprocess.run(
-        [sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir), "--max-new-tokens", "8"],
-        input="hello\nagain\n\n", capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir), "--max-new-tokens", "8",
+         "--ignore-eos", "--suffix-store", str(store)],
+        input="hello\n" + "x" * 200 + "\n/help\nagain\n/reset\nhello\n/exit\nnever sent\n",
+        capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr
-    assert res.stdout.count("bot> ") == 2
-    assert res.stderr.count("tok/s") == 2
+    assert res.stderr.count("bot> ") == 4 and res.stderr.count("tok/s") == 3 and "bot> " not in res.stdout
+    assert "exceeds the model's context of 160 tokens; /reset starts a new conversation" in res.stderr
+    assert "/reset   start a new conversation" in res.stderr and "[new conversation]" in res.stderr
+    answers = res.stdout.splitlines()
+    assert len(answers) == 3 and answers[0] == answers[2], "after /reset the first turn is asked again afresh"
+    assert store.is_file() and "Traceback" not in res.stderr
+
+
+def test_chat_needs_a_chat_template(tmp_path: Path) -> None:
+    folder = tiny_model_dir(tmp_path / "base")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    res = run_cli("chat", "--model", str(folder))
+    assert res.returncode == 2 and "has no chat template" in res.stderr and "--chat-template" in res.stderr
 
 
 def test_stream_reports_statistics(model_dir: Path) -> None:

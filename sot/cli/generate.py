@@ -214,6 +214,8 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     if (args.text is None) == (args.prompts is None):
         raise SoTError("give either a TEXT or --prompts FILE.jsonl")
+    if args.top_logprobs and not args.json:
+        raise SoTError("--top-logprobs needs --json (the alternatives are printed in each text's JSON object)")
     items = read_jsonl(args.prompts) if args.prompts else [args.text]
     sot = load_sot(args)
     scores = sot.score(items, chat=args.chat, top_logprobs=args.top_logprobs, batch_size=args.batch_size)
@@ -268,6 +270,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise SoTError("give one of a PROMPT, --prompts FILE.jsonl or --from TRACE.jsonl")
     check_output_path(args.out, "--out")
     check_output_path(getattr(args, "save", None), "--save")
+    if args.from_file and args.save:
+        raise SoTError("--save writes the data of a new generation; with --from the data is already in "
+                       f"{args.from_file}")
     if args.from_file:
         try:
             run, traced = read_trace(args.from_file)
@@ -298,34 +303,88 @@ def _speed_line(tokens: int, seconds: float, tau: float, steps: int) -> str:
     return f"[{tokens} tokens in {seconds:.2f}s, {rate:.1f} tok/s, mean accepted length {tau:.2f}, {steps} steps]"
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    sot = load_sot(args)
-    messages: list[dict] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    print("Chat with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)
-    while True:
-        try:
-            user = input("you> ")
-        except EOFError:
-            print(file=sys.stderr)
-            user = ""
-        if not user.strip():
-            _adapt_line(sot)
-            save_suffix_store(sot, args)
-            return 0
-        messages.append({"role": "user", "content": user})
-        reply = []
-        import time
+CHAT_HELP = """commands:
+  /reset   start a new conversation (the system message stays)
+  /exit    end the session (also /quit, an empty line or Ctrl-D)
+  /help    this list
+Ctrl-C while the model answers stops the answer; the part written stays in the conversation."""
 
-        t0 = time.perf_counter()
-        tokens = 0
-        print("bot> ", end="", flush=True)
-        for event in sot.stream([{"messages": list(messages)}], chat=sot.is_chat_model, **sampling_kwargs(args)):
-            print(event.text, end="", flush=True)
-            reply.append(event.text)
-            tokens += len(event.token_ids)
-        dt = time.perf_counter() - t0
-        print()
-        print(f"[{tokens} tokens, {tokens / dt:.1f} tok/s]", file=sys.stderr)
-        messages.append({"role": "assistant", "content": "".join(reply)})
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive chat: each line is a user turn, answered as it streams. A turn that fails
+    (a conversation grown past the context, say) is reported and dropped, and the session
+    goes on; the earlier-answers store is written however the session ends."""
+    import signal
+    import time
+
+    sot = load_sot(args)
+    if not sot.is_chat_model:
+        raise SoTError(f"{sot.name} has no chat template, so it cannot tell turns apart; "
+                          "give one with --chat-template, or use sot generate for plain text")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    # answers go to stdout; the prompts and figures to stderr, unless both are one terminal
+    label = sys.stdout if sys.stdout.isatty() else sys.stderr
+    print("Chat with the model; /help lists the commands.", file=sys.stderr)
+    code = 0
+    try:
+        while True:
+            try:
+                if label is sys.stdout:
+                    user = input("you> ")
+                else:
+                    print("you> ", end="", file=label, flush=True)
+                    user = input()
+            except EOFError:
+                print(file=label)
+                break
+            except KeyboardInterrupt:
+                print(file=label)
+                code = 130
+                break
+            command = user.strip().lower()
+            if command in ("", "/exit", "/quit"):
+                break
+            if command == "/help":
+                print(CHAT_HELP, file=sys.stderr)
+                continue
+            if command == "/reset":
+                messages = list(system)
+                print("[new conversation]", file=sys.stderr)
+                continue
+            messages.append({"role": "user", "content": user})
+            stop = {"asked": False}
+
+            def interrupt(signum, frame) -> None:  # stop between steps, not inside one
+                stop["asked"] = True
+
+            previous = signal.signal(signal.SIGINT, interrupt)
+            reply, tokens, t0 = [], 0, time.perf_counter()
+            print("bot> ", end="", file=label, flush=True)
+            events = sot.stream([{"messages": list(messages)}], chat=True, **sampling_kwargs(args))
+            try:
+                for event in events:
+                    print(event.text, end="", flush=True)
+                    reply.append(event.text)
+                    tokens += len(event.token_ids)
+                    if stop["asked"]:
+                        break
+            except SoTError as exc:
+                print(file=label)
+                reason = str(exc).removeprefix("prompt 0: ")
+                print(f"sot chat: {reason}" + ("; /reset starts a new conversation" if len(messages) > 2 else ""),
+                      file=sys.stderr)
+                messages.pop()  # the turn is dropped; the conversation stays as it was
+                continue
+            finally:
+                events.close()  # an answer stopped early is aborted between steps
+                signal.signal(signal.SIGINT, previous)
+            dt = time.perf_counter() - t0
+            print()
+            note = ", stopped" if stop["asked"] else ""
+            print(f"[{tokens} tokens, {tokens / dt:.1f} tok/s{note}]", file=sys.stderr)
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    finally:
+        _adapt_line(sot)
+        save_suffix_store(sot, args)
+    return code
