@@ -75,7 +75,10 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
                         "cuda or cuda:N")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, drafting: bool = True) -> None:
+    """The model's flags; with ``drafting``, also the draft tree's, the predictor's and the
+    commit policy's (a command that drafts nothing, like ``score``, leaves them out of its help
+    and takes their defaults)."""
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -85,11 +88,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(faster on CPUs; answers differ slightly from float32's, and speculation stays exact)")
     add_device_arg(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print how --dtype was chosen, with the timings")
-    add_tree_args(p)
-    p.add_argument("--predictor", default=None,
-                   help="state predictor: a SoT predictor file, or an EAGLE-3 head folder (config.json and "
-                        "model.safetensors, as vLLM and SGLang load them); default: the one shipped for the default model")
-    add_policy_args(p)
+    if drafting:
+        add_tree_args(p)
+        p.add_argument("--predictor", default=None,
+                       help="state predictor: a SoT predictor file, or an EAGLE-3 head folder (config.json and "
+                            "model.safetensors, as vLLM and SGLang load them); default: the one shipped for the "
+                            "default model")
+        add_policy_args(p)
+    else:
+        defaults = argparse.ArgumentParser()
+        add_tree_args(defaults)
+        add_policy_args(defaults)
+        p.set_defaults(predictor=None, **vars(defaults.parse_args([])))
     p.add_argument("--lora", default=None, metavar="FOLDER",
                    help="a LoRA adapter folder (PEFT's adapter_config.json and weights) merged into the model at load")
     p.add_argument("--chat-template", default=None, metavar="FILE",

@@ -65,7 +65,7 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--json", action="store_true", help="print one JSON object per text, with every token's figures")
     sc.add_argument("--top-logprobs", type=top_logprobs, default=0, metavar="K",
                     help="with --json: the K most likely tokens at each position (0-20)")
-    add_model_args(sc)
+    add_model_args(sc, drafting=False)
     sc.add_argument("--chat", action="store_true", help="apply the chat template (default: raw text)")
     sc.set_defaults(drafter="none", predictor=None, suffix_store=None)
 
