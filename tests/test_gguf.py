@@ -20,8 +20,11 @@ gguf = pytest.importorskip("gguf")
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
 
-def write_gguf(model: torch.nn.Module, path: Path) -> None:
-    """Write ``model`` (a tiny Gemma 2 or Gemma 3 text model) as a float32 GGUF file."""
+def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIALS, skip: tuple[str, ...] = (),
+               rope_scaling: float | None = None) -> None:
+    """Write ``model`` (a tiny Gemma 2 or Gemma 3 text model) as a float32 GGUF file; the
+    vocabulary starts with ``specials`` (control tokens), tensors named in ``skip`` are left
+    out, and ``rope_scaling`` writes a linear RoPE factor as llama.cpp does for Gemma 3."""
     cfg = model.config
     family = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2 if family == "gemma2" else gguf.MODEL_ARCH.GEMMA3,
@@ -43,17 +46,20 @@ def write_gguf(model: torch.nn.Module, path: Path) -> None:
         out.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     else:
         out.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-    tokens = SPECIALS + ["\u2581"] + [chr(c) for c in range(33, 33 + cfg.vocab_size - len(SPECIALS) - 1)]
+    if rope_scaling is not None:
+        out.add_string(f"{family}.rope.scaling.type", "linear")
+        out.add_float32(f"{family}.rope.scaling.factor", rope_scaling)
+    tokens = specials + ["\u2581"] + [chr(c) for c in range(33, 33 + cfg.vocab_size - len(specials) - 1)]
     out.add_tokenizer_model("llama")
     out.add_token_list(tokens)
     out.add_token_scores([0.0] * len(tokens))
-    out.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))  # 3: control
+    out.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))  # 3: control
     out.add_bos_token_id(2)
     out.add_eos_token_id(1)
     out.add_unk_token_id(3)
     out.add_pad_token_id(0)
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":  # tied to the embeddings, as in Gemma files
+        if name == "lm_head.weight" or name in skip:  # (the head is tied to the embeddings, as in Gemma files)
             continue
         base = names.get_name(name.removesuffix(".weight"))
         assert base is not None, name
@@ -101,3 +107,56 @@ def test_gemma_gguf_loads_and_decodes_exactly(arch: str, tmp_path: Path, monkeyp
         rnd = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.7, seed=1)
         spec = [r.token_ids for r in Engine(target, rnd, TreeBudget(16, 6)).generate(prompts, params)]
         assert pld == plain and spec == plain
+
+
+def test_gguf_files_are_read_whole_and_anew(tmp_path: Path, monkeypatch) -> None:
+    """A file that lacks a tensor is refused (not filled at random); a file rewritten in place
+    is converted again and its old conversion removed; Gemma's <end_of_turn> ends answers;
+    Gemma 3's linear RoPE scaling of the global layers is read, so the output is the source's."""
+    from sot.errors import ModelLoadError
+    from sot.models.loading import load_model
+
+    monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
+    shape = {"num_hidden_layers": 6, "layer_types": None}
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    source = tiny_model("gemma3", seed=3, tie_word_embeddings=True, query_pre_attn_scalar=16, rope_parameters=rope,
+                        **shape)
+    path = tmp_path / "model.gguf"
+    write_gguf(source, path, skip=("model.layers.1.mlp.down_proj.weight",))
+    with pytest.raises(ModelLoadError, match="lacks weights of .*model.layers.1.mlp.down_proj.weight"):
+        load_model(str(path))
+
+    write_gguf(source, path, specials=SPECIALS + ["<start_of_turn>", "<end_of_turn>"])  # no scaling written
+    first = load_model(str(path))
+    assert first.model.config.rope_parameters["full_attention"]["rope_type"] == "default"
+    assert sorted(first.model.generation_config.eos_token_id) == [1, 5], "<end_of_turn> (id 5) ends answers"
+    write_gguf(source, path, rope_scaling=8.0)
+    loaded = load_model(str(path))
+    assert loaded.path != first.path and not first.path.exists(), "the rewritten file is converted again"
+    assert loaded.model.config.rope_parameters["full_attention"] == rope["full_attention"]
+    prompts = random_prompts((7, 40), seed=2)
+    plain = Engine(TargetModel(loaded.model), NoDrafter()).generate(prompts, GenerationParams(max_new_tokens=20))
+    assert [r.token_ids for r in plain] == [hf_greedy(source, p, 20) for p in prompts]
+
+
+def test_a_file_changed_in_its_middle_has_a_new_key(tmp_path: Path, monkeypatch) -> None:
+    """The conversion's key covers every byte (a layer changed in the middle of a large file,
+    same size, is a new file), and is remembered for the unchanged file."""
+    import os
+
+    from sot.models.loading import _file_digest
+
+    monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "big.gguf"
+    data = bytearray(os.urandom(3 << 20))
+    path.write_bytes(bytes(data))
+    first = _file_digest(path)
+    assert _file_digest(path) == first and (tmp_path / "cache" / "models" / "digests.json").is_file()
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert _file_digest(path) != first
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(path.read_bytes())
+    assert _file_digest(copy) == _file_digest(path), "copies of one file share a conversion"

@@ -23,7 +23,7 @@ from sot.cache import KVCache
 from sot.errors import UnsupportedModelError
 from sot.kernels import cpu_kernels
 from sot.kernels.linear import PackedLinear, fused_rms_norm
-from sot.models.fast_llama import FAST_FAMILIES, FastLlama
+from sot.models.fast_llama import FAST_FAMILIES, FastLlama, fast_path_gap
 from sot.models.graphs import VerifyGraphs
 from sot.models.loading import INT8_ATTR
 from sot.models.rows import ROW_UNIT
@@ -188,6 +188,41 @@ class ForwardOutput:
         return self.states[b] if self.offsets is None else self.states[self.offsets[b] : self.offsets[b + 1]]
 
 
+#: encoder families that transformers can also load as causal LMs (``BertLMHeadModel``,
+#: ``RobertaForCausalLM``, ...): their layers attend both ways, so they are no decoders
+ENCODER_FAMILIES = frozenset({
+    "albert", "bert", "bert-generation", "camembert", "data2vec-text", "deberta", "deberta-v2", "distilbert",
+    "electra", "ernie", "megatron-bert", "modernbert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
+    "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod",
+})
+#: the layer kinds SoT's attention computes, as configs list them (``layer_types``, ...)
+ATTENTION_LAYERS = frozenset({"attention", "full_attention", "sliding_attention"})
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why SoT cannot run ``model`` so that its answers equal transformers' (``None``: it can).
+
+    SoT computes attention itself, through transformers' attention interface, and keeps
+    only keys and values between passes. So a model must be a decoder, call attention
+    through that interface (not with ALiBi or masks of its own, as Bloom and MPT do), and
+    have no layers whose state is not attention's (recurrent or state-space layers)."""
+    config = model.config
+    kind = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model; SoT needs a decoder-only causal LM"
+    if kind in ENCODER_FAMILIES:
+        return f"{kind} is an encoder (its attention is bidirectional); SoT needs a decoder-only causal LM"
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return ("it computes attention in its own modules (with ALiBi, masks of its own, or no attention at "
+                "all), not through the attention interface SoT plugs into")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("layer_types", "block_types", "layers_block_type"):
+        others = sorted(set(getattr(text, name, None) or ()) - ATTENTION_LAYERS)
+        if others:
+            return f"it has {', '.join(others)} layers, whose state SoT does not carry from pass to pass"
+    return None
+
+
 class TargetModel:
     """A causal LM wrapped for tree verification (the generic path).
 
@@ -203,8 +238,9 @@ class TargetModel:
     def __init__(self, model: torch.nn.Module, state_layers: tuple[int, ...] = (), fast: bool = True,
                  cuda_graphs: bool = True) -> None:
         config = model.config
-        if getattr(config, "is_encoder_decoder", False):
-            raise UnsupportedModelError("SoT needs a decoder-only causal LM")
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise UnsupportedModelError(f"SoT cannot decode {type(model).__name__} exactly: {reason}")
         register_attention()
         try:
             model.set_attn_implementation(ATTN_NAME)
@@ -234,7 +270,7 @@ class TargetModel:
                           "differently by what shares a verify pass, so an answer may differ from plain decoding's "
                           "in rare near-ties (pip install triton)", RuntimeWarning, stacklevel=2)
         self.fast = None
-        if fast and getattr(config, "model_type", "") in FAST_FAMILIES:
+        if fast and getattr(config, "model_type", "") in FAST_FAMILIES and fast_path_gap(model) is None:
             self.fast = FastLlama(model, int8=self.int8)
             if self.int8 and not self.fast.int8_products:
                 warnings.warn("--dtype int8 multiplies weights in blocks of 32 inputs; no weight of this model has a "

@@ -21,6 +21,23 @@ from sot.models.rows import ROW_UNIT
 FAST_FAMILIES = ("llama", "qwen2", "mistral")
 
 
+def fast_path_gap(model: torch.nn.Module) -> str | None:
+    """What of ``model`` :class:`FastLlama` does not compute (``None``: nothing, it may run
+    the model). Its layers have Q/K/V biases at most (Qwen2) and a SiLU-gated MLP; a Llama
+    configured with ``attention_bias`` (an output-projection bias), ``mlp_bias`` or another
+    ``hidden_act`` runs on the generic path, which computes what transformers does."""
+    act = getattr(model.config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        return f"hidden_act {act!r}"
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        if att.o_proj.bias is not None:
+            return "an output-projection bias"
+        if any(lin.bias is not None for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return "MLP biases"
+    return None
+
+
 def layer_window(attention: torch.nn.Module, config: object) -> int | None:
     """The sliding window a transformers attention module applies (``None``: full
     attention): its own ``sliding_window`` where the family sets one per layer (Qwen2/3,

@@ -147,15 +147,34 @@ def resolve_model_path(spec: str) -> Path:
 
 
 def _file_digest(path: Path) -> str:
-    """A content key (size plus the first and last MiB), so every install of the same file
-    shares one converted folder."""
-    size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
+    """The file's content key (SHA-256 of every byte), so every copy of the same file shares
+    one converted folder and a changed file never reads a stale one. Hashing a large file
+    takes seconds, so keys are remembered by path, size and modification time
+    (``models/digests.json`` in the cache)."""
+    stat = path.stat()
+    seen = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    index = cache_root() / "models" / "digests.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(seen), str):
+        return known[seen]
+    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        digest.update(fh.read(1 << 20))
-        fh.seek(max(0, size - (1 << 20)))
-        digest.update(fh.read(1 << 20))
-    return digest.hexdigest()[:12]
+        while chunk := fh.read(1 << 24):
+            digest.update(chunk)
+    known[seen] = digest.hexdigest()[:16]
+    try:  # written whole or not at all; a lost entry only costs hashing again
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f"{index.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(index)
+    except OSError:
+        pass
+    return known[seen]
 
 
 #: layer counts of the 27B Gemma 2 and Gemma 3 models, the only ones whose queries are scaled
@@ -163,17 +182,34 @@ def _file_digest(path: Path) -> str:
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62, "gemma3": 62}
 
 
-def _gguf_metadata(gguf_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
-    """The scalar values of ``keys`` that the GGUF file sets."""
-    from gguf import GGUFReader
+def _gguf_metadata(gguf_path: Path, keys: tuple[str, ...]) -> dict[str, float | str]:
+    """The scalar values (numbers, or text for string fields) of ``keys`` that the GGUF file
+    sets."""
+    from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(str(gguf_path))
     found = {}
     for key in keys:
         field = reader.get_field(key)
         if field is not None:
-            found[key] = float(field.parts[field.data[0]][0])
+            part = field.parts[field.data[0]]
+            string = field.types and field.types[0] == GGUFValueType.STRING
+            found[key] = bytes(part).decode("utf-8", "replace") if string else float(part[0])
     return found
+
+
+def _gemma3_rope_scaling(gguf_path: Path, config: object) -> None:
+    """Gemma 3's linear RoPE scaling of its global layers (4B and larger: factor 8), which
+    llama.cpp writes as ``gemma3.rope.scaling.*`` and transformers' GGUF reader leaves out."""
+    found = _gguf_metadata(gguf_path, ("gemma3.rope.scaling.type", "gemma3.rope.scaling.factor"))
+    kind, factor = found.get("gemma3.rope.scaling.type", "none"), found.get("gemma3.rope.scaling.factor", 1.0)
+    if kind == "none" or factor == 1.0:
+        return
+    if kind != "linear":
+        raise UnsupportedModelError(f"{gguf_path}: Gemma 3 with {kind!r} RoPE scaling (SoT reads 'linear')")
+    params = dict(config.rope_parameters)
+    params["full_attention"] = {**params.get("full_attention", {}), "rope_type": "linear", "factor": factor}
+    config.rope_parameters = params
 
 
 def complete_gguf_config(gguf_path: Path, config: object) -> None:
@@ -187,14 +223,38 @@ def complete_gguf_config(gguf_path: Path, config: object) -> None:
     caps = _gguf_metadata(gguf_path, (f"{arch}.attn_logit_softcapping", f"{arch}.final_logit_softcapping"))
     for key, value in caps.items():
         setattr(config, key.split(".", 1)[1], value)
+    if arch == "gemma3":
+        _gemma3_rope_scaling(gguf_path, config)
     if config.num_hidden_layers == _GEMMA_27B_LAYERS[family]:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     else:
         config.query_pre_attn_scalar = config.head_dim
 
 
+#: token texts that end a turn in the chat formats of common model families; a GGUF file's
+#: tokenizer names one end-of-sequence token, so these are added where its vocabulary has them,
+#: the tokens llama.cpp also stops at (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``, ...)
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>",
+                     "<EOT>")
+
+
+def end_of_turn_ids(gguf_path: Path, tokenizer: object) -> set[int]:
+    """The ids an answer of this GGUF model ends at: its end-of-sequence token, the end-of-turn
+    tokens its metadata names, and the special tokens of :data:`END_OF_TURN_TEXTS` it has."""
+    ids = {int(v) for v in _gguf_metadata(gguf_path, ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                       "tokenizer.ggml.eom_token_id")).values()}
+    vocab = tokenizer.get_vocab()
+    special = set(getattr(tokenizer, "all_special_tokens", ())) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    ids.update(vocab[text] for text in END_OF_TURN_TEXTS if text in vocab and text in special)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
 def convert_gguf(gguf_path: Path) -> Path:
     """Dequantize a GGUF file into a cached safetensors folder once; return the folder."""
+    gguf_path = gguf_path.resolve()
     out = cache_root() / "models" / f"{gguf_path.stem}-{_file_digest(gguf_path)}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
@@ -206,15 +266,20 @@ def convert_gguf(gguf_path: Path) -> Path:
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        source = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        source, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                            output_loading_info=True)
     except Exception as exc:  # noqa: BLE001 - report any parse failure as a load error
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
+    check_complete(gguf_path, type(source).__name__, info)
     complete_gguf_config(gguf_path, config)
     # A GGUF-loaded model refuses save_pretrained, so rebuild it from its config.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(source.state_dict(), strict=False)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
+    stops = end_of_turn_ids(gguf_path, tokenizer)
+    if stops:  # answers end at the end of a turn, as llama.cpp ends them
+        model.generation_config.eos_token_id = sorted(stops)
     # Write into a private folder, then rename: a concurrent or interrupted conversion never
     # leaves a half-written folder under the final name.
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +295,41 @@ def convert_gguf(gguf_path: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _drop_older_conversions(gguf_path, out)
     return out
+
+
+def _drop_older_conversions(gguf_path: Path, kept: Path) -> None:
+    """Remove the cached conversions of earlier contents of ``gguf_path`` (a file replaced
+    in place), keeping ``kept``, the current one."""
+    for folder in kept.parent.glob(f"{gguf_path.stem}-*"):
+        source = folder / "sot_source.json"
+        if folder == kept or not source.is_file():
+            continue
+        try:
+            same = json.loads(source.read_text()).get("gguf") == str(gguf_path)
+        except (OSError, ValueError):
+            continue
+        if same:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _first_line(exc: Exception) -> str:
+    """The first two lines of a library's error (some run to a dozen lines of detail: the
+    first names the failure, the next its first instance)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    more = " ..." if len(lines) > 2 else ""
+    return (" ".join(lines[:2])[:400] + more) if lines else type(exc).__name__
+
+
+def check_complete(source: Path, kind: str, info: dict) -> None:
+    """A :class:`ModelLoadError` when loading ``source`` as ``kind`` left weights out
+    (transformers would start them at random, and the model would answer noise)."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelLoadError(f"{source} lacks weights of {kind}: {shown}; the checkpoint is incomplete or of "
+                             "another architecture")
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -259,15 +358,22 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{path} is an encoder-decoder model; SoT needs a decoder-only causal LM")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if lora else dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if lora else dtype,
+                                                           output_loading_info=True)
     except Exception as exc:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+        hint = (f" (a cached conversion of a GGUF file: delete {path} to convert it again)"
+                if (path / "sot_source.json").is_file() else "")
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}{hint}") from exc
+    check_complete(path, type(model).__name__, info)
     if lora:
         model = merge_lora(model, lora).to(dtype)
+    tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((path / name).is_file() for name in tokenizer_files):
+        raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(tokenizer_files)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {_first_line(exc)}") from exc
     model.to(device).eval()
     setattr(model, INT8_ATTR, int8)
     name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else path.name
@@ -282,6 +388,9 @@ def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
     folder = Path(adapter)
     if not (folder / "adapter_config.json").is_file():
         raise ConfigError(f"--lora: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
+    if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+        # (PEFT would look for the weights on the Hugging Face hub, under the folder's name)
+        raise ConfigError(f"--lora: {adapter} has no adapter weights (adapter_model.safetensors)")
     try:
         from peft import PeftModel
     except ImportError:
@@ -289,4 +398,4 @@ def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
     try:
         return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - PEFT's errors (a mismatched base, a bad file) vary
-        raise ModelLoadError(f"cannot apply the LoRA adapter {adapter} to this model: {exc}") from exc
+        raise ModelLoadError(f"cannot apply the LoRA adapter {adapter} to this model: {_first_line(exc)}") from exc

@@ -1,0 +1,91 @@
+"""Which models SoT runs, and how it refuses the others: a model is decoded only where its
+answers equal transformers' (variants of a family the lean forward does not cover run on the
+generic path); encoders, attention of a model's own and recurrent layers are refused by name;
+an incomplete checkpoint is an error, not weights at random."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from helpers import char_tokenizer_dir, hf_greedy, random_prompts, tiny_model
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.engine import Engine, GenerationParams
+from sot.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from sot.models.adapter import TargetModel
+from sot.models.fast_llama import fast_path_gap
+
+
+@pytest.mark.parametrize("variant, gap", [
+    ({"attention_bias": True}, "an output-projection bias"),
+    ({"mlp_bias": True}, "MLP biases"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
+])
+def test_llama_variants_the_lean_forward_lacks_run_exactly(variant: dict, gap: str) -> None:
+    model = tiny_model("llama", seed=1, **variant)
+    if "attention_bias" in variant or "mlp_bias" in variant:  # (they start at zero)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 1.0)
+    assert fast_path_gap(model) == gap
+    prompts = random_prompts((5, 30), seed=4)
+    reference = [hf_greedy(model, p, 20) for p in prompts]  # (before SoT takes over its attention)
+    target = TargetModel(model)
+    assert target.fast is None
+    params = GenerationParams(max_new_tokens=20)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    assert plain == reference
+    spec = Engine(target, PromptLookupDrafter(), TreeBudget(16, 6)).generate(prompts, params)
+    assert [r.token_ids for r in spec] == plain
+    assert fast_path_gap(tiny_model("llama")) is None and TargetModel(tiny_model("llama")).fast is not None
+
+
+SMALL = dict(vocab_size=96, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("name, config, cls, reason", [
+    ("bloom", dict(hidden_size=64, n_layer=2, n_head=4), "BloomForCausalLM", "attention in its own modules"),
+    ("mpt", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=128), "MptForCausalLM",
+     "attention in its own modules"),
+    ("mamba", dict(hidden_size=64, num_hidden_layers=2, state_size=8), "MambaForCausalLM",
+     "attention in its own modules"),
+    ("recurrent_gemma", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=1, lru_width=64, attention_window_size=16),
+     "RecurrentGemmaForCausalLM", "layers, whose state SoT does not carry"),
+    ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  is_decoder=True), "BertLMHeadModel", "bert is an encoder"),
+])
+def test_models_sot_cannot_decode_exactly_are_refused_by_name(name, config, cls, reason) -> None:
+    config_class = {"bloom": "BloomConfig", "mpt": "MptConfig", "mamba": "MambaConfig",
+                    "recurrent_gemma": "RecurrentGemmaConfig", "bert": "BertConfig"}[name]
+    model = getattr(transformers, cls)(getattr(transformers, config_class)(**SMALL, **config)).eval()
+    with pytest.raises(UnsupportedModelError, match=f"cannot decode {cls} exactly: .*{reason}"):
+        TargetModel(model)
+
+
+def test_incomplete_folders_and_adapters_are_errors(tmp_path: Path) -> None:
+    from sot.models.loading import load_model
+
+    headless = tmp_path / "headless"  # the base model alone: no language-model head
+    tiny_model("llama").model.save_pretrained(headless)
+    char_tokenizer_dir(headless)
+    config = json.loads((headless / "config.json").read_text())
+    (headless / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ModelLoadError, match="lacks weights of LlamaForCausalLM: lm_head.weight"):
+        load_model(str(headless))
+
+    bare = tmp_path / "bare"
+    tiny_model("llama").save_pretrained(bare)
+    with pytest.raises(ModelLoadError, match="has no tokenizer"):
+        load_model(str(bare))
+
+    char_tokenizer_dir(bare)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    with pytest.raises(ConfigError, match="has no adapter weights"):
+        load_model(str(bare), lora=str(adapter))
