@@ -271,7 +271,8 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Admit waiting requests into free slots (their prompts are read and their first
         token committed), then run one speculative step over every live sequence. Returns the
-        tokens committed, one event per request that got any (or finished)."""
+        tokens committed, in order: a request admitted in this step may have two events, its
+        first token's and its decoding step's."""
         for obs in self.observers:  # between steps (the last one's tokens are out): never inside one
             obs.between_steps()
         events = self._admit_waiting()
@@ -544,6 +545,9 @@ class Engine:
                 if forced is not tree and self.record_steps:  # a free draft, from the grammar
                     self._proposed[seq.id] = ("free", forced, False)
                 tree = forced
+            room = self.target.max_positions and self.target.max_positions - seq.length
+            if room and tree.max_depth > room:  # no node past the model's last position
+                tree = tree.cut_at_depth(room)
             if tree.tokens[0] != root or tree.size > self._max_tree or tree.max_depth > self.budget.max_depth:
                 raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
             trees.append(tree)

@@ -57,6 +57,16 @@ class DraftTree:
         """``[N]`` draft confidence per node; without ``draft_probs``, ``1 / (depth + 1)``."""
         return list(self.draft_probs) if self.draft_probs else [1.0 / (d + 1) for d in self.depths]
 
+    def cut_at_depth(self, depth: int) -> "DraftTree":
+        """The tree without its nodes deeper than ``depth`` (the rest keep their order)."""
+        if self.max_depth <= depth:
+            return self
+        kept = [i for i, d in enumerate(self.depths) if d <= depth]
+        index = {old: new for new, old in enumerate(kept)}
+        probs = [self.draft_probs[i] for i in kept] if self.draft_probs else None
+        return DraftTree([self.tokens[i] for i in kept], [index.get(self.parents[i], -1) for i in kept],
+                         [self.depths[i] for i in kept], probs)
+
     def children(self) -> list[list[int]]:
         """``children[i]`` lists the indices whose parent is ``i``, in index order."""
         out: list[list[int]] = [[] for _ in self.tokens]

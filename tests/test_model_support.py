@@ -89,3 +89,32 @@ def test_incomplete_folders_and_adapters_are_errors(tmp_path: Path) -> None:
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     with pytest.raises(ConfigError, match="has no adapter weights"):
         load_model(str(bare), lora=str(adapter))
+
+
+def test_drafts_stop_at_the_models_last_position() -> None:
+    """A request that fills the context exactly: trees are cut where positions end (GPT-2's
+    learned position table has no row past them), so drafting equals plain decoding."""
+    from sot.drafters import SuffixDrafter
+
+    target = TargetModel(tiny_model("gpt2", seed=5))
+    new = 8
+    prompt = ([10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 100)[: target.max_positions - new]
+    params = GenerationParams(max_new_tokens=new)
+    plain = Engine(target, NoDrafter()).generate([prompt], params)[0].token_ids
+    for drafter in (PromptLookupDrafter(), SuffixDrafter()):
+        assert Engine(target, drafter, TreeBudget(16, 8)).generate([prompt], params)[0].token_ids == plain
+
+
+def test_longrope_models_decode_within_their_short_factors() -> None:
+    """transformers picks a longrope model's factors for a whole pass by its last position, so
+    SoT keeps to the positions of the short factors, where a batch changes nothing."""
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
+                long_factor=[float(4 + i) for i in range(8)], original_max_position_embeddings=64)
+    with pytest.warns(RuntimeWarning, match="within its first 64 positions"):
+        target = TargetModel(tiny_model("phi3", seed=5, rope_parameters=rope, original_max_position_embeddings=64))
+    assert target.max_positions == 64
+    prompts = random_prompts((6, 40), seed=2)
+    params = GenerationParams(max_new_tokens=20)
+    alone = [Engine(target, NoDrafter()).generate([p], params)[0].token_ids for p in prompts]
+    together = Engine(target, PromptLookupDrafter(), TreeBudget(16, 8)).generate(prompts, params)
+    assert [r.token_ids for r in together] == alone

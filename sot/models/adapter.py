@@ -223,6 +223,18 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def longrope_limit(config: object) -> int | None:
+    """The positions a model with 'longrope' RoPE (Phi-3 128k, Phi-3.5) decodes with its short
+    factors: transformers picks short or long factors for a whole pass by its last position, so
+    past this a pass's rows depend on what shares it. ``None``: no such RoPE."""
+    params = getattr(config, "rope_parameters", None) or {}
+    groups = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    limits = [int(g.get("original_max_position_embeddings")
+                  or getattr(config, "original_max_position_embeddings", 0) or 0)
+              for g in groups if isinstance(g, dict) and g.get("rope_type") == "longrope"]
+    return min((x for x in limits if x > 0), default=None)
+
+
 class TargetModel:
     """A causal LM wrapped for tree verification (the generic path).
 
@@ -263,6 +275,13 @@ class TargetModel:
         self.hidden_size = text.hidden_size
         self.vocab_size = text.vocab_size
         self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        limit = longrope_limit(text)
+        if limit is not None and (self.max_positions is None or limit < self.max_positions):
+            warnings.warn(f"this model's 'longrope' RoPE turns every position's rotation to its long factors once a "
+                          f"pass reaches past {limit} positions, so a draft or another sequence of the batch would "
+                          f"change the answer; SoT decodes it within its first {limit} positions (its context "
+                          f"would be {self.max_positions})", RuntimeWarning, stacklevel=2)
+            self.max_positions = limit
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         if self.device.type == "cuda" and importlib.util.find_spec("triton") is None:
