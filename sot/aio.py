@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from sot.api import SoT, StreamEvent
-from sot.errors import SoTError
+from sot.errors import ConfigError, SoTError
 from sot.prompts import PromptItem
-from sot.requests import SequenceResult
+from sot.requests import SequenceResult, check_number
 from sot.server.metrics import ServerMetrics
 from sot.detokenize import TextAssembler
 from sot.server.worker import EngineWorker
@@ -58,8 +58,10 @@ class AsyncSoT:
     """
 
     def __init__(self, sot: SoT, max_batch: int = 8) -> None:
-        if max_batch < 1:
-            raise SoTError(f"max_batch must be >= 1, got {max_batch}")
+        check_number("max_batch", max_batch, integer=True, low=1)
+        if sot._async_front is not None:  # two threads must not step one engine
+            raise ConfigError("this SoT already has a running AsyncSoT; close it first, or share it")
+        sot._async_front = self
         self.sot = sot
         self._max_batch = sot.engine.max_batch  # (given back on close)
         sot.engine.max_batch = max_batch
@@ -77,6 +79,8 @@ class AsyncSoT:
         batch limit is given back."""
         self._worker.stop()
         self.sot.engine.max_batch = self._max_batch
+        if self.sot._async_front is self:
+            self.sot._async_front = None
 
     async def stream(self, prompt: PromptItem, chat: bool | None = None, tenant: str | None = None,
                      priority: int = 0, **kwargs: Any) -> AsyncIterator[StreamEvent]:
@@ -113,7 +117,7 @@ class AsyncSoT:
                     raise SoTError(f"the request failed: {update.error}")
                 done = update.finish_reason is not None
                 piece = text.add(update.token_ids, final=done)
-                if piece or done:
+                if piece or done or update.token_ids:  # (tokens whose text is held back come too)
                     yield StreamEvent(0, piece, list(update.token_ids), done), update.result
         finally:
             if not done:  # left early: free the slot

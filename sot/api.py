@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import math
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -28,7 +29,7 @@ from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig, PolicyKind
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from sot.prompts import PromptItem, encode, has_chat_template, use_chat_template, with_tools
-from sot.requests import check_logit_rules
+from sot.requests import check_number, check_params
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.structured import Grammars, StructuredOutput
 from sot.tools import ToolUse
@@ -117,27 +118,6 @@ class StreamEvent:
     finished: bool
 
 
-def _check_number(name: str, value: Any, integer: bool = False) -> None:
-    """A :class:`ConfigError` unless ``value`` is a number (an ``int`` with ``integer``)."""
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
-
-
-def _check_sampling(temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> None:
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
-        _check_number(name, value)
-    _check_number("top_k", top_k, integer=True)
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ConfigError(f"top_k must be >= 0, got {top_k}")
-    if not 0 <= min_p <= 1:
-        raise ConfigError(f"min_p must be in [0, 1], got {min_p}")
-
-
 class SoT:
     """A loaded target model with a drafter, ready to generate.
 
@@ -155,6 +135,8 @@ class SoT:
         self.adapter: Adapter | None = None
         #: how the dtype was chosen (``dtype="auto"``: measured or read from the cache)
         self.dtype_choice: DtypeChoice | None = None
+        #: the :class:`~sot.aio.AsyncSoT` whose thread steps the engine, while one runs
+        self._async_front: object | None = None
         if engine.grammars is None:  # structured output needs the tokenizer, which the engine lacks
             engine.grammars = Grammars(tokenizer, target.vocab_size, self.eos_ids())
 
@@ -301,7 +283,7 @@ class SoT:
         top_p: float = SamplingParams.top_p,
         top_k: int = SamplingParams.top_k,
         min_p: float = SamplingParams.min_p,
-        seed: int = SamplingParams.seed,
+        seed: int | None = SamplingParams.seed,
         sampling: str | SamplingMode = SamplingParams.mode,
         stop: str | Sequence[str] = (),
         ignore_eos: bool = False,
@@ -316,6 +298,16 @@ class SoT:
         """Validated :class:`GenerationParams`.
 
         Args:
+            max_new_tokens: tokens generated at most.
+            temperature, top_p, top_k, min_p: sampling (temperature 0: greedy; top_k 0 and
+                top_p 1: off), as transformers applies them.
+            seed: the sampling noise's key: a seeded answer is the same whatever was
+                drafted and whatever shares the batch; ``None`` draws a fresh seed.
+            sampling: ``coupled`` (same text for a seed, whatever was drafted) or
+                ``rejection``; both give the target's distribution.
+            stop: strings that end the answer (not included in its text); one string or a
+                list.
+            ignore_eos: generate past the end-of-sequence tokens, up to ``max_new_tokens``.
             logprobs: ``None``, or return each generated token's log probability with that
                 many alternatives, 0 to 20.
             min_tokens: no end-of-sequence token before this many tokens.
@@ -326,31 +318,34 @@ class SoT:
                 regular expression, a choice of strings or a grammar
                 (:class:`~sot.structured.StructuredOutput`).
         """
-        _check_sampling(temperature, top_p, top_k, min_p)
-        _check_number("max_new_tokens", max_new_tokens, integer=True)
-        _check_number("min_tokens", min_tokens, integer=True)
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise ConfigError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
+        if seed is None:  # (as OpenAI and vLLM: no seed, a fresh one)
+            seed = random.getrandbits(63)
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)):
+            raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
+        if logit_bias is None:
+            logit_bias = {}
+        if not isinstance(logit_bias, collections.abc.Mapping):
+            raise ConfigError(f"logit_bias must map token ids to biases, got {logit_bias!r}")
+        bias = []
+        for token, value in logit_bias.items():
+            if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                token = int(token)  # (JSON keys are strings)
+            check_number("a logit_bias token", token, integer=True)
+            check_number(f"the logit_bias of token {token}", value)
+            bias.append((int(token), float(value)))
         try:
             mode = SamplingMode(sampling)
         except ValueError:
             raise ConfigError(f"sampling must be 'rejection' or 'coupled', got {sampling!r}") from None
         sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, mode=mode,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty,
-                            logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())))
-        params = GenerationParams(
-            max_new_tokens=max_new_tokens,
-            sampling=sp,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            eos_token_ids=() if ignore_eos else self.eos_ids(),
-            logprobs=logprobs,
-            min_tokens=min_tokens,
-            structured=structured,
-        )
-        check_logit_rules(params, self.target.vocab_size)
+                            presence_penalty=presence_penalty, logit_bias=tuple(sorted(bias)))
+        params = GenerationParams(max_new_tokens=max_new_tokens, sampling=sp, stop=tuple(stop),
+                                  eos_token_ids=() if ignore_eos else self.eos_ids(), logprobs=logprobs,
+                                  min_tokens=min_tokens, structured=structured)
+        check_params(params, self.target.vocab_size)
         if structured is not None:
             self.engine.grammars.matcher(structured)  # a ConfigError now, not at the first step
         return params
@@ -366,8 +361,7 @@ class SoT:
         """Generate from token-id prompts, at most ``batch_size`` sequences at a time (a
         continuous batch: a finished sequence's place goes to the next prompt). With
         ``trace``, each completion keeps its step records (see :meth:`traced`)."""
-        if batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        check_number("batch_size", batch_size, integer=True, low=1)
         out: list[Completion] = []
         if prompts:
             self.engine.record_steps = trace
@@ -475,9 +469,7 @@ class SoT:
                 answer opened after it); one text or a list.
             top_logprobs: alternatives to report per token (0-20).
         """
-        _check_number("top_logprobs", top_logprobs, integer=True)
-        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ConfigError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+        check_number("top_logprobs", top_logprobs, integer=True, low=0, high=MAX_TOP_LOGPROBS)
         # a text is scored as given: a conversation ends with its last message, not with the
         # opening of an answer
         ids = [self.encode(t, chat, generation_prompt=False) for t in _as_list(texts)]

@@ -2,8 +2,9 @@
 token events, and the engine's step statistics."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from numbers import Integral
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from sot.cache import KVCache
 from sot.detokenize import IncrementalText
 from sot.errors import ConfigError, PromptTooLongError, SoTError
-from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.trace import StepRecord
 
 if TYPE_CHECKING:
@@ -166,8 +167,8 @@ def check_prompts(prompts: list[list[int]], params: GenerationParams, max_positi
     cannot run (or a bad ``batch_size``)."""
     if not prompts:
         raise ConfigError("no prompts given")
-    if batch_size is not None and batch_size < 1:
-        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size is not None:
+        check_number("batch_size", batch_size, integer=True, low=1)
     for i, p in enumerate(prompts):
         try:
             check_request(p, params, max_positions, vocab_size)
@@ -178,19 +179,14 @@ def check_prompts(prompts: list[list[int]], params: GenerationParams, max_positi
 def check_request(prompt: list[int], params: GenerationParams, max_positions: int | None,
                   vocab_size: int | None = None) -> None:
     """Raise a :class:`~sot.errors.SoTError` naming what is wrong with one request."""
-    if isinstance(prompt, (str, bytes)) or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, Integral) and not isinstance(t, bool)
+                                                         for t in prompt):
         raise ConfigError("the prompt must be a list of token ids (encode text with SoT.encode)")
     if not prompt:
         raise ConfigError("the prompt is empty")
     if vocab_size and not all(0 <= t < vocab_size for t in prompt):
         raise ConfigError(f"the prompt's token ids must be in [0, {vocab_size})")
-    if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an integer of at least 1, got {params.max_new_tokens!r}")
-    for name in ("logprobs", "prompt_logprobs"):
-        k = getattr(params, name)
-        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise ConfigError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}")
-    check_logit_rules(params, vocab_size)
+    check_params(params, vocab_size)
     if max_positions and len(prompt) + params.max_new_tokens > max_positions:
         raise PromptTooLongError(
             f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
@@ -202,6 +198,61 @@ def check_request(prompt: list[int], params: GenerationParams, max_positions: in
 MAX_LOGIT_BIAS = 100.0
 #: the largest magnitude of a presence or frequency penalty (OpenAI's range)
 MAX_PENALTY = 2.0
+
+
+def check_number(name: str, value: Any, integer: bool = False, low: float | None = None,
+                 high: float | None = None, open_low: bool = False) -> None:
+    """A :class:`ConfigError` naming ``name`` unless ``value`` is a finite number (an integer
+    with ``integer``; ``bool`` is neither) within ``[low, high]`` (``(low, high]`` with
+    ``open_low``)."""
+    kinds = (Integral,) if integer else (Integral, Real)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be {'an integer' if integer else 'a finite number'}, got {value!r}")
+    below = low is not None and (value <= low if open_low else value < low)
+    if below or (high is not None and value > high):
+        lo = "" if low is None else f"{'>' if open_low else '>='} {low:g}"
+        hi = "" if high is None else f"<= {high:g}"
+        raise ConfigError(f"{name} must be {' and '.join(x for x in (lo, hi) if x)}, got {value}")
+
+
+def check_params(params: GenerationParams, vocab_size: int | None = None) -> None:
+    """Raise a :class:`~sot.errors.ConfigError` naming the first setting of ``params`` of the
+    wrong type or out of range, so that a bad request fails alone, before it joins a batch."""
+    if not isinstance(params, GenerationParams):
+        raise ConfigError(f"params must be a GenerationParams, got {type(params).__name__}")
+    check_number("max_new_tokens", params.max_new_tokens, integer=True, low=1)
+    sp = params.sampling
+    if not isinstance(sp, SamplingParams):
+        raise ConfigError(f"sampling must be a SamplingParams, got {type(sp).__name__}")
+    check_number("temperature", sp.temperature, low=0)
+    check_number("top_p", sp.top_p, low=0, high=1, open_low=True)
+    check_number("top_k", sp.top_k, integer=True, low=0)
+    check_number("min_p", sp.min_p, low=0, high=1)
+    check_number("seed", sp.seed, integer=True)
+    if not isinstance(sp.mode, SamplingMode):
+        raise ConfigError(f"the sampling mode must be a SamplingMode, got {sp.mode!r}")
+    stop = params.stop
+    if isinstance(stop, str) or not isinstance(stop, (tuple, list)) or not all(
+            isinstance(x, str) and x for x in stop):
+        raise ConfigError(f"stop must be a list of non-empty strings, got {stop!r}")
+    if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in params.eos_token_ids):
+        raise ConfigError(f"eos_token_ids must be token ids, got {params.eos_token_ids!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            check_number(name, getattr(params, name), integer=True, low=0, high=MAX_TOP_LOGPROBS)
+    check_number("min_tokens", params.min_tokens, integer=True, low=0)
+    for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+        check_number(name, getattr(sp, name))
+    if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in sp.logit_bias):
+        raise ConfigError(f"logit_bias must be (token, bias) pairs, got {sp.logit_bias!r}")
+    for token, bias in sp.logit_bias:
+        check_number("a logit_bias token", token, integer=True)
+        check_number(f"the logit_bias of token {token}", bias)
+    from sot.structured import StructuredOutput
+
+    if params.structured is not None and not isinstance(params.structured, StructuredOutput):
+        raise ConfigError(f"structured must be a StructuredOutput, got {type(params.structured).__name__}")
+    check_logit_rules(params, vocab_size)
 
 
 def check_logit_rules(params: GenerationParams, vocab_size: int | None = None) -> None:

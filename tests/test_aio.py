@@ -12,7 +12,7 @@ import pytest
 from helpers import tiny_model_dir
 from sot import SoT
 from sot.aio import AsyncSoT
-from sot.errors import SoTError
+from sot.errors import ConfigError, SoTError
 
 PROMPTS = ["abcabcabc", "hello hello", "xyzxyz", "the cat the cat"]
 
@@ -84,3 +84,30 @@ def test_requests_in_flight_when_the_engine_closes_end_with_an_error(model_dir: 
     assert not sot.engine.has_unfinished()
     assert sot.engine.max_batch == limit, "the engine's batch limit is given back"
 
+
+
+def test_a_bad_request_fails_alone_and_one_engine_has_one_front(model_dir: Path) -> None:
+    """A request with a setting of the wrong type is refused before it joins the batch, so a
+    request running beside it finishes as if alone; a second AsyncSoT on the same SoT is
+    refused (two threads must not step one engine); a stream hands over every token, also
+    those whose text a stop string holds back."""
+    sot = SoT.load(str(model_dir), drafter="pld", dtype="float32")
+    want = sot.generate(PROMPTS[0], chat=False, max_new_tokens=30, ignore_eos=True)[0].token_ids
+
+    async def run() -> None:
+        async with AsyncSoT(sot, max_batch=2) as engine:
+            with pytest.raises(ConfigError):
+                AsyncSoT(sot)
+            good = asyncio.create_task(engine.generate(PROMPTS[0], chat=False, max_new_tokens=30, ignore_eos=True))
+            for bad in ({"logprobs": True}, {"stop": [1]}, {"temperature": float("nan")}):
+                with pytest.raises(ConfigError):
+                    await engine.generate(PROMPTS[1], chat=False, max_new_tokens=30, **bad)
+            assert (await good).token_ids == want
+            held = sot.tokenizer.decode(want)[:3] + "\u2603"  # begins like the answer, never completes
+            events = [e async for e in engine.stream(PROMPTS[0], chat=False, max_new_tokens=30, ignore_eos=True,
+                                                     stop=[held])]
+            assert [t for e in events for t in e.token_ids] == want
+        again = AsyncSoT(sot)  # the first one closed: a new front may start
+        again.close()
+
+    asyncio.run(run())

@@ -375,9 +375,27 @@ def test_incompatible_models(tmp_path: Path) -> None:
 def test_api_argument_errors(model_dir: Path) -> None:
     sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
     for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"max_new_tokens": 0}, {"sampling": "magic"},
-                   {"min_p": 1.5}):
+                   {"min_p": 1.5}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"stop": ""},
+                   {"stop": [1]}, {"stop": None}, {"logprobs": True}, {"logprobs": "3"}, {"logit_bias": [1, 2]},
+                   {"logit_bias": {"abc": 1}}, {"logit_bias": {5.7: 1}}, {"repetition_penalty": "1.1"},
+                   {"presence_penalty": None}, {"seed": "1"}, {"seed": 1.0}, {"batch_size": "2"},
+                   {"batch_size": 1.5}):
         with pytest.raises(ConfigError):
             sot.generate(["a"], chat=False, **kwargs)
+    # the step-level engine checks what it is given as well: a bad request fails alone
+    from sot.requests import GenerationParams
+    from sot.sampling import SamplingParams
+
+    for params in (GenerationParams(sampling=SamplingParams(temperature=1.0, top_p=0.0)), GenerationParams(stop="ab"),
+                   GenerationParams(sampling=SamplingParams(temperature=-1.0)), None):
+        with pytest.raises(ConfigError):
+            sot.engine.add_request([5, 6], params)
+    with pytest.raises(ConfigError, match="list of token ids"):
+        sot.engine.add_request(None, GenerationParams())
+    assert not sot.engine.has_unfinished()
+    unseeded = [sot.generate("a", chat=False, temperature=1.0, seed=None, max_new_tokens=12, ignore_eos=True)[0]
+                .token_ids for _ in range(3)]
+    assert len({tuple(u) for u in unseeded}) > 1, "seed None draws a fresh seed each time"
     with pytest.raises(ConfigError):
         SoT.load(str(model_dir), dtype="float16")
     with pytest.raises(ConfigError):

@@ -45,8 +45,10 @@ class TreeBudget:
     def check(self, max_depth: int) -> None:
         """Raise :class:`ConfigError` unless this budget is valid with trees of at most
         ``max_depth`` levels."""
-        if self.max_nodes < 1 or self.max_depth < 0:
-            raise ConfigError("tree budget needs max_nodes >= 1 and max_depth >= 0")
+        from sot.requests import check_number
+
+        check_number("max_nodes", self.max_nodes, integer=True, low=1)
+        check_number("max_depth", self.max_depth, integer=True, low=0)
         if self.max_depth > max_depth:
             raise ConfigError(f"max depth {self.max_depth} exceeds the supported {max_depth}")
 

@@ -235,7 +235,10 @@ class EngineWorker:
         for ticket in list(self._tickets):
             t = self._tickets.pop(ticket)
             if t.engine_id is not None:
-                self.engine.abort(t.engine_id)
+                try:
+                    self.engine.abort(t.engine_id)
+                except Exception:  # noqa: BLE001 - a broken engine: the client must still hear
+                    pass
             self.metrics.finished("error")
             self._send(t, Update([], error=message))
         self._by_engine_id.clear()
