@@ -1,5 +1,5 @@
 """SoT (State over Tokens): lossless tree-speculative decoding for causal language models."""
-from sot.api import Completion, SoT, StreamEvent
+from sot.api import Completion, Score, SoT, StreamEvent
 from sot.drafters import DrafterKind, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.errors import SoTError
@@ -12,6 +12,7 @@ __all__ = [
     "GenerationParams",
     "SamplingMode",
     "SamplingParams",
+    "Score",
     "SoT",
     "SoTError",
     "StreamEvent",

@@ -118,7 +118,7 @@ class AsyncSoT:
                 done = update.finish_reason is not None
                 piece = text.add(update.token_ids, final=done)
                 if piece or done or update.token_ids:  # (tokens whose text is held back come too)
-                    yield StreamEvent(0, piece, list(update.token_ids), done), update.result
+                    yield StreamEvent(0, piece, list(update.token_ids), done, update.finish_reason), update.result
         finally:
             if not done:  # left early: free the slot
                 self._worker.abort(ticket)

@@ -38,7 +38,12 @@ from sot.trace import StepRecord, TracedSequence, compare_states
 
 @dataclass
 class Completion:
-    """One prompt's output and its speed figures."""
+    """One prompt's output and its speed figures.
+
+    ``seconds`` runs from the request's admission to its last token, ``first_token_seconds``
+    to its first; ``tokens_per_s`` is ``new_tokens / seconds``; ``mean_accept_len`` (tau) is
+    the tokens committed per verify step; ``finish_reason`` is ``length``, ``eos``, ``stop``
+    or ``abort``."""
 
     text: str
     token_ids: list[int]
@@ -67,6 +72,8 @@ class Completion:
     tool_calls: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
+        """The fields as JSON-ready values (step records left out; logprobs and tool calls
+        only where there are any)."""
         out = asdict(self)
         out.pop("step_records")  # large; written by sot.trace.write_trace instead
         if not self.logprobs:
@@ -102,6 +109,7 @@ class Score:
         return math.exp(-self.total_logprob / n) if n else math.nan
 
     def to_dict(self) -> dict:
+        """The figures as JSON-ready values (a perplexity of ``nan`` as ``None``)."""
         return {"token_ids": self.token_ids, "scored_tokens": self.scored_tokens,
                 "total_logprob": self.total_logprob,
                 "perplexity": None if math.isnan(self.perplexity) else self.perplexity,  # (JSON has no NaN)
@@ -110,12 +118,15 @@ class Score:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """New text of one prompt (``index``) as tokens are committed."""
+    """New text of one prompt (``index``) as tokens are committed: ``text`` may be empty while
+    it could still turn into a stop string, but ``token_ids`` always holds the step's tokens."""
 
     index: int
     text: str
     token_ids: list[int]
     finished: bool
+    #: on the last event: ``length``, ``eos``, ``stop`` or ``abort``
+    finish_reason: str | None = None
 
 
 class SoT:
@@ -253,6 +264,7 @@ class SoT:
 
     @property
     def is_chat_model(self) -> bool:
+        """Whether the tokenizer has a chat template (prompts are then chat messages)."""
         return has_chat_template(self.tokenizer)
 
     def encode(self, item: PromptItem, chat: bool | None = None, generation_prompt: bool = True,
@@ -265,6 +277,8 @@ class SoT:
         return encode(self.tokenizer, item, use_chat, generation_prompt, continue_final, template_kwargs)
 
     def eos_ids(self) -> tuple[int, ...]:
+        """The tokens that end an answer: the tokenizer's end-of-sequence token and those of
+        the model's generation config."""
         ids = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
@@ -352,6 +366,7 @@ class SoT:
 
     @property
     def phase_times(self) -> PhaseTimes:
+        """Where the engine's time went so far (prompt reading, drafting, verifying, bookkeeping)."""
         return self.engine.times
 
     # ----------------------------------------------------------------- generation
@@ -490,13 +505,15 @@ class SoT:
         ``batch_size`` at a time, as a continuous batch; default: all at once)."""
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in _as_list(prompts)]
+        if not ids:  # (as generate and score: nothing asked, nothing given)
+            return
         # an incomplete character, and text that may begin a stop string, wait for the next
         # tokens; a stop string ends the text before it
         texts = [TextAssembler(self.tokenizer, params.stop) for _ in ids]
         self.last_stream = []
         for event in self.engine.stream(ids, params, self.last_stream, batch_size):
             delta = texts[event.sequence].add(event.token_ids, final=event.finished)
-            yield StreamEvent(event.sequence, delta, event.token_ids, event.finished)
+            yield StreamEvent(event.sequence, delta, event.token_ids, event.finished, event.finish_reason)
 
 
 def _as_list(prompts: PromptItem | Sequence[PromptItem]) -> list[PromptItem]:

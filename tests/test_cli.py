@@ -124,7 +124,7 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
     for bad, message in ((dict(max_new_tokens="5"), "max_new_tokens must be an integer"),
                          (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),
                          (dict(top_k=2.5), "top_k must be an integer"),
-                         (dict(temperature=None), "temperature must be a number")):
+                         (dict(temperature=None), "temperature must be a finite number")):
         with pytest.raises(ConfigError, match=message):
             sot.generate("abc", chat=False, **bad)
     for prompt in ("hello", [1, "2"], [10**6]):
