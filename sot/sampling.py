@@ -29,6 +29,11 @@ class SamplingMode(str, enum.Enum):
     COUPLED = "coupled"
 
 
+#: temperatures below this decode greedily (vLLM's rule): dividing logits by a smaller one
+#: overflows float32, and the distribution is the argmax's to within rounding anyway
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings; ``temperature == 0`` means greedy. The penalties and the bias
@@ -55,13 +60,18 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Whether tokens are chosen by argmax: temperature 0, or one below
+        :data:`GREEDY_BELOW` (whose scaled logits would overflow float32), as vLLM treats it."""
+        return self.temperature < GREEDY_BELOW
 
 
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied to ``logits [N, V]``, in that order;
     removed entries are -inf."""
     scores = logits.float() / params.temperature
+    # a logit pushed past float32's range (a tiny repetition penalty) is the largest one
+    # there is, not +inf, whose softmax would be NaN
+    scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
@@ -71,6 +81,7 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         cum = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
         # Drop a token when the mass before it already reaches top_p (keep at least one).
         drop_sorted = (cum - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+        drop_sorted[..., 0] = False  # (a top_p that rounds to 0 in float32 would drop them all)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     if params.min_p > 0.0:

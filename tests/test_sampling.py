@@ -298,3 +298,26 @@ def test_draw_is_exact_and_skips_zero_weights(monkeypatch) -> None:
     assert chisquare(counts[keep], expected).pvalue > 1e-3
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
     assert draw(weights, gen) == 5
+
+
+@pytest.mark.parametrize("mode", [SamplingMode.COUPLED, SamplingMode.REJECTION])
+def test_extreme_settings_sample_without_failing_the_batch(mode: SamplingMode) -> None:
+    """Settings at float32's edge (a temperature that overflows the scaled logits, a top_p that
+    rounds to 0, a repetition penalty that overflows them) draw tokens, the same drafted and
+    plain, instead of a NaN distribution that failed every sequence of the step; a temperature
+    below GREEDY_BELOW decodes greedily."""
+    from sot.sampling import GREEDY_BELOW
+
+    target = TargetModel(tiny_model("llama", seed=2))
+    prompts = random_prompts((6, 30), seed=5)
+    greedy = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, GenerationParams(max_new_tokens=12))]
+    for settings in ({"temperature": 1e-50}, {"temperature": GREEDY_BELOW / 2}, {"temperature": 1.0, "top_p": 1e-46},
+                     {"temperature": 1.0, "repetition_penalty": 1e-50}):
+        params = GenerationParams(max_new_tokens=12, sampling=SamplingParams(seed=3, mode=mode, **settings))
+        plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+        drafted = Engine(target, PromptLookupDrafter(), TreeBudget(16, 6)).generate(prompts, params)
+        assert all(len(p) == 12 for p in plain), settings
+        if mode is SamplingMode.COUPLED:
+            assert [r.token_ids for r in drafted] == plain, settings
+        if "top_p" in settings or settings["temperature"] < GREEDY_BELOW:
+            assert plain == greedy, settings  # (one token left, or argmax)

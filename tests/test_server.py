@@ -310,6 +310,13 @@ def test_echo_scores_a_text_with_the_figures_generation_gives(default_server) ->
     assert "".join(c.text for c in chunks) == whole.text
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for c in chunks if c.logprobs for x in getattr(c.logprobs, key)] == getattr(lp, key), key
+    # max_tokens 0 streamed: the token decoded to end the prompt's pass is not the answer's
+    ask = {"model": MODEL, "prompt": head, "max_tokens": 0, "echo": True, "return_token_ids": True}
+    whole = httpx.post(f"{default_server.url}/v1/completions", json=ask, timeout=60).json()["choices"][0]
+    with httpx.stream("POST", f"{default_server.url}/v1/completions", json={**ask, "stream": True}, timeout=60) as r:
+        ids = [t for line in r.iter_lines() if line.startswith("data: {")
+               for ch in json.loads(line[6:])["choices"] for t in ch.get("token_ids") or []]
+    assert whole["token_ids"] == [] and ids == []
 
 
 def test_n_samples_and_prompt_lists_are_choices_in_order(default_server) -> None:
@@ -998,6 +1005,20 @@ def test_sigterm_finishes_streams_and_exits_0(tiny_dir, tmp_path) -> None:
         assert server.proc.wait(60) == 0
     finally:
         server.stop()
+
+
+def test_a_client_gone_while_sending_is_no_server_error(tiny_server) -> None:
+    """A client that hangs up before its request's body arrives is counted as aborted, not as
+    a server error."""
+    errors, aborted = (tiny_server.metric(f'sot:requests_total{{status="{s}"}}') for s in ("error", "abort"))
+    with socket.create_connection(("127.0.0.1", tiny_server.port)) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer sekrit\r\nContent-Length: 400\r\n\r\n{\"model\": ")
+    deadline = time.monotonic() + 10
+    while tiny_server.metric('sot:requests_total{status="abort"}') == aborted and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tiny_server.metric('sot:requests_total{status="abort"}') == aborted + 1
+    assert tiny_server.metric('sot:requests_total{status="error"}') == errors
 
 
 def test_serve_stops_at_once_when_it_cannot_serve(tmp_path) -> None:

@@ -30,6 +30,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sot import __version__
 from sot.engine import GenerationParams, SequenceResult
@@ -129,6 +130,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         if exc.status in (400, 404):
             metrics.finished("invalid")
+        elif exc.status == 499:  # (the client hung up while sending its request)
+            metrics.finished("abort")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -315,7 +318,10 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
 
 # ---------------------------------------------------------------------------- helpers
 async def _json(request: Request) -> Any:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer, no server error
+        raise APIError(499, "the client closed the connection") from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -751,8 +757,8 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
                 said = c.tool.delta(update.token_ids, delta, last)
                 if said or lp or (token_ids and update.token_ids):
                     yield chunk(c.index, None, ids=update.token_ids, lp=lp, chat_delta=said or {})
-            elif delta or lp or (token_ids and update.token_ids):
-                yield chunk(c.index, delta, ids=update.token_ids, lp=lp)
+            elif delta or lp or (token_ids and update.token_ids and not c.drop):
+                yield chunk(c.index, delta, ids=[] if c.drop else update.token_ids, lp=lp)
             if last:
                 c.done = True
                 left -= 1
