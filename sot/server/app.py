@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from sot import __version__
 from sot.engine import GenerationParams, SequenceResult
 from sot.errors import ConfigError
-from sot.requests import check_logit_rules
+from sot.requests import check_params
 from sot.sampling import SamplingMode, SamplingParams
 from sot.server.config import ServerConfig
 from sot.server.metrics import ServerMetrics
@@ -465,8 +465,8 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     params = GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
                               logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens,
                               structured=structured)
-    try:
-        check_logit_rules(params, state.sot.target.vocab_size)
+    try:  # every setting, so that a bad one fails this request alone and not the batch it would join
+        check_params(params, state.sot.target.vocab_size)
     except ConfigError as exc:
         field = str(exc).split(" ", 1)[0]  # (each message begins with the field it is about)
         raise APIError(400, str(exc), param=field if field in type(body).model_fields else None) from None
