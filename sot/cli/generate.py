@@ -320,7 +320,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sot = load_sot(args)
     if not sot.is_chat_model:
         raise SoTError(f"{sot.name} has no chat template, so it cannot tell turns apart; "
-                          "give one with --chat-template, or use sot generate for plain text")
+                       "give one with --chat-template, or use sot generate for plain text")
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     # answers go to stdout; the prompts and figures to stderr, unless both are one terminal

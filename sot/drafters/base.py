@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from sot.drafters.suffix import SuffixStores
 
 from sot.errors import ConfigError
+from sot.requests import check_number
 from sot.tree import DraftTree
 
 
@@ -45,8 +46,6 @@ class TreeBudget:
     def check(self, max_depth: int) -> None:
         """Raise :class:`ConfigError` unless this budget is valid with trees of at most
         ``max_depth`` levels."""
-        from sot.requests import check_number
-
         check_number("max_nodes", self.max_nodes, integer=True, low=1)
         check_number("max_depth", self.max_depth, integer=True, low=0)
         if self.max_depth > max_depth:

@@ -314,8 +314,8 @@ def _drop_older_conversions(gguf_path: Path, kept: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _first_line(exc: Exception) -> str:
-    """The first two lines of a library's error (some run to a dozen lines of detail: the
+def _short_error(exc: Exception) -> str:
+    """At most the first two lines of a library's error (some run to a dozen lines of detail: the
     first names the failure, the next its first instance)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     more = " ..." if len(lines) > 2 else ""
@@ -357,23 +357,23 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         raise ModelLoadError(f"cannot read model config in {path}: {exc}") from exc
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{path} is an encoder-decoder model; SoT needs a decoder-only causal LM")
+    tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((path / name).is_file() for name in tokenizer_files):  # (known before the weights load)
+        raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(tokenizer_files)})")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if lora else dtype,
                                                            output_loading_info=True)
     except Exception as exc:  # noqa: BLE001
         hint = (f" (a cached conversion of a GGUF file: delete {path} to convert it again)"
                 if (path / "sot_source.json").is_file() else "")
-        raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}{hint}") from exc
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {_short_error(exc)}{hint}") from exc
     check_complete(path, type(model).__name__, info)
     if lora:
         model = merge_lora(model, lora).to(dtype)
-    tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if not any((path / name).is_file() for name in tokenizer_files):
-        raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(tokenizer_files)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {_short_error(exc)}") from exc
     model.to(device).eval()
     setattr(model, INT8_ATTR, int8)
     name = DEFAULT_MODEL_NAME if spec == DEFAULT_MODEL else path.name
@@ -398,4 +398,4 @@ def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
     try:
         return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - PEFT's errors (a mismatched base, a bad file) vary
-        raise ModelLoadError(f"cannot apply the LoRA adapter {adapter} to this model: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"cannot apply the LoRA adapter {adapter} to this model: {_short_error(exc)}") from exc
