@@ -192,7 +192,7 @@ class Engine:
         return self._policy
 
     @property
-    def policy_trace(self):
+    def policy_trace(self) -> Trace:
         """The commit policy's logged decisions (with ``record_policy``)."""
         return self.policy.trace
 

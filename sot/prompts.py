@@ -174,4 +174,5 @@ def use_chat_template(tokenizer: Any, template: str) -> None:
 
 
 def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` carries a chat template (its own or one set with ``--chat-template``)."""
     return bool(getattr(tokenizer, "chat_template", None))

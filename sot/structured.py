@@ -17,12 +17,15 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
 from sot.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 #: llguidance's JSON options: whitespace between JSON tokens is bounded (a model that keeps
@@ -112,7 +115,7 @@ class Grammars:
                 self._table = llguidance.LLTokenizer(wrapped, n_vocab=self.vocab_size, eos_token=eos)
         return self._table
 
-    def matcher(self, spec: StructuredOutput):
+    def matcher(self, spec: StructuredOutput) -> LLMatcher:
         """A fresh matcher at the start of an answer (a copy of the spec's compiled one);
         :class:`ConfigError` naming what is wrong with an invalid spec."""
         from llguidance import LLMatcher
@@ -152,7 +155,7 @@ class _TokenBytes:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
 
-def allowed_tokens(matcher, vocab: int) -> torch.Tensor:
+def allowed_tokens(matcher: LLMatcher, vocab: int) -> torch.Tensor:
     """``[V]`` bool: the tokens the grammar allows next."""
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
     return torch.from_numpy(bits[:vocab].astype(bool))

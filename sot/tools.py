@@ -83,6 +83,7 @@ class ToolCall:
 
 
 def new_call_id() -> str:
+    """A fresh tool-call id in OpenAI's form, ``call_`` and 24 hex digits."""
     return "call_" + secrets.token_hex(12)
 
 

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from sot.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+    from transformers import PreTrainedTokenizerBase
+
+    from sot.requests import GenerationParams
 
 MULTITURN_SETS = ("sharegpt-multiturn", "code-edit-multiturn", "agent-loop")
 #: user turns asked per ShareGPT conversation
@@ -139,7 +146,8 @@ def render(record: dict, answers: list[str], chat: bool) -> dict:
     return {"prompt": "".join(f"{names[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:"}
 
 
-def run_conversations(methods: list, tokenizer, records: list[dict], params, chat: bool, run_one, bar) -> list:
+def run_conversations(methods: list, tokenizer: PreTrainedTokenizerBase, records: list[dict],
+                      params: GenerationParams, chat: bool, run_one: Callable[..., Any], bar: tqdm) -> list:
     """Every conversation, turn by turn, with the methods taking turns on each (A B C, then
     the next turn): each method answers from its own earlier answers. ``run_one(method, ids,
     params, index, id)`` runs one prompt; returns the run records, each with its ``turn``

@@ -195,6 +195,9 @@ def _line_plot(plt, lines: dict, xlabel: str, ylabel: str, path: Path, ylim: tup
 
 
 def sweep_plot(name: str, rows: list[dict], out: Path) -> str:
+    """Speed against plain and tau over a swept setting ``name``, as ``sweep.png`` in ``out``;
+    returns the file's name."""
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,6 +219,8 @@ def sweep_plot(name: str, rows: list[dict], out: Path) -> str:
 
 
 def write_report(result: dict, runs: list[RunRecord], names: list[str], records: list, out: Path) -> None:
+    """Write ``results.json``, one answers file per method (``NAME.jsonl``, in Spec-Bench's
+    layout) and ``report.md`` into ``out``."""
     (out / "results.json").write_text(json.dumps(result, indent=1))
     for name in names:
         with open(out / f"{name}.jsonl", "w") as fh:

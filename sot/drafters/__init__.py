@@ -20,6 +20,7 @@ DEFAULT_PREDICTOR = Path(__file__).resolve().parent.parent / "assets" / "smollm2
 
 
 def default_predictor_path() -> Path:
+    """The state predictor shipped for the default model (in ``sot/assets``)."""
     return DEFAULT_PREDICTOR
 
 

@@ -5,6 +5,7 @@ path, the generic adapter and the state predictor alike."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from sot.kernels import cpu_kernels
 from sot.models.rows import ROW_UNIT
 
 
-def fused_rms_norm(dtype: torch.dtype, device: torch.device):
+def fused_rms_norm(dtype: torch.dtype, device: torch.device) -> Callable[..., list[torch.Tensor]] | None:
     """The compiled RMSNorm for bfloat16 or float32 rows on the CPU
     (``(x [..., D], weight [D], eps, residual [..., D] | None) -> [normed, x + residual]``),
     or ``None`` where it does not apply (other dtypes and devices, or no compiler)."""

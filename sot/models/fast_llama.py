@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from sot.attention import TreeLayout, tree_attention
 from sot.kernels import cpu_kernels
 from sot.kernels.linear import PackedLinear, fused_rms_norm
 from sot.models.rows import ROW_UNIT
+
+if TYPE_CHECKING:
+    from sot.cache import KVCache
 
 FAST_FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -159,7 +163,7 @@ class FastLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
 
-    def flattens(self, layout: TreeLayout, cache) -> bool:
+    def flattens(self, layout: TreeLayout, cache: KVCache) -> bool:
         """Whether :meth:`forward` runs ``layout`` flat-packed (the compiled kernel's path)."""
         return layout.flat_index is not None and cache.transposed_keys and self.kernel is not None
 
@@ -167,7 +171,7 @@ class FastLlama:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        cache,
+        cache: KVCache,
         layout: TreeLayout,
         state_layers: tuple[int, ...],
         last_row: int | None = None,

@@ -30,11 +30,14 @@ import dataclasses
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from sot.attention import KernelInputs, TreeLayout
+
+if TYPE_CHECKING:
+    from sot.cache import KVCache
 
 #: graphs kept per model (each holds its own activations; a 30-layer, width-576 model's
 #: 8 x 16-row pass needs a few tens of MB)
@@ -94,7 +97,7 @@ class VerifyGraphs:
         return (tuple(ids.shape), tuple(layout.kernel.ancestors.shape), keys.data_ptr(), values.data_ptr(),
                 tuple(keys.shape), tuple(keys.stride()), keys.dtype)
 
-    def run(self, forward: Callable[[torch.Tensor, torch.Tensor, TreeLayout], Any], cache, input_ids: torch.Tensor,
+    def run(self, forward: Callable[[torch.Tensor, torch.Tensor, TreeLayout], Any], cache: KVCache, input_ids: torch.Tensor,
             positions: torch.Tensor, layout: TreeLayout) -> Any | None:
         """The pass ``forward(ids, positions, layout)`` from a graph: ``input_ids`` and
         ``positions`` ``[B, T]`` (host or device), ``layout`` built for ``cache`` on the GPU.

@@ -23,6 +23,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -30,6 +31,13 @@ from sot.errors import ConfigError
 from sot.online.defaults import ADAPT_BUDGET
 from sot.online.loss import OnlineLossConfig, online_loss
 from sot.online.record import NodeRecorder, OnPolicySequence
+
+if TYPE_CHECKING:
+    from sot.drafters.state.model import StatePredictor
+    from sot.engine import Engine
+    from sot.models.adapter import ForwardOutput
+    from sot.requests import LiveRequest
+    from sot.tree import DraftTree
 
 
 @dataclass
@@ -73,7 +81,7 @@ class OnlineLearner:
         config: lr, rows, anchor, max_drift and the loss come from here.
     """
 
-    def __init__(self, live, config: AdaptConfig) -> None:
+    def __init__(self, live: StatePredictor, config: AdaptConfig) -> None:
         self.live = live
         self.config = config
         self.model = _trainable_copy(live)
@@ -138,7 +146,8 @@ class Adapter:
             on purpose; :attr:`model` is the float32 copy it may change).
     """
 
-    def __init__(self, engine, config: AdaptConfig | None = None, train_step=None) -> None:
+    def __init__(self, engine: Engine, config: AdaptConfig | None = None,
+                 train_step: Callable[[OnPolicySequence], None] | None = None) -> None:
         from sot.drafters.state.drafter import StateDrafter
 
         self.config = config or AdaptConfig()
@@ -196,13 +205,14 @@ class Adapter:
         if self._pending is not None:
             self._since_update.extend(accepted)
 
-    def prefilled(self, seq, states, logits) -> None:
+    def prefilled(self, seq: LiveRequest, states: torch.Tensor | None, logits: torch.Tensor) -> None:
         pass
 
-    def verified(self, seqs, trees, out, paths, drafted) -> None:
+    def verified(self, seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutput,
+                 paths: list[list[int]], drafted: set[int]) -> None:
         pass
 
-    def finished(self, seq) -> None:
+    def finished(self, seq: LiveRequest) -> None:
         pass
 
     def between_steps(self) -> None:

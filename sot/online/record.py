@@ -20,8 +20,14 @@ target says there cannot change the accepted length; only the committed path mat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sot.models.adapter import ForwardOutput
+    from sot.requests import LiveRequest
+    from sot.tree import DraftTree
 
 #: log-probabilities kept per position (the rest of the distribution is one residual mass)
 DEFAULT_TOP_K = 32
@@ -111,7 +117,7 @@ class NodeRecorder:
     """
 
     def __init__(self, state_count: int, top_k: int = DEFAULT_TOP_K, keep: bool = True,
-                 final_norm=None) -> None:
+                 final_norm: torch.nn.Module | None = None) -> None:
         self.state_count = state_count
         self.final_norm = final_norm
         self.top_k = top_k
@@ -134,7 +140,7 @@ class NodeRecorder:
         return drafter.cpu(), final  # (kept on the host, whatever the target's device)
 
     # -- StepObserver
-    def prefilled(self, seq, states: torch.Tensor | None, logits: torch.Tensor) -> None:
+    def prefilled(self, seq: LiveRequest, states: torch.Tensor | None, logits: torch.Tensor) -> None:
         if states is None:
             return
         rec = _Open(len(seq.prompt), seq.params.sampling.temperature, list(seq.prompt))
@@ -152,7 +158,8 @@ class NodeRecorder:
         rec.filled = n
         self._open[seq.id] = rec
 
-    def verified(self, seqs, trees, out, paths: list[list[int]], drafted: set[int]) -> None:
+    def verified(self, seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutput,
+                 paths: list[list[int]], drafted: set[int]) -> None:
         if out.states is None:
             return
         accepted = []
@@ -179,7 +186,7 @@ class NodeRecorder:
         if self.on_step is not None and accepted:
             self.on_step(accepted)
 
-    def finished(self, seq) -> None:
+    def finished(self, seq: LiveRequest) -> None:
         rec = self._open.pop(seq.id, None)
         if rec is None or rec.filled <= rec.prompt_len:
             return

@@ -9,6 +9,8 @@ from sot.errors import ConfigError
 
 
 class PolicyKind(str, enum.Enum):
+    """How the commit policy chooses each step's tree (``--policy``)."""
+
     AUTO = "auto"  # learned when an acceptance model fits the target, else heuristic
     STATIC = "static"
     HEURISTIC = "heuristic"

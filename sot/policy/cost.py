@@ -59,7 +59,7 @@ class CostModel:
         self.seconds = [t * factor for t in self.seconds]
 
     @classmethod
-    def for_target(cls, target, max_nodes: int) -> "CostModel":
+    def for_target(cls, target: torch.nn.Module, max_nodes: int) -> "CostModel":
         """Verify time by row count for ``target`` on this machine, measured once per target
         and tree size (batches are costed by their total rows, so at least 96 are timed) and
         kept on disk (see the module)."""
@@ -78,7 +78,7 @@ class CostModel:
         return cached[key]
 
     @classmethod
-    def measure(cls, target, max_rows: int, context: int = 256, repeats: int = 5,
+    def measure(cls, target: torch.nn.Module, max_rows: int, context: int = 256, repeats: int = 5,
                 sizes: list[int] | None = None) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
         after a ``context``-token prefill: one warm-up round, then ``repeats`` rounds in which
@@ -128,7 +128,7 @@ class CostModel:
 COST_FORMAT = 1
 
 
-def cost_cache_path(target, max_rows: int) -> Path | None:
+def cost_cache_path(target: torch.nn.Module, max_rows: int) -> Path | None:
     """Where the curve of ``target`` timed up to ``max_rows`` rows is kept on this machine
     (``None`` when ``SOT_COST_CACHE=0`` or the target is not on the CPU)."""
     if os.environ.get("SOT_COST_CACHE", "1") == "0" or target.device.type != "cpu":

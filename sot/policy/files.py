@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from sot.errors import ConfigError
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 def write_policy_file(model: torch.nn.Module, path: str | Path, info: dict) -> None:
@@ -35,8 +38,8 @@ def read_policy_file(path: str | Path, what: str, command: str) -> tuple[dict, d
         raise ConfigError(f"{path} is not a {what}: {exc}") from None
 
 
-def load_policy_model(cls, path: str | Path, what: str, command: str, features: dict[str, tuple[str, ...]],
-                      target: torch.nn.Module | None = None):
+def load_policy_model(cls: type[M], path: str | Path, what: str, command: str, features: dict[str, tuple[str, ...]],
+                      target: torch.nn.Module | None = None) -> M:
     """An instance of ``cls`` (a policy network with a ``FORMAT`` and a ``hidden`` size) from
     ``path``, in eval mode, its metadata as ``.info``. The file must carry ``cls.FORMAT`` and,
     for each key of ``features``, exactly those feature names; when it names the target it was

@@ -28,6 +28,7 @@ def tree_dict(tree: DraftTree | None) -> dict | None:
 
 
 def from_dict(d: dict) -> DraftTree:
+    """The :class:`DraftTree` a :func:`tree_dict` record describes."""
     return DraftTree(list(d["tokens"]), list(d["parents"]), list(d["depths"]), d["probs"])
 
 

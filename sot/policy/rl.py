@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -83,7 +83,7 @@ class RLPolicyModel(torch.nn.Module):
         self._cached = None  # weights may change: the inference copy is rebuilt on next use
         return super().train(mode)
 
-    def load_state_dict(self, *args, **kwargs):
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         self._cached = None
         return super().load_state_dict(*args, **kwargs)
 

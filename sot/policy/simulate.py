@@ -34,8 +34,11 @@ from sot.policy.record import from_dict, step_record, tree_dict, union_tree
 from sot.tree import DraftTree
 
 if TYPE_CHECKING:
+    from sot.drafters.base import TreeBudget
+    from sot.policy.acceptance_model import AcceptanceModel
     from sot.policy.commit import CommitPolicy
     from sot.policy.cost import CostModel
+    from sot.policy.rl import RLPolicyModel
     from sot.policy.state import StepPlan
 
 
@@ -143,7 +146,7 @@ def _acc_counts(tree: DraftTree, order: list[int], target: list[int]) -> list[in
 
 
 def replay(policy: CommitPolicy, runs: list[list[dict]], machine: SimCost, flat: bool = True,
-           mu: float = 1.0, collect: bool = False, budget=None) -> ReplayResult:
+           mu: float = 1.0, collect: bool = False, budget: TreeBudget | None = None) -> ReplayResult:
     """Run ``policy`` over the recorded ``runs`` (each a list of :func:`step_record` dicts)
     on the simulated ``machine``. Returns the totals; with ``collect``, also every step's
     candidates with their exact rewards (``(tokens - mu * units) / batch``) and every
@@ -282,7 +285,8 @@ def machine_from_traces(traces: dict) -> SimCost:
     return SimCost(cost, statistics.median(per_pass) if per_pass else 0.0)
 
 
-def policy_for_replay(kind: str, rl=None, acceptance=None) -> CommitPolicy:
+def policy_for_replay(kind: str, rl: RLPolicyModel | None = None,
+                      acceptance: AcceptanceModel | None = None) -> CommitPolicy:
     """A fresh adaptive policy of ``kind`` for :func:`replay` (its cost model is set there)."""
     from sot.policy.commit import CommitPolicy
     from sot.policy.config import PolicyConfig, PolicyKind

@@ -19,8 +19,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sot.errors import ConfigError
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -81,7 +85,7 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-async def one_request(client, url: str, body: dict, headers: dict,
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict,
                       timeout: float | None = None) -> RequestRecord:
     """Stream one chat completion and time it; a request still running after ``timeout``
     seconds (None: no limit) is ended and recorded as failed."""
@@ -93,7 +97,7 @@ async def one_request(client, url: str, body: dict, headers: dict,
     return rec
 
 
-async def _stream(client, url: str, body: dict, headers: dict, rec: RequestRecord) -> None:
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict, rec: RequestRecord) -> None:
     """Fill ``rec`` from one streamed chat completion."""
     t0 = time.perf_counter()
     usage = False

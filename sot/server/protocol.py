@@ -227,12 +227,14 @@ def _asks_for(name: str, value: Any) -> bool:
 
 
 class ContentPart(BaseModel):
+    """One part of a message's content list; only ``text`` parts carry words SoT reads."""
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
+    """One message of a chat request, as OpenAI's chat completions API takes it."""
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -277,6 +279,8 @@ def checked_tools(tools: list[Any] | None, tool_choice: str | dict | None, paral
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    """The body of ``POST /v1/chat/completions``."""
+
     prompt_field: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -325,6 +329,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
+    """The body of ``POST /v1/completions``."""
+
     #: a text, token ids, or a list of either (one choice per prompt)
     prompt: str | list[int] | list[str] | list[list[int]]
     #: OpenAI's default for completions (a chat answer may run to the end of the context)

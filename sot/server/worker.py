@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from sot.engine import Engine, GenerationParams, SequenceResult
 from sot.server.metrics import ServerMetrics
@@ -106,7 +107,7 @@ class EngineWorker:
                                                             priority=priority))))
         return ticket, updates
 
-    def call(self, fn) -> "concurrent.futures.Future":
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` on the worker thread between two steps (work that uses the model,
         which only this thread may touch); returns a future of its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()

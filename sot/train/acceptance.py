@@ -20,12 +20,16 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from sot.drafters.base import TreeBudget
 from sot.errors import ConfigError
 from sot.train import changed_settings
+
+if TYPE_CHECKING:
+    from sot.policy import AcceptanceModel
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,8 @@ def heuristic_estimate(features: torch.Tensor) -> torch.Tensor:
     return (features[:, FEATURES.index("calibration")] * conf).clamp(max=1.0)
 
 
-def fit_acceptance(traces: dict, epochs: int = 60, lr: float = 3e-3, seed: int = 0):
+def fit_acceptance(traces: dict, epochs: int = 60, lr: float = 3e-3,
+                   seed: int = 0) -> tuple[AcceptanceModel, dict]:
     """Fit an :class:`AcceptanceModel` on 90% of the sequences; returns it and a report that
     compares its log-loss and calibration with the heuristic's on the other 10%."""
     from tqdm import tqdm
@@ -213,6 +218,9 @@ def _reliability(learned: torch.Tensor, heuristic: torch.Tensor, y: torch.Tensor
 
 
 def write_calibration_plot(report: dict, path: Path) -> None:
+    """Predicted against observed acceptance on the held-out nodes, for the learned model and
+    the heuristic, as a PNG at ``path``."""
+
     import matplotlib
 
     matplotlib.use("Agg")

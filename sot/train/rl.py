@@ -32,6 +32,7 @@ import math
 import random
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,10 @@ from sot.policy.rl import DRAFT_FEATURES, RLPolicyModel
 from sot.policy.simulate import (
     ReplayResult, SimCost, machine_from_traces, policy_for_replay, replay,
 )
+
+if TYPE_CHECKING:
+    from sot.policy.acceptance_model import AcceptanceModel
+    from sot.train.acceptance import PolicyTrainConfig
 
 #: the simulated machines besides the recorded one: (row-cost slope, predictor-pass cost)
 MACHINES = ((1.0, 1.0), (0.5, 1.0), (2.0, 1.0), (1.0, 0.5), (1.0, 2.0))
@@ -99,7 +104,7 @@ def _summary(res: ReplayResult) -> dict:
 
 
 def train_rl(traces: dict, epochs: int = 30, lr: float = 3e-3, seed: int = 0, held_out: float = 0.15,
-             acceptance=None, progress: bool = True) -> tuple[RLPolicyModel, dict]:
+             acceptance: AcceptanceModel | None = None, progress: bool = True) -> tuple[RLPolicyModel, dict]:
     """Train an :class:`RLPolicyModel` on the simulator over ``traces`` (see the module
     docstring). Returns the network and a report: the reward curve and the held-out speed-ups
     of every policy on every simulated machine."""
@@ -236,7 +241,7 @@ def write_reward_plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def train_rl_policy(cfg) -> Path:
+def train_rl_policy(cfg: PolicyTrainConfig) -> Path:
     """``sot train policy --kind rl``: traces (reused from ``out/traces.pt``), training,
     ``rl-policy.safetensors``, ``rl-report.json`` and ``rl-reward.png``."""
     from sot.policy.acceptance_model import load_acceptance_model

@@ -23,6 +23,8 @@ def save_predictor(model: StatePredictor, path: str | Path, dtype: torch.dtype =
 
 
 def read_predictor_config(path: str | Path) -> StatePredictorConfig:
+    """The configuration stored in a predictor file's metadata, without reading its weights;
+    :class:`ConfigError` for a missing file or one that is not a state predictor."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"state predictor file {p} does not exist")

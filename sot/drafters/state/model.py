@@ -11,6 +11,8 @@ from sot.errors import ConfigError
 
 
 class RMSNorm(torch.nn.Module):
+    """Root-mean-square normalisation over the last dimension, with a learned scale ``[dim]``."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(dim))
@@ -204,7 +206,8 @@ class StatePredictor(torch.nn.Module):
         emb = torch.cat((ang, ang), dim=-1)
         return emb.cos().unsqueeze(-3).to(dtype), emb.sin().unsqueeze(-3).to(dtype)
 
-    def project(self, state: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+    def project(self, state: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input projection and the first layer's attention inputs for rows ``[B, T]``.
 
         Returns ``h [B, T, D]`` (the residual stream), ``q [B, H, T, hd]``, ``k, v [B, Hkv, T, hd]``.
