@@ -22,7 +22,7 @@ from sot.engine import Engine, GenerationParams, PhaseTimes
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
-from sot.detokenize import TextAssembler
+from sot.detokenize import TextAssembler, token_pieces
 from sot.dtype_choice import resolve as resolve_dtype_choice
 from sot.models.loading import DEFAULT_DEVICE, load_model, resolve_device
 from sot.online.adapt import AdaptConfig, Adapter
@@ -414,6 +414,15 @@ class SoT:
                 )
         return out
 
+    def trace_run(self, **extra: Any) -> dict[str, Any]:
+        """The run a trace describes (its page's title): model, drafter, dtype and version,
+        with ``extra`` (a request's id, say)."""
+        from sot import __version__
+        from sot.models.loading import dtype_name
+
+        return {"model": self.name, "drafter": self.engine.drafter.kind.value,
+                "dtype": dtype_name(self.target.dtype), "version": __version__, **extra}
+
     def traced(self, prompts: list[list[int]], completions: list[Completion]) -> list[TracedSequence]:
         """The traces of completions generated with ``trace=True`` from ``prompts`` (token
         ids): each answer's tokens as text pieces, its step records and, where the state
@@ -424,8 +433,7 @@ class SoT:
             states = None
             if any(r.predicted for r in c.step_records):
                 states = compare_states(self.target.model, prompt, c.token_ids, c.step_records)
-            pieces = [self.tokenizer.decode(c.token_ids[: j + 1])[len(self.tokenizer.decode(c.token_ids[:j])):]
-                      for j in range(len(c.token_ids))]
+            pieces = token_pieces(self.tokenizer, c.token_ids)
             out.append(TracedSequence(
                 index=i, prompt_ids=list(prompt), token_ids=list(c.token_ids), pieces=pieces, text=c.text,
                 finish_reason=c.finish_reason, tau=round(c.mean_accept_len, 4), seconds=round(c.seconds, 4),

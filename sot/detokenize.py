@@ -149,3 +149,20 @@ class TextAssembler:
 
     def final_text(self) -> str:
         return self.text[: self.sent] if self.sent <= len(self.text) else self.text
+
+
+def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token's share of ``decode(ids)`` (special tokens kept), so the pieces join to the
+    whole text: a character that spans several byte tokens (an emoji, most CJK characters
+    in byte-level vocabularies) belongs to the token that completes it, and the tokens before
+    it get ``""``. The last token also takes any text still unsettled at the end."""
+    text = IncrementalText(decoder(tokenizer, skip_special=False))
+    pieces, done = [], 0
+    for t in ids:
+        text.extend([t])
+        settled = text.settled_length
+        pieces.append(text.text[done:settled])
+        done = settled
+    if pieces and len(text) > done:
+        pieces[-1] += text.text[done:]
+    return pieces

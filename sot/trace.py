@@ -250,23 +250,49 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[TracedSequence]]:
     """Read a trace written by :func:`write_trace`; raises ``ValueError`` on a malformed file."""
     run: dict[str, Any] = {}
     seqs: dict[int, TracedSequence] = {}
-    with open(path) as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                kind = obj.pop("type")
-                if kind == "run":
-                    run = obj
-                elif kind == "sequence":
-                    seqs[obj["index"]] = TracedSequence(**obj)
-                elif kind == "step":
-                    seqs[obj.pop("sequence")].steps.append(obj)
-                elif kind == "states":
-                    seqs[obj.pop("sequence")].states = obj
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: not a SoT trace line ({exc})") from None
+    with open(path, encoding="utf-8") as fh:
+        number = 0
+        try:
+            for number, line in enumerate(fh, start=1):
+                if line.strip():
+                    _read_line(json.loads(line), run, seqs)
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}:{number + 1}: not UTF-8 text, so not a SoT trace") from None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{number}: not a SoT trace line ({exc})") from None
     if not seqs:
         raise ValueError(f"{path}: no traced sequence in it")
+    empty = [k for k, s in sorted(seqs.items()) if not s.steps]
+    if empty:
+        raise ValueError(f"{path}: sequence {empty[0]} has no step lines (the trace was cut short?)")
     return run, [seqs[k] for k in sorted(seqs)]
+
+
+def _read_line(obj: Any, run: dict[str, Any], seqs: dict[int, TracedSequence]) -> None:
+    """Add one parsed line of a trace file to ``run`` and ``seqs``; ``TypeError``,
+    ``KeyError`` or ``ValueError`` for a line that is not one :func:`write_trace` writes."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"a JSON {type(obj).__name__}, not an object")
+    kind = obj.pop("type", None)
+    if kind == "run":
+        run.update(obj)
+    elif kind == "sequence":
+        seqs[obj["index"]] = TracedSequence(**obj)
+    elif kind == "step":
+        _owner(obj, seqs).steps.append(StepRecord(**obj).to_json())  # every field present, no unknown one
+    elif kind == "states":
+        missing = {"positions", "actual", "compare"} - obj.keys()
+        if missing:
+            raise KeyError(", ".join(sorted(missing)))
+        _owner(obj, seqs).states = obj
+    elif kind is None:
+        raise KeyError("type")
+    # a line of a type this version does not know (a later version's) is skipped
+
+
+def _owner(obj: dict[str, Any], seqs: dict[int, TracedSequence]) -> TracedSequence:
+    """The sequence a step or states line names (its ``sequence`` key, removed)."""
+    index = obj.pop("sequence")
+    if index not in seqs:
+        raise ValueError(f"it names sequence {index!r}, which no earlier sequence line opens")
+    return seqs[index]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,9 @@ def _pca(actual: list[list[float]], predicted: list[list[float]]) -> tuple[list[
 
 def page_data(seq: TracedSequence) -> dict[str, Any]:
     """What the page's script draws for one sequence."""
-    data: dict[str, Any] = {"index": seq.index, "pieces": seq.pieces, "steps": seq.steps, "vocab": seq.vocab,
+    # the predicted vectors are drawn through their 2-D projections below, not sent whole
+    steps = [{k: v for k, v in rec.items() if k != "predicted"} for rec in seq.steps]
+    data: dict[str, Any] = {"index": seq.index, "pieces": seq.pieces, "steps": steps, "vocab": seq.vocab,
                             "tau": seq.tau, "text": seq.text, "states": None}
     if seq.states is not None:
         first = seq.states["positions"][0] if seq.states["positions"] else 0
@@ -61,6 +64,8 @@ h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
           border: 1px solid #ddd; padding: 0.6em; border-radius: 4px; }
 .tok { cursor: pointer; border-radius: 3px; padding: 1px 0; }
 .tok.sel { outline: 2px solid #111; }
+.tok.part { display: inline-block; min-width: 0.45em; height: 1.1em; vertical-align: middle; }
+.tok .nl { color: #888; }
 .legend span { display: inline-block; padding: 0 0.5em; margin-right: 0.4em; border-radius: 3px; font-size: 0.85em; }
 .row { display: flex; flex-wrap: wrap; gap: 1em; } .row > div { flex: 1 1 420px; min-width: 380px; }
 .muted { color: #666; font-size: 0.9em; }
@@ -75,6 +80,9 @@ let seq = null, current = 0;
 
 function tokText(id) { const t = seq.vocab[String(id)]; return t === undefined ? '#' + id : t; }
 function fmt(x, d) { return x === null || x === undefined ? '-' : Number(x).toFixed(d); }
+function plural(n, word) { return `${n} ${word}${n === 1 ? '' : 's'}`; }
+// Plotly reads a few HTML tags in chart text (<b>, <br>, <a>, ...): token text is shown as written.
+function esc(s) { return String(s).replace(/&/g, '&amp;').replace(/</g, '&lt;').replace(/>/g, '&gt;'); }
 
 // One entry per answer token: the step that committed it and how.
 function tokenKinds() {
@@ -103,10 +111,19 @@ function drawTokens() {
     const span = document.createElement('span');
     span.className = 'tok';
     span.dataset.step = k.step;
-    span.textContent = piece;
+    if (piece === '') {  // part of a character that a later token completes
+      span.classList.add('part');
+    } else if (/^[\r\n]+$/.test(piece)) {  // a line break: a mark to see and click, then the break
+      const mark = document.createElement('span');
+      mark.className = 'nl';
+      mark.textContent = '\u21b5';
+      span.append(mark, piece);
+    } else {
+      span.textContent = piece;
+    }
     span.style.background = k.kind === 'depth' ? DEPTH_COLOURS[Math.min(k.depth - 1, DEPTH_COLOURS.length - 1)] : KIND[k.kind];
     const st = seq.steps[k.step];
-    span.title = `token ${i}: step ${k.step} (${st.mode}${st.probe ? ', probe' : ''}), tree ${st.tokens.length} nodes, ` +
+    span.title = (piece === '' ? 'part of a character the next token completes\n' : '') + `token ${i}: step ${k.step} (${st.mode}${st.probe ? ', probe' : ''}), tree ${st.tokens.length} nodes, ` +
       `${st.verified.filter(v => v).length} verified\n` +
       (k.kind === 'depth' ? `accepted at depth ${k.depth}, draft confidence ${fmt(k.conf, 3)}, target probability ${fmt(k.prob, 3)}`
                           : (k.kind === 'bonus' ? 'bonus token (the target\'s own)' : `${k.kind} step`));
@@ -126,7 +143,7 @@ function treeLayout(st) {
   })(0);
   const depth = new Array(n).fill(0);
   for (let i = 1; i < n; i++) depth[i] = depth[st.parents[i]] + 1;
-  return {x: depth, y: y.map(v => -v)};
+  return {x: depth, y: y.map(v => -v), leaves: leaf};
 }
 
 function drawTree() {
@@ -138,18 +155,19 @@ function drawTree() {
     ex.push(pos.x[p], pos.x[i], null); ey.push(pos.y[p], pos.y[i], null);
   }
   const colour = st.tokens.map((_, i) => onPath.has(i) ? '#1a9850' : (st.verified[i] ? '#f46d43' : '#bdbdbd'));
-  const labels = st.tokens.map((t, i) => JSON.stringify(tokText(t)) + (i ? ' ' + fmt(st.confidences[i], 2) : ''));
-  const hover = st.tokens.map((t, i) => `${JSON.stringify(tokText(t))}<br>confidence ${fmt(st.confidences[i], 3)}` +
+  const labels = st.tokens.map((t, i) => esc(JSON.stringify(tokText(t))) + (i ? ' ' + fmt(st.confidences[i], 2) : ''));
+  const hover = st.tokens.map((t, i) => `${esc(JSON.stringify(tokText(t)))}<br>confidence ${fmt(st.confidences[i], 3)}` +
     `<br>target probability ${fmt(st.target_probs[i], 3)}<br>${onPath.has(i) ? 'accepted' : (st.verified[i] ? 'verified, rejected' : 'pruned by the policy')}`);
   Plotly.react('tree', [
     {x: ex, y: ey, mode: 'lines', line: {color: '#999', width: 1}, hoverinfo: 'skip', showlegend: false},
     {x: pos.x, y: pos.y, mode: 'markers+text', text: labels, textposition: 'middle right', hovertext: hover,
      hoverinfo: 'text', marker: {size: 13, color: colour, line: {width: 1, color: '#333'}}, showlegend: false},
-  ], {title: {text: `step ${current}: ${st.mode}${st.probe ? ' (probe)' : ''}, ${st.tokens.length} nodes proposed, ` +
+  ], {title: {text: `step ${current}: ${st.mode}${st.probe ? ' (probe)' : ''}, ${plural(st.tokens.length, 'node')} proposed, ` +
                     `${st.verified.filter(v => v).length} verified, ${st.accepted.length - 1} accepted, expected ${fmt(st.expected, 2)}, committed ${st.committed}`,
               font: {size: 13}},
       xaxis: {title: {text: 'depth'}, dtick: 1, range: [-0.3, Math.max(...pos.x) + 1.2]},
-      yaxis: {visible: false}, margin: {t: 40, l: 30, r: 10, b: 40}, height: 360}, {displaylogo: false});
+      yaxis: {visible: false}, margin: {t: 40, l: 30, r: 10, b: 40},
+      height: Math.max(360, 80 + 22 * pos.leaves)}, {displaylogo: false});  // a row of text per leaf
   document.getElementById('step-label').textContent = `step ${current} of ${seq.steps.length - 1}`;
   document.querySelectorAll('.tok').forEach(s => s.classList.toggle('sel', Number(s.dataset.step) === current));
 }
@@ -175,7 +193,7 @@ function drawStates() {
   Plotly.newPlot('relerr', series('rel_error'), lay('predicted vs actual state: relative error', '|pred - actual| / |actual|'), {displaylogo: false});
   const a = seq.states.actual2d;
   const traces = [{x: a.map(p => p[0]), y: a.map(p => p[1]), mode: 'markers', name: 'target states (answer)',
-                   marker: {size: 6, color: '#444'}, text: seq.pieces.map((t, i) => `token ${i}: ${JSON.stringify(t)}`), hoverinfo: 'text'}];
+                   marker: {size: 6, color: '#444'}, text: seq.pieces.map((t, i) => `token ${i}: ${esc(JSON.stringify(t))}`), hoverinfo: 'text'}];
   seq.states.trajectories.forEach((t, i) => {
     const xs = [], ys = [];
     if (t.start >= 0 && t.start < a.length) { xs.push(a[t.start][0]); ys.push(a[t.start][1]); }
@@ -200,13 +218,18 @@ function drawSteps() {
     }
   });
   const depths = att.map((_, d) => d).filter(d => d > 0 && att[d]);
+  // a chart's box holds either a chart or a note, as the shown answer has data for it
+  const clear = id => { Plotly.purge(id); document.getElementById(id).textContent = ''; return id; };
+  const none = (id, what) => { document.getElementById(clear(id)).innerHTML = `<p class="muted">${what}</p>`; };
   const lay = (title, x, y, h) => ({title: {text: title, font: {size: 13}}, xaxis: {title: {text: x}}, yaxis: {title: {text: y}},
                                     height: h || 300, margin: {t: 40, l: 50, r: 10, b: 40}});
-  Plotly.newPlot('acceptance', [{x: depths, y: depths.map(d => (acc[d] || 0) / att[d]), type: 'bar', marker: {color: '#1a9850'},
+  if (!depths.length) none('acceptance', 'Acceptance by depth: no step verified a drafted token.');
+  else Plotly.newPlot(clear('acceptance'), [{x: depths, y: depths.map(d => (acc[d] || 0) / att[d]), type: 'bar', marker: {color: '#1a9850'},
     text: depths.map(d => `${acc[d] || 0}/${att[d]}`), hoverinfo: 'text+y'}], lay('acceptance by depth', 'depth', 'accepted / attempted'), {displaylogo: false});
   const withExp = seq.steps.filter(st => st.expected !== null);
   const top = Math.max(2, ...seq.steps.map(st => st.committed), ...withExp.map(st => st.expected));
-  Plotly.newPlot('calibration', [
+  if (!withExp.length) none('calibration', 'Policy calibration: the policy estimated no step.');
+  else Plotly.newPlot(clear('calibration'), [
     {x: withExp.map(st => st.expected), y: withExp.map(st => st.committed), mode: 'markers', name: 'steps',
      text: withExp.map(st => `step ${st.step}`), marker: {size: 7, color: '#3182bd', opacity: 0.6}},
     {x: [1, top], y: [1, top], mode: 'lines', name: 'expected = committed', line: {dash: 'dot', color: '#999'}}],
@@ -217,7 +240,8 @@ function drawSteps() {
     Object.assign(lay('tokens committed per step, by mode (fallback intervals in red)', 'step', 'tokens'), {barmode: 'overlay'}), {displaylogo: false});
   const sum = key => seq.steps.reduce((s, st) => s + st[key], 0);
   Plotly.newPlot('times', [{labels: ['draft', 'verify', 'other'], values: [sum('draft_seconds'), sum('verify_seconds'), sum('other_seconds')],
-    type: 'pie', marker: {colors: ['#fdae61', '#3182bd', '#bdbdbd']}, textinfo: 'label+percent'}],
+    type: 'pie', marker: {colors: ['#fdae61', '#3182bd', '#bdbdbd']}, textinfo: 'label+percent',
+    textposition: 'inside', sort: false}],
     {title: {text: 'time split of the steps', font: {size: 13}}, height: 300, margin: {t: 40, l: 10, r: 10, b: 10}}, {displaylogo: false});
 }
 
@@ -228,7 +252,7 @@ function show(i) {
   slider.max = Math.max(0, seq.steps.length - 1);
   slider.value = current;
   document.getElementById('summary').textContent =
-    `${seq.pieces.length} tokens: the prompt's pass and ${Math.max(0, seq.steps.length - 1)} steps, ` +
+    `${plural(seq.pieces.length, 'token')}: the prompt's pass and ${plural(Math.max(0, seq.steps.length - 1), 'step')}, ` +
     `mean accepted length ${Number(seq.tau).toFixed(2)}`;
   drawTokens(); drawTree(); drawStates(); drawSteps();
 }
@@ -241,14 +265,34 @@ show(0);
 """
 
 
+def _finite(x: Any) -> Any:
+    """``x`` with every NaN or infinite float replaced by ``None`` (JSON has neither)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def embedded_json(data: Any) -> str:
+    """``data`` as JSON that can sit inside a ``<script>`` element whatever its strings hold:
+    ``<``, ``>`` and ``&`` are written as ``\\u`` escapes, so no text (``</script>``, or an
+    answer that opens an HTML comment, ``<!--``, before a ``<script``) can end or change the
+    element, and ``JSON.parse`` reads the same strings back."""
+    text = json.dumps(_finite(data), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 def render_page(run: dict[str, Any], sequences: list[TracedSequence]) -> str:
     """The HTML text of the page."""
     from plotly.offline import get_plotlyjs
 
-    data = {"run": run, "sequences": [page_data(s) for s in sequences]}
-    # keep "</script>" out of the embedded JSON
-    payload = json.dumps(data).replace("</", "<\\/")
+    payload = embedded_json({"run": run, "sequences": [page_data(s) for s in sequences]})
     title = f"SoT trace: {run.get('model', '?')}, drafter {run.get('drafter', '?')}, {run.get('dtype', '?')}"
+    if run.get("request"):
+        title += f", request {run['request']}"
     legend = "".join(
         f'<span style="background:{c}">{html.escape(n)}</span>'
         for n, c in [("accepted, depth 1", "#1a9850"), ("depth 2", "#66bd63"), ("depth 3", "#a6d96a"),

@@ -174,6 +174,15 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
     monkeypatch.setitem(cli.HANDLERS, "generate", unwritable)
     assert main(["generate", "hi"]) == 2
     assert capsys.readouterr().err == "sot: error: /srv/out.jsonl: Permission denied\n"
+
+    def disk_full(args):  # an error with no file name (writing to /dev/full): one line too
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setitem(cli.HANDLERS, "generate", disk_full)
+    assert main(["generate", "hi"]) == 2
+    assert capsys.readouterr().err == "sot: error: No space left on device\n"
+    assert main(["trace", "abc", "--out", ""]) == 2
+    assert capsys.readouterr().err == "sot: error: --out needs a file path\n"
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("sot ")

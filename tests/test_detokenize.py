@@ -137,3 +137,18 @@ def test_streamed_deltas_of_byte_fallback_text_join_to_the_text() -> None:
         n += k
     assert all("\ufffd" not in d for d in deltas), "no replacement character is sent for a split character"
     assert "".join(deltas) == stream.final_text() == text
+
+
+@pytest.mark.parametrize("family", ["byte_level", "sentencepiece"])
+def test_token_pieces_join_to_the_text(family: str) -> None:
+    """A trace's pieces, one per token, join to the decoded text with no replacement
+    character: a character spelled in several byte tokens goes to the token that completes it."""
+    from sot.detokenize import token_pieces
+
+    tok = _byte_level() if family == "byte_level" else _sentencepiece_like()
+    for text in _TEXT[:2]:
+        ids = tok.encode(text).ids
+        pieces = token_pieces(tok, ids)
+        assert len(pieces) == len(ids)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=False)
+    assert "\ufffd" not in "".join(pieces) and "" in pieces, "the emoji and CJK text spans tokens"

@@ -1082,6 +1082,8 @@ def test_trace_pages_of_finished_requests(tiny_server, default_server) -> None:
     page = httpx.get(f"{tiny_server.url}/trace/{ids[-1]}", headers=AUTH, timeout=60)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'id="trace-data"' in page.text and ids[-1] in page.text
+    # what ran, as the CLI's pages say
+    assert re.search(rf"drafter \w+, (float32|bfloat16|int8), request {ids[-1]}</title>", page.text)
     for missing in (ids[0], "cmpl-nope"):
         gone = httpx.get(f"{tiny_server.url}/trace/{missing}", headers=AUTH, timeout=30)
         assert gone.status_code == 404 and "only the last 2" in gone.json()["error"]["message"]

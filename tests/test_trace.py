@@ -127,9 +127,23 @@ def test_trace_file_round_trip_and_state_comparison(tmp_path: Path) -> None:
     write_trace(tmp_path / "t.jsonl", {"model": "tiny"}, traced)
     run, back = read_trace(tmp_path / "t.jsonl")
     assert run["model"] == "tiny" and back == traced
-    (tmp_path / "bad.jsonl").write_text('{"type": "step"}\n')
-    with pytest.raises(ValueError, match="not a SoT trace line"):
-        read_trace(tmp_path / "bad.jsonl")
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    for text, message in (('{"type": "step"}', ":1: not a SoT trace line"),  # no sequence before it
+                          ('"str"', ":1: not a SoT trace line \\(a JSON str, not an object\\)"),
+                          ("[1, 2]", ":1: not a SoT trace line \\(a JSON list"),
+                          ("null", ":1: not a SoT trace line"),
+                          ('{"index": 0}', ":1: not a SoT trace line \\('type'\\)"),
+                          (lines[1], "sequence 0 has no step lines"),
+                          ("\n".join(lines[:2] + [lines[2].replace('"mode"', '"mood"')]), ":3: not a SoT trace line")):
+        bad.write_text(text + "\n")
+        with pytest.raises(ValueError, match=message):
+            read_trace(bad)
+    bad.write_bytes(b'{"type": "run", "model": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=":1: not UTF-8 text"):
+        read_trace(bad)
+    (tmp_path / "later.jsonl").write_text("\n".join(lines + ['{"type": "a later kind of line"}']) + "\n")
+    assert read_trace(tmp_path / "later.jsonl")[1] == traced  # skipped
 
 
 def test_recording_is_off_by_default() -> None:
@@ -147,7 +161,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
                     reason="no system Chromium (Debian: apt-get install chromium); CI installs it and runs this test")
 def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
     """Headless Chromium: no console errors, no network request, one element per token, the
-    tree changes with the selected step, and the screenshot is not blank."""
+    tree changes with the selected step, and the screenshot is not blank. The answer opens an
+    HTML comment and a script tag and the tokens' text holds chart markup (``<b>``): the page
+    draws all the same, and shows that text as written."""
     from playwright.sync_api import sync_playwright
 
     from sot.trace_page import write_page
@@ -159,7 +175,8 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
         seqs.append(TracedSequence(i, p, r.token_ids, [f"t{t} " for t in r.token_ids], "", r.finish_reason, 1.0, 1.0,
                                    [rec.to_json() for rec in r.step_records],
                                    compare_states(model, p, r.token_ids, r.step_records),
-                                   vocab={str(t): f"t{t}" for t in range(96)}))
+                                   vocab={str(t): f"<b>t{t}</b>" for t in range(96)}))
+    seqs[0].pieces[:3] = ["<!-- ", "<script>", ""]  # the third: part of a character the next completes
     page_file = tmp_path / "trace.html"
     write_page(page_file, {"model": "tiny", "drafter": "state", "dtype": "float32"}, seqs)
     with sync_playwright() as pw:
@@ -175,10 +192,13 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
             page.goto(page_file.as_uri())
             page.wait_for_selector("#tree .main-svg")
             assert page.locator("#tokens .tok").count() == len(results[0].token_ids)
+            assert page.locator("#tokens .tok.part").count() == 1
+            assert page.locator("#tokens .tok").first.text_content() == "<!-- "
             title = lambda: page.locator("#tree .gtitle").text_content()  # noqa: E731
             nodes = lambda: page.locator("#tree .textpoint").all_text_contents()  # noqa: E731
             first, first_nodes = title(), nodes()  # the first verify step is shown at first
             assert first.startswith("step 1:") and len(first_nodes) == len(results[0].step_records[1].tokens)
+            assert all(n.startswith('"<b>t') for n in first_nodes), first_nodes
             later = next(rec.step for rec in results[0].step_records[2:]
                          if rec.tokens != results[0].step_records[1].tokens)
             page.locator(f'#tokens .tok[data-step="{later}"]').first.click()

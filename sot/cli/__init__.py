@@ -48,9 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sot: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file the user named cannot be read or written
-        if exc.filename is None or os.environ.get("SOT_DEBUG"):
+        if os.environ.get("SOT_DEBUG"):
             raise
-        print(f"sot: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"sot: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nsot: interrupted", file=sys.stderr)

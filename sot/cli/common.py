@@ -234,8 +234,10 @@ def load_sot(args: argparse.Namespace) -> SoT:
 def check_output_path(path: str | None, flag: str) -> None:
     """Stop now, before a model loads, when the file ``path`` (``None``: not asked for) could
     not be written later: it names a folder, or its folder does not exist or is not writable."""
-    if not path:
+    if path is None:
         return
+    if not path:
+        raise SoTError(f"{flag} needs a file path")
     target = Path(path)
     if target.is_dir():
         raise SoTError(f"{flag} {path}: is a folder; give a file path")

@@ -248,16 +248,12 @@ def _adapt_line(sot) -> None:
 
 
 def _write_trace(args: argparse.Namespace, sot, ids: list[list[int]], results) -> list:
-    from sot import __version__
-    from sot.models.loading import dtype_name
     from sot.trace import write_trace
 
     traced = sot.traced(ids, results)
     path = args.trace if args.command == "generate" else args.save
     if path:
-        run = {"model": sot.name, "drafter": sot.engine.drafter.kind.value, "dtype": dtype_name(sot.target.dtype),
-               "version": __version__}
-        write_trace(path, run, traced)
+        write_trace(path, sot.trace_run(), traced)
         print(f"trace written to {path}", file=sys.stderr)
     return traced
 
@@ -281,8 +277,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SoTError(str(exc)) from None
     else:
-        from sot import __version__
-        from sot.models.loading import dtype_name
         from sot.prompts import read_jsonl
 
         items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
@@ -291,8 +285,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         params = sot.params(**sampling_kwargs(args))
         results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=True)
         traced = _write_trace(args, sot, ids, results)
-        run = {"model": sot.name, "drafter": sot.engine.drafter.kind.value, "dtype": dtype_name(sot.target.dtype),
-               "version": __version__}
+        run = sot.trace_run()
     write_page(args.out, run, traced)
     print(f"wrote {args.out} ({len(traced)} sequence{'s' if len(traced) != 1 else ''})", file=sys.stderr)
     return 0

@@ -203,8 +203,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
             from sot.trace_page import render_page
 
             traced = state.sot.traced([prompt], [result])
-            return render_page({"model": state.model_name, "drafter": state.sot.engine.drafter.kind.value,
-                                "request": rid}, traced)
+            return render_page(state.sot.trace_run(model=state.model_name, request=rid), traced)
 
         page = await asyncio.wrap_future(state.worker.call(render))
         return HTMLResponse(page)
