@@ -123,7 +123,8 @@ function drawTokens() {
     }
     span.style.background = k.kind === 'depth' ? DEPTH_COLOURS[Math.min(k.depth - 1, DEPTH_COLOURS.length - 1)] : KIND[k.kind];
     const st = seq.steps[k.step];
-    span.title = (piece === '' ? 'part of a character the next token completes\n' : '') + `token ${i}: step ${k.step} (${st.mode}${st.probe ? ', probe' : ''}), tree ${st.tokens.length} nodes, ` +
+    span.title = (piece === '' ? 'part of a character the next token completes\n' : '') +
+      `token ${i}: step ${k.step} (${st.mode}${st.probe ? ', probe' : ''}), tree ${st.tokens.length} nodes, ` +
       `${st.verified.filter(v => v).length} verified\n` +
       (k.kind === 'depth' ? `accepted at depth ${k.depth}, draft confidence ${fmt(k.conf, 3)}, target probability ${fmt(k.prob, 3)}`
                           : (k.kind === 'bonus' ? 'bonus token (the target\'s own)' : `${k.kind} step`));

@@ -22,7 +22,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API (chat and text completions, streaming, metrics)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the /v1 routes and /trace pages")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the /v1 routes and /trace pages")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     add_drafter_args(p)
     p.add_argument("--suffix-tenants", choices=("shared", "user"), default="shared",

@@ -97,7 +97,8 @@ class VerifyGraphs:
         return (tuple(ids.shape), tuple(layout.kernel.ancestors.shape), keys.data_ptr(), values.data_ptr(),
                 tuple(keys.shape), tuple(keys.stride()), keys.dtype)
 
-    def run(self, forward: Callable[[torch.Tensor, torch.Tensor, TreeLayout], Any], cache: KVCache, input_ids: torch.Tensor,
+    def run(self, forward: Callable[[torch.Tensor, torch.Tensor, TreeLayout], Any], cache: KVCache,
+            input_ids: torch.Tensor,
             positions: torch.Tensor, layout: TreeLayout) -> Any | None:
         """The pass ``forward(ids, positions, layout)`` from a graph: ``input_ids`` and
         ``positions`` ``[B, T]`` (host or device), ``layout`` built for ``cache`` on the GPU.

@@ -91,7 +91,8 @@ def sparse_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Te
 
 
 def online_loss(model: torch.nn.Module, pred: StatePredictor, seq: OnPolicySequence, cfg: OnlineLossConfig,
-                device: torch.device, autocast: AbstractContextManager | None = None, weights: torch.Tensor | None = None
+                device: torch.device, autocast: AbstractContextManager | None = None,
+                weights: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one recorded sequence and its parts (``kl{k}``, ``acc0``, ``state0`` where the
     final states were recorded). ``model`` is what is called (a DDP wrapper or ``pred``);
