@@ -178,8 +178,9 @@ class SoT:
                 a predictor fits the model, otherwise suffix trees and prompt lookup),
                 ``none``, ``pld``, ``suffix`` or ``state`` (the predictor with prompt lookup).
             dtype: ``auto`` (default: the mode that decodes fastest on this machine with this
-                model and drafter, timed once and cached; :mod:`sot.dtype_choice`), ``bfloat16``
-                or ``float32``. Greedy output is identical to plain decoding in either.
+                model and drafter, timed once and cached; :mod:`sot.dtype_choice`), ``bfloat16``,
+                ``float32`` or ``int8`` (a GGUF model's blocks multiplied in 8-bit integers, as
+                llama.cpp does). Greedy output is identical to plain decoding in each.
             max_nodes: tree size limit per step, root included.
             max_depth: how many tokens ahead a tree may reach.
             predictor: a state predictor file or an EAGLE-3 head folder (default: the one

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Union
 
@@ -14,13 +15,16 @@ PromptItem = Union[str, dict]
 
 
 def json_lines(path: str | Path, missing: str = "prompts file not found") -> list[tuple[int, Any]]:
-    """``(line number, parsed value)`` for each non-blank line of a JSONL file; a missing file
-    or a line that is not JSON is a :class:`ConfigError` naming the place."""
+    """``(line number, parsed value)`` for each non-blank line of a JSONL file (``-``: standard
+    input); a missing file or a line that is not JSON is a :class:`ConfigError` naming the place."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{missing}: {path}")
     try:
-        text = p.read_text(encoding="utf-8")
+        if str(path) == "-":  # standard input
+            text = sys.stdin.buffer.read().decode("utf-8-sig")
+        elif p.exists() and not p.is_dir():  # (a pipe such as /dev/stdin too)
+            text = p.read_bytes().decode("utf-8-sig")  # (a leading byte-order mark is not part of the text)
+        else:
+            raise ConfigError(f"{missing}: {path}")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     out = []
@@ -41,10 +45,23 @@ def read_jsonl(path: str | Path) -> list[dict]:
     records = []
     for number, record in json_lines(path):
         check_record(record, f"{path}:{number}")
+        for text in _texts(record):
+            check_utf8(text, f"{path}:{number}: the text")
         records.append(record)
     if not records:
         raise ConfigError(f"{path} holds no prompts")
     return records
+
+
+def _texts(record: Any) -> list[str]:
+    """The strings a checked prompt record holds (its prompt, turns, system and messages)."""
+    if isinstance(record, str):
+        return [record]
+    out = [record[k] for k in ("prompt", "system") if isinstance(record.get(k), str)]
+    out += [t for t in record.get("turns") or [] if isinstance(t, str)]
+    out += [m["content"] for m in record.get("messages") or []
+            if isinstance(m, dict) and isinstance(m.get("content"), str)]
+    return out
 
 
 def check_record(record: Any, where: str = "prompt") -> None:
@@ -60,7 +77,9 @@ def check_record(record: Any, where: str = "prompt") -> None:
             isinstance(m, dict) and ("content" in m or "tool_calls" in m) for m in messages):
         return
     turns = record.get("turns")
-    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+    if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+        if not isinstance(record.get("system", ""), str):
+            raise ConfigError(f"{where}: 'system' must be a string")
         return
     raise ConfigError(f"{where}: needs 'prompt' (string), 'messages' (list of {{role, content}}) or 'turns' (list of strings)")
 

@@ -163,9 +163,11 @@ def char_tokenizer_dir(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def tiny_model_dir(path: Path, arch: str = "llama", max_positions: int = 512, seed: int = 0) -> Path:
-    """A tiny model folder (config, safetensors, tokenizer) usable as ``--model``."""
-    model = tiny_model(arch, seed=seed)
+def tiny_model_dir(path: Path, arch: str = "llama", max_positions: int = 512, seed: int = 0,
+                   **overrides: object) -> Path:
+    """A tiny model folder (config, safetensors, tokenizer) usable as ``--model`` (``overrides``
+    as :func:`tiny_model` takes them)."""
+    model = tiny_model(arch, seed=seed, **overrides)
     if hasattr(model.config, "max_position_embeddings"):
         model.config.max_position_embeddings = max_positions
     model.save_pretrained(path)

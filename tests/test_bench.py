@@ -10,7 +10,7 @@ from helpers import tiny_model_dir
 from sot.acceptance import Acceptance
 from sot.bench.runner import BenchConfig, run_bench
 from sot.cli import main
-from sot.errors import ConfigError
+from sot.errors import ConfigError, SoTError
 
 
 @pytest.fixture(scope="module")
@@ -305,3 +305,56 @@ def test_dtype_sweep_runs_each_mode_against_its_own_plain(setup) -> None:
     with pytest.raises(ConfigError, match="batch size 1"):
         run_bench(_config(model, prompts, root / "no", methods=("plain", "pld"), batch_size=2,
                           sweep=("dtype", ("float32", "int8"))))
+
+
+def test_bench_inputs_are_checked_before_models_load_and_results_survive(setup, tmp_path, monkeypatch,
+                                                                          capsys) -> None:
+    """Bad prompts files, methods and sweeps stop the bench before a model loads (the model path
+    here does not exist, so a load would fail with another message); a prompt too long for the
+    context is named before anything runs; an output folder never overwrites the prompts or
+    keeps an earlier run's files; Ctrl-C keeps the prompts every method finished."""
+    model, prompts, root = setup
+    bad = tmp_path / "bad.jsonl"
+    for text, message in (('{"turns": ["ok", 5]}', "needs 'prompt'"),
+                          ('{"turns": ["ok"], "system": 5}', "'system' must be a string"),
+                          ('{"prompt": "caf\\udc80"}', ":1: the text is not valid UTF-8")):
+        bad.write_text(text + "\n")
+        for extra in ([], ["--multiturn"]):
+            assert main(["bench", "--prompts", str(bad), "--model", "/no/such/model", *extra,
+                         "--out", str(tmp_path / "o")]) == 2
+            err = capsys.readouterr().err
+            assert message in err and "no/such/model" not in err, (text, err)
+    for extra, message in ((["--methods", ""], "names no method"),
+                           (["--methods", "plain,pld", "--sweep", "max-depth=0"], "integers >= 1"),
+                           (["--methods", "plain,suffix", "--sweep", "max-depth=2"], "pld or state")):
+        assert main(["bench", "--prompts", str(prompts), "--model", "/no/such/model", *extra]) == 2
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "o").exists()  # nothing was made for a bench that could not run
+    with pytest.raises(ConfigError, match="would overwrite the prompts file"):
+        run_bench(_config(model, tmp_path / "plain.jsonl", tmp_path, methods=("plain",)))
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "ab"}) + "\n" + json.dumps({"id": "big", "prompt": "x" * 600}) + "\n")
+    with pytest.raises(SoTError, match=r"prompt 2 \(id big\): the prompt has"):
+        run_bench(_config(model, long, tmp_path / "long", methods=("plain", "pld")))
+
+    out = tmp_path / "again"
+    run_bench(_config(model, prompts, out, methods=("plain", "pld"), max_new_tokens=8))
+    assert (out / "pld.jsonl").is_file()
+    from sot.bench import runner
+
+    calls = []
+    real = runner._run_one
+
+    def interrupted(method, ids, params, index, pid):
+        if len(calls) == 3:  # prompt 1 by both methods, then prompt 2 by plain
+            raise KeyboardInterrupt
+        calls.append(method.name)
+        return real(method, ids, params, index, pid)
+
+    monkeypatch.setattr(runner, "_run_one", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(_config(model, prompts, out, methods=("plain", "suffix"), max_new_tokens=8))
+    res = json.loads((out / "results.json").read_text())
+    assert res["partial"] is True and "interrupted" in res["notes"][0]
+    assert sorted((r["method"], r["prompt_index"]) for r in res["records"]) == [("plain", 0), ("suffix", 0)]
+    assert not (out / "pld.jsonl").exists() and (out / "suffix.jsonl").is_file()  # the earlier run's are gone

@@ -27,7 +27,16 @@ from sot.policy.config import PolicyConfig, PolicyKind
 DRAFT = torch.tensor(sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:48].tolist()))
 
 
-def _eagle3(model, seed: int = 1, draft: torch.Tensor | None = DRAFT, layers=LAYERS):
+#: input layers vLLM and SGLang can serve from a 4-layer target (inputs of layers 1..3)
+SERVED = (1, 2, 3)
+
+
+def _served_target(seed: int) -> torch.nn.Module:
+    """A tiny target deep enough for an exportable head: 4 layers, read at :data:`SERVED`."""
+    return tiny_model("llama", seed=seed, num_hidden_layers=4)
+
+
+def _eagle3(model, seed: int = 1, draft: torch.Tensor | None = DRAFT, layers=SERVED):
     """An ``eagle3`` predictor whose every weight is random (norms too), so that no part of
     the layout can go unnoticed."""
     pred = new_predictor(model, layers, draft, seed=seed, arch="eagle3")
@@ -59,11 +68,11 @@ def _same_trees(a, b) -> None:
 
 
 def test_round_trip_on_a_tiny_llama_gives_identical_trees(tmp_path) -> None:
-    model = tiny_model("llama", seed=4)
+    model = _served_target(seed=4)
     pred = _saved_and_loaded(model, _eagle3(model), tmp_path)
     out = export_eagle3(pred, tmp_path / "head", model)
     back = load_predictor(out, model)
-    assert back.config.arch == "eagle3" and back.config.state_layers == LAYERS
+    assert back.config.arch == "eagle3" and back.config.state_layers == SERVED
     assert torch.equal(back.draft_vocab, pred.draft_vocab)
     for (name, a), (_, b) in zip(pred.named_parameters(), back.named_parameters()):
         assert torch.equal(a, b), name
@@ -155,7 +164,7 @@ def _reference_logits(folder: Path, embed: torch.Tensor, states: torch.Tensor, t
 
 
 def test_an_independent_reference_forward_gives_the_imported_predictors_logits(tmp_path) -> None:
-    model = tiny_model("llama", seed=6)
+    model = _served_target(seed=6)
     folder = export_eagle3(_saved_and_loaded(model, _eagle3(model, seed=3), tmp_path), tmp_path / "head", model,
                            dtype=torch.float32)
     pred = load_predictor(folder, model)
@@ -173,7 +182,7 @@ def test_an_independent_reference_forward_gives_the_imported_predictors_logits(t
 
 
 def test_the_exported_key_set_names_shapes_and_dtypes(tmp_path) -> None:
-    model = tiny_model("llama", seed=4)
+    model = _served_target(seed=4)
     pred = _saved_and_loaded(model, _eagle3(model), tmp_path)
     folder = export_eagle3(pred, tmp_path / "head", model)
     d, inter, nh, nkv, hd = 64, 128, 4, 2, 16
@@ -207,8 +216,8 @@ def test_the_exported_key_set_names_shapes_and_dtypes(tmp_path) -> None:
     assert cfg["max_position_embeddings"] == model.config.max_position_embeddings
     assert cfg["rms_norm_eps"] == pred.config.rms_eps and cfg["rope_theta"] == pred.config.rope_theta
     # vLLM lists the layers whose input is taken, SGLang the layers whose output is, one less
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(LAYERS)
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in LAYERS],
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(SERVED)
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in SERVED],
                                    "use_aux_hidden_state": True}
 
 
@@ -298,6 +307,20 @@ def test_a_head_for_another_target_is_refused(tmp_path) -> None:
     deep = _random_checkpoint(tmp_path / "deep", model, seed=5, eagle_aux_hidden_state_layer_ids=[2, 16, 29])
     with pytest.raises(DrafterCompatibilityError, match=r"input layers \[2, 16, 29\], target has 2 layers"):
         load_predictor(deep, model)
+    for name, changes, message in (
+            ("unsorted", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, -1, 0]}}, "ascending order"),
+            ("unnormed", {"norm_output": False}, "norm_output false"),
+            ("partial", {"intermediate_size": None}, "has a field SoT cannot read"),
+            ("no_heads", {"num_attention_heads": "four"}, "has a field SoT cannot read")):
+        bad = _random_checkpoint(tmp_path / name, model, seed=5, **changes)
+        with pytest.raises(DrafterCompatibilityError, match=message):
+            load_predictor(bad, model)
+    floaty = _random_checkpoint(tmp_path / "floaty", model, seed=5)
+    with safe_open(str(floaty / "model.safetensors"), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    save_file({**tensors, "d2t": tensors["d2t"].float()}, str(floaty / "model.safetensors"))
+    with pytest.raises(DrafterCompatibilityError, match="d2t is torch.float32"):
+        load_predictor(floaty, model)
     scaled = _random_checkpoint(tmp_path / "scaled", model, seed=5, rope_theta=None,  # (transformers 5's layout)
                                 rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0})
     with pytest.raises(DrafterCompatibilityError, match="rope_scaling .*llama3"):
@@ -321,6 +344,24 @@ def test_native_predictors_are_not_exported_and_eagle3_keeps_one_layer(tmp_path)
     model = tiny_model("llama", seed=4)
     with pytest.raises(ConfigError, match="native SoT predictor.*--arch eagle3"):
         export_eagle3(new_predictor(model, LAYERS, None, seed=1), tmp_path / "x", model)
+    # vLLM and SGLang capture each input layer once, ascending, from the inputs of layers 1..L-1
+    deep = _served_target(seed=4)
+    for layers, message in (((3, 1, 2), "distinct and ascending"), ((1, 1, 3), "distinct and ascending"),
+                            ((0, 1, 2), r"in 1\.\.3 for a 4-layer target"), ((1, 2, 4), r"in 1\.\.3"),
+                            ((1, 2), "three input layers")):
+        with pytest.raises(ConfigError, match=message):
+            export_eagle3(_eagle3(deep, layers=layers), tmp_path / "y", deep)
+    assert not (tmp_path / "y").exists()
+    # an export never writes over a model or other files, but replaces an earlier export
+    model_dir = tiny_model_dir(tmp_path / "model")
+    with pytest.raises(ConfigError, match="give a new or empty folder"):
+        export_eagle3(_eagle3(deep), model_dir, deep)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("mine")
+    with pytest.raises(ConfigError, match="holds README.md"):
+        export_eagle3(_eagle3(deep), tmp_path / "notes", deep)
+    again = export_eagle3(_eagle3(deep, seed=2), export_eagle3(_eagle3(deep), tmp_path / "head", deep), deep)
+    assert (again / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by a server's user
     with pytest.raises(ConfigError, match="one decoder layer"):
         new_predictor(model, LAYERS, None, decoder_layers=2, arch="eagle3")
     with pytest.raises(ConfigError, match="own draft vocabulary"):
@@ -330,13 +371,21 @@ def test_native_predictors_are_not_exported_and_eagle3_keeps_one_layer(tmp_path)
 def test_train_an_eagle3_head_export_it_and_draft_with_the_export(tiny_run, tmp_path) -> None:
     """``sot train fit --arch eagle3`` learns, ``sot export`` writes the folder, and the folder
     drafts through ``--predictor`` as losslessly as the file, accepting drafts."""
-    from sot.models.loading import load_model
-    from sot.train.trainer import fit
-
-    cfg = tiny_run["cfg"]
-    run = tmp_path / "run"
     from dataclasses import replace
 
+    from sot.models.loading import load_model
+    from sot.train.data import build_state_cache
+    from sot.train.trainer import fit
+    from state_helpers import conversations
+
+    # the tiny run's settings on a target deep enough for the engines to serve the head (4 layers)
+    model_dir = tiny_model_dir(tmp_path / "model", num_hidden_layers=4)
+    loaded = load_model(str(model_dir))
+    for split, n in (("train", 40), ("eval", 6)):
+        build_state_cache(loaded.model, loaded.tokenizer, conversations(n), tmp_path / "data" / split, SERVED, None,
+                          256, progress=False)
+    run = tmp_path / "run"
+    cfg = replace(tiny_run["cfg"], model=str(model_dir), data=str(tmp_path / "data"))
     predictor = fit(replace(cfg, out=str(run), arch="eagle3", steps=30))
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     losses = [h["loss"] for h in state["history"]]
@@ -344,23 +393,26 @@ def test_train_an_eagle3_head_export_it_and_draft_with_the_export(tiny_run, tmp_
     assert state["evals"][-1]["chain_tau"] > state["evals"][0]["chain_tau"], "and raises the held-out acceptance"
     out = tmp_path / "head"
     proc = subprocess.run([sys.executable, "-m", "sot.cli", "export", "--format", "eagle3", str(predictor), str(out),
-                           "--model", str(tiny_run["model_dir"]), "--dtype", "float32"],
+                           "--model", str(model_dir), "--dtype", "float32"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
     with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
         assert fh.get_tensor("fc.weight").dtype == torch.float32
-    assert "SGLang counts them as [-1, 0, 1]" in proc.stderr
+    assert "SGLang counts them as [0, 1, 2]" in proc.stderr
     native = subprocess.run([sys.executable, "-m", "sot.cli", "export", str(tiny_run["predictor"]), str(tmp_path / "n"),
                              "--model", str(tiny_run["model_dir"])], capture_output=True, text=True, cwd=ROOT)
     assert native.returncode == 2 and "native SoT predictor" in native.stderr and "Traceback" not in native.stderr
-    loaded = load_model(str(tiny_run["model_dir"]))
+    missing = subprocess.run([sys.executable, "-m", "sot.cli", "export", str(tmp_path / "no.safetensors"),
+                              str(tmp_path / "m"), "--model", "/no/such/model"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "no.safetensors does not exist" in missing.stderr  # before the model loads
     tok = loaded.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"say {w} please"}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                for w in ("red", "blue", "cyan")]
     params = GenerationParams(max_new_tokens=40)
-    target = TargetModel(loaded.model, state_layers=LAYERS)
+    target = TargetModel(loaded.model, state_layers=SERVED)
     plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
     static = PolicyConfig(kind=PolicyKind.STATIC)  # draft every step: the tiny target's verify is too cheap to pay
     for source in (predictor, out):

@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from sot.errors import ConfigError
+from sot.errors import ConfigError, PromptTooLongError
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -147,26 +147,37 @@ def render(record: dict, answers: list[str], chat: bool) -> dict:
 
 
 def run_conversations(methods: list, tokenizer: PreTrainedTokenizerBase, records: list[dict],
-                      params: GenerationParams, chat: bool, run_one: Callable[..., Any], bar: tqdm) -> list:
+                      params: GenerationParams, chat: bool, run_one: Callable[..., Any], bar: tqdm,
+                      runs: list, notes: list[str]) -> list:
     """Every conversation, turn by turn, with the methods taking turns on each (A B C, then
     the next turn): each method answers from its own earlier answers. ``run_one(method, ids,
-    params, index, id)`` runs one prompt; returns the run records, each with its ``turn``
-    (1-based) and a ``prompt_index`` per (conversation, turn)."""
+    params, index, id)`` runs one prompt. The run records, each with its ``turn`` (1-based)
+    and a ``prompt_index`` per (conversation, turn), are appended to ``runs`` as they finish
+    (so an interrupted bench keeps them) and returned. A conversation grown past the model's
+    context ends before that turn for every method, with a line in ``notes``."""
     from sot.prompts import encode
 
-    runs = []
     answers = {m.name: [[] for _ in records] for m in methods}
     index = 0
     for c, record in enumerate(records):
         for t in range(len(record["turns"])):
-            for m in methods:
-                ids = encode(tokenizer, render(record, answers[m.name][c], chat), chat)
-                rec = run_one(m, ids, params, index, f"{record.get('id', c)}#{t + 1}")
-                rec.turn = t + 1
-                answers[m.name][c].append(tokenizer.decode(rec.token_ids, skip_special_tokens=True))
-                runs.append(rec)
-                bar.set_postfix_str(f"{m.name} turn {t + 1} {rec.tokens_per_s:.1f} tok/s")
-                bar.update()
+            done = len(runs)
+            try:
+                for m in methods:
+                    ids = encode(tokenizer, render(record, answers[m.name][c], chat), chat)
+                    rec = run_one(m, ids, params, index, f"{record.get('id', c)}#{t + 1}")
+                    rec.turn = t + 1
+                    answers[m.name][c].append(tokenizer.decode(rec.token_ids, skip_special_tokens=True))
+                    runs.append(rec)
+                    bar.set_postfix_str(f"{m.name} turn {t + 1} {rec.tokens_per_s:.1f} tok/s")
+                    bar.update()
+            except PromptTooLongError as exc:
+                finished = len(runs) - done
+                del runs[done:]  # the turn counts for every method or for none
+                why = str(exc).removeprefix("prompt 0: ")
+                notes.append(f"conversation {record.get('id', c)} ends after turn {t}: turn {t + 1}: {why}")
+                bar.update(len(methods) * (len(record["turns"]) - t) - finished)  # the runs it will not make
+                break
             index += 1
     return runs
 
@@ -203,13 +214,13 @@ def turn_table(turns: dict, names: list[str]) -> list[str]:
     method (or ``plain`` when there is no ``state``), and the prompt tokens reused and the
     share of the time spent reading prompts (of the base method's time)."""
     base = "state" if "state" in names else ("plain" if "plain" in names else None)
-    head = "| turn | " + " | ".join(f"{n} tok/s (tau)" for n in names)
-    head += f" | {' | '.join(f'{n} vs {base}' for n in names if n != base)} |" if base else " |"
-    head += " prompt reused | prompt reading |"
-    cols = len(names) + (len([n for n in names if n != base]) if base else 0) + 3
-    lines = [head, "|" + "---|" * cols]
+    others = [n for n in names if n != base] if base else []
+    head = "| turn | " + " | ".join([*(f"{n} tok/s (tau)" for n in names), *(f"{n} vs {base}" for n in others),
+                                     "prompt reused", "prompt reading"]) + " |"
+    lines = [head, "|" + "---|" * (len(names) + len(others) + 3)]
     for turn, rows in turns.items():
-        cells = [f"{rows[n]['tokens_per_s']:.1f} ({rows[n]['mean_accept_len'] or 0:.2f})" for n in names]
+        tau = lambda n: rows[n]["mean_accept_len"]  # noqa: E731 (None for a method without steps: hf)
+        cells = [f"{rows[n]['tokens_per_s']:.1f} ({'-' if tau(n) is None else f'{tau(n):.2f}'})" for n in names]
         if base:
             cells += [f"{rows[n].get(f'vs_{base}', 0):.2f}x" for n in names if n != base]
         first = rows[base or names[0]]

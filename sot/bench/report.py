@@ -235,11 +235,13 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
                                  "accept_lengths": [r.accept_lengths or [1] * r.new_tokens]}],
                 }) + "\n")
     cfg = result["config"]
+    counted = (f"{len(records)} conversations ({len({r['prompt_index'] for r in result['records']})} turns)"
+               if "turns" in result else f"{len(records)} prompts")
     lines = [
         f"# sot bench: {cfg['prompts']}",
         "",
         f"model `{cfg['model']}`, engine {cfg['dtype']} on {cfg.get('device', 'cpu')}, HF {cfg['hf_dtype']}, "
-        f"{len(records)} prompts, "
+        f"{counted}, "
         f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
         f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",
         "",

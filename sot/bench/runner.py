@@ -20,6 +20,8 @@ on its own steps (:func:`~sot.bench.methods.run_lockstep`). ``results.json`` sch
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +38,7 @@ from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, aut
 from sot.policy import PolicyConfig, PolicyKind
 from sot.engine import GenerationParams
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
-from sot.errors import ConfigError
+from sot.errors import ConfigError, SoTError
 from sot.models.adapter import TargetModel
 from sot.machine import machine_info
 from sot.dtype_choice import resolve as resolve_choice
@@ -44,6 +46,7 @@ from sot.models.loading import (
     DEFAULT_DEVICE, DEFAULT_MODEL, DTYPE_CHOICES, DTYPES, default_gguf_path, load_model, resolve_device,
 )
 from sot.prompts import encode, has_chat_template
+from sot.requests import check_request
 from sot.sampling import SamplingMode, SamplingParams
 
 SCHEMA = "sot-bench/1"
@@ -107,6 +110,9 @@ def parse_sweep(text: str) -> tuple[str, tuple[int | str, ...]]:
         parsed = tuple(int(v) for v in values.split(","))
     except ValueError:
         raise ConfigError(f"--sweep values must be integers: {values}") from None
+    low = 0 if name == "warmup" else 1
+    if any(v < low for v in parsed):
+        raise ConfigError(f"--sweep {name}= takes integers >= {low}, got {values}")
     return name, parsed
 
 
@@ -157,8 +163,15 @@ def dtype_drafter(methods: tuple[str, ...], predictor: str | None) -> tuple[str,
     return "none", predictor
 
 
-def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
-    """Load what the requested methods need; returns the methods, tokenizer and engine target."""
+#: what a bench writes into its ``--out`` folder, besides one ``NAME.jsonl`` of answers per method
+OUTPUT_FILES = ("results.json", "report.md", "speedup.png", "accept_hist.png", "accept_depth.png", "sweep.png")
+
+
+def check_methods(cfg: BenchConfig) -> None:
+    """A :class:`ConfigError` for methods, or combinations of them with the other settings,
+    that cannot run (checked before anything loads)."""
+    if not cfg.methods:
+        raise ConfigError(f"--methods names no method; choose from {', '.join(METHODS)}")
     unknown = [m for m in cfg.methods if m not in METHODS and _predictor_file(m) is None]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -169,10 +182,70 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
         raise ConfigError("--batch-size above 1 compares engine methods only (plain, pld, suffix, state, auto)")
     if cfg.hf_dtype not in DTYPES:
         raise ConfigError(f"--hf-dtype must be one of {', '.join(DTYPES)}, got {cfg.hf_dtype!r}")
+    if cfg.sweep is None:
+        return
+    name = cfg.sweep[0]
+    engines = [m for m in cfg.methods if m != "plain" and _is_engine(m)]
+    if name == "dtype" and cfg.batch_size > 1:
+        raise ConfigError("--sweep dtype compares modes at batch size 1 (drop --batch-size)")
+    if name == "dtype" and (not engines or "plain" not in cfg.methods):
+        raise ConfigError("--sweep dtype needs plain and a speculative engine method (state, pld, suffix, auto) "
+                          "in --methods")
+    if name == "policy" and not engines:
+        raise ConfigError("--sweep policy needs a speculative engine method (state, pld, suffix, auto) in --methods")
+    if name not in ("dtype", "policy") and not any(m in ("pld", "state") for m in cfg.methods):
+        raise ConfigError("--sweep needs an engine method to sweep (pld or state) in --methods")
+
+
+def check_bench(cfg: BenchConfig) -> list[dict] | None:
+    """Check a bench's settings, its output folder and (where it is a file) its prompts before
+    any model loads, so that a typo costs no load; returns a multi-turn run's conversations
+    (``None`` for single prompts, which are read once the tokenizer is known)."""
+    check_methods(cfg)
+    multiturn = cfg.multiturn or cfg.prompts in MULTITURN_SETS
+    if multiturn and (cfg.batch_size > 1 or cfg.sweep):
+        raise ConfigError("conversations run one at a time: drop --batch-size and --sweep with multi-turn sets")
+    known = BUILTIN + MULTITURN_SETS
+    prompts_file = cfg.prompts not in known
+    if prompts_file and Path(cfg.prompts).suffix != ".jsonl" and not Path(cfg.prompts).exists():
+        raise ConfigError(f"unknown prompt set {cfg.prompts!r}: use a .jsonl file or one of {', '.join(known)}")
+    if not cfg.out:
+        raise ConfigError("--out needs a folder")
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {cfg.out}: is a file; give a folder")
+    if prompts_file and Path(cfg.prompts).resolve().parent == out.resolve():
+        ours = set(OUTPUT_FILES) | {f"{method_label(m)}.jsonl" for m in cfg.methods}
+        if Path(cfg.prompts).name in ours:
+            raise ConfigError(f"--out {cfg.out} would overwrite the prompts file {cfg.prompts}; "
+                              "give another folder")
+    if multiturn:
+        return load_conversations(cfg.prompts, cfg.limit)
+    if prompts_file:
+        load_prompt_set(cfg.prompts, cfg.limit)  # (read again with the chat setting once the tokenizer is known)
+    return None
+
+
+def _clear_previous(out: Path) -> None:
+    """Remove an earlier bench's outputs from ``out``, so that no file of an old run (the
+    answers of a method not run this time, a plot not drawn) passes for this one's."""
+    old = out / "results.json"
+    if not old.is_file():
+        return
+    try:
+        names = list(json.loads(old.read_text()).get("methods", {}))
+    except (ValueError, AttributeError):
+        names = []
+    for name in [*OUTPUT_FILES, *(f"{n}.jsonl" for n in names)]:
+        if "/" not in name:
+            (out / name).unlink(missing_ok=True)
+
+
+def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
+    """Load what the requested methods need; returns the methods, tokenizer and engine target."""
+    check_methods(cfg)
     device = resolve_device(cfg.device)
     swept_modes = cfg.sweep[1] if cfg.sweep and cfg.sweep[0] == "dtype" else None
-    if swept_modes and cfg.batch_size > 1:
-        raise ConfigError("--sweep dtype compares modes at batch size 1 (drop --batch-size)")
     methods: list[BenchMethod] = []
     tokenizer = None
     target = None
@@ -270,22 +343,20 @@ def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel,
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    """Run the benchmark and write its outputs into ``cfg.out``; returns the results dict."""
-    known = BUILTIN + MULTITURN_SETS
-    if cfg.prompts not in known and Path(cfg.prompts).suffix != ".jsonl" and not Path(cfg.prompts).exists():
-        # (before the models load: a typo should not cost a model load)
-        raise ConfigError(f"unknown prompt set {cfg.prompts!r}: use a .jsonl file or one of {', '.join(known)}")
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    """Run the benchmark and write its outputs into ``cfg.out``; returns the results dict.
+
+    Interrupted (Ctrl-C) after some prompts, it writes the results of the prompts every method
+    finished, marked ``"partial": true``, and raises ``KeyboardInterrupt`` again."""
+    conversations = check_bench(cfg)
+    multiturn = conversations is not None
     methods, tokenizer, target = build_methods(cfg)
     if not methods:
-        raise ConfigError("no method could run")
+        raise ConfigError("no method could run" + "".join(f"; {note}" for note in cfg.notes))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_previous(out)
     chat = has_chat_template(tokenizer) if cfg.chat is None else cfg.chat
-    multiturn = cfg.multiturn or cfg.prompts in MULTITURN_SETS
-    if multiturn and (cfg.batch_size > 1 or cfg.sweep):
-        raise ConfigError("conversations run one at a time: drop --batch-size and --sweep with multi-turn sets")
-    records = load_conversations(cfg.prompts, cfg.limit) if multiturn else load_prompt_set(cfg.prompts, cfg.limit,
-                                                                                           chat=chat)
+    records = conversations if multiturn else load_prompt_set(cfg.prompts, cfg.limit, chat=chat)
     prompts = [encode(tokenizer, render(r, [], chat) if multiturn else r, chat) for r in records]
     eos = () if cfg.ignore_eos else tuple({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else ())
     params = GenerationParams(
@@ -293,7 +364,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         sampling=SamplingParams(temperature=cfg.temperature, seed=cfg.seed, mode=SamplingMode(cfg.sampling)),
         eos_token_ids=eos,
     )
-    warm = dataclasses.replace(params, max_new_tokens=cfg.warmup_tokens)
+    _check_lengths(prompts, records, params, methods, target, multiturn)
+    warm = dataclasses.replace(params, max_new_tokens=min(cfg.warmup_tokens, cfg.max_new_tokens))
     for m in methods:
         m.run(prompts[0], warm)
         forget_answers(m)  # the warm-up's prompt and answer must not serve the first prompt
@@ -302,19 +374,29 @@ def run_bench(cfg: BenchConfig) -> dict:
     runs: list[RunRecord] = []
     batch = cfg.batch_size
     total = sum(len(r["turns"]) for r in records) if multiturn else len(prompts)
+    interrupted = False
     with tqdm(total=total * len(methods), desc="bench", unit="run") as bar:
-        if multiturn:
-            runs = run_conversations(methods, tokenizer, records, params, chat, _run_one, bar)
-        elif batch > 1:  # engine methods only: every prompt in one continuous batch each, a step at a time
-            runs = _run_lockstep(methods, prompts, params, ids_of, batch, bar)
-        else:  # methods alternate on every prompt
-            for i, ids in enumerate(prompts):
-                for m in methods:
-                    rec = _run_one(m, ids, params, i, ids_of[i])
-                    runs.append(rec)
-                    bar.set_postfix_str(f"{m.name} {rec.tokens_per_s:.1f} tok/s")
-                    bar.update()
+        try:
+            if multiturn:
+                run_conversations(methods, tokenizer, records, params, chat, _run_one, bar, runs, cfg.notes)
+            elif batch > 1:  # engine methods only: every prompt in one continuous batch each, a step at a time
+                runs = _run_lockstep(methods, prompts, params, ids_of, batch, bar)
+            else:  # methods alternate on every prompt
+                for i, ids in enumerate(prompts):
+                    for m in methods:
+                        rec = _run_one(m, ids, params, i, ids_of[i])
+                        runs.append(rec)
+                        bar.set_postfix_str(f"{m.name} {rec.tokens_per_s:.1f} tok/s")
+                        bar.update()
+        except KeyboardInterrupt:
+            interrupted = True
     names = [m.name for m in methods]
+    if interrupted:
+        runs = _complete_prompts(runs, names)
+        if not runs:
+            raise KeyboardInterrupt
+        cfg.notes.append(f"interrupted: the results cover the {len({r.prompt_index for r in runs})} of "
+                         f"{total} prompts (turns) that every method finished")
     # coupled sampling makes the engine's seeded outputs token-identical to plain decoding, like greedy
     exact = set(names) if cfg.temperature == 0 else {m.name for m in methods if m.uses_engine and _exact(cfg)}
     aggregates = aggregate(runs, names, model_rss, exact)
@@ -335,6 +417,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     }
     if multiturn:
         result["turns"] = per_turn(runs, names)
+    if interrupted:
+        result["partial"] = True
+        write_report(result, runs, names, records, out)
+        print(f"partial results in {out}/", file=sys.stderr)
+        raise KeyboardInterrupt
     if cfg.sweep and cfg.sweep[0] == "policy":
         result["sweep"] = policy_sweep(cfg, aggregates, out)
     elif cfg.sweep and cfg.sweep[0] == "dtype":
@@ -343,6 +430,29 @@ def run_bench(cfg: BenchConfig) -> dict:
         result["sweep"] = run_sweep(cfg, target, prompts, params, out)
     write_report(result, runs, names, records, out)
     return result
+
+
+def _complete_prompts(runs: list[RunRecord], names: list[str]) -> list[RunRecord]:
+    """The records of the prompts (turns) that every method finished."""
+    done: dict[int, set[str]] = {}
+    for r in runs:
+        done.setdefault(r.prompt_index, set()).add(r.method)
+    return [r for r in runs if done[r.prompt_index] >= set(names)]
+
+
+def _check_lengths(prompts: list[list[int]], records: list, params: GenerationParams, methods: list[BenchMethod],
+                   target: TargetModel | None, multiturn: bool) -> None:
+    """Every prompt (of a conversation: its first turn) with the answer's budget must fit the
+    model's context: checked before anything runs, with the prompt named as the user counts."""
+    limit = target.max_positions if target is not None else next(
+        (getattr(m.model.config, "max_position_embeddings", None) for m in methods if isinstance(m, HFMethod)), None)
+    for i, ids in enumerate(prompts):
+        try:
+            check_request(ids, params, limit)
+        except SoTError as exc:
+            rid = records[i].get("id") if isinstance(records[i], dict) else None
+            what = "conversation" if multiturn else "prompt"
+            raise type(exc)(f"{what} {i + 1}{f' (id {rid})' if rid is not None else ''}: {exc}") from None
 
 
 def policy_sweep(cfg: BenchConfig, aggregates: dict, out: Path) -> dict:

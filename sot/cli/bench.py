@@ -68,7 +68,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from sot.bench.report import summary
-    from sot.bench.runner import BenchConfig, dtype_drafter, parse_sweep, run_bench
+    import dataclasses
+
+    from sot.bench.runner import BenchConfig, check_bench, dtype_drafter, parse_sweep, run_bench
     from sot.dtype_choice import resolve
     from sot.models.loading import resolve_device
 
@@ -81,10 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         limit=args.limit,
         methods=methods,
         model=args.model,
-        # the report names the dtype that ran; auto times the modes for the first speculative method
-        # (with --sweep dtype, the swept modes run and --dtype is not read)
-        dtype=(" and ".join(sweep[1]) if sweep and sweep[0] == "dtype"
-               else resolve(args.dtype, args.model, drafter, predictor, device=str(device)).dtype),
+        dtype=args.dtype,
         device=str(device),
         hf_dtype=args.hf_dtype,
         max_new_tokens=args.max_new_tokens,
@@ -106,6 +105,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prefix_cache_mb=args.prefix_cache_mb,
         out=args.out,
     )
+    check_bench(cfg)  # before --dtype auto times anything or a model loads
+    # the report names the dtype that ran; auto times the modes for the first speculative method
+    # (with --sweep dtype, the swept modes run and --dtype is not read)
+    cfg = dataclasses.replace(cfg, dtype=(" and ".join(sweep[1]) if sweep and sweep[0] == "dtype"
+                                          else resolve(args.dtype, args.model, drafter, predictor,
+                                                       device=str(device)).dtype))
     result = run_bench(cfg)
     print(summary(result))
     print(f"results in {cfg.out}/ (results.json, report.md, per-method JSONL, plots)", file=sys.stderr)

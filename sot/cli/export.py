@@ -22,12 +22,18 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
     from sot.drafters.state import load_predictor
-    from sot.drafters.state.eagle3 import export_eagle3, layer_ids
+    from sot.drafters.state.eagle3 import check_export_folder, export_eagle3, layer_ids
+    from sot.errors import SoTError
     from sot.models.loading import load_model, resolve_dtype
 
+    if not Path(args.predictor).exists():  # (before the target loads)
+        raise SoTError(f"predictor file {args.predictor} does not exist")
+    check_export_folder(Path(args.out_dir))
     model = load_model(args.model, dtype=torch.float32).model
     pred = load_predictor(args.predictor, model)
     out = export_eagle3(pred, args.out_dir, model, dtype=resolve_dtype(args.dtype))

@@ -16,7 +16,8 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     """``generate``, ``trace`` and ``chat``."""
     gen = sub.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
     gen.add_argument("prompt", nargs="?", help="the prompt text")
-    gen.add_argument("--prompts", help="JSONL file: {'prompt'}, {'messages'} or {'turns'} per line")
+    gen.add_argument("--prompts",
+                     help="JSONL file ('-': standard input): {'prompt'}, {'messages'} or {'turns'} per line")
     add_drafter_args(gen)
     gen.add_argument("--batch-size", type=positive_int, default=1,
                      help="sequences decoded together; a finished one's place goes to the next prompt")

@@ -15,6 +15,7 @@ taken, one less.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,25 @@ NAMES = {
 IGNORED = ("embed_tokens.weight",)
 
 
+def served_layers_problem(state_layers: tuple[int, ...], num_layers: int) -> str | None:
+    """Why vLLM and SGLang could not serve a head reading ``state_layers`` (Hugging Face
+    ``hidden_states`` indices) of a ``num_layers``-layer target, or ``None``. Both capture each
+    listed layer once and join them in ascending order, so the list must be three distinct
+    layers in that order; and both take the input of a decoder layer after the first, so each
+    must be in ``1..num_layers - 1`` (0, the embeddings, and ``num_layers``, the last layer's
+    output, are never captured)."""
+    layers = list(state_layers)
+    if len(layers) != 3:
+        return f"EAGLE-3 takes three input layers, not {len(layers)} ({layers})"
+    if layers != sorted(set(layers)):
+        return (f"input layers {layers} must be distinct and ascending: the engines capture each layer once "
+                "and join them in ascending order")
+    if layers[0] < 1 or layers[-1] > num_layers - 1:
+        return (f"input layers {layers} must lie in 1..{num_layers - 1} for a {num_layers}-layer target: the "
+                "engines take the inputs of decoder layers after the first")
+    return None
+
+
 def layer_ids(state_layers: tuple[int, ...]) -> dict[str, list[int]]:
     """The input layers (Hugging Face ``hidden_states`` indices) in each engine's convention:
     ``{"vllm": [...], "sglang": [...]}`` (SGLang's are one less)."""
@@ -75,8 +95,9 @@ def export_eagle3(pred: StatePredictor, out_dir: str | Path, model: torch.nn.Mod
     if not pred.eagle3:
         raise ConfigError("this is a native SoT predictor: EAGLE-3 has no place for its per-layer input norms "
                           "and input projection. Train one in EAGLE-3's layout with 'sot train fit --arch eagle3'")
-    if len(c.state_layers) != 3:
-        raise ConfigError(f"EAGLE-3 takes three input layers; this predictor reads {len(c.state_layers)}")
+    problem = served_layers_problem(c.state_layers, int(model.config.num_hidden_layers))
+    if problem:
+        raise ConfigError(f"{problem}; train the predictor on a state cache prepared with such --layers")
     if c.window:
         raise ConfigError(f"this predictor attends within a sliding window of {c.window} tokens, which "
                           f"{ARCHITECTURE} cannot express")
@@ -122,10 +143,33 @@ def export_eagle3(pred: StatePredictor, out_dir: str | Path, model: torch.nn.Mod
         SOT_KEY: {"target": c.target},
     }
     out = Path(out_dir)
+    check_export_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    os.chmod(out / WEIGHTS_FILE, 0o644)  # (written owner-only) readable by a server running as another user
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def check_export_folder(out: Path) -> None:
+    """A :class:`ConfigError` unless ``out`` is a new or empty folder, or one holding only an
+    EAGLE-3 head (which an export replaces): never a model's folder or anything else."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; give a folder to write the head into")
+    if not out.is_dir():
+        return
+    others = sorted(p.name for p in out.iterdir() if p.name not in (CONFIG_FILE, WEIGHTS_FILE))
+    head = True
+    if (out / CONFIG_FILE).is_file():
+        try:
+            head = ARCHITECTURE in (json.loads((out / CONFIG_FILE).read_text()).get("architectures") or [])
+        except (ValueError, AttributeError):
+            head = False
+    if others or not head:
+        what = f"holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}" if others else \
+            f"holds a {CONFIG_FILE} that is not an EAGLE-3 head's"
+        raise ConfigError(f"{out} {what}; give a new or empty folder (an export writes {CONFIG_FILE} and "
+                          f"{WEIGHTS_FILE})")
 
 
 def _state_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
@@ -150,6 +194,8 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         cfg = json.loads(cfg_file.read_text())
     except ValueError as exc:
         raise DrafterCompatibilityError(f"{cfg_file} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise DrafterCompatibilityError(f"{cfg_file} is not a JSON object, so not a model configuration")
     if ARCHITECTURE not in (cfg.get("architectures") or []):
         raise DrafterCompatibilityError(
             f"{cfg_file} names architectures {cfg.get('architectures')}, not {ARCHITECTURE}; "
@@ -175,7 +221,16 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredictorConfig:
     """SoT's config for the EAGLE-3 head described by ``cfg`` (its ``config.json``) on
-    ``model``; refuses, with the sizes that differ, a head made for another target."""
+    ``model``; refuses, with the sizes that differ, a head made for another target, and names
+    a field that cannot be read."""
+    try:
+        return _eagle3_config(cfg, model, path)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        what = f"lacks {exc}" if isinstance(exc, KeyError) else f"has a field SoT cannot read ({exc})"
+        raise DrafterCompatibilityError(f"{path}/{CONFIG_FILE} {what}") from None
+
+
+def _eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredictorConfig:
     emb = model.get_input_embeddings().weight
     vocab, d = int(emb.shape[0]), int(emb.shape[1])
     num_layers = int(model.config.num_hidden_layers)
@@ -193,6 +248,11 @@ def eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredict
     state_layers = _state_layers(cfg, num_layers)
     if any(not 0 <= i <= num_layers for i in state_layers):
         problems.append(f"input layers {list(state_layers)}, target has {num_layers} layers")
+    elif len(state_layers) != 3 or list(state_layers) != sorted(set(state_layers)):
+        problems.append(f"input layers {list(state_layers)} (EAGLE-3 reads three distinct layers, in ascending "
+                        "order as the engines join them)")
+    if cfg.get("norm_output") is False or cfg.get("fc_norm"):
+        problems.append("norm_output false or fc_norm (SoT reads heads whose output is normed and whose fc is not)")
     # rope settings: ``rope_theta`` / ``rope_scaling``, or transformers 5's ``rope_parameters``
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
@@ -230,6 +290,8 @@ def load_eagle3(path: str | Path, model: torch.nn.Module, dtype: torch.dtype = t
     if missing or unexpected:
         raise DrafterCompatibilityError(f"{path}/{WEIGHTS_FILE} does not have the EAGLE-3 layout "
                                         f"(missing {missing}, unexpected {unexpected})")
+    if tensors["d2t"].dtype.is_floating_point or tensors["d2t"].dtype == torch.bool:
+        raise DrafterCompatibilityError(f"{path}: d2t is {tensors['d2t'].dtype}; it holds integer offsets")
     d2t = tensors["d2t"].to(torch.long)
     draft = torch.arange(d2t.numel()) + d2t
     if d2t.numel() != c.draft_vocab_size or draft.min() < 0 or draft.max() >= vocab:
