@@ -14,7 +14,7 @@ import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 
 from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
@@ -29,7 +29,7 @@ from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig, PolicyKind
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from sot.prompts import PromptItem, encode, has_chat_template, use_chat_template, with_tools
-from sot.requests import check_number, check_params
+from sot.requests import SequenceResult, check_number, check_params
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.structured import Grammars, StructuredOutput
 from sot.tools import ToolUse
@@ -372,48 +372,56 @@ class SoT:
 
     # ----------------------------------------------------------------- generation
     def generate_ids(
-        self, prompts: list[list[int]], params: GenerationParams, batch_size: int = 1, trace: bool = False
+        self, prompts: list[list[int]], params: GenerationParams, batch_size: int = 1, trace: bool = False,
+        on_done: Callable[[int, Completion], None] | None = None,
     ) -> list[Completion]:
         """Generate from token-id prompts, at most ``batch_size`` sequences at a time (a
         continuous batch: a finished sequence's place goes to the next prompt). With
-        ``trace``, each completion keeps its step records (see :meth:`traced`)."""
+        ``trace``, each completion keeps its step records (see :meth:`traced`).
+        ``on_done(i, completion)`` is called as each prompt's answer finishes, in the order
+        they finish (so a caller keeps the answers done before an interrupt)."""
         check_number("batch_size", batch_size, integer=True, low=1)
-        out: list[Completion] = []
-        if prompts:
-            self.engine.record_steps = trace
-            try:
-                results = self.engine.generate(prompts, params, batch_size)
-            finally:
-                self.engine.record_steps = False
-            for prompt, res in zip(prompts, results):
-                text = res.text
-                for s in params.stop:
-                    if s in text:
-                        text = text[: text.index(s)]
-                out.append(
-                    Completion(
-                        text=text,
-                        token_ids=res.token_ids,
-                        new_tokens=res.new_tokens,
-                        seconds=res.seconds,
-                        tokens_per_s=res.tokens_per_s,
-                        mean_accept_len=res.mean_accept_len,
-                        steps=res.steps,
-                        finish_reason=res.finish_reason,
-                        prompt_tokens=len(prompt),
-                        first_token_seconds=res.first_token_seconds,
-                        accept_lengths=res.accept_lengths,
-                        depth_attempts=res.depth_attempts,
-                        depth_accepts=res.depth_accepts,
-                        tree_sizes=res.tree_sizes,
-                        plain_steps=res.plain_steps,
-                        fallbacks=res.fallbacks,
-                        cached_tokens=res.cached_tokens,
-                        logprobs=res.logprobs,
-                        step_records=res.step_records,
-                    )
-                )
-        return out
+        if not prompts:
+            return []
+        results: list[SequenceResult] = []
+        self.engine.record_steps = trace
+        try:
+            for event in self.engine.stream(prompts, params, results, batch_size):
+                if event.finished and on_done is not None:
+                    i = event.sequence
+                    on_done(i, self._completion(prompts[i], event.result or results[i], params))
+        finally:
+            self.engine.record_steps = False
+        return [self._completion(p, r, params) for p, r in zip(prompts, results)]
+
+    @staticmethod
+    def _completion(prompt: list[int], res: SequenceResult, params: GenerationParams) -> Completion:
+        """The :class:`Completion` of one finished request (its text cut at a stop string)."""
+        text = res.text
+        for s in params.stop:
+            if s in text:
+                text = text[: text.index(s)]
+        return Completion(
+            text=text,
+            token_ids=res.token_ids,
+            new_tokens=res.new_tokens,
+            seconds=res.seconds,
+            tokens_per_s=res.tokens_per_s,
+            mean_accept_len=res.mean_accept_len,
+            steps=res.steps,
+            finish_reason=res.finish_reason,
+            prompt_tokens=len(prompt),
+            first_token_seconds=res.first_token_seconds,
+            accept_lengths=res.accept_lengths,
+            depth_attempts=res.depth_attempts,
+            depth_accepts=res.depth_accepts,
+            tree_sizes=res.tree_sizes,
+            plain_steps=res.plain_steps,
+            fallbacks=res.fallbacks,
+            cached_tokens=res.cached_tokens,
+            logprobs=res.logprobs,
+            step_records=res.step_records,
+        )
 
     def trace_run(self, **extra: Any) -> dict[str, Any]:
         """The run a trace describes (its page's title): model, drafter, dtype and version,

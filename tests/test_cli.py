@@ -584,3 +584,39 @@ def test_the_parser_needs_no_web_framework() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "cpu"
+
+
+def test_generate_prints_each_answer_as_it_finishes_and_keeps_them_on_ctrl_c(model_dir: Path, tmp_path: Path,
+                                                                             capsys, monkeypatch) -> None:
+    """A prompts file prints its answers in order as they finish, so Ctrl-C loses none that
+    finished (those held back behind an unfinished earlier prompt are printed then too), and
+    standard input works as the file."""
+    import io
+
+    prompts = [f"{w} {w} {w}" for w in ("ab", "cd", "ef")]
+    lines = "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\ufeff" + lines).encode())))  # (a BOM too)
+    base = ["--model", str(model_dir), "--no-chat", "--max-new-tokens", "8", "--ignore-eos", "--json",
+            "--drafter", "pld", "--batch-size", "3"]
+    assert main(["generate", "--prompts", "-", *base]) == 0
+    whole = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["index"] for r in whole] == [0, 1, 2]
+    real = SoT.generate_ids
+
+    def interrupted(self, ids, params, batch_size=1, trace=False, on_done=None):
+        seen = []
+
+        def stop_after_two(i, completion):
+            on_done(i, completion)
+            seen.append(i)
+            if len(seen) == 2:
+                raise KeyboardInterrupt
+
+        return real(self, ids, params, batch_size, trace, stop_after_two)
+
+    monkeypatch.setattr(SoT, "generate_ids", interrupted)
+    (tmp_path / "p.jsonl").write_text(lines)
+    assert main(["generate", "--prompts", str(tmp_path / "p.jsonl"), *base]) == 130
+    kept = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(kept) == 2 and len({r["index"] for r in kept}) == 2
+    assert all((r["text"], r["token_ids"]) == (whole[r["index"]]["text"], whole[r["index"]]["token_ids"]) for r in kept)

@@ -4,12 +4,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from sot.cli.common import (
     add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, check_output_path, load_sot,
     positive_int, save_suffix_store, sampling_kwargs, top_logprobs,
 )
 from sot.errors import SoTError
+
+if TYPE_CHECKING:
+    from sot.api import Completion, SoT
+    from sot.tools import ToolUse
 
 
 def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
@@ -111,29 +116,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _adapt_line(sot)
         save_suffix_store(sot, args)
         return 0
-    results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=bool(args.trace))
-    for i, r in enumerate(results):
-        if args.json:
-            record = r.to_dict()
-            record.pop("depth_attempts")
-            record.pop("depth_accepts")
-            record["index"] = i
-            for entry in record.get("logprobs", []):  # (the token's text beside its id)
-                entry["text"] = sot.tokenizer.decode([entry["token"]])
-            if use is not None:
-                record["tool_calls"] = [c.to_openai() for c in use.read(r.text).calls]
-            print(json.dumps(record), flush=True)
-        else:
-            if len(results) > 1:
-                print(f"--- [{i}]")
-            print(r.text)
-            _print_calls(use, r.text)
-            print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+    done: dict[int, Completion] = {}  # finished answers not yet printed (an earlier prompt still decodes)
+    printed = 0
+
+    def finished(i: int, r: Completion) -> None:  # print answers in prompt order, each as soon as it can be
+        nonlocal printed
+        done[i] = r
+        while printed in done:
+            _print_answer(args, sot, use, printed, done.pop(printed), len(ids))
+            printed += 1
+
+    try:
+        results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=bool(args.trace), on_done=finished)
+    except KeyboardInterrupt:  # the answers that finished are not lost: those still held back go out now
+        for i in sorted(done):
+            _print_answer(args, sot, use, i, done[i], len(ids))
+        raise
     if args.trace:  # (after the answers: a trace that cannot be written loses none of them)
         _write_trace(args, sot, ids, results)
     _adapt_line(sot)
     save_suffix_store(sot, args)
     return 0
+
+
+def _print_answer(args: argparse.Namespace, sot: SoT, use: ToolUse | None, i: int, r: Completion,
+                  count: int) -> None:
+    """One finished answer of ``sot generate``: a JSON line with ``--json``, else its text (under
+    a ``--- [i]`` line when there are several), tool calls and speed line."""
+    if args.json:
+        record = r.to_dict()
+        record.pop("depth_attempts")
+        record.pop("depth_accepts")
+        record["index"] = i
+        for entry in record.get("logprobs", []):  # (the token's text beside its id)
+            entry["text"] = sot.tokenizer.decode([entry["token"]])
+        if use is not None:
+            record["tool_calls"] = [c.to_openai() for c in use.read(r.text).calls]
+        print(json.dumps(record), flush=True)
+    else:
+        if count > 1:
+            print(f"--- [{i}]")
+        print(r.text, flush=True)
+        _print_calls(use, r.text)
+        print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
 
 
 def _tool_use(args: argparse.Namespace):
