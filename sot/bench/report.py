@@ -173,7 +173,7 @@ def plots(aggregates: dict[str, dict], out: Path) -> list[str]:
             rates = a["accept_rate_per_depth"]
             depth_lines[m] = (list(range(1, len(rates) + 1)), rates)
     _line_plot(plt, hist_lines, "tokens committed per step", "share of steps", out / "accept_hist.png")
-    _line_plot(plt, depth_lines, "draft depth", "acceptance rate (given the depth was reached)", out / "accept_depth.png", (0, 1))
+    _line_plot(plt, depth_lines, "draft depth", "acceptance where reached", out / "accept_depth.png", (0, 1))
     written += ["accept_hist.png", "accept_depth.png"]
     return written
 
@@ -185,6 +185,9 @@ def _line_plot(plt, lines: dict, xlabel: str, ylabel: str, path: Path, ylim: tup
         ax.plot(xs, ys, marker="o", label=name)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # (tokens and depths are whole numbers)
     if ylim:
         ax.set_ylim(*ylim)
     if lines:
