@@ -219,13 +219,14 @@ class SoT:
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
         loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)
         stores = None
+        vocab = int(loaded.model.get_input_embeddings().weight.shape[0])
         if drafter == "auto":
             kind = auto_drafter_kind(loaded.model, predictor)
-            stores = SuffixStores(per_tenant=suffix_per_tenant)
+            stores = SuffixStores(per_tenant=suffix_per_tenant, vocab_size=vocab)
         else:
             kind = DrafterKind(drafter)
         if kind is DrafterKind.SUFFIX and stores is None:
-            stores = SuffixStores(per_tenant=suffix_per_tenant)
+            stores = SuffixStores(per_tenant=suffix_per_tenant, vocab_size=vocab)
         if suffix_store is not None:
             if stores is None:
                 raise ConfigError("--suffix-store needs a drafter that drafts from earlier answers (auto or suffix)")

@@ -249,6 +249,13 @@ def test_adapt_needs_a_state_predictor_and_a_sane_budget(tiny_run) -> None:
         Adapter(engine)
     with pytest.raises(ConfigError, match="budget"):
         AdaptConfig(budget=0.0).check()
+    nan = float("nan")  # (a NaN passes every comparison's negation: lr <= 0 is False for it)
+    for bad, message in (({"lr": nan}, "lr must be a finite number"), ({"max_drift": nan}, "max_drift"),
+                         ({"first_guess": nan}, "first_guess"), ({"queue": 0}, "queue must be >= 1"),
+                         ({"anchor": -1.0}, "anchor must be >= 0"), ({"budget": "0.5"}, "budget"),
+                         ({"tolerance": 1.0}, "tolerance must be below 1")):
+        with pytest.raises(ConfigError, match=message):
+            AdaptConfig(**bad).check()
 
 
 def test_server_metrics_report_adaptation() -> None:

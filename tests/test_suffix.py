@@ -82,6 +82,74 @@ def test_store_save_and_load_round_trip(tmp_path) -> None:
         SuffixStores().load(tmp_path / "bad")
 
 
+def _store_file(path, tokens, lengths, owners=None, tenants=("",), **extra) -> None:
+    import numpy as np
+
+    owners = [0] * len(lengths) if owners is None else owners
+    with open(path, "wb") as fh:
+        np.savez_compressed(fh, tokens=np.asarray(tokens), lengths=np.asarray(lengths), owners=np.asarray(owners),
+                            tenants=np.asarray(tenants, dtype=str), **extra)
+
+
+def test_store_files_are_checked_written_whole_and_read_within_the_cap(tmp_path, monkeypatch) -> None:
+    """A damaged or foreign file is a ConfigError, never a crash in a verify pass (token ids
+    beyond the vocabulary) or a raw library error; a save stopped midway leaves the old file;
+    reading keeps the newest answers within the cap; per-tenant files stay per tenant."""
+    import numpy as np
+
+    path = tmp_path / "s.store"
+    good = SuffixStores(vocab_size=64)
+    good.get(None).add([1, 2], [3, 4, 5])
+    good.save(path)
+    whole = path.read_bytes()
+    for name, damage in (("truncated", whole[: len(whole) // 2]), ("flipped", whole[:60] + bytes(40) + whole[100:])):
+        (tmp_path / name).write_bytes(damage)
+        with pytest.raises(ConfigError, match="is not a suffix store written by SoT"):
+            SuffixStores().load(tmp_path / name)
+    for name, kwargs in (("floats", dict(tokens=[1.5, 2.0], lengths=[2])), ("sums", dict(tokens=[1, 2], lengths=[3])),
+                         ("negative", dict(tokens=[1, 2], lengths=[3, -1], owners=[0, 0])),
+                         ("owner", dict(tokens=[1, 2], lengths=[2], owners=[3])),
+                         ("flat", dict(tokens=[[1, 2]], lengths=[2]))):
+        _store_file(tmp_path / name, **kwargs)
+        with pytest.raises(ConfigError, match="is not a suffix store written by SoT"):
+            SuffixStores().load(tmp_path / name)
+    _store_file(tmp_path / "foreign", tokens=[5, 70, 3], lengths=[3])  # an id past this vocabulary
+    with pytest.raises(ConfigError, match="token ids outside this model's 64"):
+        SuffixStores(vocab_size=64).load(tmp_path / "foreign")
+    with pytest.raises(ConfigError, match="a model with 64 tokens, this one has 96"):
+        SuffixStores(vocab_size=96).load(path)
+    tenants = SuffixStores(per_tenant=True)
+    tenants.get("alice").add([], [1, 2, 3])
+    tenants.save(tmp_path / "tenants.store")
+    with pytest.raises(ConfigError, match="stores of 1 tenants, kept apart"):
+        SuffixStores().load(tmp_path / "tenants.store")
+
+    def fails(fh, **arrays):  # a disk that fills midway
+        fh.write(b"PK partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez_compressed", fails)
+    with pytest.raises(OSError):
+        good.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == whole and [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+    # over the cap, the newest answers are read, and no more than the cap is ever indexed
+    _store_file(tmp_path / "big", tokens=list(range(50)) * 10, lengths=[100] * 5)
+    small = SuffixStores(SuffixConfig(max_tokens=150))
+    small.load(tmp_path / "big")
+    assert small.tokens == 150 and small.get(None).all_sequences() == [list(range(50)), list(range(50)) * 2]
+
+
+def test_the_cap_holds_for_all_tenants_together() -> None:
+    """Clients choose their ``user``, so the cap bounds every tenant's store together: past it
+    the largest store forgets its oldest answer."""
+    stores = SuffixStores(SuffixConfig(max_tokens=100, prompt_tail=0), per_tenant=True)
+    for i in range(40):
+        stores.get(f"user{i % 8}").add([], [i] * 10)
+        assert stores.tokens <= 100
+    assert len([s for s in stores.stores.values() if s.tokens]) == 8  # each keeps its newest answer
+
+
 def test_eviction_keeps_the_store_under_its_cap() -> None:
     store = SuffixStore(SuffixConfig(max_tokens=100, prompt_tail=0))
     for i in range(30):

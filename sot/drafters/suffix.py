@@ -24,8 +24,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -142,11 +144,13 @@ class _Index:
 
 class SuffixStore:
     """The global store: earlier answers (each after the end of its prompt), capped at
-    ``config.max_tokens`` tokens, oldest evicted first."""
+    ``config.max_tokens`` tokens, oldest evicted first. ``on_add`` (set by
+    :class:`SuffixStores`) runs after each answer is added: the cap over all tenants."""
 
     def __init__(self, config: SuffixConfig = SuffixConfig()) -> None:
         self.config = config
         self._index = _Index(config.min_match)
+        self.on_add: Callable[[], None] | None = None
 
     @property
     def tokens(self) -> int:
@@ -162,8 +166,13 @@ class SuffixStore:
         if not answer:
             return
         tokens = list(prompt[-self.config.prompt_tail:]) + list(answer)
-        tokens = tokens[-self.config.max_tokens:]
-        self._index.add(tokens)
+        self._add(tokens)
+        if self.on_add is not None:
+            self.on_add()
+
+    def _add(self, tokens: list[int]) -> None:
+        """Index ``tokens`` (their last ``max_tokens``), evicting the oldest past the cap."""
+        self._index.add(tokens[-self.config.max_tokens:])
         while self._index.tokens > self.config.max_tokens:
             self._index.evict_oldest()
 
@@ -180,18 +189,31 @@ class SuffixStore:
 
 class SuffixStores:
     """Global stores by tenant: one shared store, or one per tenant when ``per_tenant``
-    (so one tenant's answers never draft another's)."""
+    (so one tenant's answers never draft another's). ``config.max_tokens`` caps all the
+    stores together: past it, the largest store forgets its oldest answer. ``vocab_size``,
+    when set, is written with the stores and checked when they are read back."""
 
-    def __init__(self, config: SuffixConfig = SuffixConfig(), per_tenant: bool = False) -> None:
+    def __init__(self, config: SuffixConfig = SuffixConfig(), per_tenant: bool = False,
+                 vocab_size: int | None = None) -> None:
         self.config = config
         self.per_tenant = per_tenant
+        self.vocab_size = vocab_size
         self.stores: dict[str, SuffixStore] = {}
 
     def get(self, tenant: str | None) -> SuffixStore:
+        """The store of ``tenant`` (the shared one unless ``per_tenant``; a missing ``tenant``
+        and ``""`` are one tenant)."""
         key = (tenant or "") if self.per_tenant else ""
         if key not in self.stores:
-            self.stores[key] = SuffixStore(self.config)
+            store = self.stores[key] = SuffixStore(self.config)
+            store.on_add = self._keep_cap
         return self.stores[key]
+
+    def _keep_cap(self) -> None:
+        """Evict from the largest store until all of them hold at most ``max_tokens``."""
+        while len(self.stores) > 1 and self.tokens > self.config.max_tokens:
+            largest = max(self.stores.values(), key=lambda s: s.tokens)
+            largest._index.evict_oldest()
 
     @property
     def tokens(self) -> int:
@@ -202,7 +224,10 @@ class SuffixStores:
         self.stores.clear()
 
     def save(self, path: str | Path) -> None:
-        """Write every store to ``path`` (``.npz``: the tokens, sequence lengths and tenants)."""
+        """Write every store to ``path`` (``.npz``: the tokens, sequence lengths, tenants and
+        vocabulary size). The file is replaced whole (written beside it, then renamed), so a
+        process stopped while writing leaves the previous file; when two processes save to one
+        file, the last one's stores are kept."""
         names, lengths, owners, flat = [], [], [], []
         for t, (name, store) in enumerate(sorted(self.stores.items())):
             names.append(name)
@@ -212,28 +237,73 @@ class SuffixStores:
                 flat.extend(seq)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as fh:  # np.savez would append .npz to a name without it
-            np.savez_compressed(fh, tokens=np.asarray(flat, dtype=np.int64), lengths=np.asarray(lengths, dtype=np.int64),
-                                owners=np.asarray(owners, dtype=np.int64), tenants=np.asarray(names, dtype=str))
+        part = path.with_name(f".{path.name}.{os.getpid()}.part")
+        try:
+            with open(part, "wb") as fh:  # np.savez would append .npz to a name without it
+                np.savez_compressed(fh, tokens=np.asarray(flat, dtype=np.int64),
+                                    lengths=np.asarray(lengths, dtype=np.int64),
+                                    owners=np.asarray(owners, dtype=np.int64), tenants=np.asarray(names, dtype=str),
+                                    vocab_size=np.asarray(self.vocab_size or 0, dtype=np.int64))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(part, path)
+        finally:
+            part.unlink(missing_ok=True)
 
     def load(self, path: str | Path) -> None:
-        """Add the stores saved at ``path`` (answers already held are not deduplicated)."""
+        """Add the stores saved at ``path`` (answers already held are not deduplicated; of a
+        file over the cap, the newest answers). A file that is not a store, or one written for
+        another vocabulary size, is a :class:`ConfigError`, and so, without ``per_tenant``, is
+        a file of per-tenant stores (sharing them would mix the tenants' answers for good)."""
+        tokens, lengths, owners, names = self._read(path)
+        tenants = [n for n in names if n]
+        if tenants and not self.per_tenant:
+            raise ConfigError(f"{path} holds the stores of {len(tenants)} tenants, kept apart; read it with "
+                              "per-tenant stores (sot serve --suffix-tenants user)")
+        starts = np.concatenate(([0], np.cumsum(lengths)))
+        keep: dict[str, int] = {}  # per store: tokens taken so far, newest answers first
+        chosen = []
+        for i in range(len(lengths) - 1, -1, -1):
+            key = names[owners[i]] if self.per_tenant else ""
+            room = self.config.max_tokens - keep.get(key, 0)
+            if room > 0:
+                take = min(int(lengths[i]), room)
+                keep[key] = keep.get(key, 0) + take
+                chosen.append((key, int(starts[i + 1]) - take, int(starts[i + 1])))
+        for key, a, b in reversed(chosen):
+            self.get(key or None)._add(tokens[a:b].tolist())
+        self._keep_cap()
+
+    def _read(self, path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+        """The arrays of a store file, checked: ``tokens [N]`` ids (within the vocabulary),
+        ``lengths [S]`` summing to ``N``, ``owners [S]`` indexing ``tenants``."""
+        bad = (f"{path} is not a suffix store written by SoT (save_suffix_store, --suffix-store); "
+               "delete it or give another file")
         try:
             with np.load(Path(path), allow_pickle=False) as data:
-                tokens, lengths = data["tokens"].tolist(), data["lengths"].tolist()
-                owners, names = data["owners"].tolist(), data["tenants"].tolist()
+                if not isinstance(data, np.lib.npyio.NpzFile):
+                    raise ConfigError(bad)
+                tokens, lengths, owners = data["tokens"], data["lengths"], data["owners"]
+                names = [str(n) for n in data["tenants"].tolist()]
+                vocab = int(data["vocab_size"]) if "vocab_size" in data.files else 0
         except OSError as exc:
             raise ConfigError(f"cannot read suffix store {path}: {exc.strerror or exc}") from None
-        except (ValueError, KeyError, EOFError):  # (np.load's errors name its own options)
-            raise ConfigError(f"{path} is not a suffix store written by SoT (save_suffix_store, --suffix-store); "
-                              "delete it or give another file") from None
-        at = 0
-        for length, owner in zip(lengths, owners):
-            store = self.get(names[owner] or None) if self.per_tenant else self.get(None)
-            store._index.add(tokens[at:at + length])
-            at += length
-            while store.tokens > self.config.max_tokens:
-                store._index.evict_oldest()
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 (a damaged file fails in zipfile, zlib or numpy, each its own way)
+            raise ConfigError(bad) from None
+        arrays = (tokens, lengths, owners)
+        if any(a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays) or len(lengths) != len(owners) \
+                or (lengths < 0).any() or int(lengths.sum()) != len(tokens) \
+                or (len(owners) and (owners.min() < 0 or owners.max() >= len(names))):
+            raise ConfigError(bad)
+        if self.vocab_size and vocab and vocab != self.vocab_size:
+            raise ConfigError(f"{path} holds answers of a model with {vocab} tokens, this one has "
+                              f"{self.vocab_size}; give another file")
+        if self.vocab_size and len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise ConfigError(f"{path} holds token ids outside this model's {self.vocab_size}: written for "
+                              "another model; give another file")
+        return tokens, lengths, owners, names
 
 
 class SuffixMatcher:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from sot.errors import ConfigError
+from sot.requests import check_number
 from sot.online.defaults import ADAPT_BUDGET
 from sot.online.loss import OnlineLossConfig, online_loss
 from sot.online.record import NodeRecorder, OnPolicySequence
@@ -64,12 +65,22 @@ class AdaptConfig:
     loss: OnlineLossConfig = field(default_factory=lambda: OnlineLossConfig(unroll=2, uniform=1.0))
 
     def check(self) -> None:
-        if not 0.0 < self.budget <= 1.0:
-            raise ConfigError(f"the adaptation budget is a fraction of step time in (0, 1], got {self.budget}")
-        if (self.lr <= 0 or self.rows < 8 or self.window < 1 or not 0 < self.tolerance < 1 or self.max_drift <= 0
-                or self.first_guess < 0):
-            raise ConfigError("adaptation needs lr > 0, rows >= 8, window >= 1, 0 < tolerance < 1, max_drift > 0 "
-                              "and first_guess >= 0")
+        """A :class:`ConfigError` naming the first setting out of its range (each a finite number)."""
+        try:
+            check_number("budget", self.budget, low=0.0, high=1.0, open_low=True)
+        except ConfigError:
+            raise ConfigError(f"the adaptation budget is a fraction of step time in (0, 1], got {self.budget!r}") from None
+        for name, integer, low, open_low, high in (("lr", False, 0.0, True, None), ("rows", True, 8, False, None),
+                                                   ("anchor", False, 0.0, False, None),
+                                                   ("max_drift", False, 0.0, True, None),
+                                                   ("window", True, 1, False, None),
+                                                   ("tolerance", False, 0.0, True, 1.0),
+                                                   ("queue", True, 1, False, None),
+                                                   ("first_guess", False, 0.0, False, None)):
+            check_number(f"adaptation {name}", getattr(self, name), integer=integer, low=low, high=high,
+                         open_low=open_low)
+        if self.tolerance >= 1:
+            raise ConfigError(f"adaptation tolerance must be below 1, got {self.tolerance}")
 
 
 class OnlineLearner:
