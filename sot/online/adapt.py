@@ -69,7 +69,8 @@ class AdaptConfig:
         try:
             check_number("budget", self.budget, low=0.0, high=1.0, open_low=True)
         except ConfigError:
-            raise ConfigError(f"the adaptation budget is a fraction of step time in (0, 1], got {self.budget!r}") from None
+            raise ConfigError(f"the adaptation budget is a fraction of step time in (0, 1], "
+                              f"got {self.budget!r}") from None
         for name, integer, low, open_low, high in (("lr", False, 0.0, True, None), ("rows", True, 8, False, None),
                                                    ("anchor", False, 0.0, False, None),
                                                    ("max_drift", False, 0.0, True, None),
