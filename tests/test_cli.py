@@ -431,6 +431,30 @@ def test_chat_session(model_dir: Path, tmp_path: Path) -> None:
     assert store.is_file() and "Traceback" not in res.stderr
 
 
+def test_chat_writes_its_store_when_terminated(model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM (a terminal closed, a supervisor stopping it) ends a chat as /exit does: the
+    earlier-answers store is written."""
+    import signal
+
+    store = tmp_path / "answers.store"
+    proc = subprocess.Popen([sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir), "--max-new-tokens", "8",
+                             "--ignore-eos", "--suffix-store", str(store)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write("hello\n")
+        proc.stdin.flush()
+        err = ""
+        while "tok/s" not in err:  # the answer is done; the session waits for the next line
+            line = proc.stderr.readline()
+            assert line, err
+            err += line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert store.is_file() and "Traceback" not in proc.stderr.read()
+
+
 def test_chat_needs_a_chat_template(tmp_path: Path) -> None:
     folder = tiny_model_dir(tmp_path / "base")
     config = json.loads((folder / "tokenizer_config.json").read_text())

@@ -346,6 +346,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     label = sys.stdout if sys.stdout.isatty() else sys.stderr
     print("Chat with the model; /help lists the commands.", file=sys.stderr)
     code = 0
+
+    def terminate(signum, frame) -> None:  # (SIGTERM) end the session as an exit does: the store is written
+        raise SystemExit(128 + signum)
+
+    previous_term = signal.signal(signal.SIGTERM, terminate)
     try:
         while True:
             try:
@@ -404,6 +409,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"[{tokens} tokens, {tokens / dt:.1f} tok/s{note}]", file=sys.stderr)
             messages.append({"role": "assistant", "content": "".join(reply)})
     finally:
+        signal.signal(signal.SIGTERM, previous_term)
         _adapt_line(sot)
         save_suffix_store(sot, args)
     return code
