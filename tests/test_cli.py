@@ -437,8 +437,8 @@ def test_chat_writes_its_store_when_terminated(model_dir: Path, tmp_path: Path) 
     import signal
 
     store = tmp_path / "answers.store"
-    proc = subprocess.Popen([sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir), "--max-new-tokens", "8",
-                             "--ignore-eos", "--suffix-store", str(store)],
+    proc = subprocess.Popen([sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir),
+                             "--max-new-tokens", "8", "--ignore-eos", "--suffix-store", str(store)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         proc.stdin.write("hello\n")
