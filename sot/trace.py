@@ -256,8 +256,8 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[TracedSequence]]:
             for number, line in enumerate(fh, start=1):
                 if line.strip():
                     _read_line(json.loads(line), run, seqs)
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}:{number + 1}: not UTF-8 text, so not a SoT trace") from None
+        except UnicodeDecodeError:  # (text is decoded ahead in blocks: no line number to give)
+            raise ValueError(f"{path}: not UTF-8 text, so not a SoT trace") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{number}: not a SoT trace line ({exc})") from None
     if not seqs:

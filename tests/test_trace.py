@@ -140,7 +140,7 @@ def test_trace_file_round_trip_and_state_comparison(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=message):
             read_trace(bad)
     bad.write_bytes(b'{"type": "run", "model": "caf\xe9"}\n')
-    with pytest.raises(ValueError, match=":1: not UTF-8 text"):
+    with pytest.raises(ValueError, match="bad.jsonl: not UTF-8 text"):
         read_trace(bad)
     (tmp_path / "later.jsonl").write_text("\n".join(lines + ['{"type": "a later kind of line"}']) + "\n")
     assert read_trace(tmp_path / "later.jsonl")[1] == traced  # skipped
@@ -177,6 +177,10 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
                                    compare_states(model, p, r.token_ids, r.step_records),
                                    vocab={str(t): f"<b>t{t}</b>" for t in range(96)}))
     seqs[0].pieces[:3] = ["<!-- ", "<script>", ""]  # the third: part of a character the next completes
+    plain = Engine(TargetModel(model), PromptLookupDrafter(), TreeBudget(1, 1), record_steps=True)  # (no drafts)
+    r = plain.generate(prompts[:1], GenerationParams(max_new_tokens=6))[0]
+    seqs.append(TracedSequence(2, prompts[0], r.token_ids, [f"t{t} " for t in r.token_ids], "", r.finish_reason,
+                               float("nan"), 1.0, [rec.to_json() for rec in r.step_records]))
     page_file = tmp_path / "trace.html"
     write_page(page_file, {"model": "tiny", "drafter": "state", "dtype": "float32"}, seqs)
     with sync_playwright() as pw:
@@ -205,6 +209,12 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
             assert title().startswith(f"step {later}:") and nodes() != first_nodes
             page.locator("#step").fill("1")
             assert title() == first and nodes() == first_nodes
+            # an answer nothing was drafted for (tau NaN: JSON has none) shows notes, not empty charts, and back
+            page.select_option("#sequence", "2")
+            assert "no step verified a drafted token" in page.locator("#acceptance").text_content()
+            assert "mean accepted length 0.00" in page.locator("#summary").text_content()  # (null, not NaN)
+            page.select_option("#sequence", "0")
+            assert page.locator("#acceptance .main-svg").count() >= 1 and page.locator("#acceptance p").count() == 0
             shot = page.screenshot(full_page=True)
             assert errors == [], errors
             assert [u for u in requests if not u.startswith("file:")] == []

@@ -458,9 +458,7 @@ def _check_lengths(prompts: list[list[int]], records: list, params: GenerationPa
 def policy_sweep(cfg: BenchConfig, aggregates: dict, out: Path) -> dict:
     """The rows of ``--sweep policy=...``: each policy's figures from the alternating rounds
     (tokens/s and its ratio to plain's, tau, verified rows per step, plain steps)."""
-    spec = next((m for m in cfg.methods if m != "plain" and _is_engine(m)), None)
-    if spec is None:
-        raise ConfigError("--sweep policy needs a speculative engine method (state, pld, suffix, auto) in --methods")
+    spec = next(m for m in cfg.methods if m != "plain" and _is_engine(m))  # (check_methods: there is one)
     plain = aggregates.get("plain")
     rows = []
     for kind in cfg.sweep[1]:
@@ -476,10 +474,7 @@ def policy_sweep(cfg: BenchConfig, aggregates: dict, out: Path) -> dict:
 def dtype_sweep(cfg: BenchConfig, aggregates: dict, out: Path) -> dict:
     """The rows of ``--sweep dtype=...``: per mode, its speculative method's tokens/s against
     that mode's plain decoding (tau, identity), and both against the first mode's."""
-    spec = next((m for m in cfg.methods if m != "plain" and _is_engine(m)), None)
-    if spec is None or "plain" not in cfg.methods:
-        raise ConfigError("--sweep dtype needs plain and a speculative engine method (state, pld, suffix, auto) "
-                          "in --methods")
+    spec = next(m for m in cfg.methods if m != "plain" and _is_engine(m))  # (check_methods: with plain)
     modes = cfg.sweep[1]
     first_plain = aggregates[f"plain[{modes[0]}]"]["tokens_per_s"]
     first_spec = aggregates[f"{method_label(spec)}[{modes[0]}]"]["tokens_per_s"]
@@ -499,9 +494,7 @@ def dtype_sweep(cfg: BenchConfig, aggregates: dict, out: Path) -> dict:
 def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[int]], params: GenerationParams, out: Path) -> dict:
     """One speculative method under each setting, alternating with plain on every prompt."""
     name, values = cfg.sweep
-    spec = next((m for m in cfg.methods if m in ("pld", "state")), None)
-    if target is None or spec is None:
-        raise ConfigError("--sweep needs an engine method to sweep (pld or state) in --methods")
+    spec = next(m for m in cfg.methods if m in ("pld", "state"))  # (check_methods: there is one, so a target)
     plain = EngineMethod("plain", target, make_drafter(DrafterKind.NONE), _budget(cfg))
     if name == "batch-size":
         return _batch_sweep(cfg, spec, plain, target, prompts, params, values, out)

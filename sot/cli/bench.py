@@ -67,9 +67,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from sot.bench.report import summary
     import dataclasses
 
+    from sot.bench.report import summary
     from sot.bench.runner import BenchConfig, check_bench, dtype_drafter, parse_sweep, run_bench
     from sot.dtype_choice import resolve
     from sot.models.loading import resolve_device

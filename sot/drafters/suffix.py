@@ -280,16 +280,12 @@ class SuffixStores:
         bad = (f"{path} is not a suffix store written by SoT (save_suffix_store, --suffix-store); "
                "delete it or give another file")
         try:
-            with np.load(Path(path), allow_pickle=False) as data:
-                if not isinstance(data, np.lib.npyio.NpzFile):
-                    raise ConfigError(bad)
+            with np.load(Path(path), allow_pickle=False) as data:  # (an .npy array is no context manager: bad)
                 tokens, lengths, owners = data["tokens"], data["lengths"], data["owners"]
                 names = [str(n) for n in data["tenants"].tolist()]
                 vocab = int(data["vocab_size"]) if "vocab_size" in data.files else 0
         except OSError as exc:
             raise ConfigError(f"cannot read suffix store {path}: {exc.strerror or exc}") from None
-        except ConfigError:
-            raise
         except Exception:  # noqa: BLE001 (a damaged file fails in zipfile, zlib or numpy, each its own way)
             raise ConfigError(bad) from None
         arrays = (tokens, lengths, owners)

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from sot.errors import ConfigError
-from sot.requests import check_number
 from sot.online.defaults import ADAPT_BUDGET
 from sot.online.loss import OnlineLossConfig, online_loss
 from sot.online.record import NodeRecorder, OnPolicySequence
+from sot.requests import check_number
 
 if TYPE_CHECKING:
     from sot.drafters.state.model import StatePredictor
