@@ -162,6 +162,33 @@ def test_eviction_keeps_the_store_under_its_cap() -> None:
     assert 1029 in SuffixMatcher(store.config, store).tree([5, 1029, 1029], 4, 3).tokens[1:]
 
 
+def test_eviction_leaves_the_index_of_the_kept_answers() -> None:
+    """Evicting an answer drops its index entries at once: after heavy churn the index holds
+    exactly what indexing the kept answers afresh gives, so nothing stale is kept and no
+    rebuild is ever due."""
+    store = SuffixStore(SuffixConfig(max_tokens=500, prompt_tail=0))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(300):  # few distinct tokens: many K-grams occur often, in many answers
+        store.add([], torch.randint(0, 12 if i % 2 else 400, (int(torch.randint(1, 40, (1,), generator=gen)),),
+                                    generator=gen).tolist())
+        assert store.tokens <= 500
+
+    def entries(index) -> dict:
+        first = min(index.seqs)
+        out = {}
+        for key, found in index.index.items():
+            found = [found] if isinstance(found, int) else list(found)
+            out[key] = [((p >> 32) - first, p & 0xFFFFFFFF) for p in found]
+        return out
+
+    fresh = SuffixStore(store.config)
+    for seq in store.all_sequences():
+        fresh._add(seq)
+    assert entries(store._index) == entries(fresh._index)
+    with pytest.raises(ValueError, match="newest"):  # positions stay in order: only the newest grows
+        store._index.extend(min(store._index.seqs), [1, 2])
+
+
 def test_memory_stays_under_the_cap() -> None:
     """Filling a store far past its cap holds memory at the cap's worth (about 100 bytes a
     token held), however many tokens went through it."""

@@ -21,10 +21,12 @@ ending in ``a b c`` matches only the first, 3 tokens long: ``c -> d`` (1).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 import os
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -63,20 +65,22 @@ class SuffixConfig:
 class _Index:
     """Token sequences indexed by their ``K``-grams: ``K``-gram -> positions just after each
     occurrence, oldest first. A position is ``(sequence number, offset)``; sequences are
-    numbered in the order they were added, and those below :attr:`first` are gone (evicted
-    entries are dropped lazily, and the index is rebuilt when they outnumber the live ones)."""
+    numbered in the order they were added, and those below :attr:`first` are gone. Only the
+    newest sequence grows, so each ``K``-gram's positions stay in ascending order and an
+    evicted sequence's positions lead their lists: eviction cuts them off there, at a cost
+    in proportion to the sequence's length (no pause to rebuild the index)."""
 
     def __init__(self, k: int) -> None:
         self.k = k
         self.seqs: dict[int, list[int]] = {}
-        #: K-gram -> ``(sequence << 32) | end`` of each occurrence (one int: a list of tuples
-        #: would take twice the memory)
-        self.index: dict[tuple[int, ...], list[int]] = {}
+        #: K-gram -> ``(sequence << 32) | end`` of its one occurrence, or of each in an int64
+        #: array (8 bytes an entry against a list's 40; most K-grams occur once, and a plain
+        #: int is one object fewer for each full garbage collection to walk)
+        self.index: dict[tuple[int, ...], int | array] = {}
         self.indexed: dict[int, int] = {}  # per sequence: the positions indexed so far
         self.first = 0  # the oldest live sequence number
         self.next = 0
         self.tokens = 0  # live tokens
-        self.dead = 0  # index entries of evicted sequences
 
     def add(self, tokens: list[int]) -> int:
         """Add a sequence (it may grow later with :meth:`extend`); returns its number."""
@@ -89,32 +93,42 @@ class _Index:
 
     def extend(self, n: int, tokens: list[int]) -> None:
         """Append ``tokens`` to sequence ``n`` and index its new ``K``-grams."""
+        if n != self.next - 1 and tokens:
+            raise ValueError("only the newest sequence of an index grows")
         seq = self.seqs[n]
         seq.extend(tokens)
         self.tokens += len(tokens)
-        k = self.k
+        k, index = self.k, self.index
         for end in range(max(self.indexed[n], k), len(seq) + 1):
-            self.index.setdefault(tuple(seq[end - k:end]), []).append(n << 32 | end)
+            key = tuple(seq[end - k:end])
+            found = index.get(key)
+            if found is None:
+                index[key] = n << 32 | end
+            elif type(found) is int:
+                index[key] = array("q", (found, n << 32 | end))
+            else:
+                found.append(n << 32 | end)
         self.indexed[n] = max(self.indexed[n], len(seq) + 1)
 
     def evict_oldest(self) -> None:
+        """Forget the oldest sequence and its index entries."""
         seq = self.seqs.pop(self.first)
         self.indexed.pop(self.first)
         self.tokens -= len(seq)
-        self.dead += max(0, len(seq) - self.k + 1)
         self.first += 1
         while self.first < self.next and self.first not in self.seqs:
             self.first += 1
-        if self.dead > self.tokens:
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        self.index = {}
+        bound = self.first << 32  # positions below it belong to evicted sequences
         k = self.k
-        for n, seq in self.seqs.items():
-            for end in range(k, len(seq) + 1):
-                self.index.setdefault(tuple(seq[end - k:end]), []).append(n << 32 | end)
-        self.dead = 0
+        for key in {tuple(seq[end - k:end]) for end in range(k, len(seq) + 1)}:
+            found = self.index.get(key)
+            if found is None:
+                continue
+            cut = (found < bound) if type(found) is int else bisect.bisect_left(found, bound)
+            if cut == (1 if type(found) is int else len(found)):
+                del self.index[key]
+            elif cut:
+                del found[:cut]
 
     def occurrences(self, context: list[int], limit: int, max_match: int, skip: tuple[int, int] | None
                     ) -> list[tuple[int, int, int]]:
@@ -124,12 +138,14 @@ class _Index:
         if len(context) < k:
             return []
         found = self.index.get(tuple(context[-k:]))
-        if not found:
+        if found is None:
             return []
+        if type(found) is int:
+            found = (found,)
         out = []
         for packed in reversed(found):
             n, end = packed >> 32, packed & 0xFFFFFFFF
-            if n < self.first or n not in self.seqs or (n, end) == skip:
+            if (n, end) == skip:
                 continue
             seq = self.seqs[n]
             m = k
