@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Union
 
@@ -12,6 +13,12 @@ from sot.errors import ConfigError
 from sot.tools import chat_messages, parse_tools
 
 PromptItem = Union[str, dict]
+
+#: request settings a prompt line may carry by habit (OpenAI's batch lines, vLLM's requests);
+#: a prompts file sets none of them: every prompt takes the command's settings
+LINE_SETTINGS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                 "stop", "seed", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+                 "response_format", "tool_choice", "ignore_eos")
 
 
 def json_lines(path: str | Path, missing: str = "prompts file not found") -> list[tuple[int, Any]]:
@@ -42,14 +49,21 @@ def read_jsonl(path: str | Path) -> list[dict]:
     """Read prompt records, one JSON object per line: ``{"prompt": str}``,
     ``{"messages": [...]}`` (with ``"tools": [...]`` if it offers functions) or
     ``{"turns": [str, ...]}`` (the first turn is used)."""
-    records = []
+    records, settings = [], {}
     for number, record in json_lines(path):
         check_record(record, f"{path}:{number}")
         for text in _texts(record):
             check_utf8(text, f"{path}:{number}: the text")
         records.append(record)
+        for key in LINE_SETTINGS if isinstance(record, dict) else ():
+            if key in record:
+                settings.setdefault(key, number)
     if not records:
         raise ConfigError(f"{path} holds no prompts")
+    if settings:
+        named = ", ".join(f"{k} (line {n})" for k, n in settings.items())
+        warnings.warn(f"{path}: settings on prompt lines are not read: {named}; every prompt takes the "
+                      "command's settings (--max-new-tokens, --temperature, ...)", stacklevel=2)
     return records
 
 

@@ -365,6 +365,20 @@ def test_bad_prompt_file(tmp_path: Path, model_dir: Path, capsys) -> None:
     assert main(["generate", "--prompts", str(tmp_path / "missing.jsonl")]) == 2
 
 
+def test_settings_on_prompt_lines_are_named_as_unread(tmp_path: Path, capsys) -> None:
+    """A prompts file sets no request settings: a line that carries some (as OpenAI batch lines
+    do) gets one warning line naming them, and the command goes on with its own settings."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "id": 1}\n{"prompt": "b", "max_tokens": 5}\n{"prompt": "c", "temperature": 0}\n')
+    assert main(["generate", "--prompts", str(path), "--model", str(tmp_path / "no-model")]) == 2
+    err = capsys.readouterr().err
+    assert "sot: warning: " in err and "max_tokens (line 2), temperature (line 3)" in err and "id (line" not in err
+    assert "UserWarning" not in err and "prompts.py" not in err  # one line for a user, not the code's place
+    path.write_text('{"prompt": "a", "id": 1}\n')
+    assert main(["generate", "--prompts", str(path), "--model", str(tmp_path / "no-model")]) == 2
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_incompatible_models(tmp_path: Path) -> None:
     not_model = tmp_path / "empty"
     not_model.mkdir()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+import warnings
+from typing import Any, Sequence
 
 from sot.cli.bench import add_bench_parser, cmd_bench
 from sot.cli.common import DTYPE_CHOICES, Parser
@@ -38,8 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """Warnings as one line for a command's user (the code's place only with SOT_DEBUG)."""
+    where = f" ({filename}:{lineno})" if os.environ.get("SOT_DEBUG") else ""
+    print(f"sot: warning: {message}{where}", file=file or sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sot`` console script."""
+    warnings.showwarning = _show_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
