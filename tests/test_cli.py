@@ -160,6 +160,8 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
     saved = tmp_path / "saved.jsonl"
     assert main(["trace", "--from", str(saved), "--save", str(tmp_path / "copy.jsonl")]) == 2
     assert "with --from the data is already in" in capsys.readouterr().err
+    assert main(["trace", "--from", str(saved), "--max-new-tokens", "5", "--temperature", "0.5"]) == 2
+    assert "--max-new-tokens, --temperature would change nothing" in capsys.readouterr().err  # (not ignored)
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
     assert main(["generate", "--prompts", str(latin), "--model", "/no/such/model"]) == 2

@@ -296,6 +296,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise SoTError("--save writes the data of a new generation; with --from the data is already in "
                        f"{args.from_file}")
     if args.from_file:
+        from sot.cli import build_parser
+
+        defaults = vars(build_parser().parse_args(["trace", "--from", args.from_file]))
+        changed = [k for k, v in vars(args).items() if k not in ("out", "from_file") and defaults.get(k, v) != v]
+        if changed:
+            flags = ", ".join("--" + k.replace("_", "-") for k in changed)
+            raise SoTError(f"--from draws a saved generation again, so {flags} would change nothing; drop "
+                           f"{'them' if len(changed) > 1 else 'it'}, or give a PROMPT to generate anew")
         try:
             run, traced = read_trace(args.from_file)
         except OSError as exc:
