@@ -804,7 +804,7 @@ def test_responses_are_kept_and_continued(tiny_server) -> None:
         assert gone.json() == {"id": first["id"], "object": "response", "deleted": True}
         assert client.get(f"{url}/{first['id']}").status_code == 404
         broken = client.post(url, json={**ask, "input": "x", "previous_response_id": second["id"]})
-        assert broken.status_code == 404 and "no longer kept" in broken.json()["error"]["message"]
+        assert broken.status_code == 404 and "which was deleted" in broken.json()["error"]["message"]
 
 
 def test_responses_give_log_probabilities(tiny_server) -> None:

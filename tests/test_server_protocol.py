@@ -113,3 +113,89 @@ def test_logprob_bytes_join_to_the_answer_across_split_characters() -> None:
     writer.add([TokenLogprob(t, -1.0, []) for t in range(4)])
     content = writer.upto(10)["content"]
     assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8") == "日 a"
+
+
+def test_a_conversation_stays_whole_while_its_latest_turn_is_kept() -> None:
+    """Past the store's capacity the least recently used response goes, but its turn moves
+    into the response continuing it: a long conversation in a small store can still be
+    continued from its latest turn, which (just used) is the last to go. Only a deleted turn
+    breaks its chain."""
+    from sot.server.responses import ResponsesRequest, ResponseStore
+
+    store = ResponseStore(capacity=3)
+    previous = None
+    for i in range(1, 7):
+        if previous is not None:
+            store.history(previous)  # (as a continuation reads it)
+        store.put({"id": f"r{i}", "output": [{"type": "message", "content": [{"type": "output_text", "text": f"a{i}"}]}]},
+                  ResponsesRequest(model="m", input=f"q{i}", previous_response_id=previous))
+        previous = f"r{i}"
+    assert len(store) == 3 and store.get("r6")
+    with pytest.raises(APIError):
+        store.get("r1")  # the oldest turns went first
+    assert [m["content"] for m in store.history("r6")] == [x for i in range(1, 7) for x in (f"q{i}", f"a{i}")]
+    store.delete("r5")
+    with pytest.raises(APIError, match="continues 'r5', which was deleted") as err:
+        store.history("r6")
+    assert err.value.status == 404
+
+
+def test_responses_that_the_server_stopped_fail_and_items_close_in_order() -> None:
+    """A chat answer the server aborted (shutdown) is a failed response, not kept; an error in
+    the stream ends it with ``response.failed``; a streamed message is done before a
+    function call after it opens, as OpenAI streams one item at a time."""
+    from sot.server.responses import ResponseBuilder, ResponsesRequest
+
+    def chat(finish: str) -> dict:
+        return {"choices": [{"message": {"content": "par"}, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="hi"))
+    builder.stored = True
+    done = builder.whole(chat("abort"))
+    assert done["status"] == "failed" and done["error"]["code"] == "server_error" and not done["store"]
+    assert not builder.stored and done["output"][0]["status"] == "incomplete"
+    assert ResponseBuilder(ResponsesRequest(model="m", input="hi")).whole(chat("length"))["status"] == "incomplete"
+
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="hi"))
+    events = builder.opening()
+    events += builder.on_chunk({"choices": [{"delta": {"content": "Let me look."}}]})
+    events += builder.on_chunk({"choices": [{"delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "function": {"name": "f", "arguments": '{"a": 1}'}}]}}]})
+    events += builder.on_chunk({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    events += builder.closing(None)
+    kinds = [(e["type"], e.get("output_index")) for e in events]
+    assert kinds.index(("response.output_item.done", 0)) < kinds.index(("response.output_item.added", 1))
+    assert kinds[-1] == ("response.completed", None) and [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"] == ["completed"] * 2
+
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="hi"))
+    builder.on_chunk({"choices": [{"delta": {"content": "half"}}]})
+    last = builder.closing(None, error="the engine failed")
+    assert last[-1]["type"] == "response.failed" and last[-1]["response"]["error"]["message"] == "the engine failed"
+    assert last[-2]["item"]["status"] == "incomplete"
+
+
+def test_responses_input_and_metadata_are_checked_as_openai_does() -> None:
+    from sot.server.responses import ResponsesRequest
+
+    def refused(**fields) -> str:
+        with pytest.raises(APIError) as err:
+            ResponsesRequest(model="m", **fields).chat_body()
+        assert err.value.status == 400
+        return err.value.param
+
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    for bad in ({**call, "call_id": None}, {**call, "arguments": {"a": 1}}, {k: v for k, v in call.items() if k != "name"},
+                {"type": "function_call_output", "output": "x"}, {"type": "function_call_output", "call_id": "c"}):
+        assert refused(input=[{"role": "user", "content": "hi"}, bad]) == "input"
+    assert refused(input="hi", metadata={"k": 1}) == "metadata"
+    assert refused(input="hi", metadata={f"k{i}": "v" for i in range(17)}) == "metadata"
+    assert refused(input="hi", truncation="auto") == "truncation"
+    ok = ResponsesRequest(model="m", input=[{"role": "user", "content": "hi"}, call,
+                                            {"type": "function_call_output", "call_id": "c", "output": "3"}],
+                          metadata={f"k{i}": "v" for i in range(16)}, truncation="disabled").chat_body()
+    assert [m["role"] for m in ok["messages"]] == ["user", "assistant", "tool"]
+    # a wrong type inside the body names its field
+    assert validation_message([{"loc": ("body", "metadata"), "msg": "x", "type": "dict_type"}]) == \
+        ("metadata: must be a JSON object", "metadata")

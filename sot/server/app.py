@@ -48,6 +48,9 @@ from sot.server.responses import ResponseBuilder, ResponsesRequest, ResponseStor
 from sot.server.worker import EngineWorker, Update
 from sot.tools import ToolUse
 
+#: the routes whose requests generate (counted in ``sot:requests_total``)
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+
 #: one line per finished request with ``ServerConfig.log_requests``
 LOG = logging.getLogger("sot.serve")
 
@@ -127,9 +130,9 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
 
     # ------------------------------------------------------------ errors
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        if exc.status in (400, 404):
-            metrics.finished("invalid")
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status in (400, 404) and request.method == "POST" and request.url.path in GENERATION_ROUTES:
+            metrics.finished("invalid")  # (a stored response looked up in vain is no generation request)
         elif exc.status == 499:  # (the client hung up while sending its request)
             metrics.finished("abort")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -241,7 +244,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         keep = (lambda done: store.put(done, asked)) if builder.stored else None
         if not asked.stream:
             done = builder.whole(json.loads(answer.body))
-            if keep is not None:
+            if keep is not None and builder.stored:  # (not a failed one)
                 keep(done)
             return JSONResponse(done)
         return StreamingResponse(_response_events(builder, answer.body_iterator, keep),
@@ -370,7 +373,8 @@ async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str],
                            keep: Callable[[dict], None] | None = None) -> AsyncIterator[str]:
     """A chat completion stream's chunks as Responses events; closing it (a client gone)
     closes the chat stream, which aborts the request. ``keep`` receives the finished
-    response (not one that ended in an error or a hang-up)."""
+    response (not one that failed or whose client hung up). An error ends the stream with an
+    ``error`` event, then ``response.failed``."""
     try:
         first = await chunks.__anext__()  # the chat stream starts here, so closing it always aborts
         for event in builder.opening():
@@ -382,6 +386,8 @@ async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str],
                 if "error" in chunk:
                     yield sse_event(builder.event("error", code="internal_error", message=chunk["error"]["message"],
                                                   param=None))
+                    for event in builder.closing(usage, error=chunk["error"]["message"]):
+                        yield sse_event(event)
                     return
                 usage = chunk.get("usage") or usage
                 for event in builder.on_chunk(chunk):
@@ -391,7 +397,7 @@ async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str],
             except StopAsyncIteration:
                 break
         closing = builder.closing(usage)
-        if keep is not None:  # kept before the last event leaves, so a client that reads it can continue
+        if keep is not None and builder.stored:  # kept before the last event leaves, so a client can continue
             keep(builder.done)
         for event in closing:
             yield sse_event(event)

@@ -378,6 +378,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     if first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
+        if loc:
+            return f"{param}: must be a JSON object", param
         return "the request body must be a JSON object", None
     return (f"{param}: {msg}" if param else msg), param
 

@@ -43,6 +43,8 @@ _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "frequency_penalty", 
            "guided_choice", "guided_grammar", "chat_template_kwargs", "priority", "include_stop_str_in_output",
            "skip_special_tokens")
 
+#: the error of a response the server stopped before it finished (``finish_reason`` abort)
+ABORTED = "the server stopped this response before it finished (it is shutting down); send the request again"
 #: chat-completion fields and the Responses fields they come from (named in errors)
 _CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 
@@ -52,6 +54,8 @@ def responses_error(exc: APIError) -> APIError:
     Responses request's own fields."""
     param = _CHAT_FIELDS.get(exc.param, exc.param) if exc.param else exc.param
     message = exc.message.replace("max_completion_tokens", "max_output_tokens")
+    message = message.replace("response_format json_schema needs json_schema.schema", "text.format json_schema needs "
+                              "schema").replace("response_format", "text.format")
     return APIError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
 
 
@@ -82,6 +86,16 @@ class ResponsesRequest(NullMeansDefault):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def check_supported(self) -> None:
+        """Refuse what this server does not do, and ``metadata`` OpenAI would refuse."""
+        truncation = (self.model_extra or {}).get("truncation")
+        if truncation not in (None, "disabled"):
+            raise APIError(400, "truncation: this server does not drop input to fit the context (only 'disabled'); "
+                                "shorten the input", param="truncation")
+        metadata = self.metadata or {}
+        if len(metadata) > 16 or any(not isinstance(v, str) or len(v) > 512 or len(k) > 64
+                                     for k, v in metadata.items()):
+            raise APIError(400, "metadata: at most 16 pairs, keys of up to 64 characters and string values of up "
+                                "to 512", param="metadata")
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED and value not in (None, False, [], {}, ""):
                 raise APIError(400, f"{name}: {_UNSUPPORTED[name]} is not supported by this server", param=name)
@@ -141,14 +155,20 @@ class ResponsesRequest(NullMeansDefault):
                                    param="input")
                 messages.append({"role": role, "content": _text_of(item.get("content"), where)})
             elif kind == "function_call":
-                call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                for field in ("call_id", "name", "arguments"):
+                    if not isinstance(item.get(field), str):
+                        raise APIError(400, f"{where}: a function_call item needs {field} (a string)", param="input")
+                call = {"id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]}}
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                     last["tool_calls"].append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
+                if not isinstance(item.get("call_id"), str) or "output" not in item:
+                    raise APIError(400, f"{where}: a function_call_output item needs call_id (a string) and output",
+                                   param="input")
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                                  "content": output if isinstance(output, str) else json.dumps(output)})
@@ -210,19 +230,30 @@ class ResponseBuilder:
         self.done: dict | None = None
 
     def response(self, status: str, usage: dict | None = None, finish: str | None = None,
-                 figures: dict | None = None) -> dict:
+                 figures: dict | None = None, error: str | None = None) -> dict:
+        """The response object; a ``completed`` one is ``incomplete`` when the chat ``finish``
+        reason is ``length`` and ``failed`` when it is ``abort`` (the server stopped it) or an
+        ``error`` message is given. A failed response is not kept."""
         r = self.request
         incomplete = {"reason": "max_output_tokens"} if finish == "length" else None
+        if status == "completed" and (finish == "abort" or error is not None):
+            status, incomplete = "failed", None
+            error = error or ABORTED
+        elif status == "completed" and incomplete:
+            status = "incomplete"
+        if status == "failed":
+            self.stored = False
         out = {
-            "id": self.id, "object": "response", "created_at": self.created,
-            "status": "incomplete" if incomplete and status == "completed" else status,
-            "error": None, "incomplete_details": incomplete, "instructions": r.instructions,
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "error": {"code": "server_error", "message": error} if error else None,
+            "incomplete_details": incomplete, "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens, "model": r.model, "output": self.output,
             "parallel_tool_calls": r.parallel_tool_calls, "temperature": r.temperature, "top_p": r.top_p,
             "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
             "tools": r.tools or [], "text": r.text or {"format": {"type": "text"}}, "metadata": r.metadata or {},
             "store": self.stored, "previous_response_id": r.previous_response_id,
-            "top_logprobs": r.top_logprobs or 0, "usage": _usage(usage) if usage else None,
+            "top_logprobs": r.top_logprobs or 0, "usage": _usage(usage) if usage else None, "user": r.user,
+            "truncation": "disabled",
         }
         if figures is not None:
             out["sot"] = figures
@@ -232,7 +263,7 @@ class ResponseBuilder:
         """The response of a whole chat completion."""
         choice = chat["choices"][0]
         message = choice["message"]
-        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        status = _item_status(choice["finish_reason"])
         if message.get("content"):
             self.output.append(_message_item("msg_" + secrets.token_hex(12), message["content"], status,
                                              _token_logprobs(choice)))
@@ -267,7 +298,8 @@ class ResponseBuilder:
 
     def _text(self, text: str, logprobs: list[dict]) -> list[dict]:
         events = []
-        if self._message is None:
+        if self._message is None or self._message["status"] != "in_progress":
+            events += self._close_open("completed")
             self._message = _message_item("msg_" + secrets.token_hex(12), "", "in_progress")
             self._message["content"] = []
             self.output.append(self._message)
@@ -287,7 +319,8 @@ class ResponseBuilder:
         events = []
         fn = d.get("function") or {}
         item = self._calls.get(d.get("index", 0))
-        if item is None:
+        if item is None:  # a new item: the ones before it are done (OpenAI streams one item at a time)
+            events += self._close_open("completed")
             item = _call_item(d.get("id") or "call_" + secrets.token_hex(12), fn.get("name") or "", "", "in_progress")
             self._calls[d.get("index", 0)] = item
             self.output.append(item)
@@ -298,12 +331,12 @@ class ResponseBuilder:
                                      output_index=self.output.index(item), delta=fn["arguments"]))
         return events
 
-    def closing(self, usage: dict | None) -> list[dict]:
-        """The events that close every open item and the response."""
-        finish = self.finish
-        status = "incomplete" if finish == "length" else "completed"
+    def _close_open(self, status: str) -> list[dict]:
+        """The events that close the items still open, each with ``status``."""
         events = []
         for index, item in enumerate(self.output):
+            if item["status"] != "in_progress":
+                continue
             item["status"] = status
             if item["type"] == "message":
                 part = item["content"][0]
@@ -315,17 +348,27 @@ class ResponseBuilder:
                 events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                          output_index=index, name=item["name"], arguments=item["arguments"]))
             events.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
-        done = self.done = self.response("completed", usage, finish, self.figures)
-        kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
-        return events + [self.event(kind, response=done)]
+        return events
+
+    def closing(self, usage: dict | None, error: str | None = None) -> list[dict]:
+        """The events that close every open item and the response (``response.completed``,
+        ``.incomplete`` or ``.failed``; ``error``: why the chat stream failed)."""
+        events = self._close_open("incomplete" if error else _item_status(self.finish))
+        done = self.done = self.response("completed", usage, self.finish, self.figures, error)
+        return events + [self.event(f"response.{done['status']}", response=done)]
+
+
+def _item_status(finish: str | None) -> str:
+    """An output item's status at the end of a chat answer that ended for ``finish``."""
+    return "incomplete" if finish in ("length", "abort") else "completed"
 
 
 # ---------------------------------------------------------------------------- the store
 @dataclass
 class _Kept:
     response: dict  # the response object, as answered
-    turn: list[dict]  # this request's input and its answer, as chat messages
-    previous: str | None  # the response it continued
+    turn: list[dict]  # this request's input and its answer as chat messages (after those of evicted turns before it)
+    previous: str | None  # the kept response it continues
     items: list[dict]  # this request's input, as Responses items with ids
 
 
@@ -333,7 +376,9 @@ class ResponseStore:
     """The last ``capacity`` finished responses, for ``previous_response_id`` and ``GET`` /
     ``DELETE /v1/responses/{id}``. Each keeps only its own turn (its input and answer) and
     the id it continued, so a long conversation is stored once; reading one back walks the
-    chain. The least recently used response goes first."""
+    chain. The least recently used response goes first; its turn moves into the kept
+    responses that continue it, so a conversation stays whole while any of its later turns is
+    kept (continuing a turn uses the turns before it too, and the latest turn last)."""
 
     def __init__(self, capacity: int = RESPONSES_KEPT) -> None:
         if capacity < 1:
@@ -350,7 +395,10 @@ class ResponseStore:
         self._kept[response["id"]] = _Kept(response, turn, request.previous_response_id, _input_items(request.input))
         self._kept.move_to_end(response["id"])
         while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+            rid, gone = self._kept.popitem(last=False)
+            for kept in self._kept.values():
+                if kept.previous == rid:
+                    kept.turn, kept.previous = gone.turn + kept.turn, gone.previous
 
     def get(self, rid: str) -> dict:
         """The response object kept under ``rid`` (a 404 when it is not kept)."""
@@ -383,18 +431,20 @@ class ResponseStore:
         """The chat messages of the conversation up to and including response ``rid``'s
         answer, oldest first (a 404 names a response, or an earlier one of its chain, that is
         not kept)."""
-        turns, at = [], rid
+        chain, at = [], rid
         while at is not None:
             try:
                 kept = self._find(at, param="previous_response_id")
             except APIError:
                 if at == rid:
                     raise
-                raise APIError(404, f"response {rid!r} continues {at!r}, which is no longer kept",
+                raise APIError(404, f"response {rid!r} continues {at!r}, which was deleted",
                                param="previous_response_id", code="not_found") from None
-            turns.append(kept.turn)
+            chain.append(at)
             at = kept.previous
-        return [message for turn in reversed(turns) for message in turn]
+        for at in reversed(chain):  # used oldest to newest: the turn continued is the most recent
+            self._kept.move_to_end(at)
+        return [message for at in reversed(chain) for message in self._kept[at].turn]
 
     def _find(self, rid: str, param: str | None = None) -> _Kept:
         kept = self._kept.get(rid)
