@@ -42,8 +42,9 @@ class Completion:
 
     ``seconds`` runs from the request's admission to its last token, ``first_token_seconds``
     to its first; ``tokens_per_s`` is ``new_tokens / seconds``; ``mean_accept_len`` (tau) is
-    the tokens committed per verify step; ``finish_reason`` is ``length``, ``eos``, ``stop``
-    or ``abort``."""
+    the tokens committed per verify step; ``finish_reason`` is ``length``, ``eos``, ``stop``,
+    ``abort`` or ``grammar`` (the structured output's grammar allowed no token of the model's
+    vocabulary, so the answer stops short of its form)."""
 
     text: str
     token_ids: list[int]
@@ -125,7 +126,7 @@ class StreamEvent:
     text: str
     token_ids: list[int]
     finished: bool
-    #: on the last event: ``length``, ``eos``, ``stop`` or ``abort``
+    #: on the last event: ``length``, ``eos``, ``stop``, ``abort`` or ``grammar``
     finish_reason: str | None = None
 
 

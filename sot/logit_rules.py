@@ -131,8 +131,12 @@ class AdjustedRows:
             matcher.rollback(len(self._consumed) - common)
         del self._consumed[common:]
         for n in path[common:]:
-            if not matcher.consume_token(self.tree.tokens[n]):  # (the walk only goes where rows allow)
-                raise RuntimeError(f"the grammar refused drafted token {self.tree.tokens[n]} on the walked path")
+            token = self.tree.tokens[n]
+            if matcher.try_consume_tokens([token]) != 1:  # (refused: no error state, so rollback still works)
+                # the walk only goes where rows allow, so this is a dead end: the grammar allows
+                # no token of the vocabulary, yet its mask offered one. The answer ends at this
+                # token (``LiveRequest.commit``: ``grammar``), so no row after it is used.
+                break
             self._consumed.append(n)
 
     def close(self) -> None:

@@ -58,7 +58,8 @@ class SequenceResult:
     index: int
     token_ids: list[int]
     text: str = ""
-    #: ``length``, ``eos``, ``stop`` or ``abort``
+    #: ``length``, ``eos``, ``stop``, ``abort`` or ``grammar`` (the structured output's grammar
+    #: allowed no token of the model's vocabulary: the answer is cut short of its form)
     finish_reason: str = "length"
     accept_lengths: list[int] = field(default_factory=list)
     depth_attempts: list[int] = field(default_factory=list)
@@ -122,7 +123,7 @@ class TokenEvent:
         token_ids: the tokens committed.
         finished: the request is complete; ``finish_reason`` says why.
         request_id: the request's id.
-        finish_reason: ``length``, ``eos`` or ``stop`` once finished, else ``None``
+        finish_reason: ``length``, ``eos``, ``stop`` or ``grammar`` once finished, else ``None``
             (:meth:`Engine.abort` ends a request without an event).
     """
 
@@ -353,7 +354,8 @@ class LiveRequest:
         return self.result.token_ids[-1] if self.result.token_ids else self.prompt[-1]
 
     def finish(self, reason: str, decode: Callable[[list[int]], str]) -> None:
-        """Mark the request finished with ``reason`` (``eos``, ``length``, ``stop``, ``abort``)."""
+        """Mark the request finished with ``reason`` (``eos``, ``length``, ``stop``, ``abort``,
+        ``grammar``)."""
         self.done = True
         self.result.finish_reason = reason
         self.result.text = decode(self.result.token_ids)
@@ -386,8 +388,11 @@ class LiveRequest:
         for tok in tokens:
             taken.append(tok)
             res.token_ids.append(tok)
-            if self.matcher is not None:
-                self.matcher.consume_token(tok)
+            if self.matcher is not None and self.matcher.try_consume_tokens([tok]) != 1:
+                # a dead end: the grammar allows no token of this vocabulary (an enum's "é" that
+                # no token spells), so its mask held only the end of sequence, which it refuses
+                reason = "grammar"
+                break
             if tok in params.eos_token_ids:
                 reason = "eos"
                 break

@@ -141,3 +141,29 @@ def test_a_traced_request_records_the_forced_chain(tiny: SoT) -> None:
         max_new_tokens=40, eos_token_ids=tiny.eos_ids(), structured=spec))[0]
     forced = [r for r in result.step_records if r.mode == "free" and len(r.tokens) >= 5]
     assert forced and forced[0].accepted == list(range(len(forced[0].tokens)))
+
+
+def test_a_grammar_dead_end_ends_its_request_alone_the_same_in_every_mode(tiny: SoT) -> None:
+    """A grammar that needs a character no token spells ("~" is past the tiny vocabulary)
+    reaches a dead end: that request ends there with ``finish_reason`` ``grammar``, with the
+    same tokens plain and speculative, while the request beside it in the batch runs on as
+    it runs alone."""
+    dead = StructuredOutput(OutputFormat.REGEX, "ab~c")
+    prompts = [tiny.encode(p, chat=False) for p in ("abcabc", "hello hello")]
+
+    def params(spec: StructuredOutput) -> GenerationParams:
+        return GenerationParams(max_new_tokens=30, eos_token_ids=tiny.eos_ids(), structured=spec)
+
+    alone = _engine(tiny, NoDrafter()).generate([prompts[1]], params(SPECS["regex"]))[0].token_ids
+    for drafter in (NoDrafter(), PromptLookupDrafter()):
+        engine = _engine(tiny, drafter)
+        rids = [engine.add_request(prompts[0], params(dead)), engine.add_request(prompts[1], params(SPECS["regex"]))]
+        done = {}
+        while engine.has_unfinished():
+            done.update({ev.request_id: ev.result for ev in engine.step() if ev.finished})
+        ended, other = (done[r] for r in rids)
+        assert ended.finish_reason == "grammar" and tiny.tokenizer.decode(ended.token_ids[:2]) == "ab"
+        assert other.finish_reason in ("stop", "eos") and other.token_ids == alone
+        if isinstance(drafter, NoDrafter):
+            plain = ended.token_ids
+        assert ended.token_ids == plain

@@ -364,7 +364,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+#: the engine's finish reasons as the API gives them (``grammar``, a structured output whose
+#: grammar allowed no token of the vocabulary, is vLLM's ``error``: the answer is incomplete)
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "grammar": "error"}
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

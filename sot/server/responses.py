@@ -45,6 +45,9 @@ _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "frequency_penalty", 
 
 #: the error of a response the server stopped before it finished (``finish_reason`` abort)
 ABORTED = "the server stopped this response before it finished (it is shutting down); send the request again"
+#: the error of a response whose ``text.format`` allowed no token of the model's vocabulary
+DEAD_END = ("the answer stopped short of text.format: its grammar allowed no token of this model's vocabulary "
+            "(a character no token spells?)")
 #: chat-completion fields and the Responses fields they come from (named in errors)
 _CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 
@@ -236,9 +239,9 @@ class ResponseBuilder:
         ``error`` message is given. A failed response is not kept."""
         r = self.request
         incomplete = {"reason": "max_output_tokens"} if finish == "length" else None
-        if status == "completed" and (finish == "abort" or error is not None):
+        if status == "completed" and (finish in ("abort", "error") or error is not None):
             status, incomplete = "failed", None
-            error = error or ABORTED
+            error = error or (ABORTED if finish == "abort" else DEAD_END)
         elif status == "completed" and incomplete:
             status = "incomplete"
         if status == "failed":
@@ -360,7 +363,7 @@ class ResponseBuilder:
 
 def _item_status(finish: str | None) -> str:
     """An output item's status at the end of a chat answer that ended for ``finish``."""
-    return "incomplete" if finish in ("length", "abort") else "completed"
+    return "incomplete" if finish in ("length", "abort", "error") else "completed"
 
 
 # ---------------------------------------------------------------------------- the store
