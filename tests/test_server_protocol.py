@@ -97,6 +97,12 @@ def test_logprob_bytes_join_to_the_answer_across_split_characters() -> None:
     assert sum(e["token"] == "\ufffd" for e in content) >= 4, "the text must split characters across tokens"
     assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8") == text
     assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
+    for end in ("猫", "ok 😀"):  # an answer that ends in a split character reports its last token too
+        ids = tok.encode(end, add_special_tokens=False)
+        writer = LogprobWriter(tok, chat=True)
+        writer.add([TokenLogprob(t, -0.5, [(t, -0.5)]) for t in ids])
+        content = writer.upto(len(end))["content"]
+        assert len(content) == len(ids) and b"".join(bytes(e["bytes"]) for e in content).decode("utf-8") == end
 
     class ByteFallback:  # SentencePiece-style pieces: "<0xE6>" tokens spell a character's bytes
         pieces = ["<0xE6>", "<0x97>", "<0xA5>", "▁a"]

@@ -473,13 +473,15 @@ class LogprobWriter:
         self.entries: list[TokenLogprob] = []  # every generated token's, in order
         self.reported = 0
         self._decoded = IncrementalText(decoder(tokenizer))
-        self._lengths = [0]  # [n]: characters of the first n tokens' text
+        #: [n]: characters of the first n tokens' settled text (a character split across tokens
+        #: counts once its last token is in, so each of its tokens is reported with it)
+        self._lengths = [0]
 
     def add(self, entries: list[TokenLogprob]) -> None:
         self.entries.extend(entries)
         for e in entries:
             self._decoded.extend([e.token])
-            self._lengths.append(len(self._decoded))
+            self._lengths.append(self._decoded.settled_length)
 
     def _text_length(self, n: int) -> int:
         return self._lengths[n]
