@@ -114,6 +114,11 @@ def parse_tools(raw: Any) -> tuple[Tool, ...]:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ConfigError(f"{where}: parameters must be a JSON schema object")
+        if params.get("type", "object") != "object":
+            raise ConfigError(f"{where}: parameters must describe an object (type: object), since a call's "
+                              f"arguments are a JSON object; got type {params['type']!r}")
+        if "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
+            params = {"type": "object", **params}  # ({} or bare properties: the arguments are still an object)
         problem = _schema_problem(params)
         if problem:
             raise ConfigError(f"{where}: parameters of {name!r} are not a usable JSON schema: {problem}")
@@ -163,12 +168,28 @@ def call_format(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True
         return StructuredOutput.json_schema(next(t for t in tools if t.name == choice.name).parameters)
     if choice.mode != "required":
         return None
-    one_of = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.schema()},
-               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema: dict = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
+    # each tool's schema sits whole under $defs, its local references moved there with it (a
+    # "#/$defs/..." of a nested Pydantic model, "#" of a recursive one), and arguments refer to it
+    defs = {f"tool{i}": _moved_refs(t.schema(), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
+    one_of = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
+               "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
+    schema: dict = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1, "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutput.json_schema(schema)
+
+
+def _moved_refs(schema: Any, base: str) -> Any:
+    """``schema`` with each local ``$ref`` (``#...``) pointing below ``base`` instead of the root."""
+    if isinstance(schema, list):
+        return [_moved_refs(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _moved_refs(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 # ---------------------------------------------------------------------------- the prompt

@@ -31,7 +31,7 @@ TOOLS = parse_tools([WEATHER, CLOCK])
     ([{"type": "function"}], "needs a 'function' object"),
     ([{"type": "function", "function": {"name": "has space"}}], "function name must be"),
     ([{"type": "function", "function": {"name": "f", "parameters": "none"}}], "parameters must be a JSON schema"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "parameters of 'f'"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "nonsense"}}}}}], "parameters of 'f'"),
     ([WEATHER, WEATHER], "get_weather appear more than once"),
 ])
 def test_bad_tools_are_refused_with_the_reason(raw, match) -> None:
@@ -117,6 +117,30 @@ def test_the_call_format_holds_answers_to_the_tools_schemas() -> None:
     assert not accepts(call_format(TOOLS, ToolChoice("required"), parallel=False), good)
     named = call_format(TOOLS, ToolChoice("named", "get_weather"))
     assert accepts(named, '{"city": "Rome"}') and not accepts(named, '{"zone": "A"}')
+    # references stay with their tool: a nested model's $defs (as openai.pydantic_function_tool
+    # writes it), old-style definitions, and a recursive schema's "#"
+    nested = parse_tools([
+        {"type": "function", "function": {"name": "weather", "parameters": {
+            "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                              "additionalProperties": False}},
+            "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+            "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "tree", "parameters": {
+            "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}},
+                                             "tag": {"$ref": "#/definitions/Tag"}},
+            "definitions": {"Tag": {"enum": ["a", "b"]}}, "required": ["v"], "additionalProperties": False}}}])
+    spec = call_format(nested, ToolChoice("required"))
+    assert accepts(spec, '[{"name": "weather", "arguments": {"loc": {"city": "Oslo"}}}, '
+                         '{"name": "tree", "arguments": {"v": 1, "kids": [{"v": 2, "kids": []}], "tag": "a"}}]')
+    assert not accepts(spec, '[{"name": "weather", "arguments": {"loc": {"town": "Oslo"}}}]')
+    assert not accepts(spec, '[{"name": "tree", "arguments": {"v": 1, "kids": [{"v": "x"}]}}]')
+    assert not accepts(spec, '[{"name": "tree", "arguments": {"v": 1, "tag": "c"}}]')
+    # arguments are an object: a schema of another type is refused, an empty one means an object
+    with pytest.raises(ConfigError, match="must describe an object"):
+        parse_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
+    empty = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert accepts(call_format(empty, ToolChoice("named", "f")), "{}")
+    assert not accepts(call_format(empty, ToolChoice("named", "f")), "7")
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message() -> None:
