@@ -205,3 +205,43 @@ def test_responses_input_and_metadata_are_checked_as_openai_does() -> None:
     # a wrong type inside the body names its field
     assert validation_message([{"loc": ("body", "metadata"), "msg": "x", "type": "dict_type"}]) == \
         ("metadata: must be a JSON object", "metadata")
+
+
+def test_a_streamed_auto_answer_sends_a_bare_json_call_once() -> None:
+    """With ``tool_choice`` auto, a call written as bare JSON (Llama 3's form) is held back and
+    sent as a call alone, as the whole answer reads it (not as content too); an answer that
+    is not a call streams as content, and both join to the whole answer's message."""
+    from sot.server.protocol import ToolAnswer
+    from sot.tools import ToolUse
+
+    use = ToolUse.of([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}])
+    for answer in ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', " [not a call]", "Sunny today."):
+        tool = ToolAnswer(_CharTokenizer(), (), use)
+        deltas = [tool.delta(_ids(answer[i:i + 5]), "", final=i + 5 >= len(answer)) for i in range(0, len(answer), 5)]
+        last = tool.last_delta(answer) or {}
+        content = "".join(d["content"] for d in [*deltas, last] if d and "content" in d)
+        whole = tool.message(answer)
+        assert (content or None) == whole["content"], answer
+        assert [c["function"]["name"] for c in last.get("tool_calls", [])] == \
+            [c["function"]["name"] for c in whole.get("tool_calls", [])]
+        if answer.startswith("Sunny"):
+            assert deltas[0] == {"content": "Sunny"}  # (streams as it comes)
+
+
+def test_streamed_auto_content_keeps_special_tokens_when_asked() -> None:
+    """``skip_special_tokens: false``: the content streamed with tools offered is the text the
+    whole answer has, special tokens' text included, not that text without them and again."""
+    from sot.server.protocol import ToolAnswer
+    from sot.tools import ToolUse
+
+    class WithSpecial(_CharTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("" if i == 1 and skip_special_tokens else "<s>" if i == 1 else chr(i) for i in ids)
+
+    use = ToolUse.of([{"type": "function", "function": {"name": "f"}}])
+    tool = ToolAnswer(WithSpecial(), (), use, skip_special=False)
+    ids = _ids("ab") + [1] + _ids("cd") + [1]
+    text = WithSpecial().decode(ids, skip_special_tokens=False)
+    streamed = [tool.delta(ids[:3], "", final=False), tool.delta(ids[3:], "", final=True), tool.last_delta(text)]
+    assert "".join(d["content"] for d in streamed if d and "content" in d) == text == "ab<s>cd<s>"

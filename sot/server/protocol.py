@@ -393,12 +393,18 @@ class ToolAnswer:
     a first delta with the call's id and name. With ``required`` the calls are sent once the
     answer is complete (a JSON list can't be split into calls before that). With ``auto``
     the text streams as content up to a ``<tool_call>`` tag, and what follows is read as calls
-    at the end (or sent as content when it is not a call)."""
+    at the end (or sent as content when it is not a call); an answer that opens with ``{`` or
+    ``[`` may be a call written as bare JSON (Llama 3's and Mistral's form), so it is held
+    back to the end too. ``include_stop`` and ``skip_special`` are the request's, as for the
+    choice's own text."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], use: ToolUse) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], use: ToolUse, include_stop: bool = False,
+                 skip_special: bool = True) -> None:
         self.use, self.choice = use, use.choice
-        self._content = TextAssembler(tokenizer, stop + (CALL_OPEN,)) if use.choice.mode == "auto" else None
+        self._content = TextAssembler(tokenizer, stop + (CALL_OPEN,), include_stop=include_stop,
+                                      skip_special=skip_special) if use.choice.mode == "auto" else None
         self.streamed = ""  # content sent so far (auto)
+        self._held = ""  # the answer's opening, held while it may be a bare JSON call (auto)
         self.call_id = new_call_id()  # a named tool's call
         self._read: ReadAnswer | None = None
 
@@ -425,6 +431,12 @@ class ToolAnswer:
         if self._content is None:
             return None
         d = self._content.add(token_ids, final)
+        if not self.streamed:
+            self._held += d
+            head = self._held.lstrip()
+            if not head or head[0] in "{[":  # (the end's delta sends it, as content or as calls)
+                return None
+            d, self._held = self._held, ""
         self.streamed += d
         return {"content": d} if d else None
 
