@@ -319,7 +319,8 @@ class SoT:
             temperature, top_p, top_k, min_p: sampling (temperature 0: greedy; top_k 0 and
                 top_p 1: off), as transformers applies them.
             seed: the sampling noise's key: a seeded answer is the same whatever was
-                drafted and whatever shares the batch; ``None`` draws a fresh seed.
+                drafted and whatever shares the batch. The default (0) makes a call repeatable;
+                ``None`` draws a fresh seed each call, as the server does for a request without one.
             sampling: ``coupled`` (same text for a seed, whatever was drafted) or
                 ``rejection``; both give the target's distribution.
             stop: strings that end the answer (not included in its text); one string or a

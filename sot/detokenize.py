@@ -115,15 +115,18 @@ class TextAssembler:
         self._longest_stop = max((len(s) for s in stop), default=0)
         self.sent = 0
         self.text = ""
+        self._ids: list[int] = []
 
     @property
     def ids(self) -> list[int]:
         """Every token added so far."""
-        return self._decoded.ids
+        return self._ids
 
-    def add(self, token_ids: list[int], final: bool) -> str:
-        """The new text after ``token_ids``; ``final`` releases everything held back."""
-        self._decoded.extend(token_ids)
+    def add(self, token_ids: list[int], final: bool, textless: int = 0) -> str:
+        """The new text after ``token_ids``; ``final`` releases everything held back. The last
+        ``textless`` of them add no text (an answer's stop token, as vLLM leaves it out)."""
+        self._ids.extend(token_ids)
+        self._decoded.extend(token_ids[: len(token_ids) - textless])
         text = self._decoded.text
         cut = len(text)
         stopped = False

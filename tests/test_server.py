@@ -151,14 +151,14 @@ def test_openai_client_calls_tools(default_server) -> None:
                messages=[{"role": "user", "content": "What is the weather in Paris?"}])
     named = client.chat.completions.create(
         **ask, tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
-    assert named.finish_reason == "tool_calls" and named.message.content is None
+    assert named.finish_reason == "stop" and named.message.content is None  # (OpenAI's, for a named tool)
     (call,) = named.message.tool_calls
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
     calls, content, reason = _streamed_calls(client.chat.completions.create(
         **ask, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
-    assert content == "" and reason == "tool_calls"
+    assert content == "" and reason == "stop"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]
 
     required = client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False).choices[0]
@@ -497,6 +497,15 @@ def test_logit_rules_and_stop_tokens(tiny_server) -> None:
     stop = free[3]
     cut = ask(stop_token_ids=[stop])
     assert cut["finish_reason"] == "stop" and cut["token_ids"] == free[: free.index(stop) + 1]
+    # the stop token's text is left out (as vLLM does) unless include_stop_str_in_output, streamed too
+    said = httpx.post(f"{tiny_server.url}/detokenize", headers=AUTH, timeout=60, json={"tokens": [stop]}).json()
+    kept = ask(stop_token_ids=[stop], include_stop_str_in_output=True)["text"]
+    assert said["prompt"] and kept == cut["text"] + said["prompt"]
+    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json={
+            "model": TINY, "prompt": "abcabcab", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [stop], "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == cut["text"]
     held = ask(stop_token_ids=[stop], min_tokens=free.index(stop) + 2)["token_ids"]
     assert len(held) > free.index(stop) + 1 and stop not in held[: free.index(stop) + 2]
     for bad, param in ((dict(logit_bias={"5": 150}), "logit_bias"), (dict(min_tokens=13), "min_tokens"),

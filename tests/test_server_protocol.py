@@ -245,3 +245,39 @@ def test_streamed_auto_content_keeps_special_tokens_when_asked() -> None:
     text = WithSpecial().decode(ids, skip_special_tokens=False)
     streamed = [tool.delta(ids[:3], "", final=False), tool.delta(ids[3:], "", final=True), tool.last_delta(text)]
     assert "".join(d["content"] for d in streamed if d and "content" in d) == text == "ab<s>cd<s>"
+
+
+def test_vllm_structured_outputs_and_fields_this_server_would_ignore() -> None:
+    """vLLM's ``structured_outputs`` asks for a form as the ``guided_*`` fields do (one form a
+    request); fields whose meaning this server does not give are refused by name, not
+    ignored."""
+    from sot.server.protocol import ChatCompletionRequest, CompletionRequest
+    from sot.structured import OutputFormat, StructuredOutput
+
+    def chat(**fields) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                     **fields})
+
+    assert chat(structured_outputs={"regex": "[0-9]{3}"}).structured_output() == \
+        ("structured_outputs", StructuredOutput(OutputFormat.REGEX, "[0-9]{3}"))
+    assert chat(structured_outputs={"choice": ["a", "b"]}).structured_output() == \
+        ("structured_outputs", StructuredOutput.choice(["a", "b"]))
+    assert chat(structured_outputs={"json_object": True}).structured_output()[1] == StructuredOutput(OutputFormat.JSON)
+    assert chat(guided_regex="x+").structured_output()[0] == "guided_regex"
+    for fields, param in (({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+                          ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "structured_outputs"),
+                          ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+                          ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+                          ({"guided_choice": []}, "guided_choice")):
+        with pytest.raises(APIError) as err:
+            chat(**fields).structured_output()
+        assert err.value.status == 400 and err.value.param == param, fields
+    for request, field in ((chat(allowed_token_ids=[1]), "allowed_token_ids"), (chat(echo=True), "echo"),
+                           (chat(bad_words=["x"]), "bad_words"),
+                           (CompletionRequest.model_validate({"model": "m", "prompt": "a", "max_completion_tokens": 2}),
+                            "max_completion_tokens"),
+                           (CompletionRequest.model_validate({"model": "m", "prompt": "a", "prompt_logprobs": 1}),
+                            "prompt_logprobs")):
+        with pytest.raises(APIError) as err:
+            request.check_supported()
+        assert err.value.param == field

@@ -523,6 +523,14 @@ class _Choice:
     tool: ToolAnswer | None = None
 
 
+def _textless(update: Update, include_stop: bool) -> int:
+    """How many of an update's last tokens add no text: an answer that ended at an
+    end-of-sequence or ``stop_token_ids`` token leaves that token's text out, unless
+    ``include_stop_str_in_output`` (as vLLM does; a special token has no text anyway unless
+    ``skip_special_tokens`` is false)."""
+    return 1 if update.finish_reason == "eos" and update.token_ids and not include_stop else 0
+
+
 def _usage(choices: list[_Choice], results: list[SequenceResult | None]) -> dict:
     """``usage`` of a response: each prompt counted once (as OpenAI counts ``n`` samples)."""
     each = [usage_of(c.prompt, r, len(c.text.ids)) for c, r in zip(choices, results)]
@@ -690,7 +698,7 @@ async def _collect(request: Request, state: ServerState, choice: _Choice) -> Upd
         if choice.logprobs is not None:
             choice.logprobs.add(update.logprobs)
         if update.error or update.finish_reason is not None:
-            choice.text.add(update.token_ids, final=True)
+            choice.text.add(update.token_ids, final=True, textless=_textless(update, choice.text.include_stop))
             return update
         choice.text.add(update.token_ids, final=False)
 
@@ -754,13 +762,14 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
                 yield chunk(c.index, c.echo, lp=prompt_logprobs_block(state.sot.tokenizer, c.prompt,
                                                                       update.prompt_logprobs))
             last = update.finish_reason is not None
-            delta = c.text.add(update.token_ids, final=last) if not c.drop else ""
+            textless = _textless(update, c.text.include_stop)
+            delta = c.text.add(update.token_ids, final=last, textless=textless) if not c.drop else ""
             lp = None
             if c.logprobs is not None and not c.drop:  # those of the tokens whose text this chunk completes
                 c.logprobs.add(update.logprobs)
                 lp = c.logprobs.upto(c.text.sent)
             if c.tool is not None:
-                said = c.tool.delta(update.token_ids, delta, last)
+                said = c.tool.delta(update.token_ids[: len(update.token_ids) - textless], delta, last)
                 if said or lp or (token_ids and update.token_ids):
                     yield chunk(c.index, None, ids=update.token_ids, lp=lp, chat_delta=said or {})
             elif delta or lp or (token_ids and update.token_ids and not c.drop):

@@ -128,11 +128,21 @@ class _GenerationRequest(NullMeansDefault):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    #: vLLM's newer form of the same: ``{"json" | "regex" | "choice" | "grammar": ...}`` or
+    #: ``{"json_object": true}``
+    structured_outputs: dict[str, Any] | None = None
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
-        """The form the answer must take and the field that asks for it (``response_format``
-        or a ``guided_*`` field; at most one may ask), or ``None``."""
+        """The form the answer must take and the field that asks for it (``response_format``,
+        ``structured_outputs`` or a ``guided_*`` field; at most one may ask), or ``None``."""
         asked = []
+        so = {k: v for k, v in (self.structured_outputs or {}).items() if v is not None and v is not False}
+        other = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if other:
+            raise APIError(400, f"structured_outputs: {', '.join(other)} is not supported by this server (json, "
+                                "regex, choice, grammar and json_object are)", param="structured_outputs")
+        if so.get("json_object"):
+            asked.append(("structured_outputs", StructuredOutput(OutputFormat.JSON)))
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             asked.append(("response_format", StructuredOutput(OutputFormat.JSON)))
@@ -142,16 +152,23 @@ class _GenerationRequest(NullMeansDefault):
                 raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON object",
                                param="response_format")
             asked.append(("response_format", StructuredOutput.json_schema(schema)))
-        if self.guided_json is not None:
-            asked.append(("guided_json", StructuredOutput.json_schema(self.guided_json)))
-        if self.guided_regex is not None:
-            asked.append(("guided_regex", StructuredOutput(OutputFormat.REGEX, self.guided_regex)))
-        if self.guided_choice is not None:
-            if not self.guided_choice:
-                raise APIError(400, "guided_choice must list at least one string", param="guided_choice")
-            asked.append(("guided_choice", StructuredOutput.choice(self.guided_choice)))
-        if self.guided_grammar is not None:
-            asked.append(("guided_grammar", StructuredOutput(OutputFormat.GRAMMAR, self.guided_grammar)))
+        for field, key, value in (("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
+                                  ("guided_choice", "choice", self.guided_choice),
+                                  ("guided_grammar", "grammar", self.guided_grammar)):
+            for name, v in ((field, value), ("structured_outputs", so.get(key))):
+                if v is None:
+                    continue
+                if key == "json" and isinstance(v, (dict, str)):
+                    asked.append((name, StructuredOutput.json_schema(v)))
+                elif key == "choice" and isinstance(v, list) and v and all(isinstance(c, str) for c in v):
+                    asked.append((name, StructuredOutput.choice(v)))
+                elif key in ("regex", "grammar") and isinstance(v, str):
+                    form = OutputFormat.REGEX if key == "regex" else OutputFormat.GRAMMAR
+                    asked.append((name, StructuredOutput(form, v)))
+                else:
+                    what = {"json": "a JSON schema", "choice": "a list of at least one string"}.get(key, "a string")
+                    raise APIError(400, f"{name if name == field else 'structured_outputs.' + key} must be {what}",
+                                   param=name)
         if len(asked) > 1:
             raise APIError(400, f"ask for one form of output, not {' and '.join(n for n, _ in asked)}",
                            param=asked[1][0])
@@ -211,6 +228,12 @@ _UNSUPPORTED = {
     "tools": "tool calling (chat completions only)", "tool_choice": "tool calling (chat completions only)",
     "functions": "function calling (the legacy form; send tools)",
     "function_call": "function calling (the legacy form; send tool_choice)",
+    "prompt_logprobs": "prompt_logprobs (on /v1/completions, echo with logprobs gives the prompt's)",
+    "allowed_token_ids": "a list of allowed tokens (logit_bias can ban the others)",
+    "bad_words": "banned words (logit_bias can ban their tokens)",
+    "truncate_prompt_tokens": "prompt truncation", "guided_whitespace_pattern": "a whitespace pattern (a "
+    "schema's x-guidance whitespace_pattern sets it)", "echo": "echo on chat completions",
+    "max_completion_tokens": "max_completion_tokens on /v1/completions (send max_tokens)",
 }
 
 
@@ -463,8 +486,9 @@ class ToolAnswer:
         return out
 
     def finish_reason(self, text: str, reason: str) -> str:
-        """``tool_calls`` where the answer ended with calls, else the engine's reason."""
-        if reason == "stop" and (self.choice.mode == "named" or self.read(text).calls):
+        """``tool_calls`` where an ``auto`` or ``required`` answer ended with calls, else the
+        engine's reason: a named tool's call ends with ``stop``, as OpenAI answers it."""
+        if reason == "stop" and self.choice.mode != "named" and self.read(text).calls:
             return "tool_calls"
         return reason
 
