@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -159,7 +160,11 @@ def test_stop_after_keeps_the_planned_schedule(tiny_run, tmp_path) -> None:
 
 
 def test_an_interrupted_run_keeps_its_steps(tiny_run, tmp_path, monkeypatch) -> None:
-    """Ctrl-C saves the steps done since the last save; the same command resumes there."""
+    """SIGTERM (a scheduler's stop) saves the steps done since the last save, as Ctrl-C does; the
+    same command resumes there, on the same data and noise, so the resumed run ends with the
+    weights of one never stopped."""
+    import signal
+
     from sot.train import trainer
 
     calls = []
@@ -168,18 +173,37 @@ def test_an_interrupted_run_keeps_its_steps(tiny_run, tmp_path, monkeypatch) -> 
     def interrupting(*args, **kwargs):  # (called once a step, before the optimizer's step)
         calls.append(1)
         if len(calls) == 3:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # (fit's handler raises KeyboardInterrupt here)
         return clip(*args, **kwargs)
 
     monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", interrupting)
     cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "run"), steps=6, eval_every=100, save_every=100)
     with pytest.raises(KeyboardInterrupt):
         fit(cfg)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # (fit puts the handler back)
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 2
     monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", clip)
     fit(cfg)
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert state["step"] == 6 and [h["step"] for h in state["history"]] == list(range(1, 7))
+    fit(dataclasses.replace(cfg, out=str(tmp_path / "whole")))
+    whole = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)
+    assert [h["tokens"] for h in whole["history"]] == [h["tokens"] for h in state["history"]]
+    assert all(torch.equal(whole["model"][k], v) for k, v in state["model"].items())
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(tiny_run, tmp_path) -> None:
+    """A loss that stops being finite stops the run with the reason and the way out; no
+    predictor of NaN weights is written. An --out folder that holds a model is refused."""
+    from sot.train.trainer import Diverged
+
+    cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "run"), steps=6, eval_every=100, save_every=100,
+                              lr=1e30, warmup=0)
+    with pytest.raises(Diverged, match="Lower --lr"):
+        fit(cfg)
+    assert not (tmp_path / "run" / "predictor.safetensors").exists()
+    with pytest.raises(ConfigError, match="not a training run's"):
+        fit(dataclasses.replace(tiny_run["cfg"], out=str(tiny_run["model_dir"])))
 
 
 def test_a_run_resumes_only_with_its_own_settings(tiny_run, tmp_path) -> None:
@@ -194,6 +218,7 @@ def test_a_run_resumes_only_with_its_own_settings(tiny_run, tmp_path) -> None:
     cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "run"), steps=4, stop_after=2, eval_every=100,
                               save_every=100)
     fit(cfg)
+    fit(dataclasses.replace(cfg, data=cfg.data + "/"))  # the same folder, written another way: it resumes
     for change, flag in ((dict(draft_vocab=40), "--draft-vocab 0"), (dict(arch="eagle3"), "--arch 'native'")):
         with pytest.raises(ConfigError, match=f"holds a run started with {flag}"):
             fit(dataclasses.replace(cfg, stop_after=0, **change))
@@ -207,6 +232,13 @@ def test_a_run_resumes_only_with_its_own_settings(tiny_run, tmp_path) -> None:
         build_state_cache(loaded.model, loaded.tokenizer, [{"prompt": "no reply"}], tmp_path / "empty", LAYERS, None,
                           256, progress=False)
     assert not (tmp_path / "empty" / "meta.json").exists()
+    import shutil  # a cache prepared again in its folder is incomplete until the new one is whole
+
+    shutil.copytree(Path(tiny_run["data"]) / "eval", tmp_path / "again")
+    with pytest.raises(ConfigError, match="nothing to cache"):
+        build_state_cache(loaded.model, loaded.tokenizer, [{"prompt": "no reply"}], tmp_path / "again", LAYERS, None,
+                          256, progress=False)
+    assert not (tmp_path / "again" / "meta.json").exists()
 
 
 def test_a_process_without_its_own_gpu_is_refused(monkeypatch) -> None:
@@ -231,3 +263,13 @@ def test_kept_policy_traces_are_reused_only_with_their_settings(tmp_path) -> Non
     assert load_or_collect(cfg)["config"] == kept["config"]
     with pytest.raises(ConfigError, match=r"collected with --model 'm' \(now 'other'\), --temperatures"):
         load_or_collect(dataclasses.replace(cfg, model="other", temperatures=(0.0, 1.0)))
+    # a predictor file replaced at the same path: its traces are not the new predictor's
+    predictor = tmp_path / "predictor.safetensors"
+    predictor.write_bytes(b"first")
+    with_file = dataclasses.replace(cfg, predictor=str(predictor))
+    torch.save({**kept, "config": {**kept["config"], "predictor": str(predictor)},
+                "predictor_digest": hashlib.sha256(b"first").hexdigest()}, tmp_path / "traces.pt")
+    assert load_or_collect(with_file)["predictor_digest"]
+    predictor.write_bytes(b"second")
+    with pytest.raises(ConfigError, match="the file has changed since"):
+        load_or_collect(with_file)

@@ -164,9 +164,14 @@ def test_gen_data_prompts_file_replaces_sharegpt(tiny_run, tmp_path) -> None:
     assert [r["conversations"][0]["value"] for r in rows] == ["say red please", "say green please"]
     with pytest.raises(ConfigError, match="--prompts file not found"):
         generate_answers("no/such/model", out, limit=5, prompts=tmp_path / "missing.jsonl")
-    prompts.write_text(json.dumps({"prompt": "no id"}) + "\n")
-    with pytest.raises(ConfigError, match=r"prompts.jsonl:1: a record needs an 'id'"):
-        generate_answers("no/such/model", out, limit=5, prompts=prompts)
+    for lines, match in (([{"prompt": "no id"}], r"prompts.jsonl:1: a record needs an 'id'"),
+                         (["a string"], r"prompts.jsonl:1: a record needs"),
+                         ([{"id": "a", "conversations": "hi"}], r"prompts.jsonl:1: a record needs"),
+                         ([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}], r"prompts.jsonl:2: the id 'a'"),
+                         ([], "holds no prompts")):
+        prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        with pytest.raises(ConfigError, match=match):
+            generate_answers("no/such/model", out, limit=5, prompts=prompts)
 
 
 def test_evaluation_data_is_held_out(tmp_path) -> None:
@@ -189,3 +194,11 @@ def test_evaluation_data_is_held_out(tmp_path) -> None:
     held.write_text(json.dumps(convs[4]) + "\nnot json\n")
     with pytest.raises(ConfigError, match=r"held.jsonl:2: not valid JSON"):
         evaluation_conversations(held, 4)
+    # records that are not conversations of strings are named by line, not read as text ("None")
+    from sot.train.data import training_conversations
+
+    for bad in ("a string", {"conversations": "hi"}, {"conversations": [{"from": "gpt", "value": None}]}):
+        held.write_text(json.dumps(convs[4]) + "\n" + json.dumps(bad) + "\n")
+        for read in (lambda: evaluation_conversations(held, 4), lambda: training_conversations(held)):
+            with pytest.raises(ConfigError, match=r"held.jsonl:2: expected a conversation"):
+                read()

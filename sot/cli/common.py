@@ -41,7 +41,7 @@ non_negative_int = _checked(int, "an integer", lambda v: v >= 0, ">= 0")
 non_negative_float = _checked(float, "a number", lambda v: v >= 0, ">= 0")
 probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 unit_interval = _checked(float, "a number", lambda v: 0 <= v <= 1, "in [0, 1]")
-positive_float = _checked(float, "a number", lambda v: v > 0, "> 0")
+positive_float = _checked(float, "a number", lambda v: 0 < v < float("inf"), "> 0 and finite")
 top_logprobs = _checked(int, "an integer", lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"0 to {MAX_TOP_LOGPROBS}")
 penalty = _checked(float, "a number", lambda v: abs(v) <= MAX_PENALTY, f"-{MAX_PENALTY:g} to {MAX_PENALTY:g}")
 

@@ -208,8 +208,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
     layers = parse_layers(args.layers, loaded.model.config.num_hidden_layers)
     out = Path(args.out)
-    meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, args.seq_len)
-    ev = build_state_cache(loaded.model, loaded.tokenizer, held_out, out / "eval", layers, None, args.seq_len)
+    config = loaded.model.config
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    seq_len = args.seq_len
+    if context and seq_len > context:
+        print(f"--seq-len {seq_len} is past this model's context of {context} tokens: conversations are cut "
+              f"at {context}", file=sys.stderr)
+        seq_len = context
+    meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, seq_len)
+    ev = build_state_cache(loaded.model, loaded.tokenizer, held_out, out / "eval", layers, None, seq_len)
     info = {"model": args.model, "data": args.data or "sharegpt", "eval_data": args.eval_data or "sharegpt-heldout",
             "dtype": dtype_name(loaded.model.dtype), "train": meta, "eval": ev}
     (out / "prepare.json").write_text(json.dumps(info, indent=2))

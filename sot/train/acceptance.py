@@ -15,6 +15,7 @@ The output folder holds ``traces.pt``, ``policy.safetensors``, ``report.json`` a
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -250,18 +251,33 @@ def load_or_collect(cfg: PolicyTrainConfig) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     trace_file = out / "traces.pt"
+    digest = _file_digest(cfg.predictor)
     if trace_file.is_file():
         traces = torch.load(trace_file, weights_only=False)
         saved = traces.get("config", {})
         asked = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
         differ = changed_settings(saved, asked, TRACE_KEYS)
+        if traces.get("predictor_digest", digest) != digest:
+            differ.append(f"another predictor in {cfg.predictor} (the file has changed since)")
         if differ:
             raise ConfigError(f"{trace_file} was collected with {', '.join(differ)}; delete it to collect traces "
                               "anew, or give another --out")
         return traces
     traces = collect_traces(cfg)
+    traces["predictor_digest"] = digest
     torch.save(traces, trace_file)
     return traces
+
+
+def _file_digest(path: str | None) -> str | None:
+    """The SHA-256 of a predictor file (``None`` for the default predictor)."""
+    if not path or not Path(path).is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def train_policy(cfg: PolicyTrainConfig) -> Path:

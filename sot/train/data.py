@@ -37,8 +37,10 @@ def to_messages(conv: dict) -> list[dict[str, str]] | None:
     """ShareGPT turns as chat messages; ``None`` when the conversation has no assistant reply."""
     msgs = []
     for turn in conv.get("conversations") or []:
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            continue  # (files are checked as they are read: check_conversation)
         role = ROLE_MAP.get(str(turn.get("from", "")).lower())
-        text = str(turn.get("value", "")).strip()
+        text = turn["value"].strip()
         if role is None or not text:
             continue
         msgs.append({"role": role, "content": text})
@@ -76,13 +78,25 @@ def render(tokenizer: Any, messages: list[dict[str, str]], max_tokens: int) -> t
     return ids, mask
 
 
+def check_conversation(record: Any, where: str) -> dict:
+    """``record`` if it is a ShareGPT conversation (``{"conversations": [{"from", "value"},
+    ...]}``, strings), else a :class:`ConfigError` naming ``where`` (file and line)."""
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("from"), str) and isinstance(t.get("value"), str) for t in turns):
+        raise ConfigError(f"{where}: expected a conversation, {{\"conversations\": [{{\"from\": \"human\" | "
+                          "\"gpt\", \"value\": text}, ...]} (as sot train gen-data writes)")
+    return record
+
+
 def training_conversations(source: str | Path | None = None, seed: int = 0) -> list[dict]:
     """Conversations to train on, in a fixed shuffled order. ``source`` is ``None`` for the
     packaged ShareGPT set (held-out split removed) or a JSONL file written by ``gen-data``."""
     if source is None:
         convs = [c for c in load_conversations() if not is_heldout(str(c.get("id", "")))]
     else:
-        convs = [c for _, c in json_lines(source, "training data file does not exist")]
+        convs = [check_conversation(c, f"{source}:{n}")
+                 for n, c in json_lines(source, "training data file does not exist")]
         convs = [c for c in convs if not is_heldout(str(c.get("id", "")))]
     rng = random.Random(seed)
     convs = list(convs)
@@ -97,7 +111,8 @@ def evaluation_conversations(source: str | Path | None, limit: int, training: li
     conversation id with the ``training`` conversations is refused."""
     if source is None:
         return heldout_conversations(limit)
-    convs = [c for _, c in json_lines(source, "evaluation data file does not exist")][:limit]
+    convs = [check_conversation(c, f"{source}:{n}")
+             for n, c in json_lines(source, "evaluation data file does not exist")][:limit]
     seen = {str(c.get("id", "")) for c in training or []} - {""}
     shared = [str(c.get("id", "")) for c in convs if str(c.get("id", "")) in seen]
     if shared:
@@ -153,6 +168,7 @@ def build_state_cache(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)  # (an earlier cache here is incomplete from now on)
     shard = _Shard([], [], [0], [])
     files: list[str] = []
     total = sequences = 0

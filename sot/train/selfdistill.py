@@ -29,15 +29,23 @@ def read_prompts(path: str | Path) -> list[tuple[str, str]]:
     """``(id, first user turn)`` from a JSONL file whose records hold ``id`` and either
     ``prompt`` (a string, as ``sot train code-prompts`` writes) or ShareGPT ``conversations``
     (the first human turn is used)."""
-    records = []
+    records, seen = [], set()
     for n, rec in json_lines(path, missing="--prompts file not found"):
         text = rec.get("prompt") if isinstance(rec, dict) else None
-        if text is None and isinstance(rec, dict):
-            turns = [t for t in rec.get("conversations") or [] if str(t.get("from", "")).lower() in ("human", "user")]
+        convs = rec.get("conversations") if isinstance(rec, dict) else None
+        if text is None and isinstance(convs, list):
+            turns = [t for t in convs if isinstance(t, dict) and str(t.get("from", "")).lower() in ("human", "user")]
             text = turns[0].get("value") if turns else None
-        if not isinstance(text, str) or not text.strip() or "id" not in rec:
-            raise ConfigError(f"{path}:{n}: a record needs an 'id' and a 'prompt' (or ShareGPT 'conversations')")
-        records.append((str(rec["id"]), text.strip()))
+        ident = rec.get("id") if isinstance(rec, dict) else None
+        if not isinstance(text, str) or not text.strip() or not isinstance(ident, (str, int)) or isinstance(ident, bool):
+            raise ConfigError(f"{path}:{n}: a record needs an 'id' (a string or number) and a 'prompt' (or ShareGPT "
+                              "'conversations')")
+        if str(ident) in seen:
+            raise ConfigError(f"{path}:{n}: the id {ident!r} is used twice; each prompt needs its own")
+        seen.add(str(ident))
+        records.append((str(ident), text.strip()))
+    if not records:
+        raise ConfigError(f"{path} holds no prompts")
     return records
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -277,7 +279,11 @@ RESUME_KEYS = ("model", "data", "arch", "decoder_layers", "draft_vocab", "init_f
 
 def _check_resume(out: Path, saved: dict, asked: dict) -> None:
     """A :class:`ConfigError` naming the settings that differ from the run kept in ``out``."""
-    differ = changed_settings(saved, asked, RESUME_KEYS)
+    def paths(settings: dict) -> dict:  # ("cache/" and "cache" are one folder)
+        return {k: ",".join(os.path.normpath(p) for p in v.split(",")) if k in ("data", "init_from", "model") and
+                isinstance(v, str) and v else v for k, v in settings.items()}
+
+    differ = changed_settings(paths(saved), paths(asked), RESUME_KEYS)
     if differ:
         raise ConfigError(f"{out} holds a run started with {', '.join(differ)}; resume it with those settings, "
                           "or give another --out")
@@ -292,15 +298,51 @@ def _stop_reason(cfg: TrainConfig, step: int, seconds: float) -> str | None:
     return None
 
 
+class Diverged(ConfigError):
+    """The loss stopped being a finite number: the run's settings (the learning rate) do not fit."""
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an ``--out`` folder that holds something other than a run of ``fit`` (a model's
+    ``config.json`` would be written over)."""
+    config = out / "config.json"
+    if not config.is_file():
+        return
+    try:
+        saved = json.loads(config.read_text())
+    except (OSError, ValueError):
+        saved = None
+    if not isinstance(saved, dict) or not {"model", "data", "out"} <= set(saved):
+        raise ConfigError(f"{out} holds a config.json that is not a training run's (a model folder?); give "
+                          "--out a new folder or an earlier run's")
+
+
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # (SIGTERM from a scheduler, timeout or docker stop: save, as Ctrl-C does)
+
+
 def fit(cfg: TrainConfig) -> Path:
-    """Train (or resume) a state predictor; returns the path of the final predictor file."""
+    """Train (or resume) a state predictor; returns the path of the final predictor file.
+    SIGTERM and Ctrl-C save the steps done, and the same command resumes; a loss that stops
+    being finite stops the run with :class:`Diverged`, keeping the last checkpoint saved."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main else None
+    try:
+        return _fit(cfg)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _fit(cfg: TrainConfig) -> Path:
     from tqdm import tqdm
 
     from sot.models.loading import load_model
 
     _check_config(cfg)
-    rank, world, device = _dist_setup()
     out = Path(cfg.out)
+    _check_out(out)
+    rank, world, device = _dist_setup()
     data_dirs = [Path(d) for d in cfg.data.split(",") if d]
     if not data_dirs:
         raise ConfigError("--data names no state cache folder")
@@ -351,9 +393,14 @@ def fit(cfg: TrainConfig) -> Path:
         return warmup_cosine(step, cfg.lr, cfg.warmup, cfg.steps)
 
     start, history, evals, seen_tokens, elapsed_before = 0, [], [], 0, 0.0
+    drawn, seen_sequences, rng = 0, 0, None
     ckpt = out / "checkpoint.pt"
     if ckpt.is_file():
-        state = torch.load(ckpt, map_location=device, weights_only=False)
+        try:
+            state = torch.load(ckpt, map_location=device, weights_only=False)
+        except Exception as exc:  # noqa: BLE001 (a cut or damaged file fails in zipfile or pickle, each its own way)
+            raise ConfigError(f"{ckpt} cannot be read ({type(exc).__name__}): delete it to start this run "
+                              "again, or give another --out") from None
         _check_resume(out, state.get("config", {}), asdict(cfg))
         try:
             pred.load_state_dict(state["model"])
@@ -363,21 +410,39 @@ def fit(cfg: TrainConfig) -> Path:
         opt.load_state_dict(state["optimizer"])
         start, history, evals = state["step"], state["history"], state["evals"]
         seen_tokens, elapsed_before = state.get("tokens", 0), state.get("seconds", 0.0)
+        if world == 1 and "drawn" in state:  # the data stream and the noise go on where they were
+            drawn, seen_sequences, rng = state["drawn"], state["sequences"], state["rng"]
         if rank == 0:
             print(f"resuming {out} at step {start}")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    stream = train.iter_indices(cfg.seed + start, rank, world)
-    seen_sequences = 0
+    # one shuffled stream from --seed, taken up where a resumed run left it (with several ranks,
+    # each rank's stream starts anew, reshuffled by the step); the noise is seeded the same way
+    if world == 1:
+        stream = train.iter_indices(cfg.seed)
+        for _ in range(drawn):
+            next(stream)
+    else:
+        stream = train.iter_indices(cfg.seed + start, rank, world)
+    if rng is not None:
+        torch.set_rng_state(rng)
+    else:
+        torch.manual_seed(cfg.seed + 7919 * (start + 1) + rank)
+    at_step = (drawn, seen_sequences, torch.get_rng_state())  # where the last completed step left them
     eval_cache: dict = {}
 
     def save(step: int, seconds: float) -> None:
         if rank != 0:
             return
+        if not all(torch.isfinite(p).all() for p in pred.parameters()):
+            raise Diverged(f"the predictor's weights are not finite numbers at step {step}: the run diverged; "
+                           f"{out} keeps its last checkpoint. Lower --lr (now {cfg.lr:g}) and train again, "
+                           "in a new --out")
         tmp = out / "checkpoint.pt.tmp"
         torch.save({"model": pred.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-                    "evals": evals, "tokens": seen_tokens, "seconds": seconds, "config": asdict(cfg)}, tmp)
+                    "evals": evals, "tokens": seen_tokens, "seconds": seconds, "config": asdict(cfg),
+                    "drawn": at_step[0], "sequences": at_step[1], "rng": at_step[2]}, tmp)
         tmp.replace(ckpt)
         save_predictor(pred, out / "predictor.safetensors")
         write_plots(out, history, evals)
@@ -408,6 +473,7 @@ def fit(cfg: TrainConfig) -> Path:
             batch, ntok = [], 0
             while ntok < cfg.tokens_per_step // world:
                 index = next(stream)
+                drawn += 1
                 if train.length(index) < shortest:  # (too short to unroll: it would give no chain)
                     continue
                 item = train[index]
@@ -429,9 +495,14 @@ def fit(cfg: TrainConfig) -> Path:
                 for key, val in parts.items():
                     agg[key] = agg.get(key, 0.0) + val * tokens.shape[0] / ntok
             agg["stability"] = stab_sum / stab_n if stab_n else 0.0
+            if not all(math.isfinite(v) for v in agg.values()):
+                raise Diverged(f"the loss is not a finite number at step {step + 1} ({agg.get('loss')}): the run "
+                               f"diverged; {out} keeps its last checkpoint. Lower --lr (now {cfg.lr:g}) and "
+                               "train again, in a new --out")
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
+            at_step = (drawn, seen_sequences, torch.get_rng_state())
             seen_tokens += ntok * world
             vals = _all_mean(torch.tensor([agg[k] for k in sorted(agg)]), world)
             record = {k: float(v) for k, v in zip(sorted(agg), vals)}
