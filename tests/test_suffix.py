@@ -287,3 +287,14 @@ def test_state_drafter_with_suffix_trees_is_lossless(dtype: torch.dtype) -> None
     assert sum(sum(r.accept_lengths) - r.steps for r in batch) > 30
     alone = [Engine(target, drafter, TreeBudget(16, 6)).generate([p], params)[0].token_ids for p in prompts]
     assert alone == plain
+
+
+def test_many_tenants_leave_no_empty_stores_behind() -> None:
+    """Clients choose their ``user``: stores evicted to nothing are dropped, a request that
+    only reads makes no store, and the bookkeeping stays the size of the stores kept."""
+    stores = SuffixStores(SuffixConfig(max_tokens=200, prompt_tail=0), per_tenant=True)
+    for i in range(3000):
+        stores.get(f"user{i}").add([], [i % 50, 7, 8, 9, 10])
+        assert stores.tokens == sum(s.tokens for s in stores.stores.values()) <= 200
+    assert len(stores.stores) <= 40 and len(stores._heap) <= 2 * len(stores.stores) + 65
+    assert stores.find("nobody") is None and "nobody" not in stores.stores

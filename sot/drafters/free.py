@@ -115,7 +115,7 @@ class FreeDrafts:
         if known is not None and known[0] == asked:  # searched already this step
             return known[1]
         if key not in self.matchers:
-            self.matchers[key] = SuffixMatcher(self.suffix.config, self.suffix.get(x.tenant))
+            self.matchers[key] = SuffixMatcher(self.suffix.config, self.suffix.find(x.tenant))
             self.suffix_rates[key] = LookupRate()
         rate = self.suffix_rates[key]
         rate.update(x.context)

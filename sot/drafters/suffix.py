@@ -160,13 +160,13 @@ class _Index:
 
 class SuffixStore:
     """The global store: earlier answers (each after the end of its prompt), capped at
-    ``config.max_tokens`` tokens, oldest evicted first. ``on_add`` (set by
+    ``config.max_tokens`` tokens, oldest evicted first. ``on_add(change in tokens)`` (set by
     :class:`SuffixStores`) runs after each answer is added: the cap over all tenants."""
 
     def __init__(self, config: SuffixConfig = SuffixConfig()) -> None:
         self.config = config
         self._index = _Index(config.min_match)
-        self.on_add: Callable[[], None] | None = None
+        self.on_add: Callable[[int], None] | None = None
 
     @property
     def tokens(self) -> int:
@@ -182,9 +182,10 @@ class SuffixStore:
         if not answer:
             return
         tokens = list(prompt[-self.config.prompt_tail:]) + list(answer)
+        before = self.tokens
         self._add(tokens)
         if self.on_add is not None:
-            self.on_add()
+            self.on_add(self.tokens - before)
 
     def _add(self, tokens: list[int]) -> None:
         """Index ``tokens`` (their last ``max_tokens``), evicting the oldest past the cap."""
@@ -206,8 +207,11 @@ class SuffixStore:
 class SuffixStores:
     """Global stores by tenant: one shared store, or one per tenant when ``per_tenant``
     (so one tenant's answers never draft another's). ``config.max_tokens`` caps all the
-    stores together: past it, the largest store forgets its oldest answer. ``vocab_size``,
-    when set, is written with the stores and checked when they are read back."""
+    stores together: past it, the largest store forgets its oldest answer, and a store left
+    empty is dropped, so clients that each send their own ``user`` hold no more than the cap
+    (the largest is found through a heap: an answer costs the same however many tenants
+    came before). ``vocab_size``, when set, is written with the stores and checked when they
+    are read back."""
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), per_tenant: bool = False,
                  vocab_size: int | None = None) -> None:
@@ -215,29 +219,67 @@ class SuffixStores:
         self.per_tenant = per_tenant
         self.vocab_size = vocab_size
         self.stores: dict[str, SuffixStore] = {}
+        self._total = 0  # tokens in all the stores
+        #: ``(-tokens, order, key)`` of each store as it last changed (older entries are skipped)
+        self._heap: list[tuple[int, int, str]] = []
+        self._order = itertools.count()
+
+    def _key(self, tenant: str | None) -> str:
+        return (tenant or "") if self.per_tenant else ""
 
     def get(self, tenant: str | None) -> SuffixStore:
         """The store of ``tenant`` (the shared one unless ``per_tenant``; a missing ``tenant``
-        and ``""`` are one tenant)."""
-        key = (tenant or "") if self.per_tenant else ""
-        if key not in self.stores:
+        and ``""`` are one tenant), made when it has none."""
+        key = self._key(tenant)
+        store = self.stores.get(key)
+        if store is None:
             store = self.stores[key] = SuffixStore(self.config)
-            store.on_add = self._keep_cap
-        return self.stores[key]
+            store.on_add = lambda change, key=key: self._added(key, change)
+        return store
+
+    def find(self, tenant: str | None) -> SuffixStore | None:
+        """The store of ``tenant`` if it has one (a request that only reads makes none)."""
+        return self.stores.get(self._key(tenant))
+
+    def _added(self, key: str, change: int) -> None:
+        self._total += change
+        self._push(key)
+        self._keep_cap()
+
+    def _push(self, key: str) -> None:
+        heapq.heappush(self._heap, (-self.stores[key].tokens, next(self._order), key))
+        if len(self._heap) > 2 * len(self.stores) + 64:  # drop the entries of earlier sizes
+            self._heap = [(-s.tokens, next(self._order), k) for k, s in self.stores.items()]
+            heapq.heapify(self._heap)
 
     def _keep_cap(self) -> None:
         """Evict from the largest store until all of them hold at most ``max_tokens``."""
-        while len(self.stores) > 1 and self.tokens > self.config.max_tokens:
-            largest = max(self.stores.values(), key=lambda s: s.tokens)
-            largest._index.evict_oldest()
+        while len(self.stores) > 1 and self._total > self.config.max_tokens and self._heap:
+            size, _, key = heapq.heappop(self._heap)
+            store = self.stores.get(key)
+            if store is None or store.tokens != -size:
+                continue  # (an entry of a store that has changed since, or is gone)
+            store._index.evict_oldest()
+            self._total -= -size - store.tokens
+            if store.tokens:
+                self._push(key)
+            else:
+                del self.stores[key]
+
+    def _recount(self) -> None:
+        self._total = sum(s.tokens for s in self.stores.values())
+        self._heap = [(-s.tokens, next(self._order), k) for k, s in self.stores.items()]
+        heapq.heapify(self._heap)
 
     @property
     def tokens(self) -> int:
-        return sum(s.tokens for s in self.stores.values())
+        """Tokens held by all the stores."""
+        return self._total
 
     def clear(self) -> None:
         """Forget every answer."""
         self.stores.clear()
+        self._recount()
 
     def save(self, path: str | Path) -> None:
         """Write every store to ``path`` (``.npz``: the tokens, sequence lengths, tenants and
@@ -288,6 +330,7 @@ class SuffixStores:
                 chosen.append((key, int(starts[i + 1]) - take, int(starts[i + 1])))
         for key, a, b in reversed(chosen):
             self.get(key or None)._add(tokens[a:b].tolist())
+        self._recount()
         self._keep_cap()
 
     def _read(self, path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
