@@ -660,3 +660,12 @@ def test_generate_prints_each_answer_as_it_finishes_and_keeps_them_on_ctrl_c(mod
     kept = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(kept) == 2 and len({r["index"] for r in kept}) == 2
     assert all((r["text"], r["token_ids"]) == (whole[r["index"]]["text"], whole[r["index"]]["token_ids"]) for r in kept)
+
+
+def test_serve_refuses_an_empty_api_key(monkeypatch, capsys) -> None:
+    """An unset variable in --api-key "$KEY" would leave a server that a bare 'Bearer' opens."""
+    assert main(["serve", "--api-key", "", "--model", "/no/such/model"]) == 2
+    assert "the API key is empty" in capsys.readouterr().err
+    monkeypatch.setenv("SOT_API_KEY", "  ")
+    assert main(["serve", "--model", "/no/such/model"]) == 2
+    assert "the API key is empty" in capsys.readouterr().err

@@ -455,7 +455,20 @@ BAD = [
     ("repetition penalty 0", json.dumps(_chat("hi", repetition_penalty=0)).encode(), 400),
     ("min_tokens above max_tokens", json.dumps(_chat("hi", max_tokens=3, min_tokens=4)).encode(), 400),
     ("stop token past the vocabulary", json.dumps(_chat("hi", stop_token_ids=[99999])).encode(), 400),
+    ("JSON nested too deep", b"[" * 100_000 + b"]" * 100_000, 400),
 ]
+
+
+def test_a_web_page_cannot_post_to_the_api(tiny_server) -> None:
+    """A body a browser sends to another site without asking first (a form, text/plain) is
+    refused with 415, so a page the server's user opens cannot drive a server without a key."""
+    body = json.dumps(_chat("hi", max_tokens=2))
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body, timeout=30,
+                          headers={**AUTH, "Content-Type": kind, "Origin": "http://elsewhere.example"})
+        assert resp.status_code == 415 and "application/json" in resp.json()["error"]["message"], (kind, resp.text)
+    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body, timeout=60, headers=AUTH)
+    assert resp.status_code == 200  # (no Content-Type at all: a script's request, read as JSON)
 
 
 @pytest.mark.parametrize("name,payload,status", BAD, ids=[b[0] for b in BAD])

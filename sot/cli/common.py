@@ -38,7 +38,7 @@ def _checked(cast: type, name: str, ok: Callable[[float], bool], rule: str) -> C
 
 positive_int = _checked(int, "an integer", lambda v: v >= 1, ">= 1")
 non_negative_int = _checked(int, "an integer", lambda v: v >= 0, ">= 0")
-non_negative_float = _checked(float, "a number", lambda v: v >= 0, ">= 0")
+non_negative_float = _checked(float, "a number", lambda v: 0 <= v < float("inf"), ">= 0 and finite")
 probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 unit_interval = _checked(float, "a number", lambda v: 0 <= v <= 1, "in [0, 1]")
 positive_float = _checked(float, "a number", lambda v: 0 < v < float("inf"), "> 0 and finite")

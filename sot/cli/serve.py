@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import os
 import socket
 import sys
 import threading
@@ -23,7 +24,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on the /v1 routes and /trace pages")
+                   help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize, /detokenize and /trace "
+                        "pages (/health, /version and /metrics stay open); default: the SOT_API_KEY environment "
+                        "variable, which keeps the key out of the process list"),
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     add_drafter_args(p)
     p.add_argument("--suffix-tenants", choices=("shared", "user"), default="shared",
@@ -64,7 +67,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
-    config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SOT_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("the API key is empty (--api-key or SOT_API_KEY): give a key, or neither for no key")
+    config = ServerConfig(model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch,
                           max_queue=args.max_queue, prompt_budget=args.prompt_budget,
                           shutdown_timeout=args.shutdown_timeout, trace=args.trace,
                           allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),

@@ -146,7 +146,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -279,13 +280,13 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         _check_ready(state)
         if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
             texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-            prompts = [state.sot.encode({"prompt": text}, chat=False) for text in texts]
+            prompts = await _off_loop(lambda: [state.sot.encode({"prompt": text}, chat=False) for text in texts])
         else:  # token ids, or a list of token-id prompts
             prompts = [list(p) for p in body.prompt] if body.prompt and isinstance(body.prompt[0], list) \
                 else [list(body.prompt)]
             for ids in prompts:
                 _check_token_ids(state, ids, "prompt")
-            texts = [state.sot.tokenizer.decode(ids) for ids in prompts]
+            texts = await _off_loop(lambda: [state.sot.tokenizer.decode(ids) for ids in prompts])
         return await _generate(request, state, body, prompts, chat=False, texts=texts)
 
     @app.post("/tokenize")
@@ -300,9 +301,10 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
-            tokens = _chat_prompt(state, body, checked_tools(body.tools, body.tool_choice).offered())
+            offered = checked_tools(body.tools, body.tool_choice).offered()
+            tokens = await _off_loop(lambda: _chat_prompt(state, body, offered))
         else:
-            tokens = sot.encode({"prompt": body.prompt}, chat=False)
+            tokens = await _off_loop(lambda: sot.encode({"prompt": body.prompt}, chat=False))
         return {"count": len(tokens), "max_model_len": state.context, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -313,21 +315,48 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         _check_ready(state)
         _check_model(state, body.model)
         _check_token_ids(state, body.tokens, "tokens")
-        return {"prompt": state.sot.tokenizer.decode(body.tokens)}
+        return {"prompt": await _off_loop(lambda: state.sot.tokenizer.decode(body.tokens))}
 
     return app
 
 
 # ---------------------------------------------------------------------------- helpers
+#: the largest request body read, in bytes (a prompt this long is far past any context)
+MAX_BODY_BYTES = 64 * 2**20
+#: content types a browser may send to another site without asking first: a JSON API that
+#: read them would answer any web page the server's user opens (cross-site requests)
+_FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
 async def _json(request: Request) -> Any:
+    """The request's JSON body: a 415 for a form or text content type, a 413 past
+    :data:`MAX_BODY_BYTES`, a 400 for anything that is not JSON (nested too deep included)."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in _FORM_TYPES:
+        raise APIError(415, f"send the request body as JSON (Content-Type: application/json), not {kind}")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is {int(length):,} bytes; at most {MAX_BODY_BYTES:,} are read")
     try:
-        raw = await request.body()
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES:,} bytes, the most that is read")
     except ClientDisconnect:  # gone before its body arrived: nobody to answer, no server error
         raise APIError(499, "the client closed the connection") from None
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON here: it nests too deep") from None
+
+
+async def _off_loop(work: Callable[[], Any]) -> Any:
+    """``work()`` (a chat template, tokenizing or decoding a long text) on a worker thread, so
+    the event loop goes on serving the running streams and /health meanwhile."""
+    return await asyncio.to_thread(work)
 
 
 def _check_key(request: Request, config: ServerConfig) -> None:
@@ -359,7 +388,8 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
 async def _chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
     """Answer a chat completion request (whole or streamed)."""
     use = body.tool_setup()
-    prompt = _chat_prompt(state, body, use.offered())
+    offered = use.offered()
+    prompt = await _off_loop(lambda: _chat_prompt(state, body, offered))
     return await _generate(request, state, body, [prompt], chat=True, tools=use)
 
 
