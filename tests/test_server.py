@@ -618,6 +618,7 @@ def test_api_key_is_required(tiny_server) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": b"Bearer s\xe9krit"}):
         resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=_chat("hi", max_tokens=2), headers=headers)
         assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+        assert resp.headers["www-authenticate"] == "Bearer"
     assert httpx.get(f"{tiny_server.url}/v1/models", headers=AUTH).status_code == 200
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200, "health needs no key"
 
@@ -822,6 +823,7 @@ def test_responses_are_kept_and_continued(tiny_server) -> None:
         refused = client.post(url, json={**ask, "input": "x", "previous_response_id": unkept["id"]})
         assert refused.status_code == 404 and refused.json()["error"]["param"] == "previous_response_id"
 
+        assert tiny_server.metric("sot:responses_kept") >= 3 and tiny_server.metric("sot:prefix_cache_bytes") > 0
         gone = client.delete(f"{url}/{first['id']}")
         assert gone.json() == {"id": first["id"], "object": "response", "deleted": True}
         assert client.get(f"{url}/{first['id']}").status_code == 404
@@ -1103,6 +1105,7 @@ def test_trace_pages_of_finished_requests(tiny_server, default_server) -> None:
     assert httpx.get(f"{tiny_server.url}/trace/{ids[-1]}", timeout=60).status_code == 401
     page = httpx.get(f"{tiny_server.url}/trace/{ids[-1]}", headers=AUTH, timeout=60)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["cache-control"] == "no-store" and page.headers["x-content-type-options"] == "nosniff"
     assert 'id="trace-data"' in page.text and ids[-1] in page.text
     # what ran, as the CLI's pages say
     assert re.search(rf"drafter \w+, (float32|bfloat16|int8), request {ids[-1]}</title>", page.text)

@@ -281,3 +281,15 @@ def test_vllm_structured_outputs_and_fields_this_server_would_ignore() -> None:
         with pytest.raises(APIError) as err:
             request.check_supported()
         assert err.value.param == field
+
+
+def test_the_caches_sizes_are_read_when_scraped() -> None:
+    m = ServerMetrics()
+    held = {"tokens": 10.0}
+    m.watch(prefix_bytes=lambda: 2048.0, suffix_tokens=lambda: held["tokens"], suffix_stores=lambda: 3.0,
+            responses=lambda: 4.0)
+    held["tokens"] = 25.0
+    text = m.render().decode()
+    for line in ("sot:prefix_cache_bytes 2048.0", "sot:suffix_store_tokens 25.0", "sot:suffix_stores 3.0",
+                 "sot:responses_kept 4.0"):
+        assert line in text

@@ -99,6 +99,18 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
     metrics = ServerMetrics()
     state = ServerState(config, metrics)
 
+    def stores() -> Any:
+        return state.sot.suffix_stores if state.sot is not None else None
+
+    def prefix_bytes() -> float:
+        cache = state.sot.engine.prefix_cache if state.sot is not None else None
+        return float(cache.nbytes) if cache is not None else 0.0
+
+    metrics.watch(prefix_bytes=prefix_bytes,
+                  suffix_tokens=lambda: float(stores().tokens) if stores() is not None else 0.0,
+                  suffix_stores=lambda: float(len(stores().stores)) if stores() is not None else 0.0,
+                  responses=lambda: float(len(state.responses)) if state.responses is not None else 0.0)
+
     def load_in_background() -> None:
         try:
             sot = load()
@@ -210,7 +222,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
             return render_page(state.sot.trace_run(model=state.model_name, request=rid), traced)
 
         page = await asyncio.wrap_future(state.worker.call(render))
-        return HTMLResponse(page)
+        # (the page holds a user's prompt and answer: not to be kept by caches or read as another type)
+        return HTMLResponse(page, headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -368,7 +381,8 @@ def _check_key(request: Request, config: ServerConfig) -> None:
     # Starlette decodes as Latin-1, against the key's UTF-8
     sent, key = token.strip().encode("latin-1"), config.api_key.encode("utf-8", "surrogateescape")
     if scheme.lower() != "bearer" or not secrets.compare_digest(sent, key):
-        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

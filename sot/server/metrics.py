@@ -5,6 +5,8 @@ Counters are exposed with prometheus_client's ``_total`` suffix, e.g.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import (
     CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics, generate_latest,
 )
@@ -55,6 +57,23 @@ class ServerMetrics:
         self.adapt_drift = Gauge("sot:adapt_drift", "Relative distance of the predictor's weights from the loaded "
                                  "ones", registry=r)
         self._adapt_seen = {"updates": 0, "rollbacks": 0, "resets": 0, "update_seconds": 0.0}
+        # what the caps hold (read when scraped)
+        self.prefix_cache_bytes = Gauge("sot:prefix_cache_bytes", "Bytes of rows held by the prefix cache "
+                                        "(--prefix-cache-mb caps it)", registry=r)
+        self.suffix_store_tokens = Gauge("sot:suffix_store_tokens", "Tokens of earlier answers held by the suffix "
+                                         "stores (all tenants together)", registry=r)
+        self.suffix_stores = Gauge("sot:suffix_stores", "Suffix stores held (one, or one per user with "
+                                   "--suffix-tenants user)", registry=r)
+        self.responses_kept = Gauge("sot:responses_kept", "Responses kept for previous_response_id "
+                                    "(--responses-kept caps them)", registry=r)
+
+    def watch(self, prefix_bytes: Callable[[], float], suffix_tokens: Callable[[], float],
+              suffix_stores: Callable[[], float], responses: Callable[[], float]) -> None:
+        """Read the caches' sizes through these functions whenever the metrics are scraped."""
+        self.prefix_cache_bytes.set_function(prefix_bytes)
+        self.suffix_store_tokens.set_function(suffix_tokens)
+        self.suffix_stores.set_function(suffix_stores)
+        self.responses_kept.set_function(responses)
 
     # ------------------------------------------------------------ updates
     def set_load(self, running: int, waiting: int) -> None:
