@@ -22,6 +22,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -525,7 +526,7 @@ def _fit(cfg: TrainConfig) -> Path:
     except KeyboardInterrupt:  # keep the steps done since the last save
         if step > start and rank == 0:
             save(step, done_seconds)
-            tqdm.write(f"interrupted: {out} saved at step {step}; the same command resumes it")
+            tqdm.write(f"interrupted: {out} saved at step {step}; the same command resumes it", file=sys.stderr)
         raise
     bar.close()
     if rank == 0:

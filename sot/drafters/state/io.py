@@ -1,6 +1,7 @@
 """Predictor files, and new predictors started from the target's own weights."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -15,11 +16,20 @@ from sot.errors import ConfigError, DrafterCompatibilityError
 
 def save_predictor(model: StatePredictor, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
     """Write the trainable weights and the draft vocabulary map to one safetensors file; the
-    config (with the target fingerprint) goes into its metadata."""
+    config (with the target fingerprint) goes into its metadata. The file is written beside
+    ``path`` and renamed over it, so a process stopped while saving leaves the previous file,
+    and it is readable by all (0644), as the checkpoints are."""
     tensors = {}
     for k, v in model.state_dict().items():
         tensors[k] = v.detach().to(dtype).contiguous() if v.is_floating_point() else v.detach().contiguous()
-    save_file(tensors, str(path), metadata={"sot_config": model.config.to_json()})
+    path = Path(path)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        save_file(tensors, str(part), metadata={"sot_config": model.config.to_json()})
+        part.chmod(0o644)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def read_predictor_config(path: str | Path) -> StatePredictorConfig:
