@@ -662,10 +662,18 @@ def test_generate_prints_each_answer_as_it_finishes_and_keeps_them_on_ctrl_c(mod
     assert all((r["text"], r["token_ids"]) == (whole[r["index"]]["text"], whole[r["index"]]["token_ids"]) for r in kept)
 
 
-def test_serve_refuses_an_empty_api_key(monkeypatch, capsys) -> None:
+def test_serve_refuses_an_empty_api_key_and_bad_loading_options(monkeypatch, capsys) -> None:
     """An unset variable in --api-key "$KEY" would leave a server that a bare 'Bearer' opens."""
     assert main(["serve", "--api-key", "", "--model", "/no/such/model"]) == 2
     assert "the API key is empty" in capsys.readouterr().err
     monkeypatch.setenv("SOT_API_KEY", "  ")
     assert main(["serve", "--model", "/no/such/model"]) == 2
     assert "the API key is empty" in capsys.readouterr().err
+    monkeypatch.delenv("SOT_API_KEY")
+    # loading options that cannot work are refused before the port is taken, not as a failed load
+    for flags, message in ((["--predictor", "/no/such/head"], "--predictor /no/such/head: no such file"),
+                           (["--chat-template", "no-such-template"], "not a Jinja template"),
+                           (["--suffix-store", "/no/such/dir/s.npz"], "does not exist")):
+        assert main(["serve", "--model", "/no/such/model", "--port", "1", *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "listening" not in err, err

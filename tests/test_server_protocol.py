@@ -133,7 +133,8 @@ def test_a_conversation_stays_whole_while_its_latest_turn_is_kept() -> None:
     for i in range(1, 7):
         if previous is not None:
             store.history(previous)  # (as a continuation reads it)
-        store.put({"id": f"r{i}", "output": [{"type": "message", "content": [{"type": "output_text", "text": f"a{i}"}]}]},
+        output = [{"type": "message", "content": [{"type": "output_text", "text": f"a{i}"}]}]
+        store.put({"id": f"r{i}", "output": output},
                   ResponsesRequest(model="m", input=f"q{i}", previous_response_id=previous))
         previous = f"r{i}"
     assert len(store) == 3 and store.get("r6")
@@ -172,7 +173,8 @@ def test_responses_that_the_server_stopped_fail_and_items_close_in_order() -> No
     events += builder.closing(None)
     kinds = [(e["type"], e.get("output_index")) for e in events]
     assert kinds.index(("response.output_item.done", 0)) < kinds.index(("response.output_item.added", 1))
-    assert kinds[-1] == ("response.completed", None) and [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert kinds[-1] == ("response.completed", None)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"] == ["completed"] * 2
 
     builder = ResponseBuilder(ResponsesRequest(model="m", input="hi"))
@@ -192,7 +194,8 @@ def test_responses_input_and_metadata_are_checked_as_openai_does() -> None:
         return err.value.param
 
     call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
-    for bad in ({**call, "call_id": None}, {**call, "arguments": {"a": 1}}, {k: v for k, v in call.items() if k != "name"},
+    for bad in ({**call, "call_id": None}, {**call, "arguments": {"a": 1}},
+                {k: v for k, v in call.items() if k != "name"},
                 {"type": "function_call_output", "output": "x"}, {"type": "function_call_output", "call_id": "c"}):
         assert refused(input=[{"role": "user", "content": "hi"}, bad]) == "input"
     assert refused(input="hi", metadata={"k": 1}) == "metadata"

@@ -31,7 +31,8 @@ TOOLS = parse_tools([WEATHER, CLOCK])
     ([{"type": "function"}], "needs a 'function' object"),
     ([{"type": "function", "function": {"name": "has space"}}], "function name must be"),
     ([{"type": "function", "function": {"name": "f", "parameters": "none"}}], "parameters must be a JSON schema"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "nonsense"}}}}}], "parameters of 'f'"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "nonsense"}}}}}],
+     "parameters of 'f'"),
     ([WEATHER, WEATHER], "get_weather appear more than once"),
 ])
 def test_bad_tools_are_refused_with_the_reason(raw, match) -> None:
@@ -126,7 +127,8 @@ def test_the_call_format_holds_answers_to_the_tools_schemas() -> None:
             "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
             "additionalProperties": False}}},
         {"type": "function", "function": {"name": "tree", "parameters": {
-            "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}},
+            "type": "object", "properties": {"v": {"type": "integer"},
+                                             "kids": {"type": "array", "items": {"$ref": "#"}},
                                              "tag": {"$ref": "#/definitions/Tag"}},
             "definitions": {"Tag": {"enum": ["a", "b"]}}, "required": ["v"], "additionalProperties": False}}}])
     spec = call_format(nested, ToolChoice("required"))

@@ -209,6 +209,23 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+def check_load_args(args: argparse.Namespace) -> None:
+    """Refuse, before any model loads, loading options that cannot work: a suffix store that
+    could not be written, a device this machine lacks, a chat template that is neither Jinja
+    nor a file, a predictor or policy file that does not exist."""
+    from sot.models.loading import resolve_device
+    from sot.prompts import read_chat_template
+
+    check_output_path(getattr(args, "suffix_store", None), "--suffix-store")
+    resolve_device(args.device)
+    if getattr(args, "chat_template", None):
+        read_chat_template(args.chat_template)
+    for flag, path in (("--predictor", getattr(args, "predictor", None)),  # (a file, or an EAGLE-3 folder)
+                       ("--policy-model", getattr(args, "policy_model", None))):
+        if path and not Path(path).exists():
+            raise SoTError(f"{flag} {path}: no such file or folder")
+
+
 def load_sot(args: argparse.Namespace) -> SoT:
     """The :class:`~sot.api.SoT` the model, drafter, dtype and device options name, loaded with
     a line on stderr saying what is being loaded."""
@@ -216,7 +233,7 @@ def load_sot(args: argparse.Namespace) -> SoT:
     from sot.dtype_choice import resolve
     from sot.models.loading import resolve_device
 
-    check_output_path(getattr(args, "suffix_store", None), "--suffix-store")
+    check_load_args(args)
     device = resolve_device(args.device)
     choice = resolve(args.dtype, args.model, args.drafter, args.predictor, device=str(device))
     print(f"loading {args.model} ({choice.dtype} on {device}, drafter {args.drafter}) ...", file=sys.stderr)

@@ -11,7 +11,8 @@ import threading
 from pathlib import Path
 
 from sot.cli.common import (
-    add_adapt_args, add_drafter_args, add_model_args, load_sot, non_negative_float, non_negative_int, positive_float,
+    add_adapt_args, add_drafter_args, add_model_args, check_load_args, load_sot, non_negative_float, non_negative_int,
+    positive_float,
     positive_int, save_suffix_store,
 )
 from sot.errors import ConfigError
@@ -67,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    check_load_args(args)  # (before the port is taken: a bad option is one line, not a failed load)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SOT_API_KEY")
     if api_key is not None and not api_key.strip():
         raise ConfigError("the API key is empty (--api-key or SOT_API_KEY): give a key, or neither for no key")

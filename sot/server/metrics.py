@@ -24,8 +24,8 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux)
         self.requests = Counter("sot:requests", "Requests by final status: stop, length, eos, abort (client left "
-                                "or shutdown), grammar (the structured output's grammar allowed no token), rejected (queue "
-                                "full), invalid (bad input), error", ["status"],
+                                "or shutdown), grammar (the structured output's grammar allowed no token), "
+                                "rejected (queue full), invalid (bad input), error", ["status"],
                                 registry=r)
         self.running = Gauge("sot:num_requests_running", "Sequences in the engine's batch", registry=r)
         self.waiting = Gauge("sot:num_requests_waiting", "Requests queued for a slot", registry=r)

@@ -152,7 +152,8 @@ class _GenerationRequest(NullMeansDefault):
                 raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON object",
                                param="response_format")
             asked.append(("response_format", StructuredOutput.json_schema(schema)))
-        for field, key, value in (("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
+        for field, key, value in (("guided_json", "json", self.guided_json),
+                                  ("guided_regex", "regex", self.guided_regex),
                                   ("guided_choice", "choice", self.guided_choice),
                                   ("guided_grammar", "grammar", self.guided_grammar)):
             for name, v in ((field, value), ("structured_outputs", so.get(key))):

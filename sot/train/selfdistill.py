@@ -37,7 +37,8 @@ def read_prompts(path: str | Path) -> list[tuple[str, str]]:
             turns = [t for t in convs if isinstance(t, dict) and str(t.get("from", "")).lower() in ("human", "user")]
             text = turns[0].get("value") if turns else None
         ident = rec.get("id") if isinstance(rec, dict) else None
-        if not isinstance(text, str) or not text.strip() or not isinstance(ident, (str, int)) or isinstance(ident, bool):
+        usable_id = isinstance(ident, (str, int)) and not isinstance(ident, bool)
+        if not isinstance(text, str) or not text.strip() or not usable_id:
             raise ConfigError(f"{path}:{n}: a record needs an 'id' (a string or number) and a 'prompt' (or ShareGPT "
                               "'conversations')")
         if str(ident) in seen:
