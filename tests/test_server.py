@@ -807,6 +807,8 @@ def test_responses_are_kept_and_continued(tiny_server) -> None:
             events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
         streamed = events[-1]["response"]
         assert client.get(f"{url}/{streamed['id']}").json()["output"] == streamed["output"]
+        page = client.get(f"{tiny_server.url}/trace/{streamed['id']}")  # (found by the response's own id)
+        assert page.status_code == 200 and 'id="trace-data"' in page.text
 
         listed = client.get(f"{url}/{second['id']}/input_items", params={"order": "asc"}).json()
         assert listed["object"] == "list" and not listed["has_more"]

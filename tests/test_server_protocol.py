@@ -38,6 +38,9 @@ def test_validation_messages_name_the_parameter() -> None:
     msg, param = validation_message([{"loc": ("body", "temperature"), "msg": "must be <= 2", "type": "x"}])
     assert param == "temperature" and msg == "temperature: must be <= 2"
     assert validation_message([{"loc": (), "msg": "bad", "type": "json_invalid"}])[0] == "the request body is not valid JSON"
+    # the member of a union pydantic tried is no field of the client's
+    assert validation_message([{"loc": ("body", "stop", "str"), "msg": "bad", "type": "x"}])[1] == "stop"
+    assert validation_message([{"loc": ("body", "prompt", "list[int]", 0), "msg": "bad", "type": "x"}])[1] == "prompt.0"
 
 
 def test_step_metrics_count_drafts_and_accepted_positions() -> None:

@@ -106,8 +106,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(lambda: load_sot(args), config, on_loaded=loaded)
     state = app.state.sot_state
 
+    signals = []
+
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # SIGTERM / SIGINT
+            signals.append(sig)
+            if len(signals) == 2:  # a second one: end the running requests now, their streams closed properly
+                print("sot serve: ending the running requests now (a third signal exits at once)", file=sys.stderr)
+                if state.worker is not None:
+                    state.worker.abort_all()
+                return
             if not state.draining:
                 state.draining = True  # new requests get 503; running ones may finish
                 print("sot serve: shutting down; running requests may finish "

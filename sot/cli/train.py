@@ -220,6 +220,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     info = {"model": args.model, "data": args.data or "sharegpt", "eval_data": args.eval_data or "sharegpt-heldout",
             "dtype": dtype_name(loaded.model.dtype), "train": meta, "eval": ev}
     (out / "prepare.json").write_text(json.dumps(info, indent=2))
+    if args.tokens and meta["tokens"] < args.tokens:
+        print(f"the data ran out at {meta['tokens']:,} of the {args.tokens:,} tokens asked for (--tokens)",
+              file=sys.stderr)
     print(f"cached {meta['tokens']:,} training tokens ({meta['bytes'] / 2**30:.2f} GiB) and "
           f"{ev['tokens']:,} held-out tokens ({ev['bytes'] / 2**20:.0f} MiB) in {out}", file=sys.stderr)
     return 0

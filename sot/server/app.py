@@ -70,6 +70,8 @@ class ServerState:
         self.created = int(time.time())
         #: response id -> (prompt, result) of the last ``config.trace`` finished requests
         self.traces: collections.OrderedDict[str, tuple[list[int], SequenceResult]] = collections.OrderedDict()
+        #: a Responses answer's id -> the id of the chat completion it ran as (its trace's)
+        self.trace_names: collections.OrderedDict[str, str] = collections.OrderedDict()
         #: finished /v1/responses answers kept for previous_response_id (None: none kept)
         self.responses = ResponseStore(config.responses_kept) if config.responses_kept > 0 else None
 
@@ -80,6 +82,14 @@ class ServerState:
         self.traces[rid] = (prompt, result)
         while len(self.traces) > self.config.trace:
             self.traces.popitem(last=False)
+
+    def name_trace(self, name: str, rid: str | None) -> None:
+        """Let ``/trace/{name}`` show the trace of request ``rid`` (a Responses answer's id)."""
+        if self.config.trace <= 0 or rid is None:
+            return
+        self.trace_names[name] = rid
+        while len(self.trace_names) > self.config.trace:
+            self.trace_names.popitem(last=False)
 
     @property
     def ready(self) -> bool:
@@ -209,7 +219,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         if config.trace <= 0:
             raise APIError(404, "tracing is off; start the server with --trace")
         _check_ready(state)
-        kept = state.traces.get(rid)
+        kept = state.traces.get(state.trace_names.get(rid, rid))
         if kept is None:
             raise APIError(404, f"no trace of request {rid!r} "
                                 f"(only the last {config.trace} finished requests are kept)")
@@ -257,11 +267,18 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         builder.stored = store is not None and asked.store is not False
         keep = (lambda done: store.put(done, asked)) if builder.stored else None
         if not asked.stream:
-            done = builder.whole(json.loads(answer.body))
+            chat = json.loads(answer.body)
+            done = builder.whole(chat)
+            state.name_trace(builder.id, chat.get("id"))
             if keep is not None and builder.stored:  # (not a failed one)
                 keep(done)
             return JSONResponse(done)
-        return StreamingResponse(_response_events(builder, answer.body_iterator, keep),
+        def finished(done: dict) -> None:
+            state.name_trace(builder.id, builder.chat_id)
+            if keep is not None and builder.stored:
+                keep(done)
+
+        return StreamingResponse(_response_events(builder, answer.body_iterator, finished),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/responses/{rid}")
@@ -417,8 +434,8 @@ async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str],
                            keep: Callable[[dict], None] | None = None) -> AsyncIterator[str]:
     """A chat completion stream's chunks as Responses events; closing it (a client gone)
     closes the chat stream, which aborts the request. ``keep`` receives the finished
-    response (not one that failed or whose client hung up). An error ends the stream with an
-    ``error`` event, then ``response.failed``."""
+    response (a failed one too; not one whose client hung up). An error ends the stream with
+    an ``error`` event, then ``response.failed``."""
     try:
         first = await chunks.__anext__()  # the chat stream starts here, so closing it always aborts
         for event in builder.opening():
@@ -441,7 +458,7 @@ async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str],
             except StopAsyncIteration:
                 break
         closing = builder.closing(usage)
-        if keep is not None and builder.stored:  # kept before the last event leaves, so a client can continue
+        if keep is not None:  # kept before the last event leaves, so a client can continue
             keep(builder.done)
         for event in closing:
             yield sse_event(event)

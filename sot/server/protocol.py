@@ -393,12 +393,17 @@ class DetokenizeRequest(BaseModel):
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "grammar": "error"}
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|literal|function-\w+)\[.*\])$")
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """A one-line message and the offending parameter from pydantic's errors."""
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # (pydantic names the member of a union it tried: "stop.str", "prompt.list[int]"; the
+    # client's field is "stop", "prompt")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p))]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
