@@ -23,9 +23,10 @@ class ServerMetrics:
         disable_created_metrics()  # no '_created' series beside every counter
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux)
-        self.requests = Counter("sot:requests", "Requests by final status: stop, length, eos, abort (client left "
-                                "or shutdown), grammar (the structured output's grammar allowed no token), "
-                                "rejected (queue full), invalid (bad input), error", ["status"],
+        self.requests = Counter("sot:requests", "Sequences (each of a request's n choices) by final status: "
+                                "stop, length, eos, abort (client left or shutdown), grammar (the structured "
+                                "output's grammar allowed no token), error; and whole requests turned away: "
+                                "rejected (queue full), invalid (bad input)", ["status"],
                                 registry=r)
         self.running = Gauge("sot:num_requests_running", "Sequences in the engine's batch", registry=r)
         self.waiting = Gauge("sot:num_requests_waiting", "Requests queued for a slot", registry=r)

@@ -176,6 +176,7 @@ class EngineWorker:
             try:
                 t.engine_id = self.engine.add_request(t.prompt, t.params, tenant=t.tenant, priority=t.priority)
             except Exception as exc:  # noqa: BLE001 - the handler validated; report anything else
+                self.metrics.finished("error")
                 self._send(t, Update([], error=str(exc)))
                 return
             self._tickets[ticket] = t
