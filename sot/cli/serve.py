@@ -42,10 +42,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "over several steps, so running streams keep going (0: read each prompt whole; the output "
                         "is the same either way)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=ServerConfig.shutdown_timeout,
-                   help="seconds running requests get to finish after SIGTERM before they are ended")
+                   help="seconds running requests get to finish after SIGTERM or Ctrl-C before they are ended "
+                        "(default %(default)s; a second signal ends them at once, a third exits)")
     p.add_argument("--trace", type=int, nargs="?", const=ServerConfig.TRACE_KEPT, default=ServerConfig.trace,
                    metavar="N", help="record every step of each request and serve the last N finished ones "
-                   f"(default {ServerConfig.TRACE_KEPT}) as pages at /trace/{{id}}, the id of the completion")
+                   f"(default {ServerConfig.TRACE_KEPT}) as pages at /trace/{{id}}, the id of the completion or "
+                   "of the Responses answer")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--responses-kept", type=non_negative_int, default=ServerConfig.responses_kept, metavar="N",
                    help="finished /v1/responses answers kept for previous_response_id and GET /v1/responses/{id}, "
@@ -116,6 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 if state.worker is not None:
                     state.worker.abort_all()
                 return
+            if len(signals) > 2:  # (uvicorn forces an exit on a repeated Ctrl-C only: SIGTERM too)
+                self.force_exit = True
             if not state.draining:
                 state.draining = True  # new requests get 503; running ones may finish
                 print("sot serve: shutting down; running requests may finish "

@@ -61,7 +61,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                       help="at most N prompts from one top-level package (default: no cap)")
 
     prep = tsub.add_parser("prepare", help="run the target over training data and cache its states (bf16)")
-    prep.add_argument("--model", default="default")
+    prep.add_argument("--model", default="default", help="the target model whose states are cached (default: "
+                      "%(default)s)")
     prep.add_argument("--out", required=True, help="folder for the state cache")
     prep.add_argument("--data", default=None, help="JSONL from gen-data (default: packaged ShareGPT)")
     prep.add_argument("--tokens", type=positive_int, default=1_000_000, help="training tokens to cache")
@@ -70,7 +71,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--eval-data", default=None,
                       help="JSONL of held-out conversations, e.g. gen-data answers to prompts kept out of "
                            "--data (default: the sharegpt-heldout split, whatever --data is)")
-    prep.add_argument("--seq-len", type=positive_int, default=1024)
+    prep.add_argument("--seq-len", type=positive_int, default=1024,
+                      help="tokens of each conversation cached, at most (default %(default)s; cut to the model's "
+                           "context)")
     prep.add_argument("--layers", default=None, help="hidden-state layers, e.g. 2,15,27 (default: 2, L/2, L-3)")
     prep.add_argument("--dtype", choices=FLOAT_DTYPE_CHOICES, default="auto",
                       help="dtype the target runs in (auto: bfloat16 where the hardware computes it natively, "
@@ -78,14 +81,18 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_device_arg(prep)
 
     fit = tsub.add_parser("fit", help="train a state predictor on a prepared state cache")
-    fit.add_argument("--model", default=TrainConfig.model)
+    fit.add_argument("--model", default=TrainConfig.model,
+                     help="the target model the cache was prepared with (default: %(default)s)")
     fit.add_argument("--data", required=True,
                      help="state cache folder from 'sot train prepare', or several, comma-separated, to train on all "
                           "(held-out evaluation uses the first)")
     fit.add_argument("--out", required=True, help="run folder: checkpoints, predictor, loss.png, accept.png")
-    fit.add_argument("--steps", type=positive_int, default=TrainConfig.steps)
-    fit.add_argument("--tokens-per-step", type=positive_int, default=TrainConfig.tokens_per_step)
-    fit.add_argument("--lr", type=positive_float, default=TrainConfig.lr)
+    fit.add_argument("--steps", type=positive_int, default=TrainConfig.steps,
+                     help="optimizer steps the schedule spans (default %(default)s)")
+    fit.add_argument("--tokens-per-step", type=positive_int, default=TrainConfig.tokens_per_step,
+                     help="answer tokens a step trains on (default %(default)s)")
+    fit.add_argument("--lr", type=positive_float, default=TrainConfig.lr,
+                     help="peak learning rate of the warmup-cosine schedule (default %(default)s)")
     fit.add_argument("--warmup", type=positive_int, default=TrainConfig.warmup, help="learning-rate warm-up steps")
     fit.add_argument("--unroll", type=positive_int, default=TrainConfig.unroll, help="training-time-test steps")
     fit.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab,
@@ -106,9 +113,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--recount-vocab", action="store_true",
                      help="with --init-from: count the draft vocabulary (--draft-vocab tokens) anew on --data "
                           "instead of keeping the file's")
-    fit.add_argument("--eval-every", type=positive_int, default=TrainConfig.eval_every)
-    fit.add_argument("--save-every", type=positive_int, default=TrainConfig.save_every)
-    fit.add_argument("--seed", type=int, default=TrainConfig.seed)
+    fit.add_argument("--eval-every", type=positive_int, default=TrainConfig.eval_every,
+                     help="steps between held-out evaluations (default %(default)s)")
+    fit.add_argument("--save-every", type=positive_int, default=TrainConfig.save_every,
+                     help="steps between checkpoints (default %(default)s; SIGTERM and Ctrl-C save too)")
+    fit.add_argument("--seed", type=int, default=TrainConfig.seed,
+                     help="the seed of the data order, the noise and a new predictor's weights (default "
+                          "%(default)s)")
     fit.add_argument("--max-seconds", type=float, default=TrainConfig.max_seconds,
                      help="stop (with a checkpoint) after this long")
     fit.add_argument("--stop-after", type=int, default=TrainConfig.stop_after, metavar="STEP",

@@ -153,7 +153,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
     # ------------------------------------------------------------ errors
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        if exc.status in (400, 404) and request.method == "POST" and request.url.path in GENERATION_ROUTES:
+        if exc.status in (400, 401, 404, 413, 415) and request.method == "POST" and \
+                request.url.path in GENERATION_ROUTES:
             metrics.finished("invalid")  # (a stored response looked up in vain is no generation request)
         elif exc.status == 499:  # (the client hung up while sending its request)
             metrics.finished("abort")
