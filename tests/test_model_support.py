@@ -45,6 +45,8 @@ def test_llama_variants_the_lean_forward_lacks_run_exactly(variant: dict, gap: s
 
 
 SMALL = dict(vocab_size=96, bos_token_id=1, eos_token_id=2)
+DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=512)
 
 
 @pytest.mark.parametrize("name, config, cls, reason", [
@@ -58,10 +60,20 @@ SMALL = dict(vocab_size=96, bos_token_id=1, eos_token_id=2)
      "RecurrentGemmaForCausalLM", "layers, whose state SoT does not carry"),
     ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                   is_decoder=True), "BertLMHeadModel", "bert is an encoder"),
+    # (these decoded wrongly or crashed before they were refused)
+    ("gpt_oss", dict(DENSE, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
+     "GptOssForCausalLM", "sink logits"),
+    ("diffllama", dict(DENSE, num_key_value_heads=2), "DiffLlamaForCausalLM", "call attention twice"),
+    ("deepseek_v3", dict(DENSE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                         qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+     "DeepseekV3ForCausalLM", "multi-head latent attention"),
 ])
 def test_models_sot_cannot_decode_exactly_are_refused_by_name(name, config, cls, reason) -> None:
     config_class = {"bloom": "BloomConfig", "mpt": "MptConfig", "mamba": "MambaConfig",
-                    "recurrent_gemma": "RecurrentGemmaConfig", "bert": "BertConfig"}[name]
+                    "recurrent_gemma": "RecurrentGemmaConfig", "bert": "BertConfig", "gpt_oss": "GptOssConfig",
+                    "diffllama": "DiffLlamaConfig", "deepseek_v3": "DeepseekV3Config"}[name]
     model = getattr(transformers, cls)(getattr(transformers, config_class)(**SMALL, **config)).eval()
     with pytest.raises(UnsupportedModelError, match=f"cannot decode {cls} exactly: .*{reason}"):
         TargetModel(model)

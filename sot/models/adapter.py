@@ -199,6 +199,10 @@ ENCODER_FAMILIES = frozenset({
 ATTENTION_LAYERS = frozenset({"attention", "full_attention", "sliding_attention"})
 
 
+#: model types whose layers call the attention interface more than once a pass
+TWO_CALL_ATTENTION = frozenset({"diffllama"})
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why SoT cannot run ``model`` so that its answers equal transformers' (``None``: it can).
 
@@ -216,6 +220,14 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return ("it computes attention in its own modules (with ALiBi, masks of its own, or no attention at "
                 "all), not through the attention interface SoT plugs into")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if kind in TWO_CALL_ATTENTION:
+        return ("its layers call attention twice a pass (differential attention), and SoT's cache keeps one key "
+                "and value per layer")
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        return "its attention adds learned sink logits (gpt-oss), which SoT's attention does not"
+    if getattr(text, "kv_lora_rank", None) or getattr(text, "qk_nope_head_dim", None):
+        return ("its multi-head latent attention (DeepSeek V2/V3) has keys and values of other widths than its "
+                "heads, which SoT's cache does not hold")
     for name in ("layer_types", "block_types", "layers_block_type"):
         others = sorted(set(getattr(text, name, None) or ()) - ATTENTION_LAYERS)
         if others:
