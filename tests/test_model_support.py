@@ -44,6 +44,45 @@ def test_llama_variants_the_lean_forward_lacks_run_exactly(variant: dict, gap: s
     assert fast_path_gap(tiny_model("llama")) is None and TargetModel(tiny_model("llama")).fast is not None
 
 
+#: families beyond the lossless matrix's (tests/helpers.py ARCHS), each checked once: mixture
+#: of experts (with a sliding window), post-norm blocks, logit scales, partial rotary, one
+#: key-value head, windows shorter than the prompts
+MORE = [
+    ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=12)),
+    ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+    ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2)),
+    ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, logit_scale=0.5)),
+    ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2, sliding_window=12)),
+    ("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5)),
+    ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                                       multi_query=True)),
+]
+
+
+@pytest.mark.parametrize("config_class, model_class, extra", MORE, ids=[m[1] for m in MORE])
+def test_more_families_decode_as_transformers_does(config_class, model_class, extra) -> None:
+    """Plain decoding equals transformers' greedy answers and speculation equals plain
+    decoding, in a batch whose prompts pass any window."""
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512) if "n_embd" not in extra else {}
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**SMALL, **base, **extra)).eval()
+    with torch.no_grad():  # (larger weights than the init's: answers that vary, and near-ties that are rare)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+    prompts = random_prompts((6, 40), seed=2)
+    reference = [hf_greedy(model, p, 16) for p in prompts]
+    target = TargetModel(model)
+    params = GenerationParams(max_new_tokens=16)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    assert plain == reference
+    spec = Engine(target, PromptLookupDrafter(), TreeBudget(16, 6)).generate(prompts, params)
+    assert [r.token_ids for r in spec] == plain
+
+
 SMALL = dict(vocab_size=96, bos_token_id=1, eos_token_id=2)
 DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=512)
