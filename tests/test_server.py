@@ -469,6 +469,13 @@ def test_a_web_page_cannot_post_to_the_api(tiny_server) -> None:
         assert resp.status_code == 415 and "application/json" in resp.json()["error"]["message"], (kind, resp.text)
     resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body, timeout=60, headers=AUTH)
     assert resp.status_code == 200  # (no Content-Type at all: a script's request, read as JSON)
+    # a page elsewhere may send a body no Content-Type names (a Blob): its Origin is refused
+    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body, timeout=60,
+                      headers={**AUTH, "Origin": "http://elsewhere.example"})
+    assert resp.status_code == 403 and "--allowed-origins" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=body, timeout=60,
+                      headers={**AUTH, "Origin": "http://app.example"})  # (allowed by the fixture's flag)
+    assert resp.status_code == 200
 
 
 @pytest.mark.parametrize("name,payload,status", BAD, ids=[b[0] for b in BAD])

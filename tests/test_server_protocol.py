@@ -299,3 +299,20 @@ def test_the_caches_sizes_are_read_when_scraped() -> None:
     for line in ("sot:prefix_cache_bytes 2048.0", "sot:suffix_store_tokens 25.0", "sot:suffix_stores 3.0",
                  "sot:responses_kept 4.0"):
         assert line in text
+
+
+def test_a_turn_whose_parent_went_meanwhile_keeps_the_conversation() -> None:
+    """A response that continues one evicted while it ran keeps the conversation it read, so
+    it can still be continued."""
+    from sot.server.responses import ResponsesRequest, ResponseStore
+
+    def answer(rid: str) -> dict:
+        return {"id": rid, "output": [{"type": "message", "content": [{"type": "output_text", "text": rid}]}]}
+
+    store = ResponseStore(capacity=2)
+    store.put(answer("A"), ResponsesRequest(model="m", input="qa"))
+    read = store.history("A")  # B starts, reading A's conversation
+    store.put(answer("C"), ResponsesRequest(model="m", input="qc"))
+    store.put(answer("D"), ResponsesRequest(model="m", input="qd"))  # A goes meanwhile
+    store.put(answer("B"), ResponsesRequest(model="m", input="qb", previous_response_id="A"), read)
+    assert [m["content"] for m in store.history("B")] == ["qa", "A", "qb", "B"]

@@ -298,3 +298,19 @@ def test_many_tenants_leave_no_empty_stores_behind() -> None:
         assert stores.tokens == sum(s.tokens for s in stores.stores.values()) <= 200
     assert len(stores.stores) <= 40 and len(stores._heap) <= 2 * len(stores.stores) + 65
     assert stores.find("nobody") is None and "nobody" not in stores.stores
+
+
+def test_a_request_sees_its_tenants_store_once_it_exists() -> None:
+    """A request that began before its tenant had a store drafts from it once it is made; an
+    answer aborted before its first token makes no store."""
+    from sot.drafters.free import FreeDrafts
+
+    stores = SuffixStores(SuffixConfig(prompt_tail=0), per_tenant=True)
+    free = FreeDrafts(lookup=False, suffix=stores)
+    context = [5, 6, 7, 8]
+    assert free.suffix_tree(DraftInput(0, context, tenant="ann"), 8, 4) is None  # no store yet
+    free.remember([1], [], "bob")
+    assert "bob" not in stores.stores
+    stores.get("ann").add([], [7, 8, 9, 10, 11])
+    tree = free.suffix_tree(DraftInput(0, context + [9, 10, 11, 7, 8], tenant="ann"), 8, 4)
+    assert tree is not None and 9 in tree.tokens

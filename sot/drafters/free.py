@@ -58,7 +58,7 @@ class FreeDrafts:
 
     def remember(self, prompt: list[int], answer: list[int], tenant: str | None) -> None:
         """Add a finished answer to the global store of its tenant."""
-        if self.suffix is not None:
+        if self.suffix is not None and answer:  # (an answer aborted before its first token makes no store)
             self.suffix.get(tenant).add(prompt, answer)
 
     def index(self, sequence: int) -> NgramIndex:
@@ -117,6 +117,9 @@ class FreeDrafts:
         if key not in self.matchers:
             self.matchers[key] = SuffixMatcher(self.suffix.config, self.suffix.find(x.tenant))
             self.suffix_rates[key] = LookupRate()
+        matcher = self.matchers[key]
+        if matcher.store is None or matcher.store.tokens == 0:  # (the tenant's store made, or remade, since)
+            matcher.store = self.suffix.find(x.tenant)
         rate = self.suffix_rates[key]
         rate.update(x.context)
         tree: DraftTree | None = self.matchers[key].tree(x.context, max_nodes, max_depth)

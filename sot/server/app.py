@@ -162,9 +162,10 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
 
     @app.exception_handler(RequestValidationError)
     @app.exception_handler(ValidationError)
-    async def invalid(_: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError | ValidationError) -> JSONResponse:
         message, param = validation_message(exc.errors())
-        metrics.finished("invalid")
+        if request.method == "POST" and request.url.path in GENERATION_ROUTES:
+            metrics.finished("invalid")
         return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -266,7 +267,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
             raise responses_error(exc) from None
         builder = ResponseBuilder(asked)
         builder.stored = store is not None and asked.store is not False
-        keep = (lambda done: store.put(done, asked)) if builder.stored else None
+        keep = (lambda done: store.put(done, asked, history)) if builder.stored else None
         if not asked.stream:
             chat = json.loads(answer.body)
             done = builder.whole(chat)
@@ -360,11 +361,19 @@ _FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/for
 
 
 async def _json(request: Request) -> Any:
-    """The request's JSON body: a 415 for a form or text content type, a 413 past
-    :data:`MAX_BODY_BYTES`, a 400 for anything that is not JSON (nested too deep included)."""
+    """The request's JSON body: a 415 for a form or text content type, a 403 for a request a web
+    page at an origin not allowed sent, a 413 past :data:`MAX_BODY_BYTES`, a 400 for anything
+    that is not JSON (nested too deep included)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind in _FORM_TYPES:
         raise APIError(415, f"send the request body as JSON (Content-Type: application/json), not {kind}")
+    origin = request.headers.get("origin")
+    allowed = request.app.state.sot_state.config.allowed_origins
+    if origin is not None and "*" not in allowed and origin not in allowed:
+        # (a browser names the page a request comes from; a page elsewhere may not use this API
+        # unless --allowed-origins lets it, even with a body no Content-Type names)
+        raise APIError(403, f"requests from web pages at {origin} are refused; start the server with "
+                            f"--allowed-origins {origin} to let them in", code="origin_not_allowed")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise APIError(413, f"the request body is {int(length):,} bytes; at most {MAX_BODY_BYTES:,} are read")
@@ -448,7 +457,10 @@ async def _response_events(builder: ResponseBuilder, chunks: AsyncIterator[str],
                 if "error" in chunk:
                     yield sse_event(builder.event("error", code="internal_error", message=chunk["error"]["message"],
                                                   param=None))
-                    for event in builder.closing(usage, error=chunk["error"]["message"]):
+                    closing = builder.closing(usage, error=chunk["error"]["message"])
+                    if keep is not None:  # (a failed response is not kept, but its trace is named)
+                        keep(builder.done)
+                    for event in closing:
                         yield sse_event(event)
                     return
                 usage = chunk.get("usage") or usage

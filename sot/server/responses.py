@@ -41,7 +41,9 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
            "stop", "ignore_eos", "sampling_mode", "min_tokens", "stop_token_ids", "guided_json", "guided_regex",
            "guided_choice", "guided_grammar", "chat_template_kwargs", "priority", "include_stop_str_in_output",
-           "skip_special_tokens")
+           "skip_special_tokens", "structured_outputs",
+           # (refused by name there, as on the chat route)
+           "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "guided_whitespace_pattern")
 
 #: the error of a response the server stopped before it finished (``finish_reason`` abort)
 ABORTED = "the server stopped this response before it finished (it is shutting down); send the request again"
@@ -394,10 +396,15 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, response: dict, request: ResponsesRequest) -> None:
-        """Keep a finished ``response`` to ``request`` (its input and output as the turn)."""
+    def put(self, response: dict, request: ResponsesRequest, history: list[dict] | None = None) -> None:
+        """Keep a finished ``response`` to ``request`` (its input and output as the turn);
+        ``history``: the conversation it continued, as read when it started, which becomes part
+        of its turn if the response it continued was evicted meanwhile."""
         turn = request.input_messages() + _assistant_messages(response["output"])
-        self._kept[response["id"]] = _Kept(response, turn, request.previous_response_id, _input_items(request.input))
+        previous = request.previous_response_id
+        if previous is not None and previous not in self._kept and history is not None:
+            turn, previous = list(history) + turn, None
+        self._kept[response["id"]] = _Kept(response, turn, previous, _input_items(request.input))
         self._kept.move_to_end(response["id"])
         while len(self._kept) > self.capacity:
             rid, gone = self._kept.popitem(last=False)

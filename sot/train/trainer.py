@@ -426,11 +426,19 @@ def _fit(cfg: TrainConfig) -> Path:
             next(stream)
     else:
         stream = train.iter_indices(cfg.seed + start, rank, world)
+    if isinstance(rng, torch.Tensor):
+        rng = (rng, None)
     if rng is not None:
-        torch.set_rng_state(rng)
+        torch.set_rng_state(rng[0].cpu())  # (torch.load moved it to the run's device)
+        if rng[1] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(rng[1].cpu(), device)
     else:
         torch.manual_seed(cfg.seed + 7919 * (start + 1) + rank)
-    at_step = (drawn, seen_sequences, torch.get_rng_state())  # where the last completed step left them
+
+    def rng_state() -> tuple:  # the noise's generators: the CPU's and, training on a GPU, its own
+        return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+    at_step = (drawn, seen_sequences, rng_state())  # where the last completed step left them
     eval_cache: dict = {}
 
     def save(step: int, seconds: float) -> None:
@@ -496,14 +504,17 @@ def _fit(cfg: TrainConfig) -> Path:
                 for key, val in parts.items():
                     agg[key] = agg.get(key, 0.0) + val * tokens.shape[0] / ntok
             agg["stability"] = stab_sum / stab_n if stab_n else 0.0
-            if not all(math.isfinite(v) for v in agg.values()):
+            finite = torch.tensor([1.0 if all(math.isfinite(v) for v in agg.values()) else 0.0])
+            if world > 1:  # (every rank stops together, none waits in a collective for one gone)
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if not finite.item():
                 raise Diverged(f"the loss is not a finite number at step {step + 1} ({agg.get('loss')}): the run "
                                f"diverged; {out} keeps its last checkpoint. Lower --lr (now {cfg.lr:g}) and "
                                "train again, in a new --out")
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step += 1
-            at_step = (drawn, seen_sequences, torch.get_rng_state())
+            at_step = (drawn, seen_sequences, rng_state())
             seen_tokens += ntok * world
             vals = _all_mean(torch.tensor([agg[k] for k in sorted(agg)]), world)
             record = {k: float(v) for k, v in zip(sorted(agg), vals)}
