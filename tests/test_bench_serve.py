@@ -119,6 +119,11 @@ def test_bad_flags_are_refused_before_any_request(stand_ins, capsys, flags, mess
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_an_infinite_rate_sends_everything_at_once(stand_ins) -> None:
+    """``--request-rate inf``, as vLLM's benchmarks spell it, is no error."""
+    assert main(_bench("--url", stand_ins["usage"], "--request-rate", "inf")) == 0
+
+
 def test_an_out_folder_that_cannot_be_made_fails_first(stand_ins, tmp_path, capsys) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -42,6 +42,8 @@ non_negative_float = _checked(float, "a number", lambda v: 0 <= v < float("inf")
 probability = _checked(float, "a number", lambda v: 0 < v <= 1, "in (0, 1]")
 unit_interval = _checked(float, "a number", lambda v: 0 <= v <= 1, "in [0, 1]")
 positive_float = _checked(float, "a number", lambda v: 0 < v < float("inf"), "> 0 and finite")
+#: a rate in events a second; ``inf``, as vLLM's benchmarks spell it, sends everything at once
+positive_rate = _checked(float, "a number", lambda v: v > 0, "> 0 (inf: all at once)")
 top_logprobs = _checked(int, "an integer", lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"0 to {MAX_TOP_LOGPROBS}")
 penalty = _checked(float, "a number", lambda v: abs(v) <= MAX_PENALTY, f"-{MAX_PENALTY:g} to {MAX_PENALTY:g}")
 

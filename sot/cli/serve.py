@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sot.cli.common import (
     add_adapt_args, add_drafter_args, add_model_args, check_load_args, load_sot, non_negative_float, non_negative_int,
-    positive_float,
+    positive_float, positive_rate,
     positive_int, save_suffix_store,
 )
 from sot.errors import ConfigError
@@ -185,8 +185,9 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="a bench prompt set (sharegpt-heldout, humaneval, ...) or a .jsonl file")
     p.add_argument("--num-prompts", type=positive_int, default=16, help="requests per level and server")
     p.add_argument("--concurrency", default="1,4", help="comma-separated concurrency levels")
-    p.add_argument("--request-rate", type=positive_float, default=None,
-                   help="send requests at this Poisson rate (per second) instead of fixed concurrency")
+    p.add_argument("--request-rate", type=positive_rate, default=None,
+                   help="send requests at this Poisson rate (per second; inf: all at once) instead of fixed "
+                        "concurrency")
     p.add_argument("--max-tokens", type=positive_int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true",
