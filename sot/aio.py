@@ -107,7 +107,8 @@ class AsyncSoT:
         params = self.sot.params(**kwargs)
         ids = self.sot.encode(prompt, chat)
         ticket, updates = self._worker.submit(ids, params, tenant=tenant, priority=priority)
-        text = TextAssembler(self.sot.tokenizer, params.stop)  # (as the server's streams: stops held back)
+        # (as the server's streams: stops held back)
+        text = TextAssembler(self.sot.tokenizer, params.stop, min_tokens=params.min_tokens)
         done = False
         try:
             while not done:

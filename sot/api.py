@@ -328,7 +328,8 @@ class SoT:
             ignore_eos: generate past the end-of-sequence tokens, up to ``max_new_tokens``.
             logprobs: ``None``, or return each generated token's log probability with that
                 many alternatives, 0 to 20.
-            min_tokens: no end-of-sequence token before this many tokens.
+            min_tokens: no end-of-sequence token before this many tokens, and no stop string
+                that ends within them (as vLLM).
             repetition_penalty, frequency_penalty, presence_penalty, logit_bias: change the
                 logits before a token is chosen, as OpenAI and vLLM define them
                 (:mod:`sot.logit_rules`); ``logit_bias`` maps token ids to -100..100.
@@ -397,13 +398,14 @@ class SoT:
             self.engine.record_steps = False
         return [self._completion(p, r, params) for p, r in zip(prompts, results)]
 
-    @staticmethod
-    def _completion(prompt: list[int], res: SequenceResult, params: GenerationParams) -> Completion:
+    def _completion(self, prompt: list[int], res: SequenceResult, params: GenerationParams) -> Completion:
         """The :class:`Completion` of one finished request (its text cut at a stop string)."""
         text = res.text
-        for s in params.stop:
-            if s in text:
-                text = text[: text.index(s)]
+        if params.stop:  # (the text the engine stopped on: a string counts after min_tokens tokens)
+            floor = len(self.engine.decode(res.token_ids[: params.min_tokens])) if params.min_tokens else 0
+            found = [i for s in params.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+            if found:
+                text = text[: min(found)]
         return Completion(
             text=text,
             token_ids=res.token_ids,
@@ -529,7 +531,7 @@ class SoT:
             return
         # an incomplete character, and text that may begin a stop string, wait for the next
         # tokens; a stop string ends the text before it
-        texts = [TextAssembler(self.tokenizer, params.stop) for _ in ids]
+        texts = [TextAssembler(self.tokenizer, params.stop, min_tokens=params.min_tokens) for _ in ids]
         self.last_stream = []
         for event in self.engine.stream(ids, params, self.last_stream, batch_size):
             delta = texts[event.sequence].add(event.token_ids, final=event.finished)

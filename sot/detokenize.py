@@ -104,15 +104,22 @@ class TextAssembler:
     The text is decoded incrementally (:class:`~sot.detokenize.IncrementalText`), so an update
     costs the same early and late in a long answer. A stop string ends the text before it;
     while the request runs, text that might begin a stop string and an incomplete character
-    at the end are held back until the next tokens decide them.
-    """
+    at the end are held back until the next tokens decide them. With ``min_tokens``, a stop
+    string counts only where it ends in the text of a later token, as the engine (and vLLM)
+    check stop strings only from then on; ``marks`` end the text from the first token (the
+    opening of a tool call)."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...], include_stop: bool = False,
-                 skip_special: bool = True) -> None:
-        self.stop = stop
+                 skip_special: bool = True, min_tokens: int = 0, marks: tuple[str, ...] = ()) -> None:
+        self.stop = stop + marks
         self.include_stop = include_stop  # the text ends after the stop string, not before it
         self._decoded = IncrementalText(decoder(tokenizer, skip_special))
-        self._longest_stop = max((len(s) for s in stop), default=0)
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+        self._min_tokens = min_tokens
+        self._marks = marks
+        # a stop string counts where it ends past this many characters: the text of the first
+        # min_tokens tokens (unknown, so nothing counts, until they are in)
+        self._floor = 0 if min_tokens == 0 else None
         self.sent = 0
         self.text = ""
         self._ids: list[int] = []
@@ -125,19 +132,21 @@ class TextAssembler:
     def add(self, token_ids: list[int], final: bool, textless: int = 0) -> str:
         """The new text after ``token_ids``; ``final`` releases everything held back. The last
         ``textless`` of them add no text (an answer's stop token, as vLLM leaves it out)."""
+        first = len(self._ids)
         self._ids.extend(token_ids)
-        self._decoded.extend(token_ids[: len(token_ids) - textless])
+        with_text = token_ids[: len(token_ids) - textless]
+        if self._floor is None and len(self._ids) >= self._min_tokens:
+            head = self._min_tokens - first  # the first min_tokens tokens end inside this update
+            self._decoded.extend(with_text[:head])
+            self._floor = len(self._decoded)
+            with_text = with_text[head:]
+        self._decoded.extend(with_text)
         text = self._decoded.text
-        cut = len(text)
-        stopped = False
         # what was sent holds no stop string and ends in none's beginning: look past it only
-        start = max(0, self.sent - self._longest_stop)
-        for s in self.stop:
-            i = text.find(s, start)
-            if 0 <= i < cut:
-                cut, stopped = i, True
+        found = self._first_stop(text, max(0, self.sent - self._longest_stop))
+        cut, stopped = (found[0], True) if found is not None else (len(text), False)
         if stopped and self.include_stop:
-            cut += next(len(s) for s in self.stop if text.startswith(s, cut))
+            cut += len(found[1])
         if not final and not stopped:
             cut = min(cut, self._decoded.settled_length)  # an incomplete character waits
             for s in self.stop:  # the longest tail that could still grow into a stop string
@@ -149,6 +158,18 @@ class TextAssembler:
         delta = text[self.sent : cut] if cut > self.sent else ""
         self.sent = max(self.sent, cut)
         return delta
+
+    def _first_stop(self, text: str, start: int) -> tuple[int, str] | None:
+        """The earliest stop string in ``text[start:]`` that counts, as (index, string)."""
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            floor = 0 if s in self._marks else self._floor
+            if floor is None:
+                continue
+            i = text.find(s, max(start, floor - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
 
     def final_text(self) -> str:
         return self.text[: self.sent] if self.sent <= len(self.text) else self.text

@@ -16,7 +16,8 @@ temperature, top-k and top-p (:func:`sot.sampling.processed_logits`):
 
 - ``logit_bias``: ``x[t] += bias[t]``;
 - ``min_tokens``: the end-of-sequence tokens are banned (``-inf``) while fewer than
-  ``min_tokens`` tokens have been generated;
+  ``min_tokens`` tokens have been generated (and a stop string ends the answer only where it
+  ends in a later token's text, :meth:`sot.requests.LiveRequest.commit`);
 - ``repetition_penalty`` ``r`` (over the prompt and the answer): a seen token's logit is
   divided by ``r`` when positive and multiplied by ``r`` otherwise;
 - ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p`` (over the answer):

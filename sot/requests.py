@@ -399,7 +399,8 @@ class LiveRequest:
             if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete
                 reason = "stop"
                 break
-            if params.stop and self._completes_stop(tok):
+            # (stop strings count from the token after the first min_tokens, as in vLLM)
+            if params.stop and self._completes_stop(tok) and len(res.token_ids) > params.min_tokens:
                 reason = "stop"
                 break
             if len(res.token_ids) >= params.max_new_tokens:

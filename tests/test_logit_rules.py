@@ -142,3 +142,28 @@ def test_only_the_walked_rows_are_adjusted(monkeypatch) -> None:
     walked = sum(sum(r.accept_lengths) for r in results) + len(prompts)
     drafted = sum(sum(r.tree_sizes) for r in results)
     assert walked <= len(made) <= walked + 6 * len(prompts) and len(made) < drafted / 2
+
+
+def test_stop_strings_count_after_min_tokens_in_every_mode() -> None:
+    """A stop string ends the answer only where its last character comes from a token after
+    the first ``min_tokens`` (vLLM's rule), the same plain and speculative."""
+    target = TargetModel(clone(tiny_model("llama", seed=5), torch.float32))
+    prompt = random_prompts((20,), seed=6)
+
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def answer(drafter, **kw) -> tuple[list[int], str]:
+        engine = Engine(target, drafter, TreeBudget(16, 6), decode=decode)
+        res = engine.generate(prompt, GenerationParams(max_new_tokens=NEW, **kw))[0]
+        return res.token_ids, res.finish_reason
+
+    free, _ = answer(NoDrafter())
+    letters = decode(free)
+    stop = max(set(letters[:NEW // 2]), key=letters.count)  # a letter seen early and again later
+    first = letters.index(stop)
+    later = letters.index(stop, first + 1)
+    assert answer(NoDrafter(), stop=(stop,)) == (free[: first + 1], "stop")
+    want = (free[: later + 1], "stop")
+    for drafter in (NoDrafter(), PromptLookupDrafter(), RandomTreeDrafter([free], [len(prompt[0])], hit=0.8, seed=2)):
+        assert answer(drafter, stop=(stop,), min_tokens=first + 1) == want, drafter

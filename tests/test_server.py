@@ -528,6 +528,17 @@ def test_logit_rules_and_stop_tokens(tiny_server) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == cut["text"]
     held = ask(stop_token_ids=[stop], min_tokens=free.index(stop) + 2)["token_ids"]
     assert len(held) > free.index(stop) + 1 and stop not in held[: free.index(stop) + 2]
+    # a stop string counts only after min_tokens tokens: in all 12 of them, it cuts nothing
+    whole = ask()["text"]
+    first = whole.strip()[0]
+    assert ask(stop=[first])["text"] == whole[: whole.index(first)]
+    kept = ask(stop=[first], min_tokens=12)
+    assert kept["text"] == whole and kept["finish_reason"] == "length"
+    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json={
+            "model": TINY, "prompt": "abcabcab", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stop": [first], "min_tokens": 12, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole
     for bad, param in ((dict(logit_bias={"5": 150}), "logit_bias"), (dict(min_tokens=13), "min_tokens"),
                        (dict(stop_token_ids=[10**6]), "stop_token_ids"), (dict(prompt=[10**6]), "prompt")):
         resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,

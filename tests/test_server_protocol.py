@@ -27,6 +27,24 @@ def test_streamed_deltas_join_to_the_text_cut_at_the_stop_string() -> None:
     assert text.add([], final=True) == "" and text.final_text() == "hello ENx world "
 
 
+def test_min_tokens_counts_only_stop_strings_that_end_after_them() -> None:
+    """As the engine checks stop strings from the token after the first ``min_tokens`` (vLLM's
+    rule), the text is cut only where a stop string ends after their text; a mark (a tool
+    call's opening) cuts from the first token."""
+    for pieces in (("aXb", "cXdXe"), ("a", "X", "bc", "X", "dXe"), ("aXbcXdXe",)):
+        text = TextAssembler(_CharTokenizer(), ("X",), min_tokens=4)  # "aXbc": its X does not count
+        deltas = [text.add(_ids(p), final=False) for p in pieces]
+        assert "".join(deltas) == "aXbc" and text.final_text() == "aXbc", pieces
+    # one that begins in them and ends after them counts
+    text = TextAssembler(_CharTokenizer(), ("cXd",), min_tokens=4)
+    assert text.add(_ids("aXbcXde"), final=True) == "aXb"
+    # text of the first min_tokens holds no stop string that counts, so it streams as it comes
+    text = TextAssembler(_CharTokenizer(), ("X",), min_tokens=3)
+    assert text.add(_ids("aX"), final=False) == "aX" and text.add(_ids("bX"), final=True) == "b"
+    text = TextAssembler(_CharTokenizer(), ("X",), min_tokens=5, marks=("<c>",))
+    assert text.add(_ids("aX<c>bX"), final=True) == "aX"
+
+
 def test_an_incomplete_character_waits_for_its_last_token() -> None:
     text = TextAssembler(_CharTokenizer(), ())
     assert text.add(_ids("ab") + [0xFFFD], final=False) == "ab"

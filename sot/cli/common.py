@@ -186,7 +186,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "decoding's; rejection: recursive rejection sampling. Both are exact in distribution")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--min-tokens", type=non_negative_int, default=GenerationParams.min_tokens,
-                   help="no end-of-sequence token before this many tokens")
+                   help="no end-of-sequence token, and no stop string ending, before this many tokens")
     p.add_argument("--repetition-penalty", type=positive_float, default=SamplingParams.repetition_penalty,
                    help="divide (multiply, if negative) the logit of every token seen in the prompt or the "
                         "answer by this (1: off)")

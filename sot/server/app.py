@@ -676,9 +676,9 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
             tool = None
             if tools is not None and tools.choice.calls_tools:
                 tool = ToolAnswer(state.sot.tokenizer, params.stop, tools, include_stop=body.include_stop_str_in_output,
-                                  skip_special=body.skip_special_tokens)
+                                  skip_special=body.skip_special_tokens, min_tokens=params.min_tokens)
             text = TextAssembler(state.sot.tokenizer, params.stop, include_stop=body.include_stop_str_in_output,
-                                 skip_special=body.skip_special_tokens)
+                                 skip_special=body.skip_special_tokens, min_tokens=params.min_tokens)
             choices.append(_Choice(i, prompt, first, ticket, updates, text, lp, echo=echoed, drop=drop, tool=tool))
     except BaseException:
         for c in choices:

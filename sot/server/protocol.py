@@ -424,14 +424,14 @@ class ToolAnswer:
     the text streams as content up to a ``<tool_call>`` tag, and what follows is read as calls
     at the end (or sent as content when it is not a call); an answer that opens with ``{`` or
     ``[`` may be a call written as bare JSON (Llama 3's and Mistral's form), so it is held
-    back to the end too. ``include_stop`` and ``skip_special`` are the request's, as for the
-    choice's own text."""
+    back to the end too. ``include_stop``, ``skip_special`` and ``min_tokens`` are the request's,
+    as for the choice's own text."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...], use: ToolUse, include_stop: bool = False,
-                 skip_special: bool = True) -> None:
+                 skip_special: bool = True, min_tokens: int = 0) -> None:
         self.use, self.choice = use, use.choice
-        self._content = TextAssembler(tokenizer, stop + (CALL_OPEN,), include_stop=include_stop,
-                                      skip_special=skip_special) if use.choice.mode == "auto" else None
+        self._content = TextAssembler(tokenizer, stop, include_stop=include_stop, skip_special=skip_special,
+                                      min_tokens=min_tokens, marks=(CALL_OPEN,)) if use.choice.mode == "auto" else None
         self.streamed = ""  # content sent so far (auto)
         self._held = ""  # the answer's opening, held while it may be a bare JSON call (auto)
         self.call_id = new_call_id()  # a named tool's call
