@@ -316,10 +316,14 @@ class SoT:
 
         Args:
             max_new_tokens: tokens generated at most.
-            temperature, top_p, top_k, min_p: sampling (temperature 0: greedy; top_k 0 and
-                top_p 1: off), as transformers applies them.
-            seed: the sampling noise's key: a seeded answer is the same whatever was
-                drafted and whatever shares the batch. The default (0) makes a call repeatable;
+            temperature, top_p, top_k, min_p: sampling (temperature 0: greedy; top_k 0 or -1
+                and top_p 1: off), in transformers' order (temperature, top-k, top-p, min-p;
+                vLLM applies min-p before top-k and top-p, which differs where both min_p and
+                top_p are set).
+            seed: the sampling noise's key, with the prompt's place in the list and the
+                position: a seeded answer is the same whatever was drafted and whatever else is
+                in the batch, for the prompt at that place (the server's requests are each at
+                place 0, so two prompts in one call differ). The default (0) makes a call repeatable;
                 ``None`` draws a fresh seed each call, as the server does for a request without one.
             sampling: ``coupled`` (same text for a seed, whatever was drafted) or
                 ``rejection``; both give the target's distribution.

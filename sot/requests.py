@@ -227,7 +227,7 @@ def check_params(params: GenerationParams, vocab_size: int | None = None) -> Non
         raise ConfigError(f"sampling must be a SamplingParams, got {type(sp).__name__}")
     check_number("temperature", sp.temperature, low=0)
     check_number("top_p", sp.top_p, low=0, high=1, open_low=True)
-    check_number("top_k", sp.top_k, integer=True, low=0)
+    check_number("top_k", sp.top_k, integer=True, low=-1)  # (-1: off, as vLLM spells it; so is 0)
     check_number("min_p", sp.min_p, low=0, high=1)
     check_number("seed", sp.seed, integer=True)
     if not isinstance(sp.mode, SamplingMode):

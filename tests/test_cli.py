@@ -137,6 +137,8 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
                                  GenerationParams(max_new_tokens=2))
     assert sot.engine.abort(rid) and not sot.engine.has_unfinished()
     assert len(sot.generate("abc", chat=False, max_new_tokens=2)[0].token_ids) <= 2
+    sampled = dict(chat=False, max_new_tokens=4, temperature=1.0, seed=3)
+    assert sot.generate("abc", top_k=-1, **sampled)[0].token_ids == sot.generate("abc", top_k=0, **sampled)[0].token_ids
     assert SoT.load(str(model_dir), drafter="pld", dtype="float32", policy="static").engine.policy_config.kind.value \
         == "static"
     with pytest.raises(ConfigError, match="unknown policy 'fast'"):

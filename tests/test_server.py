@@ -544,6 +544,8 @@ def test_logit_rules_and_stop_tokens(tiny_server) -> None:
         resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
                           json={"model": TINY, "prompt": "ab", "max_tokens": 12, **bad})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+        if param == "min_tokens":  # (named as the request names the limit)
+            assert "max_tokens (12)" in resp.json()["error"]["message"], resp.text
     penalised = ask(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)["token_ids"]
     assert penalised != free and ask(frequency_penalty=1.5, presence_penalty=0.5,
                                      repetition_penalty=1.3)["token_ids"] == penalised

@@ -547,8 +547,9 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     try:  # every setting, so that a bad one fails this request alone and not the batch it would join
         check_params(params, state.sot.target.vocab_size)
     except ConfigError as exc:
-        field = str(exc).split(" ", 1)[0]  # (each message begins with the field it is about)
-        raise APIError(400, str(exc), param=field if field in type(body).model_fields else None) from None
+        msg = str(exc).replace("max_new_tokens", field)  # (the request's name for it)
+        field = msg.split(" ", 1)[0]  # (each message begins with the field it is about)
+        raise APIError(400, msg, param=field if field in type(body).model_fields else None) from None
     _check_token_ids(state, body.stop_token_ids or [], "stop_token_ids")
     return params
 
