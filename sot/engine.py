@@ -545,9 +545,10 @@ class Engine:
                 if forced is not tree and self.record_steps:  # a free draft, from the grammar
                     self._proposed[seq.id] = ("free", forced, False)
                 tree = forced
-            room = self.target.max_positions and self.target.max_positions - seq.length
-            if room and tree.max_depth > room:  # no node past the model's last position
-                tree = tree.cut_at_depth(room)
+            if self.target.max_positions is not None:  # no node past the model's last position
+                room = max(self.target.max_positions - seq.length, 0)
+                if tree.max_depth > room:
+                    tree = tree.cut_at_depth(room)
             if tree.tokens[0] != root or tree.size > self._max_tree or tree.max_depth > self.budget.max_depth:
                 raise RuntimeError(f"drafter {self.drafter.kind.value} broke the tree contract")
             trees.append(tree)

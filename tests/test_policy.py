@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import VOCAB, clone, random_prompts, tiny_model
-from sot.drafters import NoDrafter, TreeBudget
+from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.drafters.base import DraftInput, Drafter, DrafterKind
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
@@ -59,6 +59,18 @@ def test_cost_model_measure_times_the_sizes_asked_for() -> None:
     cost = CostModel.measure(target, 16, context=32, repeats=1, sizes=[1, 3, 5, 6])
     assert cost.rows == [1, 3, 5, 6]
     assert all(s > 0 for s in cost.seconds)
+
+
+def test_a_model_with_a_short_context_times_its_curve_inside_it() -> None:
+    """Learned positions end at the model's context: the curve's timed passes stay inside it
+    (GPT-2 with 64 positions had failed at the first speculative call)."""
+    target = TargetModel(clone(tiny_model("gpt2", seed=2, n_positions=64, max_position_embeddings=64), torch.float32))
+    cost = CostModel.measure(target, 96, repeats=1)
+    assert cost.rows[-1] == 96 and all(s > 0 for s in cost.seconds)
+    prompt = random_prompts((40,), seed=1)
+    params = GenerationParams(max_new_tokens=24)
+    plain = Engine(target, NoDrafter()).generate(prompt, params)[0].token_ids
+    assert Engine(target, PromptLookupDrafter()).generate(prompt, params)[0].token_ids == plain
 
 
 def test_the_cost_curve_is_kept_per_machine_and_target_and_read_back(monkeypatch, tmp_path) -> None:

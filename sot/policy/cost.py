@@ -81,7 +81,7 @@ class CostModel:
     def measure(cls, target: torch.nn.Module, max_rows: int, context: int = 256, repeats: int = 5,
                 sizes: list[int] | None = None) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
-        after a ``context``-token prefill: one warm-up round, then ``repeats`` rounds in which
+        after a ``context``-token prefill (less where the model's context is shorter): one warm-up round, then ``repeats`` rounds in which
         every size takes its turn; each size keeps its fastest pass. In a batch, a pass over
         ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``. ``sizes``: the row counts
         to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to ``max_rows``, and
@@ -93,6 +93,8 @@ class CostModel:
             points = {1, 2, 4, 8, 12, 16, 17, 24, 32, 33, 48, 49, 64, 65, 80, 96, 97, 128}
             sizes = sorted(points & set(range(1, max_rows + 1)) | {max_rows})
         unit = target.row_multiple
+        last = (getattr(target, "max_positions", None) or 1 << 40) - 1  # the model's last position
+        context = max(1, min(context, last - 8))  # (a small context: learned positions end there)
         cache = target.new_cache(1, context + max(sizes) + unit + 16)
         gen = torch.Generator().manual_seed(0)
         vocab = target.model.get_input_embeddings().weight.shape[0]
@@ -101,12 +103,13 @@ class CostModel:
         cache.set_length(0, context)
         passes = []
         for n in sizes:
-            tree = tree_from_parents(prompt[-n:].tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
+            tokens = prompt.repeat(-(-n // context))[-n:]  # (a context shorter than the tree repeats)
+            tree = tree_from_parents(tokens.tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
             rows = round_up(n, unit)
             ids = torch.full((1, rows), int(tree.tokens[0]))
             ids[0, :n] = torch.tensor(tree.tokens)
             pos = torch.full((1, rows), context)
-            pos[0, :n] = torch.tensor(tree.depths) + context
+            pos[0, :n] = (torch.tensor(tree.depths) + context).clamp(max=last)
             layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows, cache)
             passes.append((ids, pos, layout))
         # Sizes take turns, round after round (the first round warms up), and each keeps its
