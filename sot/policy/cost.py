@@ -82,10 +82,11 @@ class CostModel:
                 sizes: list[int] | None = None) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
         after a ``context``-token prefill (less where the model's context is shorter): one
-        warm-up round, then ``repeats`` rounds in which every size takes its turn; each size keeps its fastest pass. In a batch, a pass over
-        ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``. ``sizes``: the row counts
-        to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to ``max_rows``, and
-        ``max_rows``, plus the first row count past each multiple of 16); the others are interpolated."""
+        warm-up round, then ``repeats`` rounds in which every size takes its turn; each size
+        keeps its fastest pass. In a batch, a pass over ``B`` sequences of ``n`` rows is costed
+        as ``verify(B * n)``. ``sizes``: the row counts to time (default 1, 2, 4, 8, 12, 16, 24,
+        32, 48, 64 up to ``max_rows``, and ``max_rows``, plus the first row count past each
+        multiple of 16); the others are interpolated."""
         from sot.attention import build_tree_layout
         from sot.tree import ancestor_table, tree_from_parents
 
