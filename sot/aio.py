@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 from sot.api import SoT, StreamEvent
 from sot.errors import ConfigError, SoTError
 from sot.prompts import PromptItem
-from sot.requests import SequenceResult, check_number
+from sot.requests import SequenceResult, check_number, check_request, check_routing
 from sot.server.metrics import ServerMetrics
 from sot.detokenize import TextAssembler
 from sot.server.worker import EngineWorker
@@ -106,6 +106,9 @@ class AsyncSoT:
             raise SoTError("this AsyncSoT is closed")
         params = self.sot.params(**kwargs)
         ids = self.sot.encode(prompt, chat)
+        # refused here, with the engine's own error (a PromptTooLongError...), not in its thread
+        check_request(ids, params, self.sot.target.max_positions, self.sot.target.vocab_size)
+        check_routing(tenant, priority)
         ticket, updates = self._worker.submit(ids, params, tenant=tenant, priority=priority)
         # (as the server's streams: stops held back)
         text = TextAssembler(self.sot.tokenizer, params.stop, min_tokens=params.min_tokens)

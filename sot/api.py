@@ -205,6 +205,9 @@ class SoT:
             device: ``auto`` (default: a CUDA GPU when one is visible, else the CPU), ``cpu``,
                 ``cuda`` or ``cuda:N``: where the target, its cache and the predictor live.
         """
+        for name, value, low in (("max_nodes", max_nodes, 1), ("max_depth", max_depth, 0), ("top_k", top_k, 1),
+                                 ("prefix_cache_mb", prefix_cache_mb, 0)):
+            check_number(name, value, integer=True, low=low)
         if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
             choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
             raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}")
@@ -230,7 +233,7 @@ class SoT:
             stores = SuffixStores(per_tenant=suffix_per_tenant, vocab_size=vocab)
         if suffix_store is not None:
             if stores is None:
-                raise ConfigError("--suffix-store needs a drafter that drafts from earlier answers (auto or suffix)")
+                raise ConfigError("suffix_store needs a drafter that drafts from earlier answers (auto or suffix)")
             if Path(suffix_store).is_file():
                 stores.load(suffix_store)
         draft = make_drafter(kind, loaded.model, predictor, top_k=top_k, suffix=stores)
@@ -242,8 +245,6 @@ class SoT:
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
 
-        if prefix_cache_mb < 0:
-            raise ConfigError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
         prefix = PrefixCache(prefix_cache_mb << 20, per_tenant=suffix_per_tenant) if prefix_cache_mb else None
         engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode,
                         policy=policy, prefix_cache=prefix)
@@ -274,6 +275,8 @@ class SoT:
                continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a prompt; ``chat=None`` applies the chat template when there is one
         (the other arguments: :func:`sot.prompts.encode`)."""
+        if chat not in (None, True, False):
+            raise ConfigError(f"chat must be True, False or None (the model's own choice), got {chat!r}")
         use_chat = self.is_chat_model if chat is None else chat
         if use_chat and not self.is_chat_model:
             raise ConfigError("this model has no chat template; run without --chat or give one (--chat-template)")
@@ -379,6 +382,12 @@ class SoT:
         return self.engine.times
 
     # ----------------------------------------------------------------- generation
+    def _check_engine_free(self) -> None:
+        """A :class:`ConfigError` while an :class:`~sot.aio.AsyncSoT`'s thread steps the engine:
+        a second caller stepping it too would mix their sequences."""
+        if self._async_front is not None:
+            raise ConfigError("an AsyncSoT runs this SoT's engine: use its generate and stream, or close it first")
+
     def generate_ids(
         self, prompts: list[list[int]], params: GenerationParams, batch_size: int = 1, trace: bool = False,
         on_done: Callable[[int, Completion], None] | None = None,
@@ -388,6 +397,7 @@ class SoT:
         ``trace``, each completion keeps its step records (see :meth:`traced`).
         ``on_done(i, completion)`` is called as each prompt's answer finishes, in the order
         they finish (so a caller keeps the answers done before an interrupt)."""
+        self._check_engine_free()
         check_number("batch_size", batch_size, integer=True, low=1)
         if not prompts:
             return []
@@ -510,6 +520,7 @@ class SoT:
                 answer opened after it); one text or a list.
             top_logprobs: alternatives to report per token (0-20).
         """
+        self._check_engine_free()
         check_number("top_logprobs", top_logprobs, integer=True, low=0, high=MAX_TOP_LOGPROBS)
         # a text is scored as given: a conversation ends with its last message, not with the
         # opening of an answer
@@ -529,6 +540,7 @@ class SoT:
     ) -> Iterator[StreamEvent]:
         """Yield text as it is committed, for prompts generated together (at most
         ``batch_size`` at a time, as a continuous batch; default: all at once)."""
+        self._check_engine_free()
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in _as_list(prompts)]
         if not ids:  # (as generate and score: nothing asked, nothing given)

@@ -37,8 +37,8 @@ from sot.policy import (
 from sot.packing import pack_trees
 from sot.prefix_cache import PrefixCache, PrefixHit
 from sot.requests import (
-    GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StagedPrompt, StepStats, TokenEvent, check_prompts,
-    check_request,
+    GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StagedPrompt, StepStats, TokenEvent, check_number,
+    check_prompts, check_request, check_routing,
 )
 from sot.sampling import sequence_generator, token_logprobs
 from sot.structured import Grammars
@@ -146,6 +146,7 @@ class Engine:
         self.drafter = drafter
         self.budget = budget
         self.decode = decode or (lambda ids: "")
+        self._decodes = decode is not None  # (stop strings need text)
         #: grammar matchers for structured output (set by :meth:`sot.api.SoT.load`, which
         #: knows the tokenizer); ``None``: requests with ``structured`` are refused
         self.grammars: Grammars | None = None
@@ -212,6 +213,16 @@ class Engine:
                 ``priority``), in arrival order within a value; running ones are not preempted.
         """
         check_request(prompt, params, self.target.max_positions, self.target.vocab_size)
+        check_number("index", index, integer=True)
+        check_routing(tenant, priority)
+        if params.stop and not self._decodes:
+            raise ConfigError("stop strings need the text of the answer: build the engine with decode= "
+                              "(SoT.load does)")
+        # the request's own copy: a caller that changes its list of stop strings afterwards
+        # changes nothing here
+        params = dataclasses.replace(params, stop=tuple(params.stop), eos_token_ids=tuple(params.eos_token_ids),
+                                     sampling=dataclasses.replace(params.sampling,
+                                                                  logit_bias=tuple(params.sampling.logit_bias)))
         _ = self.policy  # the cost model is measured before the first request's clock starts
         seq = LiveRequest(
             id=next(self._ids),

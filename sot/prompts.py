@@ -83,7 +83,9 @@ def check_record(record: Any, where: str = "prompt") -> None:
     if isinstance(record, str):
         return
     if not isinstance(record, dict):
-        raise ConfigError(f"{where}: expected a JSON object")
+        hint = (" (token ids go to SoT.generate_ids; AsyncSoT takes one prompt a call)"
+                if isinstance(record, (list, tuple)) else "")
+        raise ConfigError(f"{where}: expected a string or a JSON object, got {type(record).__name__}{hint}")
     if isinstance(record.get("prompt"), str):
         return
     messages = record.get("messages")

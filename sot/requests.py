@@ -195,6 +195,14 @@ def check_request(prompt: list[int], params: GenerationParams, max_positions: in
         )
 
 
+def check_routing(tenant: Any, priority: Any) -> None:
+    """A :class:`ConfigError` unless ``tenant`` is a string or ``None`` and ``priority`` an
+    integer (checked before a request is queued: a bad one would fail the requests beside it)."""
+    check_number("priority", priority, integer=True)
+    if tenant is not None and not isinstance(tenant, str):
+        raise ConfigError(f"tenant must be a string or None, got {type(tenant).__name__}")
+
+
 #: the largest magnitude of a logit bias (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
 #: the largest magnitude of a presence or frequency penalty (OpenAI's range)

@@ -12,7 +12,7 @@ import pytest
 from helpers import tiny_model_dir
 from sot import SoT
 from sot.aio import AsyncSoT
-from sot.errors import ConfigError, SoTError
+from sot.errors import ConfigError, PromptTooLongError, SoTError
 
 PROMPTS = ["abcabcabc", "hello hello", "xyzxyz", "the cat the cat"]
 
@@ -99,9 +99,14 @@ def test_a_bad_request_fails_alone_and_one_engine_has_one_front(model_dir: Path)
             with pytest.raises(ConfigError):
                 AsyncSoT(sot)
             good = asyncio.create_task(engine.generate(PROMPTS[0], chat=False, max_new_tokens=30, ignore_eos=True))
-            for bad in ({"logprobs": True}, {"stop": [1]}, {"temperature": float("nan")}):
+            for bad in ({"logprobs": True}, {"stop": [1]}, {"temperature": float("nan")}, {"priority": "high"},
+                        {"tenant": 5}):
                 with pytest.raises(ConfigError):
                     await engine.generate(PROMPTS[1], chat=False, max_new_tokens=30, **bad)
+            with pytest.raises(PromptTooLongError):  # (the engine's own error, not a worker's message)
+                await engine.generate(PROMPTS[1], chat=False, max_new_tokens=10**6)
+            with pytest.raises(ConfigError, match="an AsyncSoT runs"):  # the thread steps the engine
+                sot.generate(PROMPTS[1], chat=False, max_new_tokens=3)
             assert (await good).token_ids == want
             held = sot.tokenizer.decode(want)[:3] + "\u2603"  # begins like the answer, never completes
             events = [e async for e in engine.stream(PROMPTS[0], chat=False, max_new_tokens=30, ignore_eos=True,
@@ -111,3 +116,35 @@ def test_a_bad_request_fails_alone_and_one_engine_has_one_front(model_dir: Path)
         again.close()
 
     asyncio.run(run())
+
+
+def test_a_command_that_fails_in_the_engine_thread_fails_its_requests_not_the_thread(model_dir: Path,
+                                                                                     monkeypatch) -> None:
+    """Work the engine thread does between steps (an abort, when a caller leaves) that raises
+    ends the requests in flight with an error instead of killing the thread, whose callers
+    would then wait for ever; the next request is served."""
+    sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
+    real, calls = sot.engine.abort, []
+
+    def broken(request_id: int) -> bool:
+        calls.append(request_id)
+        if len(calls) == 1:
+            raise RuntimeError("planted")
+        return real(request_id)
+
+    monkeypatch.setattr(sot.engine, "abort", broken)
+
+    async def run() -> tuple[object, int]:
+        async with AsyncSoT(sot, max_batch=2) as engine:
+            other = asyncio.create_task(engine.generate("abc", chat=False, max_new_tokens=400, ignore_eos=True))
+            async for event in engine.stream("abd", chat=False, max_new_tokens=400, ignore_eos=True):
+                if event.token_ids:
+                    break  # leaving aborts it: the planted failure
+            outcome = await asyncio.wait_for(asyncio.gather(other, return_exceptions=True), timeout=30)
+            after = await asyncio.wait_for(engine.generate("abc", chat=False, max_new_tokens=3, ignore_eos=True),
+                                           timeout=30)
+            return outcome[0], len(after.token_ids)
+
+    outcome, served = asyncio.run(run())
+    assert isinstance(outcome, SoTError) and "planted" in str(outcome), outcome
+    assert served == 3

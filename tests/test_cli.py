@@ -118,6 +118,8 @@ def test_one_prompt_or_stop_string_may_be_a_plain_string(model_dir: Path) -> Non
 
 
 def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Path) -> None:
+    from sot.drafters import NoDrafter
+    from sot.engine import Engine
     from sot.requests import GenerationParams
 
     sot = SoT.load(str(model_dir), drafter="none", dtype="float32")
@@ -136,6 +138,27 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
     rid = sot.engine.add_request([np.int64(t) for t in sot.encode("abc", chat=False)],  # (any integer type)
                                  GenerationParams(max_new_tokens=2))
     assert sot.engine.abort(rid) and not sot.engine.has_unfinished()
+    # a request keeps its own settings: a list of stop strings changed afterwards changes nothing
+    stops = ["zzz"]
+    sot.engine.add_request(sot.encode("abc", chat=False), GenerationParams(max_new_tokens=4, stop=stops))
+    stops.append(5)
+    while sot.engine.has_unfinished():
+        sot.engine.step()
+    for bad, message in ((dict(priority="high"), "priority must be an integer"),
+                         (dict(tenant=5), "tenant must be a string"), (dict(index=1.5), "index must be an integer")):
+        with pytest.raises(ConfigError, match=message):
+            sot.engine.add_request([3, 4], GenerationParams(max_new_tokens=2), **bad)
+    bare = Engine(sot.target, NoDrafter())  # (no decode: no text to find a stop string in)
+    with pytest.raises(ConfigError, match="stop strings need the text"):
+        bare.add_request([3, 4], GenerationParams(max_new_tokens=2, stop=("x",)))
+    with pytest.raises(ConfigError, match="chat must be True, False or None"):
+        sot.generate("abc", chat="yes")
+    with pytest.raises(ConfigError, match="token ids go to SoT.generate_ids"):
+        sot.generate([[3, 4]])
+    for bad, message in ((dict(prefix_cache_mb=0.5), "prefix_cache_mb must be an integer"),
+                         (dict(max_nodes=0), "max_nodes must be >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            SoT.load(str(model_dir), **bad)
     assert len(sot.generate("abc", chat=False, max_new_tokens=2)[0].token_ids) <= 2
     sampled = dict(chat=False, max_new_tokens=4, temperature=1.0, seed=3)
     assert sot.generate("abc", top_k=-1, **sampled)[0].token_ids == sot.generate("abc", top_k=0, **sampled)[0].token_ids

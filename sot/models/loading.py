@@ -73,16 +73,16 @@ def resolve_device(name: str = DEFAULT_DEVICE) -> torch.device:
     try:
         dev = torch.device(name)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
     if dev.type == "cpu":
         return dev
     if dev.type != "cuda":
-        raise ConfigError(f"--device {name}: SoT runs on the CPU or a CUDA GPU (auto, cpu, cuda, cuda:N)")
+        raise ConfigError(f"device {name!r}: SoT runs on the CPU or a CUDA GPU (auto, cpu, cuda, cuda:N)")
     if not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: no CUDA GPU is visible here (torch {torch.__version__}, "
+        raise ConfigError(f"device {name!r}: no CUDA GPU is visible here (torch {torch.__version__}, "
                           f"CUDA {torch.version.cuda or 'not built in'}); use --device cpu")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        raise ConfigError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
@@ -347,7 +347,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
             weights rounded to Q8_0 blocks (``--dtype int8``; float32 parameters, on the CPU).
     """
     if int8 and (dtype != torch.float32 or torch.device(device).type != "cpu"):
-        raise ConfigError("--dtype int8 runs float32 parameters on the CPU (--device cpu)")
+        raise ConfigError("dtype int8 runs float32 parameters on the CPU (device cpu)")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(spec)
@@ -387,14 +387,14 @@ def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
     PEFT, so every adapter kind PEFT reads is handled as PEFT handles it)."""
     folder = Path(adapter)
     if not (folder / "adapter_config.json").is_file():
-        raise ConfigError(f"--lora: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
+        raise ConfigError(f"lora: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
     if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
         # (PEFT would look for the weights on the Hugging Face hub, under the folder's name)
-        raise ConfigError(f"--lora: {adapter} has no adapter weights (adapter_model.safetensors)")
+        raise ConfigError(f"lora: {adapter} has no adapter weights (adapter_model.safetensors)")
     try:
         from peft import PeftModel
     except ImportError:
-        raise ConfigError("--lora needs PEFT: pip install peft") from None
+        raise ConfigError("a LoRA adapter needs PEFT: pip install peft") from None
     try:
         return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - PEFT's errors (a mismatched base, a bad file) vary

@@ -126,20 +126,19 @@ class EngineWorker:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
-            self._apply_commands(block=not engine.has_unfinished())
-            if not engine.has_unfinished():
-                continue
             try:
+                self._apply_commands(block=not engine.has_unfinished())
+                if not engine.has_unfinished():
+                    continue
                 events = engine.step()
-            except Exception as exc:  # noqa: BLE001 - a failed step must not hang the clients
+                now = time.perf_counter()
+                self._record_step()
+                self.metrics.set_load(engine.num_running, engine.num_waiting)  # before clients hear of the step
+                for ev in events:
+                    self._deliver(ev, now)
+            except Exception as exc:  # noqa: BLE001 - a failed step (or command) must not hang the clients
                 self.error = f"{type(exc).__name__}: {exc}"
                 self._fail_all(f"the engine failed: {self.error}")
-                continue
-            now = time.perf_counter()
-            self._record_step()
-            self.metrics.set_load(engine.num_running, engine.num_waiting)  # before clients hear of the step
-            for ev in events:
-                self._deliver(ev, now)
         self._fail_all(SHUTDOWN)
         self._fail_queued(SHUTDOWN)
 
