@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -460,15 +461,17 @@ def test_chat_session(model_dir: Path, tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir), "--max-new-tokens", "8",
          "--ignore-eos", "--suffix-store", str(store)],
-        input="hello\n" + "x" * 200 + "\n/help\nagain\n/reset\nhello\n/exit\nnever sent\n",
+        input="hello\n" + "x" * 200 + "\n/help\nagain\n/reset\nhello\n/reset\n" + "y" * 138 + "\n/exit\nnever sent\n",
         capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr
-    assert res.stderr.count("bot> ") == 4 and res.stderr.count("tok/s") == 3 and "bot> " not in res.stdout
+    assert res.stderr.count("bot> ") == 5 and res.stderr.count("tok/s") == 4 and "bot> " not in res.stdout
     assert "exceeds the model's context of 160 tokens; /reset starts a new conversation" in res.stderr
     assert "/reset   start a new conversation" in res.stderr and "[new conversation]" in res.stderr
+    # a turn with less room left than --max-new-tokens answers up to the context's end
+    assert re.search(r"\[[1-7] tokens, .* tok/s, the context is full: /reset starts", res.stderr), res.stderr
     answers = res.stdout.splitlines()
-    assert len(answers) == 3 and answers[0] == answers[2], "after /reset the first turn is asked again afresh"
+    assert len(answers) == 4 and answers[0] == answers[2], "after /reset the first turn is asked again afresh"
     assert store.is_file() and "Traceback" not in res.stderr
 
 

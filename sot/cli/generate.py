@@ -337,6 +337,22 @@ CHAT_HELP = """commands:
 Ctrl-C while the model answers stops the answer; the part written stays in the conversation."""
 
 
+def _fit_context(sot: SoT, messages: list[dict], kwargs: dict) -> bool:
+    """Shorten a chat turn's ``max_new_tokens`` (and ``min_tokens``) in ``kwargs`` to the
+    room the model's context leaves after the conversation, as the server does for a request
+    without ``max_tokens``; returns whether it did. A conversation with no room at all is left
+    for the engine to refuse."""
+    limit = sot.target.max_positions
+    if not limit:
+        return False
+    room = limit - len(sot.encode({"messages": messages}, chat=True))
+    if not 1 <= room < kwargs["max_new_tokens"]:
+        return False
+    kwargs["max_new_tokens"] = room
+    kwargs["min_tokens"] = min(kwargs["min_tokens"], room)
+    return True
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """An interactive chat: each line is a user turn, answered as it streams. A turn that fails
     (a conversation grown past the context, say) is reported and dropped, and the session
@@ -393,7 +409,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             previous = signal.signal(signal.SIGINT, interrupt)
             reply, tokens, t0 = [], 0, time.perf_counter()
             print("bot> ", end="", file=label, flush=True)
-            events = sot.stream([{"messages": list(messages)}], chat=True, **sampling_kwargs(args))
+            kwargs = sampling_kwargs(args)
+            full = _fit_context(sot, messages, kwargs)
+            events = sot.stream([{"messages": list(messages)}], chat=True, **kwargs)
             try:
                 for event in events:
                     print(event.text, end="", flush=True)
@@ -414,6 +432,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             dt = time.perf_counter() - t0
             print()
             note = ", stopped" if stop["asked"] else ""
+            if full and not stop["asked"] and tokens >= kwargs["max_new_tokens"]:
+                note = ", the context is full: /reset starts a new conversation"
             print(f"[{tokens} tokens, {tokens / dt:.1f} tok/s{note}]", file=sys.stderr)
             messages.append({"role": "assistant", "content": "".join(reply)})
     finally:
