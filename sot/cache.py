@@ -1,4 +1,5 @@
-"""The KV cache: the only code that reads or writes KV storage.
+"""The KV cache: it owns the layout of KV storage (the attention kernels and CUDA graphs
+receive its tensors).
 
 Values are stored as ``[L, B, Hkv, S, D]`` (layers, batch, KV heads, slots, head dim). Keys
 use the same layout, or ``[L, B, Hkv, D, S']`` when ``transposed_keys`` is set (the layout of

@@ -1,7 +1,7 @@
 """Upper bound on the speed-up of tree drafting when sampling, on this machine.
 
-SoT drafts fixed tokens (a tree of one-hot proposals) and verifies them by recursive
-rejection sampling. A node is then accepted exactly when the target's sample passes through
+SoT drafts fixed tokens (a tree of one-hot proposals) and verifies them by coupled or
+recursive rejection sampling. Either way a node is accepted exactly when the target's sample passes through
 it, so its acceptance probability is the product of the target's probabilities along its
 path, whatever the drafter. The expected accepted length of a tree is the sum of those
 products, and the best tree of ``n`` nodes holds the ``n`` most probable prefixes. This script

@@ -9,7 +9,7 @@ come out per predictor, for a single greedy chain of `--depth` tokens:
 - decoding walk tau: the tokens per step of greedy decoding with that chain, walking the answer
   as the engine does (a step accepts a run and adds the target's bonus token, and the next chain
   starts after it). Hard stretches take many steps, so this is below the teacher-forced mean;
-  it equals what `sot bench --policy static --top-k 1 --no-lookup` measures.
+  it equals what `sot bench --policy static --draft-top-k 1 --no-lookup` measures.
 
 Usage: .venv/bin/python -m sot.analysis.walk_acceptance BENCH_DIR SET [SET ...] --predictors a.safetensors,b.safetensors
 (BENCH_DIR/SET/plain.jsonl must exist, e.g. docs/bench/stage8 humaneval sharegpt-heldout)

@@ -1,4 +1,4 @@
-"""``sot generate``, ``sot chat`` and ``sot trace``."""
+"""``sot generate``, ``sot chat``, ``sot trace`` and ``sot score``."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,6 @@
-"""``sot train``: ``gen-data`` (self-distillation), ``prepare`` (target-state cache), ``fit``."""
+"""``sot train``: ``gen-data`` (self-distillation), ``code-prompts`` (coding prompts for it),
+``prepare`` (target-state cache), ``fit``, ``onpolicy`` (fit on recorded verify passes) and
+``policy`` (a commit policy)."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +32,8 @@ def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
-    train = sub.add_parser("train", help="train a state predictor (gen-data, prepare, fit) or a commit policy (policy)")
+    train = sub.add_parser("train", help="train a state predictor (gen-data, code-prompts, prepare, fit, onpolicy) or a commit policy "
+                                               "(policy)")
     tsub = train.add_subparsers(dest="train_command", required=True, parser_class=type(train))
 
     gen = tsub.add_parser("gen-data", help="regenerate ShareGPT answers with the target (self-distillation)")

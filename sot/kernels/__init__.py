@@ -1,6 +1,7 @@
 """SoT's compiled CPU kernels, built on first use with the local C++ compiler: exact tree
 attention (``attention.cpp``), row-stable float32 products on packed and 4/8-bit block
-weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), and RMSNorm and
+weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), the int8 mode's
+8-bit integer products (``linear_int8.cpp``), and RMSNorm and
 rope with the KV-cache write (``norm_rope.cpp``), and a Llama-family model's decoder layers
 in one call over those kernels (``layers.cpp``), bound into one module (``module.cpp``).
 

@@ -3,8 +3,9 @@
 The generic path works for any decoder-only model whose attention goes through transformers'
 attention interface: SoT registers its own attention function (``"sot"``), which writes the
 new rows' K/V into :class:`sot.cache.KVCache` and attends with :mod:`sot.attention`. Every
-linear layer is swapped for a row-stable one that multiplies in fixed blocks of
-``ROW_UNIT`` rows, so a row's result never depends on how many rows share the pass.
+linear layer is swapped for a row-stable one (SoT's float32 kernel, row-invariant at any row
+count, or fixed blocks of ``ROW_UNIT`` rows where a library kernel needs them), so a row's
+result never depends on how many rows share the pass.
 """
 from __future__ import annotations
 

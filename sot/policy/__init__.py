@@ -15,11 +15,15 @@ in the verify pass. The policy decides that per sequence, every step:
   it decodes plainly for a while, without drafting, and probes again on an exponential
   back-off (a probe that is clearly slow ends after one step). This is per sequence: the
   others keep speculating;
-* **free drafts** - what the drafter offers without a model pass (the state drafter's
-  prompt-lookup chain, :meth:`~sot.drafters.base.Drafter.propose_free`) is verified on the
-  steps its model is idle, and replaces drafting for a step when it promises more than the
-  sequence's recent drafting steps measured (:meth:`CommitPolicy.prefers_free`); fallback
-  then needs drafting to beat the free drafts' measured speed, not only plain decoding.
+* **free drafts** - what the drafter offers without a model pass (prompt-lookup chains and
+  suffix trees, :meth:`~sot.drafters.base.Drafter.propose_free`, :mod:`sot.drafters.free`) is
+  verified on the steps its model is idle, and replaces drafting for a step when it promises
+  more than the sequence's recent drafting steps measured (:meth:`CommitPolicy.prefers_free`);
+  fallback then needs drafting to beat the free drafts' measured speed, not only plain
+  decoding;
+* **batches** - :meth:`CommitPolicy.worth_drafting` decides which sequences of a batch draft
+  at all, and :mod:`sot.policy.guard` times whole steps per batch size and decodes plainly
+  at a size where speculative steps commit fewer tokens per second than plain ones.
 
 ``learned`` replaces the calibrated draft confidence by an acceptance predictor
 (:class:`AcceptanceModel`, a small MLP trained on logged decoding traces with

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
 (OpenAI's Responses API, as a chat completion; ``GET`` and ``DELETE /v1/responses/{id}`` and
 ``GET /v1/responses/{id}/input_items`` for kept ones), ``GET /v1/models`` (and
-``/v1/models/{id}``), ``GET /version``, ``GET /health`` (503 while the model loads or the
+``/v1/models/{id}``), ``POST /tokenize`` and ``/detokenize``, ``GET /trace/{id}`` (a
+request's trace page, with ``--trace``), ``GET /version``, ``GET /health`` (503 while the model loads or the
 server drains, 200 when ready) and ``GET /metrics`` (Prometheus text). Every error is an
 OpenAI-style JSON body with its status; a full queue answers 429 with ``Retry-After``. A
 client that disconnects aborts its request. On SIGTERM the server stops accepting connections

@@ -1,5 +1,6 @@
-"""Request bodies of the OpenAI-compatible API, OpenAI-style errors, and the text that a
-stream of tokens turns into (stop strings cut, incomplete characters held back)."""
+"""Request bodies of the OpenAI-compatible API, OpenAI-style errors, and how an answer's
+tokens become a response: content and tool calls (:class:`ToolAnswer`), log probabilities
+(:class:`LogprobWriter`); the streamed text itself is :class:`sot.detokenize.TextAssembler`'s."""
 from __future__ import annotations
 
 import dataclasses

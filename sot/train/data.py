@@ -4,7 +4,7 @@ Data flow::
 
     ShareGPT (package, held-out split skipped)  or  a gen-data JSONL (self-distilled answers)
         -> rendered with the target's chat template, assistant tokens marked
-        -> the target runs once per conversation (bf16), keeping the hidden states of the
+        -> the target runs once per conversation (in ``--dtype``), keeping the hidden states of the
            predictor's input layers and the final (normed) hidden state
         -> shards of ``states [N, S + 1, D]`` bf16, ``tokens [N]``, ``mask [N]``, ``offsets``
 
