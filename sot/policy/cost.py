@@ -1,9 +1,9 @@
 """The verify cost of a pass by its row count, measured on this machine.
 
 Measuring the curve takes about 15 seconds on the default model on a 2-core AVX2 machine
-(about 90 passes of up to 96 rows), so it is kept under ``$SOT_CACHE/costs/`` (default ``~/.cache/sot``) per machine, target
-weights, dtype, compute path and kernel build, and later loads read it back; delete the folder
-to measure again. A running engine still rescales the curve to the passes it times
+(about 90 passes of up to 96 rows), so it is kept under ``$SOT_CACHE/costs/`` (default
+``~/.cache/sot``) per machine, target weights, dtype, compute path and kernel build, and later
+loads read it back; delete the folder to measure again. A running engine still rescales the curve to the passes it times
 (:meth:`CostModel.observe`), so a busier machine than at measurement is followed.
 """
 from __future__ import annotations
