@@ -219,7 +219,7 @@ class SoT:
                 raise ConfigError(f"unknown policy {policy!r}; choose from {kinds}") from None
         elif policy is not None and not isinstance(policy, PolicyConfig):
             raise ConfigError(f"policy must be a PolicyConfig or a policy name, got {type(policy).__name__}")
-        dev = resolve_device(device)
+        dev = resolve_device("cpu" if dtype == "int8" and device == "auto" else device)  # (int8 runs on the CPU)
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
         loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)
         stores = None

@@ -30,6 +30,8 @@ def json_lines(path: str | Path, missing: str = "prompts file not found") -> lis
             text = sys.stdin.buffer.read().decode("utf-8-sig")
         elif p.exists() and not p.is_dir():  # (a pipe such as /dev/stdin too)
             text = p.read_bytes().decode("utf-8-sig")  # (a leading byte-order mark is not part of the text)
+        elif p.is_dir():
+            raise ConfigError(f"{path} is a folder, not a JSONL file")
         else:
             raise ConfigError(f"{missing}: {path}")
     except UnicodeDecodeError:
@@ -142,7 +144,22 @@ def to_text(item: PromptItem) -> str:
         return item["prompt"]
     if "turns" in item:
         return item["turns"][0]
-    return "\n".join(str(m["content"]) for m in item["messages"])
+    return "\n".join(_content_text(m.get("content")) for m in item["messages"])
+
+
+def _content_text(content: Any) -> str:
+    """A message's text: its string, or the text of its parts (OpenAI's
+    ``[{"type": "text", "text": ...}]``); none for a message without content (a tool call)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p if isinstance(p, str) else p.get("text") for p in content if isinstance(p, (str, dict))]
+        if all(isinstance(p, str) for p in parts):
+            return "".join(parts)
+    raise ConfigError("a message's content must be a string or a list of text parts "
+                      '([{"type": "text", "text": ...}])')
 
 
 def encode(tokenizer: Any, item: PromptItem, chat: bool, generation_prompt: bool = True,
@@ -188,13 +205,22 @@ def encode(tokenizer: Any, item: PromptItem, chat: bool, generation_prompt: bool
 
 
 def read_chat_template(template: str) -> str:
-    """A chat template's Jinja text from ``template``: the text itself, or a file holding it."""
+    """A chat template's Jinja text from ``template``: the text itself, or a file holding it;
+    a template that is not valid Jinja is a :class:`ConfigError` (found before a model loads)."""
     if "{{" in template or "{%" in template:
-        return template
-    path = Path(template)
-    if not path.is_file():
-        raise ConfigError(f"chat template: no such file, and not a Jinja template: {template}")
-    return path.read_text(encoding="utf-8")
+        text = template
+    else:
+        path = Path(template)
+        if not path.is_file():
+            raise ConfigError(f"chat template: no such file, and not a Jinja template: {template}")
+        text = path.read_text(encoding="utf-8")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # (the environment transformers renders templates in)
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateError as exc:
+        raise ConfigError(f"chat template: not valid Jinja: {exc}") from None
+    return text
 
 
 def use_chat_template(tokenizer: Any, template: str) -> None:

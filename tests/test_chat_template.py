@@ -11,7 +11,7 @@ from helpers import tiny_model_dir
 from sot import SoT
 from sot.cli import main
 from sot.errors import ConfigError
-from sot.prompts import encode, use_chat_template
+from sot.prompts import encode, to_text, use_chat_template
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
             "{% if not (loop.last and continue_final_message) %}</{{ m['role'] }}>{% endif %}{% endfor %}"
@@ -81,3 +81,17 @@ def test_chat_template_flag_and_its_errors(model_dir: Path, tmp_path: Path, caps
     assert "no such file" in capsys.readouterr().err
     assert main([*base, "--chat-template", "{% for m in messages %}{{ m.nope() }}{% endfor %}"]) == 2
     assert "cannot render a one-message chat" in capsys.readouterr().err
+    # a syntax error is found before any model loads
+    assert main(["generate", "hi", "--model", "/no/such/model", "--chat-template", "{% for m in messages %}"]) == 2
+    assert "chat template: not valid Jinja" in capsys.readouterr().err
+
+
+def test_a_conversation_as_raw_text_reads_its_text_parts() -> None:
+    """Without a template a conversation is its messages' text, one a line; content given as
+    OpenAI's list of text parts is that text (it had been scored as the list's Python repr)."""
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+                          {"role": "assistant", "content": None, "tool_calls": []},
+                          {"role": "user", "content": "again"}]}
+    assert to_text(parts) == "Hi!\n\nagain"
+    with pytest.raises(ConfigError, match="list of text parts"):
+        to_text({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})

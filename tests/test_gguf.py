@@ -160,3 +160,33 @@ def test_a_file_changed_in_its_middle_has_a_new_key(tmp_path: Path, monkeypatch)
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(path.read_bytes())
     assert _file_digest(copy) == _file_digest(path), "copies of one file share a conversion"
+
+
+def test_a_damaged_or_refused_gguf_file_is_named_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:
+    """A file cut short says so, with its size; a file of a family SoT refuses (Bloom, with
+    ALiBi) is refused from its metadata, before its weights are dequantized and cached."""
+    from sot.errors import ModelLoadError, UnsupportedModelError
+    from sot.models.loading import load_model
+
+    monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "cut.gguf"
+    write_gguf(tiny_model("gemma2", seed=3, tie_word_embeddings=True, query_pre_attn_scalar=16), path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"cut.gguf: .* \(is the file whole\? it has [\d,]+ bytes\)"):
+        load_model(str(path))
+    bloom = gguf.GGUFWriter(str(tmp_path / "bloom.gguf"), "bloom")  # metadata alone: no weights are read
+    bloom.add_context_length(64)
+    bloom.add_embedding_length(64)
+    bloom.add_block_count(2)
+    bloom.add_feed_forward_length(256)
+    bloom.add_head_count(4)
+    bloom.add_layer_norm_eps(1e-5)
+    bloom.add_tokenizer_model("gpt2")
+    bloom.add_token_list(["<pad>", "<eos>"] + [chr(c) for c in range(33, 95)])
+    bloom.add_token_types([3, 3] + [1] * 62)
+    bloom.add_token_merges([])
+    for step in (bloom.write_header_to_file, bloom.write_kv_data_to_file, bloom.write_tensors_to_file, bloom.close):
+        step()
+    with pytest.raises(UnsupportedModelError, match="cannot decode BloomForCausalLM exactly .*ALiBi"):
+        load_model(str(tmp_path / "bloom.gguf"))
+    assert not list((tmp_path / "cache" / "models").glob("bloom-*")), "nothing was converted"

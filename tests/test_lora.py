@@ -12,6 +12,7 @@ from helpers import hf_greedy, random_prompts, tiny_model_dir
 from sot import SoT
 from sot.cli import main
 from sot.errors import ConfigError, ModelLoadError
+from sot.models.adapter import transformers_attention
 
 NEW = 16
 
@@ -64,3 +65,32 @@ def test_lora_errors_name_the_problem(adapted, tmp_path: Path, capsys) -> None:
     assert "not a LoRA adapter folder" in capsys.readouterr().err
     assert main(["serve", "--model", str(model_dir), "--lora", str(tmp_path / "none")]) == 2  # before it starts
     assert "not a LoRA adapter folder" in capsys.readouterr().err
+
+
+def test_an_adapter_of_tied_embeddings_changes_only_what_it_adapts(tmp_path: Path) -> None:
+    """A LoRA on the embeddings of a model whose output layer shares them (the default
+    model's case) changes the embeddings alone, as PEFT applies it: merged into the shared
+    matrix it had changed the output layer too (logits off by hundreds)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir(tmp_path / "model", tie_word_embeddings=True)
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, target_modules=["embed_tokens", "q_proj"],
+                                                 init_lora_weights=False)).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    prompt = random_prompts((12,), seed=3)[0]
+    with torch.no_grad():
+        want = peft_model(torch.tensor([prompt])).logits[0, -1]
+    model = SoT.load(str(model_dir), drafter="none", dtype="float32", lora=str(tmp_path / "adapter")).target.model
+    with torch.no_grad(), transformers_attention(model):
+        got = model(torch.tensor([prompt])).logits[0, -1]
+    assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+    prompt_tuning = tmp_path / "prompt"
+    prompt_tuning.mkdir()
+    (prompt_tuning / "adapter_config.json").write_text(
+        '{"peft_type": "PREFIX_TUNING", "task_type": "CAUSAL_LM", "num_virtual_tokens": 4}')
+    (prompt_tuning / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="PREFIX_TUNING adapter, which adds virtual tokens"):
+        SoT.load(str(model_dir), drafter="none", dtype="float32", lora=str(prompt_tuning))

@@ -41,9 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: Any = None, line: str | None = None) -> None:
-    """Warnings as one line for a command's user (the code's place only with SOT_DEBUG)."""
-    where = f" ({filename}:{lineno})" if os.environ.get("SOT_DEBUG") else ""
-    print(f"sot: warning: {message}{where}", file=file or sys.stderr)
+    """Warnings as one line for a command's user (a library's paragraph cut to its first line;
+    all of it, and the code's place, with SOT_DEBUG)."""
+    debug = bool(os.environ.get("SOT_DEBUG"))
+    text = str(message).strip()
+    if not debug and "\n" in text:
+        text = text.split("\n", 1)[0].rstrip(" :") + " (...)"
+    where = f" ({filename}:{lineno})" if debug else ""
+    print(f"sot: warning: {text}{where}", file=file or sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -236,7 +236,8 @@ def load_sot(args: argparse.Namespace) -> SoT:
     from sot.models.loading import resolve_device
 
     check_load_args(args)
-    device = resolve_device(args.device)
+    # (the int8 mode runs on the CPU: with a GPU visible, auto still means the CPU for it)
+    device = resolve_device("cpu" if args.dtype == "int8" and args.device == "auto" else args.device)
     choice = resolve(args.dtype, args.model, args.drafter, args.predictor, device=str(device))
     print(f"loading {args.model} ({choice.dtype} on {device}, drafter {args.drafter}) ...", file=sys.stderr)
     if args.verbose:

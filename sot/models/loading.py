@@ -9,8 +9,11 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
+import struct
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,11 +268,15 @@ def convert_gguf(gguf_path: Path) -> Path:
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # noqa: BLE001 - report any parse failure as a load error
+        raise ModelLoadError(_gguf_error(gguf_path, exc)) from exc
+    _refuse_unsupported(gguf_path, config)  # before the weights are dequantized and written
+    try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         source, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
                                                             output_loading_info=True)
     except Exception as exc:  # noqa: BLE001 - report any parse failure as a load error
-        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
+        raise ModelLoadError(_gguf_error(gguf_path, exc)) from exc
     check_complete(gguf_path, type(source).__name__, info)
     complete_gguf_config(gguf_path, config)
     # A GGUF-loaded model refuses save_pretrained, so rebuild it from its config.
@@ -297,6 +304,35 @@ def convert_gguf(gguf_path: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     _drop_older_conversions(gguf_path, out)
     return out
+
+
+def _gguf_error(path: Path, exc: Exception) -> str:
+    """What went wrong reading a GGUF file, for its user: a reader's internal error (a reshape,
+    a short buffer, a missing key) means a damaged or cut-off file more often than not."""
+    reason = _short_error(exc)
+    if isinstance(exc, KeyError):
+        reason = f"it lacks the entry {exc}"
+    if isinstance(exc, (ValueError, KeyError, IndexError, EOFError, struct.error)) and "not supported" not in reason \
+            and "not yet implemented" not in reason:
+        reason += f" (is the file whole? it has {path.stat().st_size:,} bytes)"
+    return f"cannot read GGUF file {path}: {reason}"
+
+
+def _refuse_unsupported(path: Path, config: object) -> None:
+    """An :class:`UnsupportedModelError` when the GGUF file's architecture is one SoT refuses,
+    found from its config on the meta device (no weights read or written)."""
+    from transformers import AutoModelForCausalLM
+
+    from sot.models.adapter import unsupported_reason
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - transformers' own load reports what it cannot build
+        return
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise UnsupportedModelError(f"SoT cannot decode {type(model).__name__} exactly ({path.name}): {reason}")
 
 
 def _drop_older_conversions(gguf_path: Path, kept: Path) -> None:
@@ -354,7 +390,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001
-        raise ModelLoadError(f"cannot read model config in {path}: {exc}") from exc
+        raise ModelLoadError(f"cannot read model config in {path}: {_short_error(exc)}") from exc
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{path} is an encoder-decoder model; SoT needs a decoder-only causal LM")
     tokenizer_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -382,6 +418,26 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name)
 
 
+def _untie_adapted_embeddings(model: torch.nn.Module, config: object) -> None:
+    """Give the output layer its own copy of a tied embedding matrix when the adapter changes
+    the embeddings or the output layer: PEFT applies such an adapter to the one module, so
+    merging it into the shared matrix would change the other too (unless the adapter asks
+    for the tie to hold, ``ensure_weight_tying``)."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if out is None or inp is None or out.weight is not inp.weight or getattr(config, "ensure_weight_tying", False):
+        return
+    names = {m: name.rsplit(".", 1)[-1] for name, m in model.named_modules() if m is inp or m is out}
+    targets = getattr(config, "target_modules", None) or ()
+    if isinstance(targets, str):  # a regular expression over module names
+        adapted = any(re.fullmatch(targets, name) for name, m in model.named_modules() if m is inp or m is out)
+    else:
+        adapted = bool({names.get(inp), names.get(out)} & set(targets))
+    if adapted:
+        out.weight = torch.nn.Parameter(inp.weight.detach().clone(), requires_grad=inp.weight.requires_grad)
+        for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+            cfg.tie_word_embeddings = False
+
+
 def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
     """``model`` with the LoRA adapter in folder ``adapter`` merged into its weights (by
     PEFT, so every adapter kind PEFT reads is handled as PEFT handles it)."""
@@ -392,10 +448,21 @@ def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
         # (PEFT would look for the weights on the Hugging Face hub, under the folder's name)
         raise ConfigError(f"lora: {adapter} has no adapter weights (adapter_model.safetensors)")
     try:
-        from peft import PeftModel
+        from peft import PeftConfig, PeftModel
     except ImportError:
         raise ConfigError("a LoRA adapter needs PEFT: pip install peft") from None
     try:
-        return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+        config = PeftConfig.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - a config PEFT cannot read
+        raise ConfigError(f"lora: cannot read {folder / 'adapter_config.json'}: {_short_error(exc)}") from exc
+    if getattr(config, "is_prompt_learning", False) or getattr(config, "is_adaption_prompt", False):
+        kind = getattr(getattr(config, "peft_type", None), "value", None) or type(config).__name__
+        raise ConfigError(f"lora: {adapter} is a {kind} adapter, which adds virtual tokens rather than changing "
+                          "weights; SoT merges weight adapters (LoRA and its kin)")
+    _untie_adapted_embeddings(model, config)
+    try:
+        with warnings.catch_warnings():  # (transformers deprecates an attribute PEFT reads: not the user's to act on)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - PEFT's errors (a mismatched base, a bad file) vary
         raise ModelLoadError(f"cannot apply the LoRA adapter {adapter} to this model: {_short_error(exc)}") from exc
