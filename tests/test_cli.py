@@ -194,6 +194,8 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
     assert "not UTF-8 text" in capsys.readouterr().err
     assert main(["score", "a", "--model", str(model_dir), "--json"]) == 0  # one token: no perplexity
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"] is None
+    assert main(["score", "a", "--model", str(model_dir)]) == 0
+    assert "perplexity - (one token: nothing scored)" in capsys.readouterr().out
     import sot.cli as cli
 
     def unwritable(args):  # a file error after the model loaded: one line naming the file, exit 2

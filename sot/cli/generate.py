@@ -253,8 +253,8 @@ def cmd_score(args: argparse.Namespace) -> int:
                     entry["text"] = sot.tokenizer.decode([token])
             print(json.dumps(record), flush=True)
         else:
-            print(f"[{i}] {len(sc.token_ids)} tokens, log-likelihood {sc.total_logprob:.4f}, "
-                  f"perplexity {sc.perplexity:.4f}")
+            ppl = f"{sc.perplexity:.4f}" if sc.scored_tokens else "- (one token: nothing scored)"
+            print(f"[{i}] {len(sc.token_ids)} tokens, log-likelihood {sc.total_logprob:.4f}, perplexity {ppl}")
     scored = sum(sc.scored_tokens for sc in scores)
     if len(scores) > 1 and scored:
         total = sum(sc.total_logprob for sc in scores)

@@ -323,7 +323,7 @@ def _refuse_unsupported(path: Path, config: object) -> None:
     found from its config on the meta device (no weights read or written)."""
     from transformers import AutoModelForCausalLM
 
-    from sot.models.adapter import unsupported_reason
+    from sot.models.support import unsupported_reason
 
     try:
         with torch.device("meta"):
