@@ -111,7 +111,8 @@ class AsyncSoT:
         check_routing(tenant, priority)
         ticket, updates = self._worker.submit(ids, params, tenant=tenant, priority=priority)
         # (as the server's streams: stops held back)
-        text = TextAssembler(self.sot.tokenizer, params.stop, min_tokens=params.min_tokens)
+        text = TextAssembler(self.sot.tokenizer, params.stop, min_tokens=params.min_tokens,
+                             skip_special=params.skip_special_tokens)
         done = False
         try:
             while not done:

@@ -245,9 +245,13 @@ class SoT:
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
 
+        def decode_special(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=False)
+
         prefix = PrefixCache(prefix_cache_mb << 20, per_tenant=suffix_per_tenant) if prefix_cache_mb else None
         engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode,
                         policy=policy, prefix_cache=prefix)
+        engine.decode_special = decode_special
         out = cls(target, tok, engine, loaded.name)
         out.dtype_choice = choice
         if adapt is not None:
@@ -314,6 +318,7 @@ class SoT:
         presence_penalty: float = SamplingParams.presence_penalty,
         logit_bias: dict[int, float] | None = None,
         structured: StructuredOutput | None = None,
+        skip_special_tokens: bool = GenerationParams.skip_special_tokens,
     ) -> GenerationParams:
         """Validated :class:`GenerationParams`.
 
@@ -343,6 +348,8 @@ class SoT:
             structured: the form the answer must take: a JSON schema, any JSON object, a
                 regular expression, a choice of strings or a grammar
                 (:class:`~sot.structured.StructuredOutput`).
+            skip_special_tokens: leave special tokens out of the answer's text (the default,
+                as transformers' ``decode`` and vLLM); stop strings are found in that text.
         """
         if seed is None:  # (as OpenAI and vLLM: no seed, a fresh one)
             seed = random.getrandbits(63)
@@ -370,7 +377,8 @@ class SoT:
                             presence_penalty=presence_penalty, logit_bias=tuple(sorted(bias)))
         params = GenerationParams(max_new_tokens=max_new_tokens, sampling=sp, stop=tuple(stop),
                                   eos_token_ids=() if ignore_eos else self.eos_ids(), logprobs=logprobs,
-                                  min_tokens=min_tokens, structured=structured)
+                                  min_tokens=min_tokens, structured=structured,
+                                  skip_special_tokens=skip_special_tokens)
         check_params(params, self.target.vocab_size)
         if structured is not None:
             self.engine.grammars.matcher(structured)  # a ConfigError now, not at the first step
@@ -416,7 +424,8 @@ class SoT:
         """The :class:`Completion` of one finished request (its text cut at a stop string)."""
         text = res.text
         if params.stop:  # (the text the engine stopped on: a string counts after min_tokens tokens)
-            floor = len(self.engine.decode(res.token_ids[: params.min_tokens])) if params.min_tokens else 0
+            decode = self.engine.decode if params.skip_special_tokens else self.engine.decode_special
+            floor = len(decode(res.token_ids[: params.min_tokens])) if params.min_tokens else 0
             found = [i for s in params.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
             if found:
                 text = text[: min(found)]
@@ -547,7 +556,8 @@ class SoT:
             return
         # an incomplete character, and text that may begin a stop string, wait for the next
         # tokens; a stop string ends the text before it
-        texts = [TextAssembler(self.tokenizer, params.stop, min_tokens=params.min_tokens) for _ in ids]
+        texts = [TextAssembler(self.tokenizer, params.stop, min_tokens=params.min_tokens,
+                               skip_special=params.skip_special_tokens) for _ in ids]
         self.last_stream = []
         for event in self.engine.stream(ids, params, self.last_stream, batch_size):
             delta = texts[event.sequence].add(event.token_ids, final=event.finished)

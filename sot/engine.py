@@ -147,6 +147,9 @@ class Engine:
         self.budget = budget
         self.decode = decode or (lambda ids: "")
         self._decodes = decode is not None  # (stop strings need text)
+        #: the text of tokens with special tokens kept, for requests with ``skip_special_tokens``
+        #: false (set by :meth:`sot.api.SoT.load`; ``None``: ``decode`` serves them too)
+        self.decode_special: Callable[[list[int]], str] | None = None
         #: grammar matchers for structured output (set by :meth:`sot.api.SoT.load`, which
         #: knows the tokenizer); ``None``: requests with ``structured`` are refused
         self.grammars: Grammars | None = None
@@ -245,17 +248,23 @@ class Engine:
         self._waiting.insert(at, seq)
         return seq.id
 
+    def _decode_for(self, seq: LiveRequest) -> Callable[[list[int]], str]:
+        """The decode of ``seq``'s text: special tokens left out, or kept where it asks."""
+        if not seq.params.skip_special_tokens and self.decode_special is not None:
+            return self.decode_special
+        return self.decode
+
     def abort(self, request_id: int) -> bool:
         """Cancel a request, waiting or running; its slot is free for the next step. Returns
         False when the engine does not hold it (finished, or never added)."""
         for i, seq in enumerate(self._waiting):
             if seq.id == request_id:
                 del self._waiting[i]
-                seq.finish("abort", self.decode)
+                seq.finish("abort", self._decode_for(seq))
                 return True
         for b, seq in enumerate(self._running):
             if seq.id == request_id:
-                seq.finish("abort", self.decode)
+                seq.finish("abort", self._decode_for(seq))
                 self._leave(b)
                 return True
         return False
@@ -399,7 +408,7 @@ class Engine:
             seq.result.logprobs.extend(token_logprobs(out.logits[0, -1:], acc.tokens, seq.params.logprobs))
         now = time.perf_counter()
         seq.result.first_token_seconds = now - seq.started
-        event = seq.commit(acc.tokens, now, False, self.decode)
+        event = seq.commit(acc.tokens, now, False, self._decode_for(seq))
         if seq.params.prompt_logprobs is not None:
             event = dataclasses.replace(event, prompt_logprobs=list(seq.result.prompt_logprobs))
         if self.record_steps:  # the first token, from the prompt's pass: step 0
@@ -585,7 +594,7 @@ class Engine:
             seq.result.tree_sizes.append(tree.size)
             seq.result.fallbacks = self.policy.fallbacks(seq.id)
             record_depths(seq.result, tree, acc)
-            events.append(seq.commit(acc.tokens, now, True, self.decode))
+            events.append(seq.commit(acc.tokens, now, True, self._decode_for(seq)))
         self.last_step = StepStats.of([t.size for t in trees], [a.num_accepted for a in accepted],
                                       self.budget.max_depth)
         return events

@@ -45,6 +45,8 @@ class GenerationParams:
     min_tokens: int = 0
     #: the form the answer must take (a JSON schema, a regex, ...; :mod:`sot.structured`)
     structured: StructuredOutput | None = None
+    #: the answer's text (and the text stop strings are found in) leaves special tokens out
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -250,6 +252,8 @@ def check_params(params: GenerationParams, vocab_size: int | None = None) -> Non
         if getattr(params, name) is not None:
             check_number(name, getattr(params, name), integer=True, low=0, high=MAX_TOP_LOGPROBS)
     check_number("min_tokens", params.min_tokens, integer=True, low=0)
+    if not isinstance(params.skip_special_tokens, bool):
+        raise ConfigError(f"skip_special_tokens must be True or False, got {params.skip_special_tokens!r}")
     for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
         check_number(name, getattr(sp, name))
     if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in sp.logit_bias):

@@ -328,7 +328,10 @@ def read_calls(text: str, tools: Sequence[Tool], choice: ToolChoice, parallel: b
     while True:
         start = text.find(CALL_OPEN, at)
         if start < 0:
-            pieces.append(text[at:])
+            tail = text[at:]
+            if calls and tail.strip() and CALL_OPEN.startswith(tail.strip()):
+                tail = ""  # the opening of one more call, cut by the length limit: no content
+            pieces.append(tail)
             break
         end = text.find(CALL_CLOSE, start)
         body = text[start + len(CALL_OPEN): end if end >= 0 else len(text)]

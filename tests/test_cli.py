@@ -161,6 +161,14 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
         with pytest.raises(ConfigError, match=message):
             SoT.load(str(model_dir), **bad)
     assert len(sot.generate("abc", chat=False, max_new_tokens=2)[0].token_ids) <= 2
+    # stop strings are found in the text the answer returns: with special tokens kept, "</s>" is there
+    kw = dict(chat=False, max_new_tokens=5, ignore_eos=True, logit_bias={2: 100})
+    assert sot.generate("abc", skip_special_tokens=False, **kw)[0].text == "</s>" * 5
+    kept = sot.generate("abc", skip_special_tokens=False, stop=["</s>"], **kw)[0]
+    assert (kept.finish_reason, kept.token_ids, kept.text) == ("stop", [2], "")
+    assert "".join(e.text for e in sot.stream("abc", skip_special_tokens=False, stop=["</s>"], **kw)) == ""
+    skipped = sot.generate("abc", stop=["</s>"], **kw)[0]
+    assert (skipped.finish_reason, len(skipped.token_ids), skipped.text) == ("length", 5, "")
     sampled = dict(chat=False, max_new_tokens=4, temperature=1.0, seed=3)
     assert sot.generate("abc", top_k=-1, **sampled)[0].token_ids == sot.generate("abc", top_k=0, **sampled)[0].token_ids
     assert SoT.load(str(model_dir), drafter="pld", dtype="float32", policy="static").engine.policy_config.kind.value \

@@ -667,6 +667,12 @@ def test_stop_strings_end_the_text_before_them(tiny_server) -> None:
         "model": TINY, "prompt": "abc", "max_tokens": 2, "ignore_eos": True, "logit_bias": {"2": 100},
         "skip_special_tokens": skip}).json()["choices"][0]["text"] for skip in (True, False)}
     assert shown == {True: "", False: "</s></s>"}
+    # and a stop string is found in that text: the answer ends where the returned text is cut
+    cut = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60, json={
+        "model": TINY, "prompt": "abc", "max_tokens": 4, "ignore_eos": True, "logit_bias": {"2": 100},
+        "skip_special_tokens": False, "stop": ["</s>"], "logprobs": 0}).json()
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] == 1, cut
+    assert cut["choices"][0]["text"] == "" and cut["choices"][0]["logprobs"]["tokens"] == [], cut
 
 
 def test_stop_strings_end_token_ids_and_usage_where_plain_decoding_ends(tiny_server) -> None:

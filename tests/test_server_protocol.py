@@ -334,3 +334,25 @@ def test_a_turn_whose_parent_went_meanwhile_keeps_the_conversation() -> None:
     store.put(answer("D"), ResponsesRequest(model="m", input="qd"))  # A goes meanwhile
     store.put(answer("B"), ResponsesRequest(model="m", input="qb", previous_response_id="A"), read)
     assert [m["content"] for m in store.history("B")] == ["qa", "A", "qb", "B"]
+
+
+def test_an_echoed_prompts_offsets_follow_its_text() -> None:
+    """``text_offset`` of an echoed prompt counts characters of the prompt's text: a character
+    spelled by two byte tokens (each alone a replacement character) advances it once."""
+    from sot.server.protocol import prompt_logprobs_block
+
+    class ByteTokenizer:  # tokens 1 and 2 together spell "é"; alone each is half of it
+        def decode(self, ids, skip_special_tokens=True):
+            out, i = [], 0
+            while i < len(ids):
+                if ids[i] == 1 and i + 1 < len(ids) and ids[i + 1] == 2:
+                    out.append("é")
+                    i += 2
+                    continue
+                out.append("\ufffd" if ids[i] in (1, 2) else chr(ids[i]))
+                i += 1
+            return "".join(out)
+
+    block = prompt_logprobs_block(ByteTokenizer(), [97, 1, 2, 98], [None] * 4)
+    assert block["text_offset"] == [0, 1, 1, 2]  # "a", then "é" from 1, then "b" at 2 of "aéb"
+    assert block["tokens"] == ["a", "\ufffd", "\ufffd", "b"]

@@ -82,6 +82,10 @@ def test_calls_are_read_from_tagged_blocks_and_whole_json() -> None:
     read = read_calls(f'{CALL_OPEN}{{"name": "get_time", "arguments": {{"zone": "X"}}}}', TOOLS, auto)
     assert [c.name for c in read.calls] == ["get_time"] and read.content is None
     assert read_calls(text, TOOLS, ToolChoice("none")).calls == ()
+    # the opening of one more call, cut by the length limit, is no content
+    call = f'{CALL_OPEN}{{"name": "get_time", "arguments": {{"zone": "X"}}}}{CALL_CLOSE}'
+    read = read_calls(call + "\n<tool_ca", TOOLS, auto)
+    assert [c.name for c in read.calls] == ["get_time"] and read.content is None
 
 
 def test_required_and_named_answers() -> None:

@@ -544,7 +544,7 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     structured = asked[1] if asked else None
     params = GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
                               logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens,
-                              structured=structured)
+                              structured=structured, skip_special_tokens=body.skip_special_tokens)
     try:  # every setting, so that a bad one fails this request alone and not the batch it would join
         check_params(params, state.sot.target.vocab_size)
     except ConfigError as exc:
@@ -565,7 +565,7 @@ def _nth_sample(params: GenerationParams, k: int) -> GenerationParams:
     if k == 0:
         return params
     s = params.sampling
-    return dataclasses.replace(params, sampling=dataclasses.replace(s, seed=(s.seed + k) % (1 << 63)))
+    return dataclasses.replace(params, sampling=dataclasses.replace(s, seed=s.seed + k))  # (any integer keys the noise)
 
 
 def _admit(state: ServerState, count: int = 1) -> None:
@@ -673,7 +673,8 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     try:
         for i, (prompt, params, first, echoed) in enumerate(asked):
             ticket, updates = state.worker.submit(prompt, params, tenant=body.user, priority=body.priority)
-            lp = (LogprobWriter(state.sot.tokenizer, chat, offset=len(echoed or ""))
+            lp = (LogprobWriter(state.sot.tokenizer, chat, offset=len(echoed or ""),
+                                skip_special=body.skip_special_tokens)
                   if params.logprobs is not None else None)
             tool = None
             if tools is not None and tools.choice.calls_tools:

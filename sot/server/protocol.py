@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sot.detokenize import IncrementalText, TextAssembler, decoder
+from sot.detokenize import IncrementalText, TextAssembler, decoder, token_pieces
 from sot.requests import MAX_PENALTY, GenerationParams
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from sot.errors import ConfigError
@@ -509,13 +509,13 @@ class LogprobWriter:
     end-of-sequence token), are not reported. ``text_offset`` counts from the start of the
     returned text, where ``offset`` characters (an echoed prompt) come before the answer."""
 
-    def __init__(self, tokenizer: Any, chat: bool, offset: int = 0) -> None:
+    def __init__(self, tokenizer: Any, chat: bool, offset: int = 0, skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
         self.chat = chat
         self.offset = offset  # characters before the answer in the returned text (an echoed prompt)
         self.entries: list[TokenLogprob] = []  # every generated token's, in order
         self.reported = 0
-        self._decoded = IncrementalText(decoder(tokenizer))
+        self._decoded = IncrementalText(decoder(tokenizer, skip_special))  # (the returned text's decode)
         #: [n]: characters of the first n tokens' settled text (a character split across tokens
         #: counts once its last token is in, so each of its tokens is reported with it)
         self._lengths = [0]
@@ -598,12 +598,14 @@ def _top_dict(tokenizer: Any, entry: TokenLogprob) -> dict[str, float]:
 
 
 def prompt_logprobs_block(tokenizer: Any, prompt: list[int], entries: list[TokenLogprob | None]) -> dict:
-    """The completions-format ``logprobs`` of an echoed prompt: its first token has none."""
+    """The completions-format ``logprobs`` of an echoed prompt: its first token has none. A
+    token's ``text_offset`` is where its share of the prompt's text begins (a character split
+    over several byte tokens belongs to the last of them), so offsets follow the echoed text."""
     pieces = [tokenizer.decode([t]) for t in prompt]
     offsets, at = [], 0
-    for p in pieces:
+    for share in token_pieces(tokenizer, prompt):
         offsets.append(at)
-        at += len(p)
+        at += len(share)
     return {"tokens": pieces, "token_logprobs": [e.logprob if e is not None else None for e in entries],
             "top_logprobs": [None if e is None else _top_dict(tokenizer, e) for e in entries],
             "text_offset": offsets}
