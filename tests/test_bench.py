@@ -85,6 +85,41 @@ def test_bench_catches_a_lossy_method(setup, monkeypatch) -> None:
     agg = res["methods"]["pld"]
     assert agg["identical_to_plain"] != "3/3"
     assert agg["divergences"] and "first_divergent_token" in agg["divergences"][0]
+    first = agg["divergences"][0]
+    line = (f"- pld differs from plain decoding on {len(agg['divergences'])} prompt(s): prompt "
+            f"{first['prompt_index']} at token {first['first_divergent_token']}")
+    assert line in (root / "lossy" / "report.md").read_text()
+
+
+def test_a_report_without_matplotlib_or_plain_still_says_what_it_can(setup, monkeypatch) -> None:
+    """Without matplotlib the report is written (with a note instead of plots); a policy sweep
+    without plain shows no ratio to plain rather than 0.00x; a dtype-swept predictor file is
+    held to its own mode's plain decoding."""
+    import builtins
+
+    from sot.bench.methods import RunRecord
+    from sot.bench.report import NO_PLOTS, aggregate
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    model, prompts, root = setup
+    res = run_bench(_config(model, prompts, root / "bare", methods=("pld",), max_new_tokens=8, limit=1,
+                            sweep=("policy", ("heuristic", "static"))))
+    assert all(r["tokens_per_s_vs_plain"] is None for r in res["sweep"]["rows"])
+    report = (root / "bare" / "report.md").read_text()
+    assert NO_PLOTS in report and "0.00x" not in report and "| heuristic | " in report
+    monkeypatch.setattr(builtins, "__import__", real)
+    names = ["plain[float32]", "state[p1][float32]"]
+    runs = [RunRecord(method=m, prompt_index=0, prompt_id="0", prompt_tokens=3, token_ids=[1, 2], new_tokens=2,
+                      wall_time=1.0 if m.startswith("plain") else 0.5, ttft=0.1) for m in names]
+    held = aggregate(runs, names, model_rss=0, exact=set(names))["state[p1][float32]"]
+    assert held["identical_to_plain"] == "1/1" and held["speedup_vs_plain"]["median"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("name", ["max-depth", "warmup"])

@@ -24,7 +24,8 @@ def _is_plain(method: str) -> bool:
 def _plain_of(method: str, by_method: dict[str, dict[int, RunRecord]]) -> dict[int, RunRecord]:
     """The plain decoding ``method`` is compared with: under ``--sweep dtype``, its own mode's
     (``state[int8]`` against ``plain[int8]``), else ``plain``."""
-    tag = method[method.index("["):] if method.endswith("]") and "[" in method else ""
+    # (the last bracket: state[p1][float32] is held to plain[float32])
+    tag = method[method.rindex("["):] if method.endswith("]") and "[" in method else ""
     return by_method.get(f"plain{tag}") or by_method.get("plain", {})
 
 
@@ -142,6 +143,10 @@ def markdown_table(aggregates: dict[str, dict]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+#: the note of a report written without matplotlib
+NO_PLOTS = "no plots: matplotlib is not installed (pip install matplotlib, or SoT's bench extra)"
+
+
 def plots(aggregates: dict[str, dict], out: Path) -> list[str]:
     """Speedup bars (with min-max error bars), accepted-length histogram, acceptance per depth."""
     import matplotlib
@@ -197,21 +202,26 @@ def _line_plot(plt, lines: dict, xlabel: str, ylabel: str, path: Path, ylim: tup
     plt.close(fig)
 
 
-def sweep_plot(name: str, rows: list[dict], out: Path) -> str:
-    """Speed against plain and tau over a swept setting ``name``, as ``sweep.png`` in ``out``;
-    returns the file's name."""
-
-    import matplotlib
-
+def sweep_plot(name: str, rows: list[dict], out: Path) -> str | None:
+    """Speed against plain (tokens/s where no plain ran) and tau over a swept setting ``name``,
+    as ``sweep.png`` in ``out``; returns the file's name (``None`` without matplotlib: the
+    report says so)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax1 = plt.subplots(figsize=(6, 3.5))
     xs = [r["value"] for r in rows]
-    ax1.plot(xs, [r.get("tokens_per_s_vs_plain", r["tokens_per_s"]) for r in rows], marker="o", color="#4a7fb5")
-    ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+    relative = all(r.get("tokens_per_s_vs_plain") is not None for r in rows)
+    ys = [r["tokens_per_s_vs_plain"] if relative else r["tokens_per_s"] for r in rows]
+    ax1.plot(xs, ys, marker="o", color="#4a7fb5")
+    if relative:
+        ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax1.set_xlabel(name)
-    ax1.set_ylabel("tokens/s vs plain", color="#4a7fb5")
+    ax1.set_ylabel("tokens/s vs plain" if relative else "tokens/s", color="#4a7fb5")
     ax2 = ax1.twinx()
     ax2.plot(xs, [r["mean_accept_len"] for r in rows], marker="s", color="#c0504d")
     ax2.set_ylabel("mean accepted length (tau)", color="#c0504d")
@@ -238,8 +248,9 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
                                  "accept_lengths": [r.accept_lengths or [1] * r.new_tokens]}],
                 }) + "\n")
     cfg = result["config"]
-    counted = (f"{len(records)} conversations ({len({r['prompt_index'] for r in result['records']})} turns)"
-               if "turns" in result else f"{len(records)} prompts")
+    ran = len({r["prompt_index"] for r in result["records"]})  # (fewer than asked when interrupted)
+    counted = (f"{len(records)} conversations ({ran} turns)" if "turns" in result
+               else f"{ran} prompts" if result.get("partial") else f"{len(records)} prompts")
     lines = [
         f"# sot bench: {cfg['prompts']}",
         "",
@@ -264,7 +275,8 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
                   "|---|---|---|---|---|---|---|"]
         for row in sw["rows"]:
             s = (row.get("speedup_vs_plain") or {}).get("median")  # (none for batches: one time per batch)
-            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {row.get('tokens_per_s_vs_plain') or 0:.2f}x | "
+            vs = row.get("tokens_per_s_vs_plain")
+            lines.append(f"| {row['value']} | {row['tokens_per_s']:.1f} | {'-' if vs is None else f'{vs:.2f}x'} | "
                          f"{row['mean_accept_len']:.2f} | {'-' if s is None else f'{s:.2f}x'} | "
                          f"{row.get('mean_tree_size') or 0:.1f} | {row['identical_to_plain'] or '-'} |")
         if sw["name"] == "dtype":
@@ -282,14 +294,26 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
             lines += [f"| {r['value']} | {100 * (r.get('plain_step_share') or 0):.0f}% |" for r in sw["rows"]]
         if (out / "sweep.png").is_file():
             lines += ["", "![sweep.png](sweep.png)"]
-    written = plots(result["methods"], out)
-    lines += ["", *[f"![{w}]({w})" for w in written]]
+    try:
+        written = plots(result["methods"], out)
+        lines += ["", *[f"![{w}]({w})" for w in written]]
+    except ImportError:  # (the report is worth writing without its plots)
+        lines += ["", f"- {NO_PLOTS}"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
 def _alone_lines(methods: dict) -> list[str]:
-    return [f"- {m}: every sequence of a batch equals its prompt decoded alone: {a['identical_to_alone']}"
-            for m, a in methods.items() if a.get("identical_to_alone")]
+    """The batch-identity line of each method, and a line for each method whose output
+    differs from plain decoding's (where: prompt index and first divergent token)."""
+    lines = [f"- {m}: every sequence of a batch equals its prompt decoded alone: {a['identical_to_alone']}"
+             for m, a in methods.items() if a.get("identical_to_alone")]
+    for m, a in methods.items():
+        where = a.get("divergences") or []
+        if where:
+            shown = ", ".join(f"prompt {d['prompt_index']} at token {d['first_divergent_token']}" for d in where[:5])
+            more = f" and {len(where) - 5} more" if len(where) > 5 else ""
+            lines.append(f"- {m} differs from plain decoding on {len(where)} prompt(s): {shown}{more}")
+    return lines
 
 
 def _machine_line(m: dict | None) -> str:
@@ -300,6 +324,10 @@ def _machine_line(m: dict | None) -> str:
             f"native bf16 {'yes' if m['native_bf16'] else 'no'}, torch {m['torch']}{gpu}")
 
 
+def _times_plain(ratio: float | None) -> str:
+    return "no plain run" if ratio is None else f"{ratio:.2f}x plain"
+
+
 def summary(result: dict) -> str:
     """One screen of text for the terminal."""
     text = markdown_table(result["methods"]) + "".join(f"{line}\n" for line in _alone_lines(result["methods"]))
@@ -308,5 +336,6 @@ def summary(result: dict) -> str:
     if "sweep" in result:
         sw = result["sweep"]
         text += f"sweep of {sw['name']} ({sw['method']}): " + ", ".join(
-            f"{r['value']}: {r['tokens_per_s_vs_plain'] or 0:.2f}x plain, tau {r['mean_accept_len']:.2f}" for r in sw["rows"]) + "\n"
+            f"{r['value']}: {_times_plain(r.get('tokens_per_s_vs_plain'))}, tau {r['mean_accept_len']:.2f}"
+            for r in sw["rows"]) + "\n"
     return text + "".join(f"note: {n}\n" for n in result["notes"])

@@ -175,6 +175,12 @@ def check_methods(cfg: BenchConfig) -> None:
     unknown = [m for m in cfg.methods if m not in METHODS and _predictor_file(m) is None]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    for m in cfg.methods:
+        file = _predictor_file(m)
+        if file is not None and not Path(file).exists():
+            raise ConfigError(f"{m}: no such predictor file or EAGLE-3 folder")
+    if "llamacpp" in cfg.methods and cfg.model != DEFAULT_MODEL and not cfg.model.endswith(".gguf"):
+        raise ConfigError("llamacpp needs a .gguf model (--model FILE.gguf, or the default model)")
     labels = [method_label(m) for m in cfg.methods]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"methods must have distinct names, got {', '.join(labels)}")
