@@ -87,6 +87,8 @@ class CostModel:
         as ``verify(B * n)``. ``sizes``: the row counts to time (default 1, 2, 4, 8, 12, 16, 24,
         32, 48, 64 up to ``max_rows``, and ``max_rows``, plus the first row count past each
         multiple of 16); the others are interpolated."""
+        from tqdm import tqdm
+
         from sot.attention import build_tree_layout
         from sot.tree import ancestor_table, tree_from_parents
 
@@ -117,6 +119,9 @@ class CostModel:
         # fastest pass: a busy moment then slows one round of every size instead of bending
         # the curve, and the minimum is the most repeatable timing of a pass.
         timings = {n: math.inf for n in sizes}
+        # (a bar with its ETA in a terminal, where the first load waits on this; none elsewhere)
+        bar = tqdm(total=(repeats + 1) * len(sizes), desc="timing verify passes (once per machine and model)",
+                   unit="pass", disable=None, leave=False, dynamic_ncols=True)
         for round_ in range(repeats + 1):
             for n, (ids, pos, layout) in zip(sizes, passes):
                 target.synchronize()
@@ -125,6 +130,8 @@ class CostModel:
                 target.synchronize()
                 if round_ > 0:
                     timings[n] = min(timings[n], time.perf_counter() - t0)
+                bar.update()
+        bar.close()
         return cls(list(timings), list(timings.values()))
 
 
