@@ -37,7 +37,7 @@ def main() -> None:
         params = GenerationParams(max_new_tokens=TOKENS + 1, stop=("<<never>>",))
         seq = LiveRequest(0, [1], params, SequenceResult(index=0, token_ids=[]), None, 0.0)
         for i in range(0, len(ids), STEP):
-            seq.commit(ids[i : i + STEP], 0.0, True, decode)
+            seq.commit(ids[i : i + STEP], 0.0, decode, counts_as_step=True)
 
     def stream() -> None:
         text = TextAssembler(tok, ("<<never>>",))

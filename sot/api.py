@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 
 from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
-from sot.engine import Engine, GenerationParams, PhaseTimes
+from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
-from sot.detokenize import TextAssembler, token_pieces
+from sot.detokenize import TextAssembler, decoder, first_stop, token_pieces
 from sot.dtype_choice import resolve as resolve_dtype_choice
 from sot.models.loading import DEFAULT_DEVICE, load_model, resolve_device
 from sot.online.adapt import AdaptConfig, Adapter
@@ -242,16 +242,10 @@ class SoT:
         if chat_template is not None:
             use_chat_template(tok, chat_template)
 
-        def decode(ids: list[int]) -> str:
-            return tok.decode(ids, skip_special_tokens=True)
-
-        def decode_special(ids: list[int]) -> str:
-            return tok.decode(ids, skip_special_tokens=False)
-
         prefix = PrefixCache(prefix_cache_mb << 20, per_tenant=suffix_per_tenant) if prefix_cache_mb else None
-        engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth), decode=decode,
-                        policy=policy, prefix_cache=prefix)
-        engine.decode_special = decode_special
+        engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth),
+                        decode=decoder(tok, skip_special=True), policy=policy, prefix_cache=prefix)
+        engine.decode_special = decoder(tok, skip_special=False)
         out = cls(target, tok, engine, loaded.name)
         out.dtype_choice = choice
         if adapt is not None:
@@ -384,11 +378,6 @@ class SoT:
             self.engine.grammars.matcher(structured)  # a ConfigError now, not at the first step
         return params
 
-    @property
-    def phase_times(self) -> PhaseTimes:
-        """Where the engine's time went so far (prompt reading, drafting, verifying, bookkeeping)."""
-        return self.engine.times
-
     # ----------------------------------------------------------------- generation
     def _check_engine_free(self) -> None:
         """A :class:`ConfigError` while an :class:`~sot.aio.AsyncSoT`'s thread steps the engine:
@@ -426,9 +415,9 @@ class SoT:
         if params.stop:  # (the text the engine stopped on: a string counts after min_tokens tokens)
             decode = self.engine.decode if params.skip_special_tokens else self.engine.decode_special
             floor = len(decode(res.token_ids[: params.min_tokens])) if params.min_tokens else 0
-            found = [i for s in params.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
-            if found:
-                text = text[: min(found)]
+            found = first_stop(text, params.stop, floor=floor)
+            if found is not None:
+                text = text[: found[0]]
         return Completion(
             text=text,
             token_ids=res.token_ids,

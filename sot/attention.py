@@ -59,10 +59,12 @@ def use_gpu_kernel(cache: KVCache) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def far_end(position: int) -> int:
-    """End of the far part for a query at ``position``: a multiple of ``FAR_ALIGN`` at least
-    ``MAX_TREE_DEPTH`` below it, so every far key is committed for any tree row."""
-    return max(0, (position - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN)
+def far_end(position: int | torch.Tensor) -> int | torch.Tensor:
+    """End of the far part for a query at ``position`` (an int, or a tensor of them): a
+    multiple of ``FAR_ALIGN`` at least ``MAX_TREE_DEPTH`` below it, so every far key is
+    committed for any tree row."""
+    end = (position - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN
+    return end.clamp(min=0) if isinstance(end, torch.Tensor) else max(0, end)
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ def _tail_slots(
     slots 32..99 (committed), then 100 + 0, 100 + 3, 100 + 5 (root, ancestor, itself).
     """
     positions = length + depths  # [n]
-    starts = torch.clamp((positions - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN, min=0)
+    starts = far_end(positions)
     virtual = starts[:, None] + torch.arange(TAIL)  # [n, TAIL]
     valid = virtual <= positions[:, None]
     depth_index = (virtual - length).clamp(0, ancestors.shape[1] - 1)
@@ -196,7 +198,7 @@ def build_tree_layout(
         # Rows past the tree are padding: they repeat the root, attend like it, and are ignored.
         table = torch.tensor(anc + [anc[0]] * (n - len(anc)), dtype=torch.long)[:n]
         depths = (table >= 0).sum(dim=1) - 1
-        far_ends[b] = torch.clamp((length + depths - MAX_TREE_DEPTH) // FAR_ALIGN * FAR_ALIGN, min=0)
+        far_ends[b] = far_end(length + depths)
         tail_slots[b], tail_valid[b], tail_positions[b] = _tail_slots(length, depths, table.clamp(min=0))
         row_positions[b] = length + depths
     far_len = max(FAR_ALIGN, int(far_ends.max()))

@@ -116,7 +116,7 @@ class TextAssembler:
         self._decoded = IncrementalText(decoder(tokenizer, skip_special))
         self._longest_stop = max((len(s) for s in self.stop), default=0)
         self._min_tokens = min_tokens
-        self._marks = marks
+        self._stops, self._marks = stop, marks
         # a stop string counts where it ends past this many characters: the text of the first
         # min_tokens tokens (unknown, so nothing counts, until they are in)
         self._floor = 0 if min_tokens == 0 else None
@@ -161,18 +161,25 @@ class TextAssembler:
 
     def _first_stop(self, text: str, start: int) -> tuple[int, str] | None:
         """The earliest stop string in ``text[start:]`` that counts, as (index, string)."""
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            floor = 0 if s in self._marks else self._floor
-            if floor is None:
-                continue
-            i = text.find(s, max(start, floor - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        return best
+        found = [f for f in (first_stop(text, self._marks, start),
+                             None if self._floor is None else first_stop(text, self._stops, start, self._floor))
+                 if f is not None]
+        return min(found, default=None)
 
     def final_text(self) -> str:
         return self.text[: self.sent] if self.sent <= len(self.text) else self.text
+
+
+def first_stop(text: str, stops: tuple[str, ...], start: int = 0, floor: int = 0) -> tuple[int, str] | None:
+    """The earliest of ``stops`` in ``text[start:]`` that ends past character ``floor`` (the
+    text of an answer's first ``min_tokens`` tokens, where no stop string counts), as
+    ``(index, string)``; ``None`` when there is none."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(start, floor - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
 
 
 def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:

@@ -408,7 +408,7 @@ class Engine:
             seq.result.logprobs.extend(token_logprobs(out.logits[0, -1:], acc.tokens, seq.params.logprobs))
         now = time.perf_counter()
         seq.result.first_token_seconds = now - seq.started
-        event = seq.commit(acc.tokens, now, False, self._decode_for(seq))
+        event = seq.commit(acc.tokens, now, self._decode_for(seq), counts_as_step=False)
         if seq.params.prompt_logprobs is not None:
             event = dataclasses.replace(event, prompt_logprobs=list(seq.result.prompt_logprobs))
         if self.record_steps:  # the first token, from the prompt's pass: step 0
@@ -489,11 +489,11 @@ class Engine:
         t1 = time.perf_counter()
         batch = pack_trees(trees, self._cache, self.target)
         t2 = time.perf_counter()
-        out = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
+        # full: every state layer the target returned (observers, the prefix cache); out: the drafter's
+        full = self.target.verify(self._cache.narrow(len(seqs)), batch.ids, batch.positions, batch.layout)
         self.target.synchronize()  # (on a GPU, the pass's time is its own, not the acceptance's)
         t3 = time.perf_counter()
-        full = out
-        out = self._drafter_view(out)
+        out = self._drafter_view(full)
         accepted = accept_all(seqs, batch.trees, out, self._cache, self.trace)
         if full.states is not None and self.prefix_cache is not None:  # kept for the prefix cache
             for b, (seq, acc) in enumerate(zip(seqs, accepted)):
@@ -507,7 +507,7 @@ class Engine:
             draft_seconds=t1 - t0, draft_passes=self.drafter.passes - passes,
             verify_seconds=t3 - t2, rows=batch.rows,
         ))
-        events = self._commit_all(seqs, batch.trees, accepted, plan)
+        events = self._commit_all(seqs, batch.trees, accepted)
         t4 = time.perf_counter()
         speculative = bool(plan.drafting) or any(t.size > 1 for t in batch.trees)
         self.policy.observe_wall(len(seqs), sum(len(a.tokens) for a in accepted), t4 - t0, speculative)
@@ -586,15 +586,17 @@ class Engine:
         n = len(forced)
         return DraftTree([tree.tokens[0], *forced], [-1, *range(n)], list(range(n + 1)), [1.0] * (n + 1))
 
-    def _commit_all(self, seqs: list[LiveRequest], trees: list[DraftTree], accepted: list[Acceptance],
-                    plan: StepPlan) -> list[TokenEvent]:
+    def _commit_all(self, seqs: list[LiveRequest], trees: list[DraftTree],
+                    accepted: list[Acceptance]) -> list[TokenEvent]:
+        """Append each sequence's accepted tokens (up to its stop condition) and record the
+        step's tree sizes and acceptance."""
         now = time.perf_counter()
         events = []
         for seq, tree, acc in zip(seqs, trees, accepted):
             seq.result.tree_sizes.append(tree.size)
             seq.result.fallbacks = self.policy.fallbacks(seq.id)
             record_depths(seq.result, tree, acc)
-            events.append(seq.commit(acc.tokens, now, True, self._decode_for(seq)))
+            events.append(seq.commit(acc.tokens, now, self._decode_for(seq), counts_as_step=True))
         self.last_step = StepStats.of([t.size for t in trees], [a.num_accepted for a in accepted],
                                       self.budget.max_depth)
         return events

@@ -372,19 +372,20 @@ class LiveRequest:
         self.result.finish_reason = reason
         self.result.text = decode(self.result.token_ids)
 
-    def _completes_stop(self, tok: int) -> bool:
-        """Whether the text of the answer ending in the just appended ``tok`` holds one of
-        the stop strings that it did not hold before (``decoded`` follows every token)."""
+    def _extend_text(self, tok: int) -> bool:
+        """Add ``tok``'s text to ``decoded`` (it follows every token) and return whether the
+        answer's text now holds a stop string that it did not hold before."""
         decoded, params = self.decoded, self.params
         settled = decoded.settled_length  # text before it that no later token changes
         decoded.extend([tok])
         text = decoded.text
         return any(text.find(s, max(0, settled - len(s) + 1)) >= 0 for s in params.stop)
 
-    def commit(self, tokens: list[int], now: float, step: bool, decode: Callable[[list[int]], str]) -> TokenEvent:
+    def commit(self, tokens: list[int], now: float, decode: Callable[[list[int]], str], *,
+               counts_as_step: bool) -> TokenEvent:
         """Append ``tokens`` up to the first stop condition and return the event that reports
-        them; ``step`` records the count as an accepted length (the prompt's first token is
-        not one).
+        them; ``counts_as_step`` records the count as an accepted length (the prompt's first
+        token is not one).
 
         The conditions are checked after each token, as plain decoding meets them one token a
         step, so an accepted run ends where plain decoding would have ended: at an
@@ -411,14 +412,16 @@ class LiveRequest:
             if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete
                 reason = "stop"
                 break
-            # (stop strings count from the token after the first min_tokens, as in vLLM)
-            if params.stop and self._completes_stop(tok) and len(res.token_ids) > params.min_tokens:
+            # (the text follows every token; stop strings count from the token after the first
+            # min_tokens, as in vLLM)
+            completes = bool(params.stop) and self._extend_text(tok)
+            if completes and len(res.token_ids) > params.min_tokens:
                 reason = "stop"
                 break
             if len(res.token_ids) >= params.max_new_tokens:
                 reason = "length"
                 break
-        if step:
+        if counts_as_step:
             res.accept_lengths.append(len(taken))
         res.seconds = now - self.started
         # the acceptance added a log probability per offered token: keep those committed

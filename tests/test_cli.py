@@ -331,8 +331,8 @@ def test_stop_strings_end_speculative_runs_where_plain_decoding_ends(model_dir: 
     cut_runs = []
     commit = LiveRequest.commit
 
-    def counting(self, tokens, *args):  # counts runs cut short by a stop string
-        event = commit(self, tokens, *args)
+    def counting(self, tokens, *args, **kwargs):  # counts runs cut short by a stop string
+        event = commit(self, tokens, *args, **kwargs)
         cut_runs.append(event.finish_reason == "stop" and len(event.token_ids) < len(tokens))
         return event
 

@@ -87,7 +87,7 @@ def test_the_engine_finds_a_stop_string_split_across_steps() -> None:
     params = GenerationParams(max_new_tokens=100, stop=("STOP",))
     seq = LiveRequest(0, [1], params, SequenceResult(index=0, token_ids=[]), None, 0.0)
     for piece in ("abc S", "T", "O", "P and more"):
-        event = seq.commit([ord(c) for c in piece], 0.0, True, decode)
+        event = seq.commit([ord(c) for c in piece], 0.0, decode, counts_as_step=True)
     assert event.finished and event.finish_reason == "stop"
     assert seq.result.text == "abc STOP", "the run ends at the token that completes the stop string"
     assert event.token_ids == [ord("P")] and seq.result.accept_lengths == [5, 1, 1, 1]
@@ -103,7 +103,7 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_run_there() -> None:
     params = GenerationParams(max_new_tokens=100, stop=("cd",))
     seq = LiveRequest(0, [1], params, SequenceResult(index=0, token_ids=[]), None, 0.0)
     seq.result.logprobs.extend(range(6))  # one per offered token, as the acceptance adds them
-    event = seq.commit([ord(c) for c in "abcdef"], 0.0, True, _chars)
+    event = seq.commit([ord(c) for c in "abcdef"], 0.0, _chars, counts_as_step=True)
     assert event.finish_reason == "stop" and event.token_ids == [ord(c) for c in "abcd"]
     assert seq.result.token_ids == event.token_ids and seq.result.accept_lengths == [4]
     assert seq.result.logprobs == [0, 1, 2, 3]
@@ -112,10 +112,10 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_run_there() -> None:
 def test_a_stop_string_on_the_last_allowed_token_is_a_stop() -> None:
     params = GenerationParams(max_new_tokens=4, stop=("cd",))
     seq = LiveRequest(0, [1], params, SequenceResult(index=0, token_ids=[]), None, 0.0)
-    assert seq.commit([ord(c) for c in "abcdef"], 0.0, True, _chars).finish_reason == "stop"
+    assert seq.commit([ord(c) for c in "abcdef"], 0.0, _chars, counts_as_step=True).finish_reason == "stop"
     params = GenerationParams(max_new_tokens=3, stop=("cd",))
     seq = LiveRequest(0, [1], params, SequenceResult(index=0, token_ids=[]), None, 0.0)
-    assert seq.commit([ord(c) for c in "abcdef"], 0.0, True, _chars).finish_reason == "length"
+    assert seq.commit([ord(c) for c in "abcdef"], 0.0, _chars, counts_as_step=True).finish_reason == "length"
 
 
 def test_streamed_deltas_of_byte_fallback_text_join_to_the_text() -> None:

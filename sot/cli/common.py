@@ -278,7 +278,7 @@ def save_suffix_store(sot: SoT, args: argparse.Namespace) -> None:
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
-    token, sep, bias = text.partition("=")
+    token, _, bias = text.partition("=")
     try:
         pair = int(token), float(bias)
     except ValueError:

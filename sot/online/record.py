@@ -64,10 +64,6 @@ class OnPolicySequence:
     def length(self) -> int:
         return int(self.tokens.shape[0])
 
-    def mean_accepted(self) -> float:
-        """Mean accepted tokens per drafted step (0 without drafted steps)."""
-        return float(self.chains[:, 1].float().mean()) if self.chains.shape[0] else 0.0
-
     def crop(self, rows: int) -> "OnPolicySequence":
         """The last ``rows`` positions only (at least the answer's last rows), chains shifted;
         for cheap updates. Positions are relative, so rope sees the same offsets."""

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from sot.policy.commit import CommitPolicy
     from sot.policy.cost import CostModel
     from sot.policy.rl import RLPolicyModel
-    from sot.policy.state import StepPlan
 
 
 def accepted_path(tree: DraftTree, target: list[int]) -> list[int]:
@@ -128,9 +127,6 @@ class ReplayResult:
         """Tokens per plain-step unit: simulated speed over plain decoding's."""
         return self.tokens / max(self.units, 1e-12)
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(self.seconds, 1e-12)
 
 
 def _acc_counts(tree: DraftTree, order: list[int], target: list[int]) -> list[int]:
@@ -210,12 +206,12 @@ def replay(policy: CommitPolicy, runs: list[list[dict]], machine: SimCost, flat:
             for k, p in paths.items():
                 generated[k] += len(p)
             if collect:
-                _collect(policy, plan, trees_in, recs, machine, batch, draft_seconds, unit, mu, res)
+                _collect(policy, trees_in, recs, machine, batch, draft_seconds, unit, mu, res)
                 _collect_draft(policy, drafted, free, recs, machine, batch, passes or 1, unit, mu, res)
     return res
 
 
-def _collect(policy: CommitPolicy, plan: StepPlan, trees: dict[int, DraftTree], recs: dict, machine: SimCost,
+def _collect(policy: CommitPolicy, trees: dict[int, DraftTree], recs: dict, machine: SimCost,
              batch: int, draft_seconds: float, unit: float, mu: float, res: ReplayResult) -> None:
     """The step's candidates (``policy.choice``) with their exact rewards."""
     choice = policy.choice
@@ -237,7 +233,7 @@ def _collect(policy: CommitPolicy, plan: StepPlan, trees: dict[int, DraftTree], 
     policy.choice, policy.last_features = None, None
 
 
-def _best_alone(policy: CommitPolicy, tree: DraftTree, est: list[float], target: list[int], batch: int,
+def _best_alone(tree: DraftTree, est: list[float], target: list[int], batch: int,
                 machine: SimCost) -> tuple[int, float]:
     """Tokens committed and verify seconds added when ``tree`` alone is verified with the
     heuristic's choice of its best nodes in a pass of ``batch`` rows."""
@@ -268,9 +264,9 @@ def _collect_draft(policy: CommitPolicy, drafted: dict[int, DraftTree], free: di
             continue
         target = recs[k]["target"]
         est_f = list(f.draft_probs or [1.0] + [0.0] * (f.size - 1))
-        tok_f, sec_f = _best_alone(policy, f, est_f, target, batch, machine)
+        tok_f, sec_f = _best_alone(f, est_f, target, batch, machine)
         est_d = [1.0] + [min(1.0, s.calibration * p) for p in d.confidences()[1:]]
-        tok_d, sec_d = _best_alone(policy, d, est_d, target, batch, machine)
+        tok_d, sec_d = _best_alone(d, est_d, target, batch, machine)
         sec_d += machine.pass_seconds * passes / max(1, batch)
         res.draft.append(DraftSample(torch.from_numpy(x), tok_f - mu * (sec_f / unit + 1.0), tok_d - mu * (sec_d / unit + 1.0)))
 
