@@ -2,6 +2,7 @@
 and test-time adaptation (lossless, rolled back when it hurts, within its time budget)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -150,8 +151,15 @@ def test_onpolicy_stage_records_trains_bounds_its_buffer_and_resumes(tiny_run, t
     train_onpolicy(cfg)
     report = json.loads((out / "report.json").read_text())
     assert report["iterations_done"] == 3 and report["steps"] == 6 and len(report["phases"]) == 3
-    with pytest.raises(ConfigError, match="code-share"):
-        train_onpolicy(OnPolicyConfig(out=str(tmp_path / "x"), code_share=1.5))
+    # ... and ends where an unbroken run with the same seed ends, weight for weight
+    whole = train_onpolicy(dataclasses.replace(cfg, out=str(tmp_path / "whole")))
+    assert whole.read_bytes() == (out / "predictor.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="holds a run made with seed 0 .now 1."):
+        train_onpolicy(dataclasses.replace(cfg, seed=1))
+    for bad, match in ((dict(code_share=1.5), "code-share"), (dict(max_seconds=-5.0), "max-seconds"),
+                       (dict(temperatures=(float("nan"),)), "temperatures")):
+        with pytest.raises(ConfigError, match=match):
+            train_onpolicy(OnPolicyConfig(out=str(tmp_path / "x"), **bad))
 
 
 def _adapt_engine(tiny_run, config: AdaptConfig, train_step=None, policy=STATIC):

@@ -124,6 +124,16 @@ def test_code_prompts_are_signatures_and_docstrings_without_bodies(tmp_path) -> 
     stubs = list(stdlib_function_stubs(src))
     assert [cid for cid, _ in stubs] == ["code:pkg.mod.area"]
     stub = stubs[0][1]
+    # files in their own encoding (a byte-order mark, a latin-1 coding line) are read; a
+    # package's __init__ is named by its package
+    enc = tmp_path / "enc"
+    enc.mkdir()
+    doc = b"    '''Return x unchanged, as this docstring documents here.'''\n    return x\n"
+    (enc / "bom.py").write_bytes(b"\xef\xbb\xbfdef mark(x):\n" + doc)
+    (enc / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\n# caf\xe9\ndef cafe(x):\n" + doc)
+    (enc / "__init__.py").write_bytes(b"def top(x):\n" + doc)
+    names = [cid for cid, _ in stdlib_function_stubs(tmp_path)]
+    assert {"code:enc.bom.mark", "code:enc.latin.cafe", "code:enc.top"} <= set(names), names
     assert stub.startswith("def area(width: float, height: float) -> float:\n") and "rectangle" in stub
     assert "secret_body" not in stub
     out = tmp_path / "prompts.jsonl"

@@ -13,6 +13,7 @@ the HumanEval problems is always skipped.
 from __future__ import annotations
 
 import ast
+import tokenize
 import json
 import random
 import sysconfig
@@ -57,12 +58,14 @@ def stdlib_function_stubs(root: str | Path | None = None) -> Iterator[tuple[str,
         if _SKIP_PARTS.intersection(rel.parts) or any(p.startswith("_") for p in rel.parts[:-1]):
             continue
         try:
-            text = path.read_text(encoding="utf-8")
+            with tokenize.open(path) as fh:  # (the file's own encoding: a coding line, a byte-order mark)
+                text = fh.read()
             tree = ast.parse(text)
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
             continue
         lines = text.splitlines()
-        module = ".".join(rel.with_suffix("").parts)
+        parts = rel.with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith(("_", "test")):
                 stub = _stub(lines, node)

@@ -18,7 +18,11 @@ decoding and training, so that runs can be compared at equal compute.
 from __future__ import annotations
 
 import json
+import math
 import random
+import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +34,7 @@ from safetensors.torch import save_file
 from sot.errors import ConfigError
 from sot.online.loss import OnlineLossConfig, online_loss
 from sot.online.record import DEFAULT_TOP_K, NodeRecorder, OnPolicySequence
-from sot.train.trainer import warmup_cosine
+from sot.train.trainer import Diverged, terminate_as_interrupt, warmup_cosine
 
 
 @dataclass
@@ -78,6 +82,17 @@ def _check(cfg: OnPolicyConfig) -> None:
         raise ConfigError("--temperatures needs at least one temperature >= 0")
     if cfg.buffer_gb <= 0:
         raise ConfigError(f"--buffer-gb must be > 0, got {cfg.buffer_gb}")
+    if not (math.isfinite(cfg.max_seconds) and cfg.max_seconds >= 0):
+        raise ConfigError(f"--max-seconds must be >= 0 (0: no limit), got {cfg.max_seconds}")
+    if not all(math.isfinite(t) for t in cfg.temperatures):
+        raise ConfigError(f"--temperatures must be finite numbers, got {list(cfg.temperatures)}")
+    loss = cfg.loss
+    if not all(math.isfinite(v) and v >= 0 for v in (loss.uniform, loss.error_weight)):
+        raise ConfigError("--uniform and --error-weight must be finite numbers >= 0")
+
+
+#: what a resumed run must share with the run that wrote its checkpoint (the rest may change)
+_SAME_ON_RESUME = ("model", "init_from", "dtype", "seed")
 
 
 # ---------------------------------------------------------------------------- the buffer
@@ -237,11 +252,13 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
 
     _check(cfg)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     start_file = Path(cfg.init_from) if cfg.init_from else DEFAULT_PREDICTOR
     if not start_file.is_file():
         raise ConfigError(f"predictor file {start_file} not found")
+    ckpt = out / "checkpoint.pt"
+    saved = _read_checkpoint(ckpt, cfg) if ckpt.is_file() else None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     loaded = load_model(cfg.model, dtype=resolve_dtype(cfg.dtype))
     # the trained copy reads float32 embeddings; the decoding target keeps its own dtype
     pred = load_predictor(start_file, loaded.model, dtype=torch.float32)
@@ -259,12 +276,15 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
 
     state = {"iteration": 0, "decoded": False, "step": 0, "history": [], "decode_seconds": 0.0,
              "train_seconds": 0.0, "phases": []}
-    ckpt = out / "checkpoint.pt"
-    if ckpt.is_file():
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-        pred.load_state_dict(saved["model"], strict=False)
+    rng = random.Random(cfg.seed)  # the batches drawn from the buffer
+    torch.manual_seed(cfg.seed)  # the state noise of the loss
+    if saved is not None:
+        pred.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
+        if "rng" in saved:  # (so a resumed run draws what an unbroken one would)
+            rng.setstate(saved["rng"])
+            torch.set_rng_state(saved["torch_rng"])
         tqdm.write(f"resuming {out} at iteration {state['iteration']}, step {state['step']}")
     buffer = ReplayBuffer(out / "buffer", int(cfg.buffer_gb * 2**30))
     current = out / "predictor.safetensors"
@@ -273,20 +293,61 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
         save_predictor(pred, current)
         tmp = out / "checkpoint.pt.tmp"
         torch.save({"model": pred.state_dict(), "optimizer": opt.state_dict(), "state": state,
-                    "config": asdict(cfg)}, tmp)
+                    "config": asdict(cfg), "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp)
         tmp.replace(ckpt)
         (out / "report.json").write_text(json.dumps(_report(state, buffer), indent=2))
 
     if not current.is_file():
         save()
     prompts = onpolicy_prompts(cfg)
-    rng = random.Random(cfg.seed + state["step"])
     device = torch.device("cpu")
-    bar = tqdm(total=cfg.iterations * (cfg.prompts_per_iteration + cfg.steps_per_iteration), desc="onpolicy",
-               unit="item", dynamic_ncols=True)
-    bar.update(state["iteration"] * (cfg.prompts_per_iteration + cfg.steps_per_iteration)
-               + (cfg.prompts_per_iteration if state["decoded"] else 0)
-               + state["step"] - state["iteration"] * cfg.steps_per_iteration)
+    done = (state["iteration"] * (cfg.prompts_per_iteration + cfg.steps_per_iteration)
+            + (cfg.prompts_per_iteration if state["decoded"] else 0)
+            + state["step"] - state["iteration"] * cfg.steps_per_iteration)
+    bar = tqdm(total=cfg.iterations * (cfg.prompts_per_iteration + cfg.steps_per_iteration), initial=done,
+               desc="onpolicy", unit="item", dynamic_ncols=True)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate_as_interrupt) if main else None
+    try:
+        _run(cfg, state, pred, opt, lr_at, buffer, prompts, rng, device, bar, save, loaded, target, current, out)
+    except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM): keep the training steps done since the last save
+        save()
+        tqdm.write(f"interrupted: {out} saved at iteration {state['iteration']}, step {state['step']}; the same "
+                   "command resumes it", file=sys.stderr)
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    bar.close()
+    save()
+    return current
+
+
+def _read_checkpoint(ckpt: Path, cfg: OnPolicyConfig) -> dict:
+    """The checkpoint of an earlier run in the same folder, refused when it was made for another
+    model, start or seed (its weights would be kept under the new settings' name)."""
+    try:
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a damaged file
+        raise ConfigError(f"{ckpt} cannot be read ({type(exc).__name__}); remove it to start over") from None
+    earlier = saved.get("config") or {}
+    now = asdict(cfg)
+    changed = [k for k in _SAME_ON_RESUME if k in earlier and earlier[k] != now[k]]
+    if changed:
+        shown = ", ".join(f"{k} {earlier[k]!r} (now {now[k]!r})" for k in changed)
+        raise ConfigError(f"{ckpt.parent} holds a run made with {shown}; give --out a new folder, or the same "
+                          "settings to resume it")
+    return saved
+
+
+def _run(cfg: OnPolicyConfig, state: dict, pred, opt, lr_at, buffer, prompts, rng: random.Random, device,
+         bar, save, loaded, target, current: Path, out: Path) -> None:
+    """The iterations from ``state`` on: decode a batch of prompts with the current predictor,
+    then train on the buffer."""
+    from tqdm import tqdm
+
+    from sot.drafters.state import save_predictor
+
     while state["iteration"] < cfg.iterations:
         it = state["iteration"]
         if not state["decoded"]:
@@ -325,6 +386,9 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
                 (loss * seq.length / ntok).backward()
                 for key, val in parts.items():
                     agg[key] = agg.get(key, 0.0) + val * seq.length / ntok
+            if not all(math.isfinite(v) for v in agg.values()):  # keep the last checkpoint, not these weights
+                raise Diverged(f"the loss is not a finite number at step {state['step'] + 1} ({agg.get('loss')}): "
+                               f"the run diverged; {out} keeps its last checkpoint (a lower --lr may fit)")
             torch.nn.utils.clip_grad_norm_(pred.parameters(), cfg.grad_clip)
             opt.step()
             state["step"] += 1
@@ -343,9 +407,6 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
         state["decoded"] = False
         save()
         save_predictor(pred, out / f"predictor-it{it}.safetensors")
-    bar.close()
-    save()
-    return current
 
 
 def _out_of_time(cfg: OnPolicyConfig, state: dict) -> bool:

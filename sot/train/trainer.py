@@ -318,7 +318,7 @@ def _check_out(out: Path) -> None:
                           "--out a new folder or an earlier run's")
 
 
-def _terminate_as_interrupt(signum: int, frame: object) -> None:
+def terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # (SIGTERM from a scheduler, timeout or docker stop: save, as Ctrl-C does)
 
 
@@ -327,7 +327,7 @@ def fit(cfg: TrainConfig) -> Path:
     SIGTERM and Ctrl-C save the steps done, and the same command resumes; a loss that stops
     being finite stops the run with :class:`Diverged`, keeping the last checkpoint saved."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main else None
+    previous = signal.signal(signal.SIGTERM, terminate_as_interrupt) if main else None
     try:
         return _fit(cfg)
     finally:
