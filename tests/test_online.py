@@ -14,7 +14,7 @@ from sot.drafters import NoDrafter, TreeBudget, make_drafter
 from sot.drafters.state import StateDrafter, new_predictor
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
-from sot.models.adapter import TargetModel
+from sot.models.adapter import TargetModel, transformers_attention
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.online.loss import OnlineLossConfig, chain_weights, online_loss, sparse_cross_entropy
 from sot.online.record import NodeRecorder, OnPolicySequence
@@ -25,8 +25,7 @@ STATIC = PolicyConfig(kind=PolicyKind.STATIC)
 
 
 def _record(target, drafter, prompts, params, policy=None):
-    rec = NodeRecorder(2, top_k=8,
-                       final_norm=target.model.model.norm if target.fast is not None else None)
+    rec = NodeRecorder(2, top_k=8)
     engine = Engine(target, drafter, TreeBudget(13, 4), trace=True, policy=policy, observers=[rec])
     results = engine.generate(prompts, params)
     by_prompt = {s.prompt_len: s for s in rec.take()}
@@ -59,6 +58,10 @@ def test_recorded_nodes_equal_what_the_verify_passes_computed(dtype: torch.dtype
         assert torch.equal(s.states, ps.states) and s.states.shape[1:] == (2, model.config.hidden_size)
         assert torch.equal(s.final, ps.final)
         assert s.final.shape == (s.length, model.config.hidden_size)
+        if dtype == torch.float32:  # the last layer's state is transformers' (after the final norm)
+            with torch.no_grad(), transformers_attention(model):
+                want = model(s.tokens[None].long(), output_hidden_states=True).hidden_states[2][0]
+            assert torch.allclose(s.final.float(), want.bfloat16().float(), rtol=0.02, atol=0.02)
         # one chain per drafted step (static: every step after the prompt), as the result counts it
         assert s.chains.shape[0] == r.steps
         assert s.chains[:, 1].tolist() == [n - 1 for n in r.accept_lengths]

@@ -213,9 +213,9 @@ class FastLlama:
             gu = layer.gate_up(x.reshape(batch * rows, -1), True)
             gate, up = gu[:, : self.inter], gu[:, self.inter :]
             delta = layer.down(F.silu(gate) * up, True).view(batch, rows, -1)
-        h, last = self._add_rms(h, delta, self.norm)
-        if len(self.layers) in state_layers:
-            states.append(last)
+        h, _ = self._add_rms(h, delta, self.norm)
+        if len(self.layers) in state_layers:  # the last layer's state is the normed one, as transformers returns it
+            states.append(h)
         if last_row is not None:
             h = h[:1, last_row:last_row + 1]
         logits = self.lm_head(h.reshape(-1, h.shape[-1]), True)
@@ -270,9 +270,9 @@ class FastLlama:
             gu = layer.gate_up(x, True)
             gate, up = gu[:, : self.inter], gu[:, self.inter :]
             delta = layer.down(F.silu(gate) * up, True)
-        h, last = self._add_rms(h, delta, self.norm)
-        if len(self.layers) in state_layers:
-            states.append(last)
+        h, _ = self._add_rms(h, delta, self.norm)
+        if len(self.layers) in state_layers:  # the last layer's state is the normed one, as transformers returns it
+            states.append(h)
         logits = self.lm_head(h[last_row:last_row + 1] if last_row is not None else h, True)[:real]
         stacked = torch.stack(states, dim=1)[:real] if state_layers else None
         return logits, stacked

@@ -108,14 +108,10 @@ class NodeRecorder:
         top_k: log-probabilities kept per position.
         keep: keep finished sequences in :attr:`done` (set False when :attr:`on_finish`
             consumes them).
-        final_norm: applied to the extra layer to make it the final normed state (the fast
-            path returns the residual stream before the target's last norm); ``None``: kept as is.
     """
 
-    def __init__(self, state_count: int, top_k: int = DEFAULT_TOP_K, keep: bool = True,
-                 final_norm: torch.nn.Module | None = None) -> None:
+    def __init__(self, state_count: int, top_k: int = DEFAULT_TOP_K, keep: bool = True) -> None:
         self.state_count = state_count
-        self.final_norm = final_norm
         self.top_k = top_k
         self.keep = keep
         self.done: list[OnPolicySequence] = []
@@ -128,11 +124,7 @@ class NodeRecorder:
         drafter = states[..., :s, :].to(torch.bfloat16)
         final = None
         if states.shape[-2] > s:
-            last = states[..., s, :]
-            if self.final_norm is not None:
-                with torch.no_grad():
-                    last = self.final_norm(last)
-            final = last.to(torch.bfloat16).cpu()
+            final = states[..., s, :].to(torch.bfloat16).cpu()
         return drafter.cpu(), final  # (kept on the host, whatever the target's device)
 
     # -- StepObserver

@@ -214,8 +214,7 @@ def _decode(loaded, target, predictor_file: Path, prompts: list[str], temperatur
 
     model, tok = loaded.model, loaded.tokenizer
     drafter = make_drafter("state", model, str(predictor_file), lookup=False)
-    norm = _final_norm(model) if target.fast is not None else None
-    rec = NodeRecorder(len(drafter.state_layers), cfg.top_k, final_norm=norm)
+    rec = NodeRecorder(len(drafter.state_layers), cfg.top_k)
     engine = Engine(target, drafter, TreeBudget(), policy=PolicyConfig(kind=PolicyKind.STATIC), observers=[rec])
     eos = tok.eos_token_id
     params = GenerationParams(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(temperature=temperature,
@@ -224,12 +223,6 @@ def _decode(loaded, target, predictor_file: Path, prompts: list[str], temperatur
     ids = [encode(tok, {"turns": [p]}, True) for p in prompts]
     engine.generate(ids, params, cfg.batch_size)
     return rec.take()
-
-
-def _final_norm(model: torch.nn.Module):
-    """The target's last norm (applied to the residual stream the fast path returns)."""
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    return backbone.norm
 
 
 def _draw(buffer: ReplayBuffer, tokens: int, rng: random.Random) -> list[OnPolicySequence]:
@@ -393,7 +386,8 @@ def _run(cfg: OnPolicyConfig, state: dict, pred, opt, lr_at, buffer, prompts, rn
             opt.step()
             state["step"] += 1
             state["train_seconds"] += time.perf_counter() - t0
-            agg.update(step=state["step"], tokens=ntok, seconds=round(state["decode_seconds"] + state["train_seconds"], 2))
+            agg.update(step=state["step"], tokens=ntok,
+                       seconds=round(state["decode_seconds"] + state["train_seconds"], 2))
             state["history"].append(agg)
             bar.update(1)
             bar.set_postfix(loss=f"{agg.get('loss', 0):.3f}", acc0=f"{agg.get('acc0', 0):.2f}")
