@@ -15,7 +15,9 @@ def embedding_hash(weight: torch.Tensor) -> str:
 
 def target_fingerprint(model: torch.nn.Module) -> dict:
     """What a predictor checkpoint records about the target it was trained for."""
-    cfg = model.config
+    from sot.models.support import text_config
+
+    cfg = text_config(model.config)
     emb = model.get_input_embeddings().weight
     arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
     return {

@@ -71,8 +71,15 @@ def test_requests_in_flight_when_the_engine_closes_end_with_an_error(model_dir: 
 
     async def run() -> list:
         engine = AsyncSoT(sot, max_batch=1)
-        running = asyncio.create_task(engine.generate("abc", chat=False, max_new_tokens=400, ignore_eos=True))
-        await asyncio.sleep(0.3)
+        started = asyncio.Event()
+
+        async def read_all() -> None:  # (a request known to be running: it has handed over text)
+            async for event in engine.stream("abc", chat=False, max_new_tokens=400, ignore_eos=True):
+                if event.text:
+                    started.set()
+
+        running = asyncio.create_task(read_all())
+        await asyncio.wait_for(started.wait(), timeout=20)
         queued = asyncio.create_task(engine.generate("abd", chat=False, max_new_tokens=4))
         await asyncio.sleep(0)  # (submitted: its command waits in the worker's queue)
         engine.close()

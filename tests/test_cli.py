@@ -71,7 +71,8 @@ def test_score_gives_the_models_log_probabilities(model_dir: Path, tmp_path: Pat
     assert [s.logprobs for s in sot.score(texts)] != [s.logprobs for s in scores]  # (no alternatives asked)
     alone = [sot.score([t], top_logprobs=2)[0].logprobs for t in texts]
     assert alone == [s.logprobs for s in scores]
-    assert main(["score", texts[0], "--model", str(model_dir), "--json", "--top-logprobs", "1"]) == 0
+    assert main(["score", texts[0], "--model", str(model_dir), "--json", "--top-logprobs", "1",
+                 "--dtype", "float32"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["token_ids"] == scores[0].token_ids and record["logprobs"][0] is None
     assert [e["logprob"] for e in record["logprobs"][1:]] == [e.logprob for e in scores[0].logprobs[1:]]

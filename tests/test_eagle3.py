@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from state_helpers import LAYERS, ROOT, chain_inputs
 from sot.drafters import NoDrafter, TreeBudget, make_drafter
 from sot.drafters.base import DraftInput
 from sot.drafters.state import StateDrafter, export_eagle3, load_predictor, new_predictor, save_predictor
+from sot.drafters.state.io import grow_predictor
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError, DrafterCompatibilityError
 from sot.models.adapter import TargetModel
@@ -338,6 +340,71 @@ def test_a_head_for_another_target_is_refused(tmp_path) -> None:
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "does not fit this target" in proc.stderr
+
+
+def _rewrite(folder: Path, **changes: torch.Tensor | None) -> Path:
+    """``folder``'s weights with tensors replaced, added, or (``None``) removed."""
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    for name, value in changes.items():
+        if value is None:
+            tensors.pop(name.replace("__", "."))
+        else:
+            tensors[name.replace("__", ".")] = value
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_published_heads_are_read_as_the_engines_read_them_or_refused_by_name(tmp_path) -> None:
+    """What vLLM and SGLang accept loads (a head over the whole vocabulary without its own
+    ``lm_head``; embeddings of its own, with a warning that SoT drafts with the target's); a
+    head they would run otherwise, or whose vocabulary maps contradict each other, is refused
+    with the field named, before any draft."""
+    model = tiny_model("llama", seed=2)
+    whole = _rewrite(_random_checkpoint(tmp_path / "whole", model, seed=5, draft=torch.arange(VOCAB)),
+                     lm_head__weight=None)
+    shared = load_predictor(whole, model)
+    assert torch.equal(shared.lm_head.weight, model.get_output_embeddings().weight.float())
+    part = _rewrite(_random_checkpoint(tmp_path / "part", model, seed=5), lm_head__weight=None)
+    with pytest.raises(DrafterCompatibilityError, match="needs its own lm_head.weight"):
+        load_predictor(part, model)
+    embed = model.get_input_embeddings().weight.detach()
+    same = _rewrite(_random_checkpoint(tmp_path / "same_embed", model, seed=5), embed_tokens__weight=embed.clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_predictor(same, model)
+    other = _rewrite(_random_checkpoint(tmp_path / "own_embed", model, seed=5), embed_tokens__weight=embed + 1)
+    with pytest.warns(UserWarning, match="own embed_tokens.*drafts with the target's embeddings"):
+        load_predictor(other, model)
+    ids = DRAFT.clone()
+    for name, tensors, changes, message in (
+            ("target_ids", {"d2t": ids}, {}, "d2t and t2d disagree"),
+            ("twice", {"d2t": torch.cat([ids[:1], ids[:-1]]) - torch.arange(ids.numel()), "t2d": None}, {},
+             "two draft ids onto the same target token"),
+            ("flat", {"d2t": (ids - torch.arange(ids.numel())).reshape(6, 8)}, {}, r"shape \(6, 8\)"),
+            ("unsized", {}, {"draft_vocab_size": None}, "d2t has 48 entries, but config.json has no draft_vocab_size"),
+            ("kv", {}, {"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+            ("gelu", {}, {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+            ("biased", {}, {"attention_bias": True}, "attention_bias true"),
+            ("unnamed", {}, {"eagle_config": {}}, "EAGLE-3's default for a 2-layer target")):
+        folder = _rewrite(_random_checkpoint(tmp_path / name, model, seed=5, **changes), **tensors)
+        with pytest.raises(DrafterCompatibilityError, match=message):
+            load_predictor(folder, model)
+
+
+def test_training_from_a_published_head_keeps_its_settings(tmp_path) -> None:
+    """``--init-from`` a head whose norm epsilon, rope base and residual differ from what SoT
+    would choose for the target starts training from that head, not from a reshaped one."""
+    model = tiny_model("llama", seed=2)
+    folder = _random_checkpoint(tmp_path / "head", model, seed=5, rms_norm_eps=1e-2, rope_theta=50.0,
+                                norm_before_residual=True)
+    start = load_predictor(folder, model)
+    grown, added = grow_predictor(folder, model, start.config.state_layers, 1)
+    assert not added
+    for field in ("num_heads", "num_kv_heads", "head_dim", "rms_eps", "rope_theta", "norm_before_residual"):
+        assert getattr(grown.config, field) == getattr(start.config, field), field
+    seqs = chain_inputs(model, start, [11, 25], seed=4)
+    _same_trees(_trees(start, seqs), _trees(grown, seqs))
 
 
 def test_native_predictors_are_not_exported_and_eagle3_keeps_one_layer(tmp_path) -> None:

@@ -108,14 +108,55 @@ DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
                          qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
      "DeepseekV3ForCausalLM", "multi-head latent attention"),
+    ("gemma4", dict(DENSE, num_key_value_heads=2, head_dim=16, global_head_dim=32, vocab_size_per_layer_input=96,
+                    hidden_size_per_layer_input=8, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
+     "Gemma4ForCausalLM", "keys differ in shape .*2 key heads of width 16, 2 key heads of width 32"),
+    ("embedding_gemma", dict(DENSE, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                             use_bidirectional_attention=True, layer_types=["sliding_attention", "full_attention"]),
+     "Gemma3ForCausalLM", "attention is bidirectional"),
+    ("llama4", dict(DENSE, intermediate_size_mlp=128, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                    attention_chunk_size=8), "Llama4ForCausalLM", "chunked_attention layers .*fixed chunks"),
 ])
 def test_models_sot_cannot_decode_exactly_are_refused_by_name(name, config, cls, reason) -> None:
     config_class = {"bloom": "BloomConfig", "mpt": "MptConfig", "mamba": "MambaConfig",
                     "recurrent_gemma": "RecurrentGemmaConfig", "bert": "BertConfig", "gpt_oss": "GptOssConfig",
-                    "diffllama": "DiffLlamaConfig", "deepseek_v3": "DeepseekV3Config"}[name]
+                    "diffllama": "DiffLlamaConfig", "deepseek_v3": "DeepseekV3Config", "gemma4": "Gemma4TextConfig",
+                    "embedding_gemma": "Gemma3TextConfig", "llama4": "Llama4TextConfig"}[name]
     model = getattr(transformers, cls)(getattr(transformers, config_class)(**SMALL, **config)).eval()
     with pytest.raises(UnsupportedModelError, match=f"cannot decode {cls} exactly: .*{reason}"):
         TargetModel(model)
+
+
+def test_a_multimodal_gemma3_checkpoint_decodes_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3's 4B-27B checkpoints are ``Gemma3ForConditionalGeneration``, whose config keeps
+    the language model's sizes in ``text_config``: SoT reads them there, so drafting (the cost
+    model's and the predictor's view of the target) works as on a text-only model."""
+    from sot import SoT
+    from sot.drafters.state.config import StatePredictorConfig
+
+    text = dict(SMALL, vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    cfg = StatePredictorConfig.for_target(model, (1, 2), 0)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.window) == (4, 1, 16, 0)  # (the last layer is global)
+    model.save_pretrained(tmp_path / "g3")
+    char_tokenizer_dir(tmp_path / "g3")
+    prompt = "hello there, hello there, hello"
+    outputs = {drafter: SoT.load(str(tmp_path / "g3"), drafter=drafter, dtype="float32", device="cpu",
+                                 prefix_cache_mb=0).generate([prompt], max_new_tokens=12)[0].token_ids
+               for drafter in ("none", "pld")}
+    assert outputs["pld"] == outputs["none"] and len(outputs["none"]) == 12
 
 
 def test_incomplete_folders_and_adapters_are_errors(tmp_path: Path) -> None:

@@ -214,13 +214,14 @@ def cmd_gen_data(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from sot.models.loading import dtype_name, load_model, resolve_device, resolve_dtype
+    from sot.models.support import text_config
     from sot.train.data import build_state_cache, evaluation_conversations, training_conversations
 
     device = resolve_device(args.device)
     convs = training_conversations(args.data)
     held_out = evaluation_conversations(args.eval_data, args.eval_conversations, convs)  # checked before loading
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
-    layers = parse_layers(args.layers, loaded.model.config.num_hidden_layers)
+    layers = parse_layers(args.layers, text_config(loaded.model.config).num_hidden_layers)
     out = Path(args.out)
     config = loaded.model.config
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sot.errors import ConfigError
+from sot.models.support import text_config
 from sot.online.loss import OnlineLossConfig, online_loss
 from sot.online.record import DEFAULT_TOP_K, NodeRecorder, OnPolicySequence
 from sot.train.trainer import Diverged, terminate_as_interrupt, warmup_cosine
@@ -259,7 +260,7 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
         p.requires_grad_(True)
     pred.head = pred.head.float()
     layers = tuple(pred.config.state_layers)
-    final_layer = loaded.model.config.num_hidden_layers
+    final_layer = text_config(loaded.model.config).num_hidden_layers
     target = TargetModel(loaded.model, state_layers=layers + ((final_layer,) if final_layer not in layers else ()))
     opt = torch.optim.AdamW(pred.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total_steps = cfg.iterations * cfg.steps_per_iteration

@@ -37,6 +37,7 @@ from sot.drafters.state import StatePredictor, grow_predictor, new_predictor, sa
 from sot.drafters.state.config import ARCHES, EAGLE3, NATIVE
 from sot.errors import ConfigError
 from sot.fingerprint import embedding_hash
+from sot.models.support import text_config
 from sot.train import changed_settings
 from sot.train.data import StateDataset
 from sot.train.plots import write_plots
@@ -230,10 +231,10 @@ def evaluate(pred: StatePredictor, data: StateDataset, full_head: torch.Tensor, 
         if i not in cache:
             cache[i] = (states[1:, s].to(device).float() @ full_head.T).argmax(-1)
         target_top = cache[i]  # [t] target's token at each row's next position
-        with compute_autocast(device, cfg.precision):
+        with compute_autocast(device, cfg.precision):  # (the head too: its input is bf16 where autocast is on)
             outs = pred.forward_unrolled(states[:t, :s].unsqueeze(0).to(device).float(), tokens[1:].unsqueeze(0).to(device),
                                          depth)
-        hits = torch.stack([vocab[pred.logits(g[0]).float().argmax(-1)] == target_top for g in outs])  # [K, t]
+            hits = torch.stack([vocab[pred.logits(g[0]).float().argmax(-1)] == target_top for g in outs])  # [K, t]
         starts = torch.nonzero(mask[1 : t - depth + 1].bool()).flatten()
         ok = torch.ones(starts.numel(), dtype=torch.bool, device=device)
         for k in range(depth):
@@ -352,9 +353,10 @@ def _fit(cfg: TrainConfig) -> Path:
     evals_data = StateDataset(data_dir / "eval") if (data_dir / "eval" / "meta.json").is_file() else None
     loaded = load_model(cfg.model, dtype=torch.float32)
     target = loaded.model
-    if train.meta["hidden_size"] != target.config.hidden_size:
+    hidden = text_config(target.config).hidden_size
+    if train.meta["hidden_size"] != hidden:
         raise ConfigError(f"state cache {data_dir} was made for hidden size {train.meta['hidden_size']}, "
-                          f"the model has {target.config.hidden_size}")
+                          f"the model has {hidden}")
     made_with = train.meta.get("embed_hash")  # (caches written before it was recorded have none)
     if made_with is not None and made_with != embedding_hash(target.get_input_embeddings().weight):
         raise ConfigError(f"state cache {data_dir} was made with another model than {cfg.model}; "

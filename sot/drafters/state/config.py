@@ -10,6 +10,7 @@ import torch
 
 from sot.errors import ConfigError, DrafterCompatibilityError
 from sot.fingerprint import target_fingerprint
+from sot.models.support import text_config
 
 FORMAT = "sot-state-predictor/1"
 #: predictor architectures: SoT's own (a norm per input layer, an input projection in front of
@@ -45,11 +46,12 @@ def _last_layer_window(model: torch.nn.Module) -> int:
     attention = getattr(layer, "self_attn", None)
     if attention is None:
         return 0
-    return int(layer_window(attention, model.config) or 0)
+    return int(layer_window(attention, text_config(model.config)) or 0)
 
 
 def _last_decoder_layer(model: torch.nn.Module) -> torch.nn.Module | None:
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
     return layers[-1] if layers is not None and len(layers) else None
 
 
@@ -87,7 +89,7 @@ class StatePredictorConfig:
     @classmethod
     def for_target(cls, model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab_size: int,
                    decoder_layers: int = 1, arch: str = NATIVE) -> "StatePredictorConfig":
-        cfg = model.config
+        cfg = text_config(model.config)
         d = int(model.get_input_embeddings().weight.shape[1])
         heads = int(getattr(cfg, "num_attention_heads", max(1, d // 64)))
         head_dim = int(getattr(cfg, "head_dim", None) or d // heads)

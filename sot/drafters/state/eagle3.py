@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from sot.drafters.state.config import EAGLE3, StatePredictorConfig, check_compat
 from sot.drafters.state.model import StatePredictor
 from sot.errors import ConfigError, DrafterCompatibilityError
 from sot.fingerprint import target_fingerprint
+from sot.models.support import text_config
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"
@@ -95,14 +97,14 @@ def export_eagle3(pred: StatePredictor, out_dir: str | Path, model: torch.nn.Mod
     if not pred.eagle3:
         raise ConfigError("this is a native SoT predictor: EAGLE-3 has no place for its per-layer input norms "
                           "and input projection. Train one in EAGLE-3's layout with 'sot train fit --arch eagle3'")
-    problem = served_layers_problem(c.state_layers, int(model.config.num_hidden_layers))
+    problem = served_layers_problem(c.state_layers, int(text_config(model.config).num_hidden_layers))
     if problem:
         raise ConfigError(f"{problem}; train the predictor on a state cache prepared with such --layers")
     if c.window:
         raise ConfigError(f"this predictor attends within a sliding window of {c.window} tokens, which "
                           f"{ARCHITECTURE} cannot express")
     check_compatible(c, model)
-    tcfg = model.config
+    tcfg = text_config(model.config)
     vocab = int(model.get_input_embeddings().weight.shape[0])
     draft = pred.draft_vocab.to(torch.long).cpu()
     t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -136,8 +138,8 @@ def export_eagle3(pred: StatePredictor, out_dir: str | Path, model: torch.nn.Mod
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        "bos_token_id": getattr(tcfg, "bos_token_id", None),
-        "eos_token_id": getattr(tcfg, "eos_token_id", None),
+        "bos_token_id": getattr(tcfg, "bos_token_id", None) or getattr(model.config, "bos_token_id", None),
+        "eos_token_id": getattr(tcfg, "eos_token_id", None) or getattr(model.config, "eos_token_id", None),
         "eagle_aux_hidden_state_layer_ids": ids["vllm"],
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids["sglang"], "use_aux_hidden_state": True},
         SOT_KEY: {"target": c.target},
@@ -145,9 +147,14 @@ def export_eagle3(pred: StatePredictor, out_dir: str | Path, model: torch.nn.Mod
     out = Path(out_dir)
     check_export_folder(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    os.chmod(out / WEIGHTS_FILE, 0o644)  # (written owner-only) readable by a server running as another user
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    # both files are written beside their names and renamed last, so an export stopped midway
+    # leaves the folder's earlier head whole rather than new weights under an old config
+    staged_weights, staged_config = out / f".{WEIGHTS_FILE}.{os.getpid()}", out / f".{CONFIG_FILE}.{os.getpid()}"
+    save_file(tensors, str(staged_weights), metadata={"format": "pt"})
+    os.chmod(staged_weights, 0o644)  # (written owner-only) readable by a server running as another user
+    staged_config.write_text(json.dumps(config, indent=2) + "\n")
+    staged_weights.replace(out / WEIGHTS_FILE)
+    staged_config.replace(out / CONFIG_FILE)
     return out
 
 
@@ -158,7 +165,9 @@ def check_export_folder(out: Path) -> None:
         raise ConfigError(f"{out} is a file; give a folder to write the head into")
     if not out.is_dir():
         return
-    others = sorted(p.name for p in out.iterdir() if p.name not in (CONFIG_FILE, WEIGHTS_FILE))
+    staged = (f".{WEIGHTS_FILE}.", f".{CONFIG_FILE}.")  # an earlier export's, stopped before its renames
+    others = sorted(p.name for p in out.iterdir()
+                    if p.name not in (CONFIG_FILE, WEIGHTS_FILE) and not p.name.startswith(staged))
     head = True
     if (out / CONFIG_FILE).is_file():
         try:
@@ -233,7 +242,7 @@ def eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredict
 def _eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredictorConfig:
     emb = model.get_input_embeddings().weight
     vocab, d = int(emb.shape[0]), int(emb.shape[1])
-    num_layers = int(model.config.num_hidden_layers)
+    num_layers = int(text_config(model.config).num_hidden_layers)
     hidden = int(cfg.get("hidden_size", -1))
     heads = int(cfg.get("num_attention_heads", 0) or 0)
     problems = []
@@ -246,11 +255,23 @@ def _eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredic
     if int(cfg.get("num_hidden_layers", 1)) != 1:
         problems.append(f"num_hidden_layers {cfg.get('num_hidden_layers')} (SoT reads one-layer heads)")
     state_layers = _state_layers(cfg, num_layers)
+    named = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    shown = f"input layers {list(state_layers)}" + (
+        "" if named else f" (EAGLE-3's default for a {num_layers}-layer target: the config names none)")
     if any(not 0 <= i <= num_layers for i in state_layers):
-        problems.append(f"input layers {list(state_layers)}, target has {num_layers} layers")
+        problems.append(f"{shown}, target has {num_layers} layers")
     elif len(state_layers) != 3 or list(state_layers) != sorted(set(state_layers)):
-        problems.append(f"input layers {list(state_layers)} (EAGLE-3 reads three distinct layers, in ascending "
-                        "order as the engines join them)")
+        problems.append(f"{shown}: EAGLE-3 reads three distinct layers, in ascending order as the engines join them")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads > 0 and (kv_heads <= 0 or heads % kv_heads):
+        problems.append(f"num_key_value_heads {cfg.get('num_key_value_heads')} does not divide "
+                        f"num_attention_heads {heads}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg.get('hidden_act')!r} (EAGLE-3 heads, as vLLM and SGLang run them, use silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            problems.append(f"{flag} true (SoT reads EAGLE-3 heads without biases, as the engines do)")
     if cfg.get("norm_output") is False or cfg.get("fc_norm"):
         problems.append("norm_output false or fc_norm (SoT reads heads whose output is normed and whose fc is not)")
     # rope settings: ``rope_theta`` / ``rope_scaling``, or transformers 5's ``rope_parameters``
@@ -266,7 +287,7 @@ def _eagle3_config(cfg: dict, model: torch.nn.Module, path: Path) -> StatePredic
     sot = cfg.get(SOT_KEY) or {}
     target = sot.get("target") or target_fingerprint(model)  # a foreign head: checked by sizes only
     return StatePredictorConfig(
-        hidden_size=d, num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        hidden_size=d, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=int(cfg.get("head_dim") or d // heads), intermediate_size=int(cfg["intermediate_size"]),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
         state_layers=state_layers, draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab), target=target,
@@ -281,29 +302,72 @@ def load_eagle3(path: str | Path, model: torch.nn.Module, dtype: torch.dtype = t
     c = eagle3_config(cfg, model, path)
     if SOT_KEY in cfg:
         check_compatible(c, model, path)
-    vocab = int(model.get_input_embeddings().weight.shape[0])
+    embed = model.get_input_embeddings().weight
+    vocab = int(embed.shape[0])
     if "d2t" not in tensors and c.draft_vocab_size == vocab:  # a head over the whole vocabulary
         tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
     wanted = set(NAMES.values()) | {"d2t"}
-    missing = sorted(wanted - set(tensors))
+    # a head over the whole vocabulary may leave its output layer to the target's (as both
+    # engines allow); the predictor's own starts as the target's head
+    shares_head = "lm_head.weight" not in tensors and c.draft_vocab_size == vocab
+    missing = sorted(wanted - set(tensors) - ({"lm_head.weight"} if shares_head else set()))
     unexpected = sorted(set(tensors) - wanted - {"t2d", *IGNORED})
     if missing or unexpected:
+        hint = ("; a head over part of the vocabulary (draft_vocab_size < vocab_size) needs its own lm_head.weight"
+                if missing == ["lm_head.weight"] else "")
         raise DrafterCompatibilityError(f"{path}/{WEIGHTS_FILE} does not have the EAGLE-3 layout "
-                                        f"(missing {missing}, unexpected {unexpected})")
-    if tensors["d2t"].dtype.is_floating_point or tensors["d2t"].dtype == torch.bool:
-        raise DrafterCompatibilityError(f"{path}: d2t is {tensors['d2t'].dtype}; it holds integer offsets")
-    d2t = tensors["d2t"].to(torch.long)
-    draft = torch.arange(d2t.numel()) + d2t
-    if d2t.numel() != c.draft_vocab_size or draft.min() < 0 or draft.max() >= vocab:
-        raise DrafterCompatibilityError(f"{path}: d2t does not map {c.draft_vocab_size} draft ids onto "
-                                        f"the target's {vocab} tokens")
-    pred = StatePredictor(c, model.get_input_embeddings().weight, model.get_output_embeddings().weight, draft)
+                                        f"(missing {missing}, unexpected {unexpected}){hint}")
+    draft = _draft_vocab(path, tensors, cfg, c.draft_vocab_size, vocab)
+    _check_own_embeddings(path, tensors.get("embed_tokens.weight"), embed)
+    pred = StatePredictor(c, embed, model.get_output_embeddings().weight, draft)
+    names = {k: v for k, v in NAMES.items() if not (shares_head and k == "lm_head.weight")}
     own = dict(pred.named_parameters())
-    for name, theirs in NAMES.items():
+    for name, theirs in names.items():
         if tuple(tensors[theirs].shape) != tuple(own[name].shape):
             raise DrafterCompatibilityError(f"{path}: {theirs} has shape {tuple(tensors[theirs].shape)}, this "
                                             f"target needs {tuple(own[name].shape)}")
     with torch.no_grad():
-        for name, theirs in NAMES.items():
+        for name, theirs in names.items():
             own[name].copy_(tensors[theirs].float())
     return pred.cast_for_inference(dtype)
+
+
+def _draft_vocab(path: Path, tensors: dict[str, torch.Tensor], cfg: dict, size: int, vocab: int) -> torch.Tensor:
+    """The target ids of the head's draft vocabulary, ``[V_d]`` int64, from ``d2t`` (offsets:
+    ``target id = draft id + d2t[draft id]``), checked against ``t2d`` where the file has it."""
+    d2t = tensors["d2t"]
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or d2t.dim() != 1:
+        raise DrafterCompatibilityError(f"{path}: d2t is {d2t.dtype} of shape {tuple(d2t.shape)}; it holds one "
+                                        "integer offset per draft id")
+    if d2t.numel() != size:
+        stated = (f"draft_vocab_size {cfg['draft_vocab_size']}" if cfg.get("draft_vocab_size")
+                  else f"no draft_vocab_size, which means the whole vocabulary ({vocab})")
+        raise DrafterCompatibilityError(f"{path}: d2t has {d2t.numel()} entries, but config.json has {stated}")
+    draft = torch.arange(d2t.numel()) + d2t.to(torch.long)
+    inside = not draft.numel() or (int(draft.min()) >= 0 and int(draft.max()) < vocab)
+    t2d = tensors.get("t2d")
+    if t2d is not None:
+        if t2d.dim() != 1 or t2d.numel() != vocab:
+            raise DrafterCompatibilityError(f"{path}: t2d has shape {tuple(t2d.shape)}, the target has {vocab} tokens")
+        if not inside or not bool(t2d.bool()[draft].all()) or int(t2d.bool().sum()) != draft.numel():
+            raise DrafterCompatibilityError(
+                f"{path}: d2t and t2d disagree on the draft vocabulary (d2t should hold offsets, target id minus "
+                "draft id, not target ids)")
+    if not inside:
+        raise DrafterCompatibilityError(f"{path}: d2t maps draft ids outside the target's {vocab} tokens "
+                                        f"(to {int(draft.min())}..{int(draft.max())})")
+    if torch.unique(draft).numel() != draft.numel():
+        raise DrafterCompatibilityError(f"{path}: d2t maps two draft ids onto the same target token")
+    return draft
+
+
+def _check_own_embeddings(path: Path, theirs: torch.Tensor | None, embed: torch.Tensor) -> None:
+    """Warn when a head carries token embeddings other than the target's: SoT drafts with the
+    target's (the output is the same either way; only how often drafts are accepted can differ)."""
+    if theirs is None:
+        return
+    same = theirs.shape == embed.shape and torch.equal(theirs, embed.detach().cpu().to(theirs.dtype))
+    if not same:
+        warnings.warn(f"{path} carries its own embed_tokens ({tuple(theirs.shape)}), which differ from the "
+                      f"target's {tuple(embed.shape)}; SoT drafts with the target's embeddings, so drafts may be "
+                      "accepted less often than where an engine uses the head's own", stacklevel=3)

@@ -1,6 +1,7 @@
 """Predictor files, and new predictors started from the target's own weights."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -137,10 +138,12 @@ def _copy_last_layer(ours: torch.nn.Module, model: torch.nn.Module) -> bool:
 
 
 def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_vocab: torch.Tensor | None,
-                  seed: int = 0, init: str = "target", decoder_layers: int = 1, arch: str = NATIVE
-                  ) -> StatePredictor:
+                  seed: int = 0, init: str = "target", decoder_layers: int = 1, arch: str = NATIVE,
+                  like: StatePredictorConfig | None = None) -> StatePredictor:
     """A freshly initialised predictor for ``model`` (fp32 weights) of architecture ``arch``
-    (``native`` or ``eagle3``, :class:`StatePredictor`).
+    (``native`` or ``eagle3``, :class:`StatePredictor`). Its shape (heads, widths, norm
+    epsilon, rope base) follows the target's, or ``like``'s where given (a predictor it starts
+    from, whose settings may differ from the target's, as a published EAGLE-3 head's can).
 
     ``init="target"`` starts the first decoder layer from the target's last layer when the
     family allows it (the rest small random) and every further layer as the identity
@@ -150,6 +153,9 @@ def new_predictor(model: torch.nn.Module, state_layers: tuple[int, ...], draft_v
         raise ConfigError(f"init must be 'target' or 'random', got {init!r}")
     size = 0 if draft_vocab is None else int(draft_vocab.numel())
     cfg = StatePredictorConfig.for_target(model, state_layers, size, decoder_layers, arch)
+    if like is not None:
+        cfg = dataclasses.replace(like, state_layers=cfg.state_layers, draft_vocab_size=cfg.draft_vocab_size,
+                                  decoder_layers=decoder_layers, arch=arch, target=cfg.target)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         pred = StatePredictor(cfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight, draft_vocab)
@@ -211,7 +217,7 @@ def grow_predictor(path: str | Path, model: torch.nn.Module, state_layers: tuple
                           "it cannot be recounted (drop --recount-vocab)")
     vocab = start_from.draft_vocab if recounted is None else recounted[0]
     pred = new_predictor(model, state_layers, None if vocab is None else vocab.clone(), seed, init, decoder_layers,
-                         start_from.config.arch)
+                         start_from.config.arch, like=start_from.config)
     # layers beyond the file's keep their fresh start (the identity, with init "target")
     weights = {k: v for k, v in start_from.state_dict().items() if k != "draft_vocab"}
     missing, _ = pred.load_state_dict(weights, strict=False)
