@@ -22,7 +22,7 @@ from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
 from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
-from sot.detokenize import TextAssembler, decoder, first_stop, token_pieces
+from sot.detokenize import TextAssembler, decoder, first_stop, token_label, token_pieces
 from sot.dtype_choice import resolve as resolve_dtype_choice
 from sot.models.loading import DEFAULT_DEVICE, load_model, resolve_device
 from sot.online.adapt import AdaptConfig, Adapter
@@ -71,6 +71,9 @@ class Completion:
     #: with tools offered: the calls read from ``text``, in OpenAI's form (``{"id", "type":
     #: "function", "function": {"name", "arguments"}}``, arguments as JSON text)
     tool_calls: list[dict] = field(default_factory=list)
+    #: with a ``grammar`` finish caused by the grammar engine failing (a pattern past its size
+    #: limits) rather than by a dead end: the engine's message; else ``None``
+    error: str | None = None
 
     def to_dict(self) -> dict:
         """The fields as JSON-ready values (step records left out; logprobs and tool calls
@@ -81,6 +84,8 @@ class Completion:
             out.pop("logprobs")
         if not self.tool_calls:
             out.pop("tool_calls")
+        if self.error is None:
+            out.pop("error")
         return out
 
 
@@ -438,6 +443,7 @@ class SoT:
             cached_tokens=res.cached_tokens,
             logprobs=res.logprobs,
             step_records=res.step_records,
+            error=res.error,
         )
 
     def trace_run(self, **extra: Any) -> dict[str, Any]:
@@ -464,7 +470,7 @@ class SoT:
                 index=i, prompt_ids=list(prompt), token_ids=list(c.token_ids), pieces=pieces, text=c.text,
                 finish_reason=c.finish_reason, tau=round(c.mean_accept_len, 4), seconds=round(c.seconds, 4),
                 steps=[r.to_json() for r in c.step_records], states=states,
-                vocab={str(t): self.tokenizer.decode([t])
+                vocab={str(t): token_label(self.tokenizer, t)
                        for t in sorted({t for r in c.step_records for t in r.tokens})},
             ))
         return out

@@ -17,6 +17,8 @@ string and hold back what could still begin one (``SoT.stream``, ``AsyncSoT`` an
 """
 from __future__ import annotations
 
+import re
+from functools import lru_cache
 from typing import Any, Callable
 
 #: tokens left unsettled at most (a character takes at most 4 byte tokens)
@@ -197,3 +199,49 @@ def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
     if pieces and len(text) > done:
         pieces[-1] += text.text[done:]
     return pieces
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character that stands for each byte in a byte-level BPE token (GPT-2's scheme:
+    printable Latin-1 bytes stand for themselves, the others for characters from U+0100 on)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    alphabet, moved = {}, 0
+    for b in range(256):
+        if b in kept:
+            alphabet[chr(b)] = b
+        else:
+            alphabet[chr(256 + moved)] = b
+            moved += 1
+    return alphabet
+
+
+def token_bytes(tokenizer: Any, token: int, text: str) -> bytes:
+    """The bytes of one token, OpenAI's ``bytes`` field: ``text`` (the token decoded alone) in
+    UTF-8, or, where the token holds only part of a character (``text`` then shows a
+    replacement character), the raw bytes its byte-level or byte-fallback piece stands for,
+    so that the bytes of consecutive tokens join to the answer's UTF-8."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token)
+    match = _BYTE_TOKEN.fullmatch(piece or "")
+    if match:
+        return bytes([int(match.group(1), 16)])
+    alphabet = _byte_level_alphabet()
+    if piece and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return text.encode("utf-8")
+
+
+def token_label(tokenizer: Any, token: int) -> str:
+    """A token's text for a person to read: its decoded text, or, for a token that holds only
+    part of a character (decoding gives U+FFFD), its bytes (:func:`token_bytes`) with those
+    that do not decode written as ``\\xf0`` escapes, so that two such tokens never read alike."""
+    text = tokenizer.decode([token])
+    if _INCOMPLETE not in text:
+        return text
+    return token_bytes(tokenizer, token, text).decode("utf-8", errors="backslashreplace")

@@ -626,6 +626,8 @@ class Engine:
         self._cache.lengths[last] = 0
         self.drafter.release(seq.id)
         self.drafter.remember(seq.prompt, seq.result.token_ids, seq.tenant)
+        if seq.result.error is not None and seq.params.structured is not None:
+            self.grammars.forget(seq.params.structured)  # (its compiled copy may be spent: the next compiles anew)
         for obs in self.observers:
             obs.finished(seq)
         self.policy.drop_sequence(seq.id)

@@ -13,6 +13,7 @@ from sot.cache import KVCache
 from sot.detokenize import IncrementalText
 from sot.errors import ConfigError, PromptTooLongError, SoTError
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
+from sot.structured import grammar_error
 from sot.trace import StepRecord
 
 if TYPE_CHECKING:
@@ -87,6 +88,9 @@ class SequenceResult:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     #: with ``Engine(record_steps=True)``: one record per verify step (:mod:`sot.trace`)
     step_records: list[StepRecord] = field(default_factory=list)
+    #: why a ``grammar`` finish was not the grammar's dead end but its engine's failure (a
+    #: pattern past the engine's size limits), in the engine's words; else ``None``
+    error: str | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -403,8 +407,11 @@ class LiveRequest:
             res.token_ids.append(tok)
             if self.matcher is not None and self.matcher.try_consume_tokens([tok]) != 1:
                 # a dead end: the grammar allows no token of this vocabulary (an enum's "é" that
-                # no token spells), so its mask held only the end of sequence, which it refuses
+                # no token spells), so its mask held only the end of sequence, which it refuses;
+                # or the grammar engine failed (its message kept, for the caller to report)
                 reason = "grammar"
+                if self.matcher.is_error():
+                    res.error = "the grammar engine stopped: " + grammar_error(self.matcher)
                 break
             if tok in params.eos_token_ids:
                 reason = "eos"

@@ -80,6 +80,12 @@ class StructuredOutput:
             raise ConfigError(f"the {self.format.value} is not valid: {exc}") from None
 
 
+def grammar_error(matcher: Any) -> str:
+    """The first line of a failed matcher's error (llguidance's words)."""
+    lines = [line.strip() for line in (matcher.get_error() or "").splitlines() if line.strip()]
+    return lines[0] if lines else "unknown error"
+
+
 class Grammars:
     """Grammar matchers for one tokenizer. The tokenizer's table for llguidance is built on
     the first structured request (about a second) and compiled specs are cached.
@@ -115,6 +121,12 @@ class Grammars:
                 self._table = llguidance.LLTokenizer(wrapped, n_vocab=self.vocab_size, eos_token=eos)
         return self._table
 
+    def forget(self, spec: StructuredOutput) -> None:
+        """Drop ``spec``'s compiled matcher, after a copy of it failed: the copies share its
+        lexer's limits, so an answer that used them up would spoil the next ones."""
+        with self._lock:
+            self._compiled.pop(spec, None)
+
     def matcher(self, spec: StructuredOutput) -> LLMatcher:
         """A fresh matcher at the start of an answer (a copy of the spec's compiled one);
         :class:`ConfigError` naming what is wrong with an invalid spec."""
@@ -124,7 +136,11 @@ class Grammars:
             compiled = self._compiled.get(spec)
             if compiled is not None:
                 self._compiled.move_to_end(spec)
-                return compiled.deep_copy()
+                fresh = compiled.deep_copy()
+                if not fresh.is_error():
+                    return fresh
+                # copies share the compiled lexer's limits: an earlier answer used them up
+                del self._compiled[spec]
             table = self._lltokenizer()
         compiled = LLMatcher(table, spec.grammar(), log_level=0)  # (compiling drops the GIL)
         if compiled.is_error():
@@ -133,7 +149,10 @@ class Grammars:
             self._compiled[spec] = compiled
             while len(self._compiled) > self.CACHED:
                 self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        fresh = compiled.deep_copy()
+        if fresh.is_error():  # (too large to start at all)
+            raise ConfigError(f"the {spec.format.value} is too large for the grammar engine: {grammar_error(fresh)}")
+        return fresh
 
 
 class _TokenBytes:

@@ -117,11 +117,12 @@ def parse_tools(raw: Any) -> tuple[Tool, ...]:
         if params.get("type", "object") != "object":
             raise ConfigError(f"{where}: parameters must describe an object (type: object), since a call's "
                               f"arguments are a JSON object; got type {params['type']!r}")
-        if "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
-            params = {"type": "object", **params}  # ({} or bare properties: the arguments are still an object)
+        if "type" not in params:  # ({}, bare properties, a $ref or anyOf: the arguments are still an object)
+            params = {"type": "object", **params}
         problem = _schema_problem(params)
         if problem:
-            raise ConfigError(f"{where}: parameters of {name!r} are not a usable JSON schema: {problem}")
+            hint = " (no JSON object fits it, and a call's arguments are one)" if "Unsatisfiable" in problem else ""
+            raise ConfigError(f"{where}: parameters of {name!r} are not a usable JSON schema: {problem}{hint}")
         tools.append(Tool(name, description, json.dumps(params)))
     names = [t.name for t in tools]
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -180,12 +181,14 @@ def call_format(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True
 
 
 def _moved_refs(schema: Any, base: str) -> Any:
-    """``schema`` with each local ``$ref`` (``#...``) pointing below ``base`` instead of the root."""
+    """``schema`` with each local ``$ref`` (``#...``) pointing below ``base`` instead of the root,
+    and without ``$id`` or ``$schema`` (a moved schema's own ``$id`` would make its references
+    resolve against it rather than the whole schema's root)."""
     if isinstance(schema, list):
         return [_moved_refs(x, base) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _moved_refs(v, base) for k, v in schema.items()}
+    out = {k: _moved_refs(v, base) for k, v in schema.items() if k not in ("$id", "$schema")}
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         out["$ref"] = base + ref[1:]

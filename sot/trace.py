@@ -277,9 +277,15 @@ def _read_line(obj: Any, run: dict[str, Any], seqs: dict[int, TracedSequence]) -
     if kind == "run":
         run.update(obj)
     elif kind == "sequence":
-        seqs[obj["index"]] = TracedSequence(**obj)
+        index = obj["index"]
+        if not _is_int(index) or index in seqs:
+            raise ValueError(f"sequence index {index!r} is not a new integer (two traces joined into one file?)")
+        seqs[index] = TracedSequence(**obj)
     elif kind == "step":
-        _owner(obj, seqs).steps.append(StepRecord(**obj).to_json())  # every field present, no unknown one
+        owner = _owner(obj, seqs)
+        record = StepRecord(**obj)  # every field present, no unknown one
+        _check_step(record)
+        owner.steps.append(record.to_json())
     elif kind == "states":
         missing = {"positions", "actual", "compare"} - obj.keys()
         if missing:
@@ -288,6 +294,36 @@ def _read_line(obj: Any, run: dict[str, Any], seqs: dict[int, TracedSequence]) -
     elif kind is None:
         raise KeyError("type")
     # a line of a type this version does not know (a later version's) is skipped
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_step(rec: StepRecord) -> None:
+    """``TypeError`` unless a step line's fields have the types and lengths ``write_trace``
+    writes (the page draws them as they are)."""
+    n = len(rec.tokens) if isinstance(rec.tokens, list) else -1
+    number = (int, float)
+    checks = {
+        "step": _is_int(rec.step), "position": _is_int(rec.position), "committed": _is_int(rec.committed),
+        "mode": isinstance(rec.mode, str) and rec.mode in ("prefill", "draft", "free", "plain", "fallback"),
+        "tokens": n > 0 and all(_is_int(t) for t in rec.tokens),
+        "parents": isinstance(rec.parents, list) and len(rec.parents) == n
+        and all(_is_int(p) and -1 <= p < i for i, p in enumerate(rec.parents)),
+        "confidences": isinstance(rec.confidences, list) and len(rec.confidences) == n
+        and all(isinstance(c, number) for c in rec.confidences),
+        "verified": isinstance(rec.verified, list) and len(rec.verified) == n
+        and all(isinstance(v, bool) for v in rec.verified),
+        "accepted": isinstance(rec.accepted, list) and all(_is_int(i) and 0 <= i < n for i in rec.accepted),
+        "target_probs": isinstance(rec.target_probs, list) and len(rec.target_probs) == n
+        and all(p is None or isinstance(p, number) for p in rec.target_probs),
+        "bonus": rec.bonus is None or _is_int(rec.bonus),
+        "expected": rec.expected is None or isinstance(rec.expected, number),
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        raise TypeError(f"step {rec.step!r} has a malformed {', '.join(bad)}")
 
 
 def _owner(obj: dict[str, Any], seqs: dict[int, TracedSequence]) -> TracedSequence:

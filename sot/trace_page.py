@@ -126,7 +126,8 @@ function drawTokens() {
     span.title = (piece === '' ? 'part of a character the next token completes\n' : '') +
       `token ${i}: step ${k.step} (${st.mode}${st.probe ? ', probe' : ''}), tree ${st.tokens.length} nodes, ` +
       `${st.verified.filter(v => v).length} verified\n` +
-      (k.kind === 'depth' ? `accepted at depth ${k.depth}, draft confidence ${fmt(k.conf, 3)}, target probability ${fmt(k.prob, 3)}`
+      (k.kind === 'depth' ? `accepted at depth ${k.depth}, draft confidence ${fmt(k.conf, 3)}, ` +
+                            `target probability ${fmt(k.prob, 3)} (the model's, before the request's rules)`
                           : (k.kind === 'bonus' ? 'bonus token (the target\'s own)' : `${k.kind} step`));
     span.addEventListener('click', () => selectStep(k.step));
     box.appendChild(span);
@@ -157,13 +158,16 @@ function drawTree() {
   }
   const colour = st.tokens.map((_, i) => onPath.has(i) ? '#1a9850' : (st.verified[i] ? '#f46d43' : '#bdbdbd'));
   const labels = st.tokens.map((t, i) => esc(JSON.stringify(tokText(t))) + (i ? ' ' + fmt(st.confidences[i], 2) : ''));
-  const hover = st.tokens.map((t, i) => `${esc(JSON.stringify(tokText(t)))}<br>confidence ${fmt(st.confidences[i], 3)}` +
-    `<br>target probability ${fmt(st.target_probs[i], 3)}<br>${onPath.has(i) ? 'accepted' : (st.verified[i] ? 'verified, rejected' : 'pruned by the policy')}`);
+  const hover = st.tokens.map((t, i) => `${esc(JSON.stringify(tokText(t)))} (token ${Number(t)})` +
+    `<br>confidence ${fmt(st.confidences[i], 3)}` +
+    `<br>target probability ${fmt(st.target_probs[i], 3)} (the model's, before the request's rules)<br>` +
+    (onPath.has(i) ? 'accepted' : (st.verified[i] ? 'verified, rejected' : 'pruned by the policy')));
   Plotly.react('tree', [
     {x: ex, y: ey, mode: 'lines', line: {color: '#999', width: 1}, hoverinfo: 'skip', showlegend: false},
     {x: pos.x, y: pos.y, mode: 'markers+text', text: labels, textposition: 'middle right', hovertext: hover,
      hoverinfo: 'text', marker: {size: 13, color: colour, line: {width: 1, color: '#333'}}, showlegend: false},
-  ], {title: {text: `step ${current}: ${st.mode}${st.probe ? ' (probe)' : ''}, ${plural(st.tokens.length, 'node')} proposed, ` +
+  ], {title: {text: `step ${current}: ${esc(String(st.mode))}${st.probe ? ' (probe)' : ''}, ` +
+                    `${plural(st.tokens.length, 'node')} proposed, ` +
                     `${st.verified.filter(v => v).length} verified, ${st.accepted.length - 1} accepted, expected ${fmt(st.expected, 2)}, committed ${st.committed}`,
               font: {size: 13}},
       xaxis: {title: {text: 'depth'}, dtick: 1, range: [-0.3, Math.max(...pos.x) + 1.2]},

@@ -565,6 +565,15 @@ def test_structured_output_fields(tiny_server) -> None:
     assert chosen["choices"][0]["text"] in ("left", "right"), chosen
     resp = ask(guided_grammar="root ::= (")
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_grammar", resp.text
+    # a pattern past the grammar engine's limits: a 400 with the engine's reason, streamed or not
+    huge = r"((b{100}){100}){90}"
+    for _ in range(2):
+        resp = ask(guided_regex=huge, temperature=0)
+        assert resp.status_code == 400 and "grammar engine stopped" in resp.json()["error"]["message"], resp.text
+    streamed = ask(guided_regex=huge, temperature=0, stream=True)
+    errors = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {") and '"error"' in line]
+    assert errors and errors[0]["error"]["type"] == "invalid_request_error" and "grammar engine" in str(errors)
 
 
 def test_tokenize_and_detokenize(tiny_server) -> None:
@@ -1137,6 +1146,16 @@ def test_trace_pages_of_finished_requests(tiny_server, default_server) -> None:
     assert 'id="trace-data"' in page.text and ids[-1] in page.text
     # what ran, as the CLI's pages say
     assert re.search(rf"drafter \w+, (float32|bfloat16|int8), request {ids[-1]}</title>", page.text)
+    # every answer of a request is traced: each prompt's, streamed or not
+    for stream in (False, True):
+        resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": TINY, "prompt": ["abcabc", "xyz"], "max_tokens": 6, "temperature": 0,
+                                "ignore_eos": True, "stream": stream})
+        rid = (json.loads(resp.text.split("data: ")[1]) if stream else resp.json())["id"]
+        page = httpx.get(f"{tiny_server.url}/trace/{rid}", headers=AUTH, timeout=60).text
+        data = json.loads(page.split('id="trace-data">', 1)[1].split("</script>", 1)[0])
+        assert [s["index"] for s in data["sequences"]] == [0, 1]
+        assert [len(s["pieces"]) for s in data["sequences"]] == [6, 6]
     for missing in (ids[0], "cmpl-nope"):
         gone = httpx.get(f"{tiny_server.url}/trace/{missing}", headers=AUTH, timeout=30)
         assert gone.status_code == 404 and "only the last 2" in gone.json()["error"]["message"]

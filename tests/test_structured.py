@@ -167,3 +167,17 @@ def test_a_grammar_dead_end_ends_its_request_alone_the_same_in_every_mode(tiny: 
         if isinstance(drafter, NoDrafter):
             plain = ended.token_ids
         assert ended.token_ids == plain
+
+
+def test_a_grammar_past_the_engines_limits_fails_alike_every_time_with_its_reason(tiny: SoT) -> None:
+    """A pattern that outgrows the grammar engine's lexer ends its answer with ``grammar`` and
+    the engine's message (``error``), never as a silent dead end; the failure does not spoil
+    the spec for the requests after it (each gets a freshly compiled matcher), so every
+    request ends the same way."""
+    huge = StructuredOutput(OutputFormat.REGEX, "((b{100}){100}){90}")
+    runs = [tiny.generate(["say bbbb"], chat=False, structured=huge, max_new_tokens=40)[0] for _ in range(3)]
+    assert all(r.finish_reason == "grammar" and "grammar engine stopped" in (r.error or "") for r in runs)
+    assert runs[0].token_ids and all(r.token_ids == runs[0].token_ids for r in runs)
+    dead = tiny.generate(["abc"], chat=False, structured=StructuredOutput(OutputFormat.REGEX, "ab~c"),
+                         max_new_tokens=10)[0]
+    assert dead.finish_reason == "grammar" and dead.error is None

@@ -147,6 +147,20 @@ def test_the_call_format_holds_answers_to_the_tools_schemas() -> None:
     empty = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])
     assert accepts(call_format(empty, ToolChoice("named", "f")), "{}")
     assert not accepts(call_format(empty, ToolChoice("named", "f")), "7")
+    # ... also when the schema has no type of its own (a $ref or anyOf): no object fits, refused
+    for params in ({"$ref": "#/$defs/A", "$defs": {"A": {"type": "string"}}},
+                   {"anyOf": [{"type": "string"}, {"type": "integer"}]}):
+        with pytest.raises(ConfigError, match="no JSON object fits it"):
+            parse_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])
+    mixed = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "string"}]}}}])
+    assert accepts(call_format(mixed, ToolChoice("named", "f")), '{"a": 1}')
+    assert not accepts(call_format(mixed, ToolChoice("named", "f")), '"text"')
+    # a tool schema with an $id of its own keeps its references when moved under the list's $defs
+    with_id = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "$id": "urn:example:a", "type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}, "required": ["a"],
+        "$defs": {"B": {"type": "integer"}}}}}])
+    assert accepts(call_format(with_id, ToolChoice("required")), '[{"name": "f", "arguments": {"a": 1}}]')
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message() -> None:

@@ -3,6 +3,7 @@ the predictor's, and the page works in a real browser without the network."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -139,6 +140,13 @@ def test_trace_file_round_trip_and_state_comparison(tmp_path: Path) -> None:
         bad.write_text(text + "\n")
         with pytest.raises(ValueError, match=message):
             read_trace(bad)
+    step = lines[2]
+    for text, message in ((step.replace('"mode": "', '"mode": "<a href=x>'), "malformed mode"),
+                          (step.replace('"tokens": [', '"tokens": ["x", '), "malformed tokens"),
+                          ("\n".join(lines[:3] + lines[1:3]), "sequence index 0 is not a new integer")):
+        bad.write_text("\n".join(lines[:2] + [text]) + "\n" if text.startswith('{"type": "step"') else text + "\n")
+        with pytest.raises(ValueError, match=message):
+            read_trace(bad)
     bad.write_bytes(b'{"type": "run", "model": "caf\xe9"}\n')
     with pytest.raises(ValueError, match="bad.jsonl: not UTF-8 text"):
         read_trace(bad)
@@ -264,3 +272,43 @@ def test_state_comparison_runs_on_every_family() -> None:
     assert len(states["actual"]) == len(res.token_ids) and states["compare"]
     again = Engine(target, drafter, TreeBudget(16, 6), policy=STATIC).generate(prompt, PARAMS)[0]
     assert again.token_ids == res.token_ids
+
+
+def test_tokens_holding_part_of_a_character_are_told_apart() -> None:
+    """A byte-level token that holds part of a character decodes to U+FFFD; its label shows
+    its bytes instead, so the tree's different tokens never read alike."""
+    from transformers import AutoTokenizer
+
+    from sot.detokenize import token_label
+    from sot.models.loading import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
+    ids = tokenizer.encode("🎉 日本語 ünïcödé")
+    labels = [token_label(tokenizer, t) for t in ids]
+    partial = [t for t in ids if "\ufffd" in tokenizer.decode([t])]
+    assert len(partial) >= 4 and all("\ufffd" not in label for label in labels)
+    assert len({token_label(tokenizer, t) for t in partial}) == len(set(partial))
+    assert token_label(tokenizer, ids[0]) == "\\xf0\\x9f"  # the emoji's first two bytes
+    whole = tokenizer.encode(" hello")
+    assert [token_label(tokenizer, t) for t in whole] == [tokenizer.decode([t]) for t in whole]
+
+
+def test_an_output_over_an_input_or_another_output_is_refused(tmp_path: Path) -> None:
+    """``--out``, ``--save`` and ``--trace`` never write over a file the command reads or
+    another it writes: refused before the model loads, the files untouched."""
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    root = Path(__file__).resolve().parent.parent
+    for args, message in ((["trace", "--prompts", str(prompts), "--save", str(prompts)], "--save .* --prompts"),
+                          (["trace", "hi", "--out", str(tmp_path / "x"), "--save", str(tmp_path / "x")],
+                           "--out .* --save"),
+                          (["generate", "--prompts", str(prompts), "--trace", str(tmp_path / "." / "p.jsonl")],
+                           "--trace .* --prompts")):
+        proc = subprocess.run([sys.executable, "-m", "sot.cli", *args], capture_output=True, text=True, cwd=root,
+                              timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert re.search(message, proc.stderr), proc.stderr
+    assert prompts.read_text() == '{"prompt": "hi"}\n' and not (tmp_path / "x").exists()

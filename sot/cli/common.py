@@ -269,6 +269,36 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise SoTError(f"{flag} {path}: the folder {folder} is not writable")
 
 
+#: files a command may read: (flag, args attribute)
+INPUT_FILES = (("--prompts", "prompts"), ("--from", "from_file"), ("--chat-template", "chat_template"),
+               ("--grammar", "grammar"), ("--tools", "tools"), ("--json-schema", "json_schema"),
+               ("--predictor", "predictor"), ("--policy-model", "policy_model"), ("--model", "model"))
+#: files a command may write (a suffix store is read first, then written back)
+OUTPUT_FILES = (("--trace", "trace"), ("--out", "out"), ("--save", "save"), ("--suffix-store", "suffix_store"))
+
+
+def _same_file(a: str, b: str) -> bool:
+    pa, pb = Path(a), Path(b)
+    if pa.exists() and pb.exists():
+        return os.path.samefile(pa, pb)
+    return pa.resolve() == pb.resolve()
+
+
+def check_distinct_files(args: argparse.Namespace) -> None:
+    """Stop, before a model loads, when a file the command writes is one it reads or another
+    it writes (``--out`` and ``--save`` on one path, ``--trace`` over the ``--prompts`` file):
+    the data would be written over without a word."""
+    outputs = [(flag, getattr(args, dest, None)) for flag, dest in OUTPUT_FILES]
+    outputs = [(flag, path) for flag, path in outputs if isinstance(path, str) and path]
+    inputs = [(flag, getattr(args, dest, None)) for flag, dest in INPUT_FILES]
+    inputs = [(flag, path) for flag, path in inputs if isinstance(path, str) and path and Path(path).is_file()]
+    for i, (flag, path) in enumerate(outputs):
+        for other, there in outputs[i + 1:] + [(f, p) for f, p in inputs]:
+            if _same_file(path, there):
+                raise SoTError(f"{flag} {path} is also {other}'s file; writing it would replace what {other} "
+                               "names: give another path")
+
+
 def save_suffix_store(sot: SoT, args: argparse.Namespace) -> None:
     """Write the drafter's earlier answers back to ``--suffix-store``, when given."""
     path = getattr(args, "suffix_store", None)

@@ -7,8 +7,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from sot.cli.common import (
-    add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, check_output_path, load_sot,
-    positive_int, save_suffix_store, sampling_kwargs, top_logprobs,
+    add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, check_distinct_files,
+    check_output_path, load_sot, positive_int, save_suffix_store, sampling_kwargs, top_logprobs,
 )
 from sot.errors import SoTError
 
@@ -94,6 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     use = _tool_use(args)
     structured = _structured(args)
     check_output_path(args.trace, "--trace")
+    check_distinct_files(args)
     if use is not None:
         if args.chat is False:
             raise SoTError("--tools needs the chat template; leave out --no-chat")
@@ -115,6 +116,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
         _adapt_line(sot)
         save_suffix_store(sot, args)
+        if getattr(r, "error", None):
+            print(f"sot: error: {r.error}", file=sys.stderr)
+            return 1
         return 0
     done: dict[int, Completion] = {}  # finished answers not yet printed (an earlier prompt still decodes)
     printed = 0
@@ -136,13 +140,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _write_trace(args, sot, ids, results)
     _adapt_line(sot)
     save_suffix_store(sot, args)
-    return 0
+    return 1 if any(r.error for r in results) else 0
 
 
 def _print_answer(args: argparse.Namespace, sot: SoT, use: ToolUse | None, i: int, r: Completion,
                   count: int) -> None:
     """One finished answer of ``sot generate``: a JSON line with ``--json``, else its text (under
     a ``--- [i]`` line when there are several), tool calls and speed line."""
+    if r.error:
+        print(f"sot: error: answer {i}: {r.error}", file=sys.stderr)
     if args.json:
         record = r.to_dict()
         record.pop("depth_attempts")
@@ -292,6 +298,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise SoTError("give one of a PROMPT, --prompts FILE.jsonl or --from TRACE.jsonl")
     check_output_path(args.out, "--out")
     check_output_path(getattr(args, "save", None), "--save")
+    check_distinct_files(args)
     if args.from_file and args.save:
         raise SoTError("--save writes the data of a new generation; with --from the data is already in "
                        f"{args.from_file}")

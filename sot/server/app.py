@@ -69,18 +69,20 @@ class ServerState:
         self.draining = False
         self.in_flight = 0
         self.created = int(time.time())
-        #: response id -> (prompt, result) of the last ``config.trace`` finished requests
-        self.traces: collections.OrderedDict[str, tuple[list[int], SequenceResult]] = collections.OrderedDict()
+        #: response id -> each answer's (prompt, result), of the last ``config.trace`` finished requests
+        self.traces: collections.OrderedDict[str, list[tuple[list[int], SequenceResult]]] = collections.OrderedDict()
         #: a Responses answer's id -> the id of the chat completion it ran as (its trace's)
         self.trace_names: collections.OrderedDict[str, str] = collections.OrderedDict()
         #: finished /v1/responses answers kept for previous_response_id (None: none kept)
         self.responses = ResponseStore(config.responses_kept) if config.responses_kept > 0 else None
 
-    def keep_trace(self, rid: str, prompt: list[int], result: SequenceResult | None) -> None:
-        """Remember a finished request's steps for ``/trace/{rid}`` (the oldest goes first)."""
-        if self.config.trace <= 0 or result is None:
+    def keep_trace(self, rid: str, answers: list[tuple[list[int], SequenceResult | None]]) -> None:
+        """Remember a finished request's steps for ``/trace/{rid}``: each answer's prompt and
+        result, in the order of its choices (the oldest request goes first)."""
+        kept = [(prompt, result) for prompt, result in answers if result is not None]
+        if self.config.trace <= 0 or not kept:
             return
-        self.traces[rid] = (prompt, result)
+        self.traces[rid] = kept
         while len(self.traces) > self.config.trace:
             self.traces.popitem(last=False)
 
@@ -226,12 +228,10 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         if kept is None:
             raise APIError(404, f"no trace of request {rid!r} "
                                 f"(only the last {config.trace} finished requests are kept)")
-        prompt, result = kept
-
         def render() -> str:  # the state comparison runs the model: on the worker thread
             from sot.trace_page import render_page
 
-            traced = state.sot.traced([prompt], [result])
+            traced = state.sot.traced([prompt for prompt, _ in kept], [result for _, result in kept])
             return render_page(state.sot.trace_run(model=state.model_name, request=rid), traced)
 
         page = await asyncio.wrap_future(state.worker.call(render))
@@ -702,8 +702,8 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         state.in_flight -= len(asked)
     for final in finals:
         if final.error:
-            raise APIError(500, final.error)
-    state.keep_trace(rid, choices[0].prompt, finals[0].result)
+            raise APIError(final.status, final.error)
+    state.keep_trace(rid, [(c.prompt, final.result) for c, final in zip(choices, finals)])
     out = []
     for c, final in zip(choices, finals):
         reason = FINISH_REASONS.get(final.finish_reason or "length", final.finish_reason)
@@ -817,6 +817,7 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
 
     pumps = [asyncio.create_task(forward(c)) for c in choices]
     results: list[SequenceResult | None] = [None] * len(choices)
+    traced: list[SequenceResult | None] = [None] * len(choices)  # (as decoded, for the trace)
     reasons: list[str | None] = [None] * len(choices)
     started = time.monotonic()
     try:
@@ -833,7 +834,7 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
         while left:
             c, update = await merged.get()
             if update.error:
-                yield sse(APIError(500, update.error).body())
+                yield sse(APIError(update.status, update.error).body())
                 break
             if c.echo and c.logprobs is not None and update.prompt_logprobs is not None:
                 yield chunk(c.index, c.echo, lp=prompt_logprobs_block(state.sot.tokenizer, c.prompt,
@@ -854,11 +855,9 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
             if last:
                 c.done = True
                 left -= 1
-                results[c.index] = update.result
+                results[c.index] = traced[c.index] = update.result
                 if c.drop and update.result is not None:
                     results[c.index] = dataclasses.replace(update.result, token_ids=[])
-                if c.index == 0:
-                    state.keep_trace(rid, c.prompt, update.result)
                 reason = FINISH_REASONS.get(update.finish_reason, update.finish_reason)
                 if c.tool is not None:
                     text = c.text.final_text()
@@ -869,6 +868,7 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
                 reasons[c.index] = reason
                 yield chunk(c.index, None, reason, extra={"sot": sot_figures(update.result)})
         else:
+            state.keep_trace(rid, [(c.prompt, traced[c.index]) for c in choices])
             _log_request(state, rid, choices, results, reasons, started)
             if include_usage:
                 yield sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],

@@ -4,14 +4,13 @@ tokens become a response: content and tool calls (:class:`ToolAnswer`), log prob
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sot.detokenize import IncrementalText, TextAssembler, decoder, token_pieces
+from sot.detokenize import IncrementalText, TextAssembler, decoder, token_bytes, token_pieces
 from sot.requests import MAX_PENALTY, GenerationParams
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from sot.errors import ConfigError
@@ -554,42 +553,6 @@ class LogprobWriter:
         return {"tokens": [self._piece(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [_top_dict(self.tokenizer, e) for e in entries],
                 "text_offset": [self.offset + self._text_length(i) for i in range(start, end)]}
-
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """The character that stands for each byte in a byte-level BPE token (GPT-2's scheme:
-    printable Latin-1 bytes stand for themselves, the others for characters from U+0100 on)."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    alphabet, moved = {}, 0
-    for b in range(256):
-        if b in kept:
-            alphabet[chr(b)] = b
-        else:
-            alphabet[chr(256 + moved)] = b
-            moved += 1
-    return alphabet
-
-
-def token_bytes(tokenizer: Any, token: int, text: str) -> bytes:
-    """The bytes of one token, OpenAI's ``bytes`` field: ``text`` (the token decoded alone) in
-    UTF-8, or, where the token holds only part of a character (``text`` then shows a
-    replacement character), the raw bytes its byte-level or byte-fallback piece stands for,
-    so that the bytes of consecutive tokens join to the answer's UTF-8."""
-    if "\ufffd" not in text:
-        return text.encode("utf-8")
-    piece = tokenizer.convert_ids_to_tokens(token)
-    match = _BYTE_TOKEN.fullmatch(piece or "")
-    if match:
-        return bytes([int(match.group(1), 16)])
-    alphabet = _byte_level_alphabet()
-    if piece and all(c in alphabet for c in piece):
-        return bytes(alphabet[c] for c in piece)
-    return text.encode("utf-8")
 
 
 def _top_dict(tokenizer: Any, entry: TokenLogprob) -> dict[str, float]:

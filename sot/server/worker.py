@@ -34,6 +34,9 @@ class Update:
     #: with the prompt's log probabilities asked for: on the first update, one per prompt
     #: token (``None`` for the first)
     prompt_logprobs: list | None = None
+    #: the HTTP status of ``error``: 500 for the engine's failures, 400 for a request whose
+    #: grammar the grammar engine could not follow
+    status: int = 500
 
 
 @dataclass
@@ -229,8 +232,10 @@ class EngineWorker:
             del self._by_engine_id[ev.request_id]
             result = ev.result
             self.metrics.finished(ev.finish_reason or "length", result)
-        self._send(t, Update(list(ev.token_ids), ev.finish_reason if ev.finished else None, result,
-                             logprobs=list(ev.logprobs), prompt_logprobs=ev.prompt_logprobs))
+        error = result.error if result is not None else None
+        self._send(t, Update(list(ev.token_ids), ev.finish_reason if ev.finished else None, result, error=error,
+                             logprobs=list(ev.logprobs), prompt_logprobs=ev.prompt_logprobs,
+                             status=400 if error else 500))
 
     def _fail_all(self, message: str) -> None:
         for ticket in list(self._tickets):
