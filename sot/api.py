@@ -267,6 +267,7 @@ class SoT:
         """Write the earlier answers the drafter keeps to ``path`` (for ``suffix_store``)."""
         if self.suffix_stores is None:
             raise ConfigError("this drafter keeps no earlier answers (use drafter auto or suffix)")
+        self._check_engine_free()  # (the engine's thread adds to the stores while it runs)
         self.suffix_stores.save(path)
 
     @property
@@ -318,6 +319,7 @@ class SoT:
         logit_bias: dict[int, float] | None = None,
         structured: StructuredOutput | None = None,
         skip_special_tokens: bool = GenerationParams.skip_special_tokens,
+        cache_salt: str | None = None,
     ) -> GenerationParams:
         """Validated :class:`GenerationParams`.
 
@@ -349,6 +351,8 @@ class SoT:
                 (:class:`~sot.structured.StructuredOutput`).
             skip_special_tokens: leave special tokens out of the answer's text (the default,
                 as transformers' ``decode`` and vLLM); stop strings are found in that text.
+            cache_salt: share the prefix cache's stored prompt chunks only with requests of
+                this salt (vLLM's ``cache_salt``; ``None``: with every request without one).
         """
         if seed is None:  # (as OpenAI and vLLM: no seed, a fresh one)
             seed = random.getrandbits(63)
@@ -377,7 +381,7 @@ class SoT:
         params = GenerationParams(max_new_tokens=max_new_tokens, sampling=sp, stop=tuple(stop),
                                   eos_token_ids=() if ignore_eos else self.eos_ids(), logprobs=logprobs,
                                   min_tokens=min_tokens, structured=structured,
-                                  skip_special_tokens=skip_special_tokens)
+                                  skip_special_tokens=skip_special_tokens, cache_salt=cache_salt)
         check_params(params, self.target.vocab_size)
         if structured is not None:
             self.engine.grammars.matcher(structured)  # a ConfigError now, not at the first step

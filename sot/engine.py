@@ -339,7 +339,7 @@ class Engine:
         probabilities are asked for: every row's logits are needed, and stored rows keep none)."""
         if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
             return PrefixHit([], 0)
-        return self.prefix_cache.lookup(seq.prompt, seq.tenant)
+        return self.prefix_cache.lookup(seq.prompt, seq.tenant, seq.params.cache_salt)
 
     def _prompt_rows(self, seq: LiveRequest, start: int) -> Callable[[torch.Tensor, int], None] | None:
         """With prompt log probabilities asked for, what receives the logits of a read of
@@ -469,7 +469,7 @@ class Engine:
             keys, values = self._cache.read_span(b, start, end)
             return keys, values, states[start:end].clone() if states is not None else None
 
-        self.prefix_cache.insert(tokens, seq.tenant, read)
+        self.prefix_cache.insert(tokens, seq.tenant, read, seq.params.cache_salt)
 
     def _headroom(self) -> int:
         """Slots past a sequence's length that one step may write: its tree (scratch rows,

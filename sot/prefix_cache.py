@@ -97,19 +97,23 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def _root(self, tenant: str | None) -> bytes:
-        return hashlib.blake2b(((tenant or "") if self.per_tenant else "").encode(), digest_size=16).digest()
+    def _root(self, tenant: str | None, salt: str | None = None) -> bytes:
+        """The tree a request's chunks hang from: its tenant's (when tenants are kept apart)
+        and its salt's; requests share chunks only under one root."""
+        who = (tenant or "") if self.per_tenant else ""
+        return hashlib.blake2b(f"{len(who)}:{who}:{salt or ''}".encode(), digest_size=16).digest()
 
     @staticmethod
     def _key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
         data = torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()
         return hashlib.blake2b(parent + data, digest_size=16).digest()
 
-    def lookup(self, prompt: list[int], tenant: str | None = None) -> PrefixHit:
+    def lookup(self, prompt: list[int], tenant: str | None = None, salt: str | None = None) -> PrefixHit:
         """The stored chunks that begin ``prompt``, covering at most ``len(prompt) - 1`` of
-        its tokens (one is left for the pass that gives the first new token)."""
+        its tokens (one is left for the pass that gives the first new token); only chunks
+        stored under the same tenant (when kept apart) and ``salt`` are found."""
         limit = len(prompt) - 1
-        parent, pos = self._root(tenant), 0
+        parent, pos = self._root(tenant, salt), 0
         found: list[tuple[bytes, PrefixChunk]] = []
         while pos < limit:
             want = prompt[pos:pos + self.chunk]
@@ -129,12 +133,13 @@ class PrefixCache:
             self._chunks.move_to_end(key)
         return PrefixHit([entry for _, entry in found], pos)
 
-    def insert(self, tokens: list[int], tenant: str | None, read: SpanReader) -> int:
-        """Store the chunks of the sequence ``tokens`` that the store lacks, reading their rows
-        with ``read(start, end)``, then evict down to the cap. Returns the tokens read."""
+    def insert(self, tokens: list[int], tenant: str | None, read: SpanReader, salt: str | None = None) -> int:
+        """Store the chunks of the sequence ``tokens`` that the store lacks (under ``tenant``
+        and ``salt``), reading their rows with ``read(start, end)``, then evict down to the
+        cap. Returns the tokens read."""
         if self.max_bytes == 0 or not tokens:
             return 0
-        parent, chain, copied = self._root(tenant), [], 0
+        parent, chain, copied = self._root(tenant, salt), [], 0
         for start in range(0, len(tokens), self.chunk):
             part = tokens[start:start + self.chunk]
             siblings = self._children.setdefault(parent, [])

@@ -48,6 +48,10 @@ class GenerationParams:
     structured: StructuredOutput | None = None
     #: the answer's text (and the text stop strings are found in) leaves special tokens out
     skip_special_tokens: bool = True
+    #: the prefix cache shares stored prompt chunks only between requests of the same salt
+    #: (vLLM's ``cache_salt``): a user's own salt keeps others from learning, by the prompt
+    #: tokens reused or the time to the first token, whether their prompt began like this one
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -246,6 +250,8 @@ def check_params(params: GenerationParams, vocab_size: int | None = None) -> Non
     check_number("seed", sp.seed, integer=True)
     if not isinstance(sp.mode, SamplingMode):
         raise ConfigError(f"the sampling mode must be a SamplingMode, got {sp.mode!r}")
+    if params.cache_salt is not None and not (isinstance(params.cache_salt, str) and params.cache_salt):
+        raise ConfigError(f"cache_salt must be a non-empty string or None, got {params.cache_salt!r}")
     stop = params.stop
     if isinstance(stop, str) or not isinstance(stop, (tuple, list)) or not all(
             isinstance(x, str) and x for x in stop):

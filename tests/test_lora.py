@@ -61,6 +61,10 @@ def test_lora_errors_name_the_problem(adapted, tmp_path: Path, capsys) -> None:
     other = tiny_model_dir(tmp_path / "other", arch="gpt2")  # another architecture: no q_proj to adapt
     with pytest.raises(ModelLoadError, match="cannot apply the LoRA adapter"):
         SoT.load(str(other), drafter="none", dtype="float32", lora=str(adapter))
+    # an adapter of a deeper model of the same widths: PEFT would merge its first layers alone
+    deeper = tiny_model_dir(tmp_path / "deeper", num_hidden_layers=4)
+    with pytest.raises(ModelLoadError, match="does not fit this model: .* adapted modules get no weights"):
+        SoT.load(str(deeper), drafter="none", dtype="float32", lora=str(adapter))
     assert main(["generate", "hi", "--model", str(model_dir), "--lora", str(tmp_path / "none")]) == 2
     assert "not a LoRA adapter folder" in capsys.readouterr().err
     assert main(["serve", "--model", str(model_dir), "--lora", str(tmp_path / "none")]) == 2  # before it starts

@@ -2,6 +2,8 @@
 output, logits and drafter states stay bit-identical to reading the whole prompt again."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,6 +160,29 @@ def test_tenants_are_kept_apart_when_asked() -> None:
     # a different token in the second chunk stops the match there, at token granularity
     other = prompt[:5] + [90] + prompt[6:]
     assert cache.lookup(other, "alice").tokens == 5
+
+
+def test_a_cache_salt_keeps_requests_apart() -> None:
+    """vLLM's ``cache_salt``: stored chunks are found only by requests of the same salt (and
+    of the same tenant when tenants are kept apart), so a request without the salt cannot
+    learn from its reused tokens how another's prompt began; the answers stay the same."""
+    prompt = list(range(3, 20))
+    cache = PrefixCache(max_bytes=1 << 20, chunk=4)
+    cache.insert(prompt, None, _reader(), salt="alice-salt")
+    assert cache.lookup(prompt, None, "alice-salt").tokens == 16
+    assert cache.lookup(prompt).tokens == 0 and cache.lookup(prompt, None, "other").tokens == 0
+    apart = PrefixCache(max_bytes=1 << 20, per_tenant=True, chunk=4)
+    apart.insert(prompt, "alice", _reader(), salt="s")
+    assert apart.lookup(prompt, "alice", "s").tokens == 16 and apart.lookup(prompt, "bob", "s").tokens == 0
+    target = TargetModel(tiny_model("llama"))
+    prompt = random_prompts((100,), seed=3)[0]
+    engine = Engine(target, NoDrafter(), prefix_cache=PrefixCache(64 << 20))
+    salted = dataclasses.replace(PARAMS, cache_salt="alice")
+    first = engine.generate([prompt], salted)[0]
+    unsalted, other, same = (engine.generate([prompt], p)[0] for p in
+                             (PARAMS, dataclasses.replace(PARAMS, cache_salt="bob"), salted))
+    assert unsalted.cached_tokens == other.cached_tokens == 0 and same.cached_tokens == len(prompt) - 1
+    assert first.token_ids == unsalted.token_ids == other.token_ids == same.token_ids
 
 
 def test_usage_reports_cached_tokens() -> None:

@@ -1185,3 +1185,21 @@ def test_a_client_gone_before_the_stream_starts_is_aborted(default_server) -> No
     ok = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert ok.status_code == 200
+
+
+def test_a_cache_salt_keeps_the_prefix_cache_apart(tiny_server) -> None:
+    """vLLM's ``cache_salt``: a request reuses cached prompt tokens only from requests of its
+    salt, so ``cached_tokens`` tells a client nothing of prompts sent under another salt."""
+    prompt = "abcabcabc " * 12
+
+    def cached(**kw) -> int:
+        resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": TINY, "prompt": prompt, "max_tokens": 2, "temperature": 0, **kw})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(cache_salt="alice")
+    assert cached(cache_salt="mallory") == 0 and cached(cache_salt="alice") > 100
+    bad = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                     json={"model": TINY, "prompt": "a", "max_tokens": 1, "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

@@ -66,6 +66,38 @@ def test_own_context_is_matched_without_the_store() -> None:
         m.tree(ctx[:4], 8, 8)  # a matcher follows one growing context
 
 
+def test_savers_of_one_file_never_share_a_temporary_file(tmp_path) -> None:
+    """Two savers of one path (two SoT objects of a process, say) each write a file of their
+    own and rename it: every save succeeds and the file left is one of them, whole and
+    readable by its owner alone (it holds earlier answers)."""
+    import os
+    import threading
+
+    path = tmp_path / "shared.npz"
+    stores = [SuffixStores(), SuffixStores()]
+    for i, st in enumerate(stores):
+        st.get(None).add([i], list(range(10 + i, 60 + i)))
+    errors: list[BaseException] = []
+
+    def save(st: SuffixStores) -> None:
+        try:
+            for _ in range(15):
+                st.save(path)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(st,)) for st in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    back = SuffixStores()
+    back.load(path)
+    assert back.get(None).all_sequences() in [st.get(None).all_sequences() for st in stores]
+    assert os.stat(path).st_mode & 0o077 == 0 and [p.name for p in tmp_path.iterdir()] == ["shared.npz"]
+
+
 def test_store_save_and_load_round_trip(tmp_path) -> None:
     stores = SuffixStores(per_tenant=True)
     stores.get("a").add([1, 2], [3, 4, 5])

@@ -26,6 +26,7 @@ import heapq
 import itertools
 import math
 import os
+import tempfile
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,8 +285,9 @@ class SuffixStores:
     def save(self, path: str | Path) -> None:
         """Write every store to ``path`` (``.npz``: the tokens, sequence lengths, tenants and
         vocabulary size). The file is replaced whole (written beside it, then renamed), so a
-        process stopped while writing leaves the previous file; when two processes save to one
-        file, the last one's stores are kept."""
+        process stopped while writing leaves the previous file; when two savers write one
+        file, the last one's stores are kept. It holds earlier answers, so only its owner may
+        read it."""
         names, lengths, owners, flat = [], [], [], []
         for t, (name, store) in enumerate(sorted(self.stores.items())):
             names.append(name)
@@ -295,9 +297,11 @@ class SuffixStores:
                 flat.extend(seq)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(f".{path.name}.{os.getpid()}.part")
+        # a name of its own (two savers in one process, or two processes, never share one)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+        part = Path(name)
         try:
-            with open(part, "wb") as fh:  # np.savez would append .npz to a name without it
+            with os.fdopen(fd, "wb") as fh:  # np.savez would append .npz to a name without it
                 np.savez_compressed(fh, tokens=np.asarray(flat, dtype=np.int64),
                                     lengths=np.asarray(lengths, dtype=np.int64),
                                     owners=np.asarray(owners, dtype=np.int64), tenants=np.asarray(names, dtype=str),

@@ -463,6 +463,23 @@ def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
     try:
         with warnings.catch_warnings():  # (transformers deprecates an attribute PEFT reads: not the user's to act on)
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-            return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+            warnings.filterwarnings("ignore", message=".*missing adapter keys.*")  # (refused below, by name)
+            peft_model = PeftModel(model, config)
+            loaded = peft_model.load_adapter(str(folder), adapter_name="default")
     except Exception as exc:  # noqa: BLE001 - PEFT's errors (a mismatched base, a bad file) vary
         raise ModelLoadError(f"cannot apply the LoRA adapter {adapter} to this model: {_short_error(exc)}") from exc
+    # PEFT skips an adapter weight that names no module of this model, and leaves an adapted
+    # module without weights at its start: an adapter made for another model of the same widths
+    # would be merged in part, without a word
+    unused = list(getattr(loaded, "unexpected_keys", []) or [])
+    unfilled = [k for k in (getattr(loaded, "missing_keys", []) or []) if ".lora_" in k]
+    if unused or unfilled:
+        base = getattr(config, "base_model_name_or_path", None)
+        parts = [f"{len(unused)} of its weights name no module of this model (such as {unused[0]})" if unused else "",
+                 f"{len(unfilled)} adapted modules get no weights (such as {unfilled[0]})" if unfilled else ""]
+        raise ModelLoadError(f"the LoRA adapter {adapter} does not fit this model: "
+                             + "; ".join(p for p in parts if p) + (f"; it was made for {base}" if base else ""))
+    try:
+        return peft_model.merge_and_unload()
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot merge the LoRA adapter {adapter} into this model: {_short_error(exc)}") from exc

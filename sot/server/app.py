@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import random
@@ -101,6 +102,12 @@ class ServerState:
     @property
     def context(self) -> int | None:
         return self.sot.target.max_positions if self.sot is not None else None
+
+
+def tenant_key(user: str | None) -> str | None:
+    """The tenant a request's ``user`` stands for: a digest of it, so a client's choice of a
+    long ``user`` cannot grow the per-tenant stores, and a saved store holds no user names."""
+    return None if user is None else hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def create_app(load: Callable[[], Any], config: ServerConfig,
@@ -544,7 +551,8 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     structured = asked[1] if asked else None
     params = GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
                               logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens,
-                              structured=structured, skip_special_tokens=body.skip_special_tokens)
+                              structured=structured, skip_special_tokens=body.skip_special_tokens,
+                              cache_salt=body.cache_salt)
     try:  # every setting, so that a bad one fails this request alone and not the batch it would join
         check_params(params, state.sot.target.vocab_size)
     except ConfigError as exc:
@@ -672,7 +680,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
     choices: list[_Choice] = []
     try:
         for i, (prompt, params, first, echoed) in enumerate(asked):
-            ticket, updates = state.worker.submit(prompt, params, tenant=body.user, priority=body.priority)
+            ticket, updates = state.worker.submit(prompt, params, tenant=tenant_key(body.user), priority=body.priority)
             lp = (LogprobWriter(state.sot.tokenizer, chat, offset=len(echoed or ""),
                                 skip_special=body.skip_special_tokens)
                   if params.logprobs is not None else None)

@@ -101,8 +101,11 @@ class _GenerationRequest(NullMeansDefault):
     #: not preempted)
     priority: int = 0
     #: the end user (OpenAI's field); with ``sot serve --suffix-tenants user`` it keys the
-    #: earlier answers that drafts come from
+    #: earlier answers that drafts come from, and the prefix cache's chunks
     user: str | None = None
+    #: vLLM's field: the prefix cache shares stored prompt chunks only between requests of
+    #: the same salt
+    cache_salt: str | None = Field(None, min_length=1)
     #: add the generated ``token_ids`` to each choice (and ``prompt_token_ids`` to the response)
     return_token_ids: bool = False
     presence_penalty: float = Field(SamplingParams.presence_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)

@@ -82,6 +82,8 @@ class ResponsesRequest(NullMeansDefault):
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     user: str | None = None
+    #: vLLM's field, as on the chat route: prefix-cache chunks are shared only under one salt
+    cache_salt: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     previous_response_id: str | None = None
@@ -123,6 +125,8 @@ class ResponsesRequest(NullMeansDefault):
         messages += list(history or []) + self.input_messages()
         body: dict = {"model": self.model, "messages": messages, "temperature": self.temperature,
                       "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls, "user": self.user}
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
         if self.wants_logprobs:
