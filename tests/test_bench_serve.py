@@ -18,7 +18,8 @@ from sot.server.bench import _percentiles
 
 def _stand_in(mode: str) -> FastAPI:
     """A server that streams five one-token chunks; ``mode`` ``usage`` ends with a usage chunk,
-    ``no-usage`` leaves it out, ``slow`` sends a chunk every 0.4 s, ``key`` wants 'Bearer k2'."""
+    ``no-usage`` leaves it out, ``slow`` sends a chunk every 0.4 s, ``key`` wants 'Bearer k2',
+    ``abort`` ends the answer with finish_reason abort (as a server shutting down does)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -39,6 +40,8 @@ def _stand_in(mode: str) -> FastAPI:
                 if mode == "slow":
                     await asyncio.sleep(0.4)
                 yield f"data: {json.dumps({'choices': [{'delta': {'content': f't{i}'}}]})}\n\n"
+            if mode == "abort":
+                yield f"data: {json.dumps({'choices': [{'delta': {}, 'finish_reason': 'abort'}]})}\n\n"
             if mode != "no-usage":
                 yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 5}})}\n\n"
             yield "data: [DONE]\n\n"
@@ -52,7 +55,7 @@ def _stand_in(mode: str) -> FastAPI:
 def stand_ins():
     """{mode: base URL} of one running stand-in per mode, on 127.0.0.1."""
     servers, urls = [], {}
-    for mode in ("usage", "no-usage", "slow", "key"):
+    for mode in ("usage", "no-usage", "slow", "key", "abort"):
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(_stand_in(mode), host="127.0.0.1", port=port, log_level="error"))
         threading.Thread(target=server.run, daemon=True).start()
@@ -98,6 +101,8 @@ def test_failed_requests_are_reported_with_their_reasons_and_exit_1(stand_ins, c
     assert main(_bench("--url", stand_ins["slow"], "--timeout", "1")) == 1
     assert time.monotonic() - t0 < 10, "--timeout bounds the whole request, not each read"
     assert "timed out after 1 s" in capsys.readouterr().err
+    assert main(_bench("--url", stand_ins["abort"])) == 1  # answers cut off by the server are no results
+    assert "the server ended the answer (abort) after 5 tokens" in capsys.readouterr().err
 
 
 def test_one_key_per_server(stand_ins, capsys) -> None:

@@ -709,6 +709,8 @@ def test_serve_refuses_an_empty_api_key_and_bad_loading_options(monkeypatch, cap
     assert main(["serve", "--model", "/no/such/model"]) == 2
     assert "the API key is empty" in capsys.readouterr().err
     monkeypatch.delenv("SOT_API_KEY")
+    assert main(["serve", "--served-model-name", " ", "--model", "/no/such/model"]) == 2
+    assert "--served-model-name is empty" in capsys.readouterr().err
     # loading options that cannot work are refused before the port is taken, not as a failed load
     for flags, message in ((["--predictor", "/no/such/head"], "--predictor /no/such/head: no such file"),
                            (["--chat-template", "no-such-template"], "not a Jinja template"),

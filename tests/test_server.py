@@ -565,7 +565,11 @@ def test_structured_output_fields(tiny_server) -> None:
     assert chosen["choices"][0]["text"] in ("left", "right"), chosen
     resp = ask(guided_grammar="root ::= (")
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_grammar", resp.text
-    # a pattern past the grammar engine's limits: a 400 with the engine's reason, streamed or not
+    # a pattern past the grammar engine's limits: a 400 with the engine's reason, streamed or not,
+    # each counted once, as a grammar end (every status's series is there from the start)
+    counts = {s: tiny_server.metric(f'sot:requests_total{{status="{s}"}}') for s in ("grammar", "invalid", "error")}
+    listed = httpx.get(f"{tiny_server.url}/metrics", timeout=10).text
+    assert all(f'sot:requests_total{{status="{s}"}}' in listed for s in ("stop", "abort", "grammar", "error"))
     huge = r"((b{100}){100}){90}"
     for _ in range(2):
         resp = ask(guided_regex=huge, temperature=0)
@@ -574,6 +578,8 @@ def test_structured_output_fields(tiny_server) -> None:
     errors = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: {") and '"error"' in line]
     assert errors and errors[0]["error"]["type"] == "invalid_request_error" and "grammar engine" in str(errors)
+    assert {s: tiny_server.metric(f'sot:requests_total{{status="{s}"}}') for s in counts} == \
+        {"grammar": counts["grammar"] + 3, "invalid": counts["invalid"], "error": counts["error"]}
 
 
 def test_tokenize_and_detokenize(tiny_server) -> None:
@@ -1105,6 +1111,7 @@ def test_suffix_stores_per_user_live_with_the_server(tiny_dir, tmp_path) -> None
     that user's later requests (the repeated question drafts its earlier answer) and never
     another's; ``--suffix-store`` is written on shutdown."""
     from sot.drafters import SuffixStores
+    from sot.server.app import tenant_key
 
     store = tmp_path / "answers.store"
     # (no fallback: the tiny model's noisy step times must not make a sequence decode plainly)
@@ -1124,7 +1131,9 @@ def test_suffix_stores_per_user_live_with_the_server(tiny_dir, tmp_path) -> None
         assert server.stop() == 0
         stores = SuffixStores(per_tenant=True)
         stores.load(store)
-        assert stores.get("alice").sequences == 2 and stores.get("bob").sequences == 1
+        # (kept under a digest of each user: the file holds no user names)
+        assert stores.get(tenant_key("alice")).sequences == 2 and stores.get(tenant_key("bob")).sequences == 1
+        assert set(stores.stores) == {tenant_key("alice"), tenant_key("bob")}
     finally:
         server.stop()
 

@@ -74,6 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("SOT_API_KEY")
     if api_key is not None and not api_key.strip():
         raise ConfigError("the API key is empty (--api-key or SOT_API_KEY): give a key, or neither for no key")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ConfigError("--served-model-name is empty: give a name, or leave it out for the model's own")
     config = ServerConfig(model_name=args.served_model_name, api_key=api_key, max_batch=args.max_batch,
                           max_queue=args.max_queue, prompt_budget=args.prompt_budget,
                           shutdown_timeout=args.shutdown_timeout, trace=args.trace,
@@ -96,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         args.chat_template = read_chat_template(args.chat_template)
     sock = _listen(args.host, args.port)
-    url = f"http://{args.host}:{args.port}"
+    url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{args.port}"
 
     def loaded(error: str | None) -> None:
         if error is None:
@@ -146,6 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"sot serve: listening on {url}; loading the model (GET /health answers 200 when ready)",
           file=sys.stderr)
     server.run(sockets=[sock])
+    if state.worker is not None:  # (done by the app's shutdown, unless a third signal skipped it)
+        state.worker.stop()
     if state.load_error:
         return 1
     if state.sot is not None:
@@ -165,6 +169,7 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(2048)  # (a second server binding the port at the same moment fails here, not in uvicorn)
     except OSError as exc:
         sock.close()
         hint = " (another server uses it; pick another --port)" if exc.errno == errno.EADDRINUSE else ""

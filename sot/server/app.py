@@ -150,7 +150,10 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
 
     async def lifespan(app: FastAPI):
         threading.Thread(target=load_in_background, name="sot-load", daemon=True).start()
-        yield
+        try:
+            yield
+        except asyncio.CancelledError:  # (a forced exit cancels the shutdown: the CLI stops the worker)
+            pass
         if state.worker is not None:
             state.worker.stop()
 
@@ -163,7 +166,9 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
     # ------------------------------------------------------------ errors
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        if exc.status in (400, 401, 404, 413, 415) and request.method == "POST" and \
+        if exc.counted:
+            pass
+        elif exc.status in (400, 401, 404, 413, 415) and request.method == "POST" and \
                 request.url.path in GENERATION_ROUTES:
             metrics.finished("invalid")  # (a stored response looked up in vain is no generation request)
         elif exc.status == 499:  # (the client hung up while sending its request)
@@ -710,7 +715,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         state.in_flight -= len(asked)
     for final in finals:
         if final.error:
-            raise APIError(final.status, final.error)
+            raise APIError(final.status, final.error, counted=True)
     state.keep_trace(rid, [(c.prompt, final.result) for c, final in zip(choices, finals)])
     out = []
     for c, final in zip(choices, finals):

@@ -101,6 +101,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
     """Fill ``rec`` from one streamed chat completion."""
     t0 = time.perf_counter()
     usage = False
+    ended: str | None = None  # the choice's finish_reason
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -121,9 +122,13 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
                 for choice in event.get("choices", []):
                     if choice.get("delta", {}).get("content") and rec.ttft == 0.0:
                         rec.ttft = time.perf_counter() - t0
+                    ended = choice.get("finish_reason") or ended
         rec.latency = time.perf_counter() - t0
         if not usage:  # tokens are counted from usage: without it every figure would be wrong
             rec.error = "the stream carried no usage (the server ignored stream_options.include_usage)"
+            return
+        if ended in ("abort", "error"):  # cut off by the server (a shutdown, a failure): not a finished answer
+            rec.error = f"the server ended the answer ({ended}) after {rec.tokens} tokens"
             return
         rec.ok = True
         if rec.ttft == 0.0:
@@ -143,9 +148,10 @@ async def run_level(url: str, bodies: list[dict], headers: dict, concurrency: in
         if rate is not None:
             rng = random.Random(0)
             tasks = []
-            for body in bodies:
+            for i, body in enumerate(bodies):
+                if i:  # (the gaps between arrivals: none after the last, which would count as idle time)
+                    await asyncio.sleep(rng.expovariate(rate))
                 tasks.append(asyncio.create_task(one_request(client, url, body, headers, timeout)))
-                await asyncio.sleep(rng.expovariate(rate))
             records = list(await asyncio.gather(*tasks))
         else:
             queue = list(enumerate(bodies))

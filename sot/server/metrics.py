@@ -16,6 +16,10 @@ from sot.engine import SequenceResult
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+#: the final statuses ``sot:requests_total`` counts
+STATUSES = ("stop", "length", "eos", "abort", "grammar", "error", "rejected", "invalid")
+
+
 class ServerMetrics:
     """All metrics of one server, in their own registry."""
 
@@ -28,6 +32,8 @@ class ServerMetrics:
                                 "output's grammar allowed no token), error; and whole requests turned away: "
                                 "rejected (queue full), invalid (bad input)", ["status"],
                                 registry=r)
+        for status in STATUSES:  # (every series from the start: a rate over the first error is not lost)
+            self.requests.labels(status=status)
         self.running = Gauge("sot:num_requests_running", "Sequences in the engine's batch", registry=r)
         self.waiting = Gauge("sot:num_requests_waiting", "Requests queued for a slot", registry=r)
         self.ttft = Histogram("sot:time_to_first_token_seconds", "Time from arrival to the first token",

@@ -28,8 +28,10 @@ class APIError(Exception):
              429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, counted: bool = False) -> None:
         super().__init__(message)
+        #: the request's end is already in the metrics (the engine ended it)
+        self.counted = counted
         self.status = status
         self.message = message
         self.param = param
