@@ -442,3 +442,84 @@ def test_policy_plans_selects_and_observes_a_step() -> None:
     assert policy.pass_seconds == [0.001]
     policy.drop_sequence(10)
     assert list(policy.seqs) == [11]
+
+
+def test_policy_files_with_bad_contents_are_refused_by_name(tmp_path) -> None:
+    """A file whose header reads but whose contents are wrong (a hidden size that is no
+    number, a missing weight, a description that is not an object, weights that are not
+    finite) is a ConfigError naming the file, not an exception from deep inside loading."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from sot.policy import AcceptanceModel
+
+    good = tmp_path / "good.safetensors"
+    AcceptanceModel(8).save(good)
+    weights = load_file(str(good))
+    from safetensors import safe_open
+
+    with safe_open(str(good), "pt") as fh:
+        info = json.loads(fh.metadata()["sot_policy"])
+    some = next(iter(weights))
+    for name, tensors, meta, message in (
+            ("hidden", weights, {**info, "hidden": "abc"}, "hidden size 'abc'"),
+            ("missing", {k: v for k, v in weights.items() if k != some}, info, "weights do not fit"),
+            ("list", weights, [info], "not a commit-policy-model file|not a .* file"),
+            ("nan", {**weights, some: torch.full_like(weights[some], float("nan"))}, info, "not finite")):
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path), metadata={"sot_policy": json.dumps(meta)})
+        with pytest.raises(ConfigError, match=message):
+            AcceptanceModel.load(path)
+    assert AcceptanceModel.load(good).info["hidden"] == 8
+
+
+def test_a_diverged_fit_writes_over_nothing(tmp_path, monkeypatch) -> None:
+    """``sot train policy`` checks the fit before it writes: a run that diverged leaves the
+    folder's earlier model as it was."""
+    import sot.train.acceptance as acc
+    from sot.policy import AcceptanceModel
+
+    out = tmp_path / "run"
+    out.mkdir()
+    AcceptanceModel(8).save(out / "policy.safetensors")
+    before = (out / "policy.safetensors").read_bytes()
+    broken = AcceptanceModel(8)
+    with torch.no_grad():
+        next(broken.parameters()).fill_(float("nan"))
+    monkeypatch.setattr(acc, "load_or_collect", lambda cfg: {"config": {}})
+    monkeypatch.setattr(acc, "fit_acceptance", lambda *a: (broken, {"val_log_loss": {"learned": float("nan")}}))
+    with pytest.raises(ConfigError, match="diverged"):
+        acc.train_policy(acc.PolicyTrainConfig(out=str(out)))
+    assert (out / "policy.safetensors").read_bytes() == before
+
+
+def test_a_sequence_left_out_of_drafting_is_tried_again() -> None:
+    """After rejected drafts a sequence's estimates change only when it drafts, so batch
+    planning could leave it out for good; its back-off's probe and a revisit after
+    ``REVISIT`` steps left out start from the prior, so a text that turned predictable is
+    drafted again."""
+    from sot.policy import CommitPolicy, StepOutcome
+    from sot.policy.commit import REVISIT
+
+    cost = CostModel([1, 8, 32], [0.010, 0.012, 0.020])
+    policy = CommitPolicy(PolicyConfig(), cost)
+    policy.add_sequence(7)
+
+    def chain(n: int) -> DraftTree:
+        return DraftTree(list(range(n + 1)), [-1] + list(range(n)), list(range(n + 1)), [1.0] + [0.9] * n)
+
+    generated, drafted_late = 10, 0
+    for step in range(30 + 4 * REVISIT):
+        predictable = step >= 30  # hard text first, then text every draft of which is accepted
+        plan = policy.plan({7: generated}, {}, TreeBudget())
+        if 7 in plan.drafting:
+            tree = policy.select(plan, {7: chain(4)})[7]
+            path = list(range(tree.size)) if predictable else [0]
+            policy.observe_step(plan, StepOutcome({7: tree}, {7: path}, 0.003, 3, cost.verify(tree.size), tree.size))
+            generated += len(path)
+            drafted_late += predictable and tree.size > 1
+        else:
+            policy.observe_step(plan, StepOutcome({}, {7: [0]}, 0.0, 0, cost.verify(1), 1))
+            generated += 1
+    assert drafted_late >= REVISIT, "the sequence drafts again once its text is predictable"

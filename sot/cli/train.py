@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -264,9 +265,12 @@ def _numbers(text: str, flag: str, kind=float) -> tuple:
     from sot.errors import ConfigError
 
     try:
-        return tuple(kind(t) for t in text.split(","))
+        values = tuple(kind(t) for t in text.split(","))
     except ValueError:
         raise ConfigError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if not all(math.isfinite(v) for v in values):
+        raise ConfigError(f"{flag} takes finite numbers, got {text!r}")
+    return values
 
 
 def cmd_policy(args: argparse.Namespace) -> int:

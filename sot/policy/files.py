@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TypeVar
 
@@ -13,11 +14,20 @@ M = TypeVar("M", bound=torch.nn.Module)
 
 
 def write_policy_file(model: torch.nn.Module, path: str | Path, info: dict) -> None:
-    """Save a policy network's weights as safetensors with ``info`` in its metadata."""
+    """Save a policy network's weights as safetensors with ``info`` in its metadata; the file
+    is written beside ``path`` and renamed over it, so a run stopped meanwhile leaves the
+    previous file whole."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path),
-              metadata={"sot_policy": json.dumps(info)})
+    path = Path(path)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(part),
+                  metadata={"sot_policy": json.dumps(info)})
+        os.chmod(part, 0o644)  # (as a saved model is: readable by a server running as another user)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def read_policy_file(path: str | Path, what: str, command: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -46,11 +56,23 @@ def load_policy_model(cls: type[M], path: str | Path, what: str, command: str, f
     trained for (``embed_hash``), ``target`` must match. Errors name ``what`` the file should
     be and the ``command`` that trains one."""
     info, weights = read_policy_file(path, what, command)
-    if info.get("format") != cls.FORMAT or any(tuple(info.get(k, ())) != v for k, v in features.items()):
+    if not isinstance(info, dict) or info.get("format") != cls.FORMAT or any(
+            not isinstance(info.get(k, ()), (list, tuple)) or tuple(info.get(k, ())) != v for k, v in features.items()):
         names = "; ".join(f"{k}: {', '.join(v)}" for k, v in features.items())
         raise ConfigError(f"{path} is not a {cls.FORMAT} file with this version's features ({names})")
-    model = cls(int(info.get("hidden", 32)))
-    model.load_state_dict(weights)
+    hidden = info.get("hidden", 32)
+    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
+        raise ConfigError(f"{path} is not a {what}: its hidden size {hidden!r} is not a positive integer")
+    model = cls(hidden)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as exc:  # missing, extra or misshapen weights
+        first = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path} is not a {what}: its weights do not fit ({first})") from None
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ConfigError(f"{path} is not a usable {what}: its weights {', '.join(bad[:3])} are not finite "
+                          f"(a training run that diverged?); train one with '{command}'")
     model.info = info
     model.eval()
     expected = info.get("embed_hash")

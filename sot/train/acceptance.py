@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,9 +252,17 @@ def load_or_collect(cfg: PolicyTrainConfig) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     trace_file = out / "traces.pt"
+    if cfg.predictor and not Path(cfg.predictor).exists():
+        raise ConfigError(f"--predictor {cfg.predictor}: no such file or folder")
     digest = _file_digest(cfg.predictor)
     if trace_file.is_file():
-        traces = torch.load(trace_file, weights_only=False)
+        try:  # (plain types and tensors: nothing else is unpickled)
+            traces = torch.load(trace_file, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
+            raise ConfigError(f"{trace_file} cannot be read ({type(exc).__name__}); it is damaged or not a "
+                              "run's traces: delete it to collect them anew") from None
+        if not isinstance(traces, dict):
+            raise ConfigError(f"{trace_file} is not a run's traces: delete it to collect them anew")
         saved = traces.get("config", {})
         asked = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
         differ = changed_settings(saved, asked, TRACE_KEYS)
@@ -265,7 +274,12 @@ def load_or_collect(cfg: PolicyTrainConfig) -> dict:
         return traces
     traces = collect_traces(cfg)
     traces["predictor_digest"] = digest
-    torch.save(traces, trace_file)
+    part = trace_file.with_name(f".{trace_file.name}.{os.getpid()}.part")
+    try:  # (written beside it and renamed: a run stopped meanwhile leaves no half file)
+        torch.save(traces, part)
+        os.replace(part, trace_file)
+    finally:
+        part.unlink(missing_ok=True)
     return traces
 
 
@@ -287,11 +301,12 @@ def train_policy(cfg: PolicyTrainConfig) -> Path:
     traces = load_or_collect(cfg)
     model, report = fit_acceptance(traces, cfg.epochs, cfg.lr, cfg.seed)
     report["config"] = traces.get("config", {})
+    ll = report["val_log_loss"]
+    weights_ok = all(bool(torch.isfinite(v).all()) for v in model.state_dict().values() if v.is_floating_point())
+    if not weights_ok or not all(math.isfinite(v) for v in ll.values()):  # (before anything is written over)
+        raise ConfigError(f"the fit diverged (non-finite loss); {out} keeps what it held (a lower --lr may fit)")
     path = out / "policy.safetensors"
     model.save(path, {"embed_hash": traces.get("embed_hash", ""), "drafter": "state"})
     (out / "report.json").write_text(json.dumps(report, indent=1))
     write_calibration_plot(report, out / "calibration.png")
-    ll = report["val_log_loss"]
-    if not all(math.isfinite(v) for v in ll.values()):
-        raise ConfigError("the fit diverged (non-finite loss)")
     return path
