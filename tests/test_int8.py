@@ -78,36 +78,6 @@ def test_int8_products_follow_the_formula_row_by_row() -> None:
     assert not plain.int8 and plain.kind == "sot"
 
 
-def test_vnni_and_avx2_instructions_give_the_same_bits(monkeypatch) -> None:
-    """Where the CPU has AVX512-VNNI, the int8 products use vpdpbusd; its exact integer sums
-    give the bits of the AVX2 instructions (SOT_NO_VNNI=1) for every row count and both block
-    kinds, so the mode's answers do not depend on the machine's instructions."""
-    from sot.kernels.linear import pack_int8
-
-    kernel = _kernel()
-    if not kernel.int8_vnni():
-        pytest.skip("this CPU (or build) has no AVX512-VNNI: the AVX2 instructions are the only ones here")
-    gen = torch.Generator().manual_seed(9)
-    n, k = 72, 128
-    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
-    low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
-    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
-    q4[..., 0], q4[..., 1] = 0, 15  # (each block spans its grid: the blocks are found as such)
-    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
-    q8[..., 0] = 127
-    weights = [(d * q4 + low).reshape(n, k), (d * q8).reshape(n, k)]
-    for w in weights:
-        packed = pack_int8(w)
-        for rows in (1, 2, 3, 4, 7, 16):
-            x = torch.randn(rows, k, generator=gen) * 3
-            monkeypatch.setenv("SOT_NO_VNNI", "0")
-            assert kernel.int8_vnni()
-            vnni = kernel.linear_int8(x, *packed, n, None)
-            monkeypatch.setenv("SOT_NO_VNNI", "1")
-            assert not kernel.int8_vnni()
-            assert torch.equal(kernel.linear_int8(x, *packed, n, None), vnni)
-
-
 def _int8_target(arch: str, gguf: bool, seed: int = 5) -> TargetModel:
     model = tiny_model(arch, seed=seed)
     if gguf:

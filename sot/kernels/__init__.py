@@ -43,18 +43,6 @@ def _stage(build: Path) -> list[Path]:
     return [staged / name for name in SOURCES]
 
 
-def cpu_flags() -> set[str]:
-    """The processor's feature flags as ``/proc/cpuinfo`` lists them (empty where it is absent)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() == "flags":
-                return set(value.split())
-    except OSError:
-        pass
-    return set()
-
-
 @lru_cache(maxsize=1)
 def _build() -> tuple[list[str], str]:
     """The compiler flags for this machine and the build's key: a digest of the sources, the
@@ -68,8 +56,6 @@ def _build() -> tuple[list[str], str]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX512", "AVX512_BF16", "AMX"):
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
-        if "avx512_vnni" in cpu_flags():  # (the int8 mode's products: vpdpbusd)
-            flags.append("-mavx512vnni")
     elif capability == "AVX2":
         flags += ["-mavx2", "-mfma"]
     # One build folder per (source, flags, torch and where it is installed): clones of the same

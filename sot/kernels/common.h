@@ -11,7 +11,6 @@
 #include <optional>
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 #if defined(__AVX2__)
@@ -56,4 +55,3 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
 std::vector<at::Tensor> block_grid_f32(at::Tensor blocks);
 at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
                        std::optional<at::Tensor> bias);
-bool int8_vnni();

@@ -14,15 +14,6 @@
 //          q[c][8 j + 4 + t] (high nibble), so a 32-byte load gives 4 inputs of 8 columns;
 //   8-bit: data [P, K/32, 256] int8: byte 32 g + 4 c + t holds q[c][4 g + t];
 //   scale (and, 4-bit, mins): [P, K/32, 8] float32.
-//
-// Where the CPU has AVX512-VNNI (built with -mavx512vnni), vpdpbusd multiplies and sums 4 byte
-// pairs into each 32-bit lane in one instruction, in place of maddubs, the widening madd and
-// the add. The integer sums are exact either way, so the bits are the same;
-// SOT_NO_VNNI=1 takes the AVX2 instructions, to compare.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__)
-#define SOT_VNNI 1
-#endif
-
 namespace {
 
 constexpr int64_t kCols = 8;
@@ -91,19 +82,9 @@ inline int32_t load4(const int8_t* p) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// s += the products of the unsigned bytes u and the signed bytes v, 4 adjacent pairs summed into
-// each 32-bit lane (VNNI: one instruction; else through 16-bit sums, exact for these ranges).
-template <bool VNNI>
-__attribute__((always_inline)) inline __m256i dot4(__m256i s, __m256i u, __m256i v) {
-#if defined(SOT_VNNI)
-  if (VNNI) return _mm256_dpbusd_epi32(s, u, v);
-#endif
-  return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
-}
-
 // MR rows (qa: the first row's quantized inputs, rows K apart) times one panel: out [MR][8],
 // rows `ldo` apart, plus the panel's 8 biases when `bias` is given (added last).
-template <int MR, bool Q4, bool VNNI>
+template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
                       const float* scale, const float* mins, float* out, int64_t ldo, const float* bias) {
   const int64_t nb = K / 32;
@@ -112,7 +93,7 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < nb; ++kb) {
-    __m256i s[MR];  // Q4 without VNNI: 16-bit sums (at most 8 * 2 * 15 * 127); else 32-bit sums
+    __m256i s[MR];  // Q4: 16-bit sums (at most 8 * 2 * 15 * 127); Q8: 32-bit sums
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) s[i] = _mm256_setzero_si256();
     if (Q4) {
@@ -125,13 +106,8 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
           const int8_t* a = qa + i * K + kb * 32 + 8 * j;
-          if (VNNI) {  // (32-bit sums)
-            s[i] = dot4<true>(s[i], lo, _mm256_set1_epi32(load4(a)));
-            s[i] = dot4<true>(s[i], hi, _mm256_set1_epi32(load4(a + 4)));
-          } else {
-            s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a))));
-            s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(a + 4))));
-          }
+          s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a))));
+          s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(a + 4))));
         }
       }
     } else {
@@ -143,14 +119,14 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
           const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(load4(qa + i * K + kb * 32 + 4 * g)), w);
-          s[i] = dot4<VNNI>(s[i], aw, a);
+          s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), ones));
         }
       }
     }
     const __m256 dw = _mm256_loadu_ps(scale + kb * kCols);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const __m256i dot = Q4 && !VNNI ? _mm256_madd_epi16(s[i], ones) : s[i];
+      const __m256i dot = Q4 ? _mm256_madd_epi16(s[i], ones) : s[i];
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(da[i * nb + kb])), acc[i]);
       if (Q4) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + kb * kCols), _mm256_set1_ps(sa[i * nb + kb]), acc[i]);
     }
@@ -160,7 +136,7 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
     _mm256_storeu_ps(out + i * ldo, bias ? _mm256_add_ps(acc[i], _mm256_loadu_ps(bias)) : acc[i]);
 }
 #else
-template <int MR, bool Q4, bool VNNI>
+template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
                       const float* scale, const float* mins, float* out, int64_t ldo, const float* bias) {
   const int64_t nb = K / 32;
@@ -187,29 +163,19 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
 }
 #endif
 
-template <bool Q4, bool VNNI>
+template <bool Q4>
 inline void int8_rows(int64_t rows, const int8_t* qa, const float* da, const float* sa, int64_t K,
                       const uint8_t* data, const float* scale, const float* mins, float* out, int64_t ldo,
                       const float* bias) {
   switch (rows) {
-    case 1: int8_tile<1, Q4, VNNI>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
-    case 2: int8_tile<2, Q4, VNNI>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
-    case 3: int8_tile<3, Q4, VNNI>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
-    default: int8_tile<kGroupRows, Q4, VNNI>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
+    case 1: int8_tile<1, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
+    case 2: int8_tile<2, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
+    case 3: int8_tile<3, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
+    default: int8_tile<kGroupRows, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
   }
 }
 
 }  // namespace
-
-// Whether this build multiplies with AVX512-VNNI (and SOT_NO_VNNI does not turn it off).
-bool int8_vnni() {
-#if defined(SOT_VNNI)
-  const char* off = std::getenv("SOT_NO_VNNI");
-  return !(off && off[0] == '1');
-#else
-  return false;
-#endif
-}
 
 // x: [M, K] float32 (K a multiple of 32); data, scale, mins: the packed weight (mins empty for
 // 8-bit blocks); N: the output size; bias: [N] or None. Returns y [M, N] float32.
@@ -244,7 +210,6 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tens
   const int64_t bytes = nb * (q4 ? 128 : 256), per = nb * kCols;
   // rows in near-equal groups of at most kGroupRows (6 rows as 3 + 3)
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows, base = M / groups, extra = M % groups;
-  const bool vnni = int8_vnni();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     float tile[kGroupRows * kCols];
     for (int64_t p = begin; p < end; ++p) {
@@ -260,11 +225,9 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tens
         const int64_t ldo = cols == kCols ? N : kCols;
         const float* bias = cols == kCols && bp ? bp + n0 : nullptr;
         if (q4) {
-          vnni ? int8_rows<true, true>(rows, qg, dg, sg, K, dpp, spp, mpp, out, ldo, bias)
-               : int8_rows<true, false>(rows, qg, dg, sg, K, dpp, spp, mpp, out, ldo, bias);
+          int8_rows<true>(rows, qg, dg, sg, K, dpp, spp, mpp, out, ldo, bias);
         } else {
-          vnni ? int8_rows<false, true>(rows, qg, dg, sg, K, dpp, spp, nullptr, out, ldo, bias)
-               : int8_rows<false, false>(rows, qg, dg, sg, K, dpp, spp, nullptr, out, ldo, bias);
+          int8_rows<false>(rows, qg, dg, sg, K, dpp, spp, nullptr, out, ldo, bias);
         }
         if (cols < kCols) {
           for (int64_t i = 0; i < rows; ++i) {

@@ -14,6 +14,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_blocks_f32", &linear_blocks_f32, "linear_f32 on float32 weights stored as exact 4/8-bit blocks");
   m.def("block_grid_f32", &block_grid_f32, "float32 weights as exact GGUF 4/8-bit blocks, or nothing");
   m.def("linear_int8", &linear_int8, "row-stable product in 8-bit integers over 4/8-bit blocks");
-  m.def("int8_vnni", &int8_vnni, "whether linear_int8 multiplies with AVX512-VNNI here (SOT_NO_VNNI=1: not)");
   bind_llama_layers(m);
 }
