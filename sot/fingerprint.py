@@ -27,3 +27,14 @@ def target_fingerprint(model: torch.nn.Module) -> dict:
         "num_layers": int(cfg.num_hidden_layers),
         "embed_hash": embedding_hash(emb),
     }
+
+
+def predictor_fingerprint(predictor: torch.nn.Module) -> str:
+    """A short fingerprint of a state predictor's own weights (its parameters, as bfloat16,
+    the form predictor files keep them in), whatever dtype it runs in: what a commit policy
+    trained on its drafts records, so that it is not used with another predictor."""
+    digest = hashlib.sha256()
+    for name, p in sorted(predictor.named_parameters(), key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(p.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -523,3 +523,36 @@ def test_a_sequence_left_out_of_drafting_is_tried_again() -> None:
             policy.observe_step(plan, StepOutcome({}, {7: [0]}, 0.0, 0, cost.verify(1), 1))
             generated += 1
     assert drafted_late >= REVISIT, "the sequence drafts again once its text is predictable"
+
+
+def test_a_policy_trained_on_another_predictors_drafts_is_not_used(tmp_path) -> None:
+    """A policy file records the predictor whose drafts it learned from: with another
+    predictor, ``auto`` takes the heuristic policy and a named file is refused; the files
+    shipped with SoT record the shipped predictor."""
+    from sot.drafters.state import StateDrafter, new_predictor
+    from sot.fingerprint import predictor_fingerprint
+    from sot.policy import AcceptanceModel
+    from sot.policy.acceptance_model import DEFAULT_ACCEPTANCE_MODEL
+    from sot.policy.rl import DEFAULT_RL_POLICY, RLPolicyModel
+
+    model = tiny_model("llama", seed=3)
+    layers = (0, 1, 2)
+    target = TargetModel(clone(model, torch.float32), state_layers=layers)
+    drafter = StateDrafter(new_predictor(model, layers, None, seed=1), top_k=3)
+    other = StateDrafter(new_predictor(model, layers, None, seed=2), top_k=3)
+    path = tmp_path / "policy.safetensors"
+    AcceptanceModel(8).save(path, {"predictor_hash": predictor_fingerprint(drafter.predictor)})
+    for kind in (PolicyKind.AUTO, PolicyKind.LEARNED):
+        config = PolicyConfig(kind=kind, model_path=str(path))
+        assert Engine(target, drafter, policy=config).policy_config.kind is PolicyKind.LEARNED
+        with pytest.raises(ConfigError, match="trained on the drafts of another predictor"):
+            Engine(target, other, policy=config)
+    with_model = Engine(target, other, policy=PolicyConfig(kind=PolicyKind.AUTO))  # (shipped: another target too)
+    assert with_model.policy_config.kind is PolicyKind.HEURISTIC
+    from sot.drafters import DEFAULT_PREDICTOR
+    from sot.drafters.state import load_predictor
+    from sot.models.loading import load_model
+
+    shipped = predictor_fingerprint(load_predictor(DEFAULT_PREDICTOR, load_model("default").model))
+    assert AcceptanceModel.load(DEFAULT_ACCEPTANCE_MODEL).info["predictor_hash"] == shipped
+    assert RLPolicyModel.load(DEFAULT_RL_POLICY).info["predictor_hash"] == shipped

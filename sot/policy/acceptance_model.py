@@ -5,19 +5,21 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from sot.errors import ConfigError
 from sot.policy.config import PolicyConfig, PolicyKind
-from sot.policy.files import load_policy_model, write_policy_file
+from sot.policy.files import load_policy_model, predictor_mismatch, write_policy_file
 from sot.policy.state import SequencePolicyState
 from sot.tree import DraftTree
 
 if TYPE_CHECKING:
     from sot.drafters.base import Drafter
     from sot.models.adapter import TargetModel
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 FEATURES = ("log_conf", "log_cond", "depth", "sibling_rank", "calibration", "recent_tau", "temperature", "tree_size")
@@ -107,11 +109,21 @@ def fitting_acceptance_model(model_path: str | None, drafter: Drafter, target: T
     if drafter.kind is not DrafterKind.STATE:
         return None
     try:
-        return load_acceptance_model(model_path, target.model)
+        return checked_for(load_acceptance_model(model_path, target.model), drafter, model_path)
     except ConfigError:
         if model_path:  # asked for by name: its errors are the user's to see
             raise
         return None
+
+
+def checked_for(model: M, drafter: Drafter, path: str | Path | None) -> M:
+    """``model`` (a policy network with ``.info``), or a :class:`ConfigError` when it was
+    trained on another predictor's drafts than ``drafter`` makes."""
+    reason = predictor_mismatch(model.info, drafter)
+    if reason:
+        raise ConfigError(f"the policy model {path or 'shipped with SoT'} does not fit this drafter: {reason}; "
+                          "train one with 'sot train policy --predictor ...'")
+    return model
 
 
 def resolve_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel,
@@ -128,6 +140,7 @@ def resolve_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel,
         config = dataclasses.replace(config, kind=kind)
     if (config.kind is PolicyKind.LEARNED and acceptance_model is None and not record
             and drafter.kind is not DrafterKind.NONE):
-        acceptance_model = load_acceptance_model(config.model_path, target.model)
+        acceptance_model = checked_for(load_acceptance_model(config.model_path, target.model), drafter,
+                                       config.model_path)
     return config, acceptance_model
 

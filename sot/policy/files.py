@@ -84,3 +84,19 @@ def load_policy_model(cls: type[M], path: str | Path, what: str, command: str, f
             raise ConfigError(f"{what} {path} was trained for another target (embedding hash {expected}, this "
                               f"model has {found}); train one with '{command}'")
     return model
+
+
+def predictor_mismatch(info: dict, drafter: object) -> str | None:
+    """Why a policy file (its ``info``) was trained on another predictor's drafts than
+    ``drafter``'s, or ``None`` (also when the file does not record its predictor, as files
+    written before it did not, or the drafter has none)."""
+    expected = info.get("predictor_hash")
+    predictor = getattr(drafter, "predictor", None)
+    if not expected or predictor is None:
+        return None
+    from sot.fingerprint import predictor_fingerprint
+
+    found = predictor_fingerprint(predictor)
+    if found == expected:
+        return None
+    return f"it was trained on the drafts of another predictor (fingerprint {expected}, this one's {found})"

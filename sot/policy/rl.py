@@ -149,7 +149,11 @@ def resolve_rl_policy(config: PolicyConfig, drafter: Drafter, target: TargetMode
 
     if config.kind is not PolicyKind.RL or record or drafter.kind is DrafterKind.NONE:
         return None
-    return rl_model if rl_model is not None else load_rl_policy(config.model_path, target.model)
+    if rl_model is not None:
+        return rl_model
+    from sot.policy.acceptance_model import checked_for
+
+    return checked_for(load_rl_policy(config.model_path, target.model), drafter, config.model_path)
 
 
 #: the candidates the network chooses among: those whose modelled tokens per second are

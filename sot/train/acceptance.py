@@ -131,13 +131,14 @@ def collect_traces(cfg: PolicyTrainConfig) -> dict:
                 groups.append(torch.full((a.numel(),), run))
             steps.append(trace.steps)
             bar.update(len(chunk))
-    from sot.fingerprint import embedding_hash
+    from sot.fingerprint import embedding_hash, predictor_fingerprint
 
     cost = engine.cost_model()
     return {"features": torch.cat(feats), "accepted": torch.cat(labels), "group": torch.cat(groups),
             "runs": steps, "cost_rows": list(cost.rows), "cost_seconds": list(cost.seconds),
             "flat": bool(engine.policy.flat), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "embed_hash": embedding_hash(loaded.model.get_input_embeddings().weight),
+            "predictor_hash": predictor_fingerprint(drafter.predictor),
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}}
 
 
@@ -306,7 +307,8 @@ def train_policy(cfg: PolicyTrainConfig) -> Path:
     if not weights_ok or not all(math.isfinite(v) for v in ll.values()):  # (before anything is written over)
         raise ConfigError(f"the fit diverged (non-finite loss); {out} keeps what it held (a lower --lr may fit)")
     path = out / "policy.safetensors"
-    model.save(path, {"embed_hash": traces.get("embed_hash", ""), "drafter": "state"})
+    model.save(path, {"embed_hash": traces.get("embed_hash", ""), "drafter": "state",
+                      **({"predictor_hash": traces["predictor_hash"]} if traces.get("predictor_hash") else {})})
     (out / "report.json").write_text(json.dumps(report, indent=1))
     write_calibration_plot(report, out / "calibration.png")
     return path

@@ -262,7 +262,8 @@ def train_rl_policy(cfg: PolicyTrainConfig) -> Path:
         raise ConfigError("the training diverged (non-finite reward)")
     path = out / "rl-policy.safetensors"
     model.save(path, {"embed_hash": traces.get("embed_hash", ""), "drafter": "state",
-                      "predictor": str(traces.get("config", {}).get("predictor") or "shipped")})
+                      "predictor": str(traces.get("config", {}).get("predictor") or "shipped"),
+                      **({"predictor_hash": traces["predictor_hash"]} if traces.get("predictor_hash") else {})})
     (out / "rl-report.json").write_text(json.dumps(report, indent=1))
     write_reward_plot(report, out / "rl-reward.png")
     return path
