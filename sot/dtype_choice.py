@@ -158,7 +158,9 @@ def _write(choice: DtypeChoice, path: Path) -> None:
 
 def _positions(model: torch.nn.Module) -> int:
     """How many positions ``model`` takes (a large number when its config does not say)."""
-    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 20)
+    from sot.models.support import text_config
+
+    return int(getattr(text_config(model.config), "max_position_embeddings", None) or 1 << 20)
 
 
 def _probe_decode(target, draft, tokenizer, tokens: int) -> tuple[float, float, int]:

@@ -171,7 +171,7 @@ def call_format(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True
         return None
     # each tool's schema sits whole under $defs, its local references moved there with it (a
     # "#/$defs/..." of a nested Pydantic model, "#" of a recursive one), and arguments refer to it
-    defs = {f"tool{i}": _moved_refs(t.schema(), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
+    defs = {f"tool{i}": _moved_refs(_without_id(t.schema()), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
     one_of = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
                "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
     schema: dict = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1, "$defs": defs}
@@ -180,15 +180,21 @@ def call_format(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True
     return StructuredOutput.json_schema(schema)
 
 
+def _without_id(schema: Any) -> Any:
+    """A tool's schema without its own ``$id`` and ``$schema``: moved under the list's ``$defs``,
+    an ``$id`` would make its references resolve against it rather than the whole schema."""
+    if not isinstance(schema, dict):
+        return schema
+    return {k: v for k, v in schema.items() if k not in ("$id", "$schema")}
+
+
 def _moved_refs(schema: Any, base: str) -> Any:
-    """``schema`` with each local ``$ref`` (``#...``) pointing below ``base`` instead of the root,
-    and without ``$id`` or ``$schema`` (a moved schema's own ``$id`` would make its references
-    resolve against it rather than the whole schema's root)."""
+    """``schema`` with each local ``$ref`` (``#...``) pointing below ``base`` instead of the root."""
     if isinstance(schema, list):
         return [_moved_refs(x, base) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _moved_refs(v, base) for k, v in schema.items() if k not in ("$id", "$schema")}
+    out = {k: _moved_refs(v, base) for k, v in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         out["$ref"] = base + ref[1:]

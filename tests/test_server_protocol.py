@@ -356,3 +356,12 @@ def test_an_echoed_prompts_offsets_follow_its_text() -> None:
     block = prompt_logprobs_block(ByteTokenizer(), [97, 1, 2, 98], [None] * 4)
     assert block["text_offset"] == [0, 1, 1, 2]  # "a", then "é" from 1, then "b" at 2 of "aéb"
     assert block["tokens"] == ["a", "\ufffd", "\ufffd", "b"]
+
+
+def test_no_user_and_an_empty_one_are_one_tenant() -> None:
+    """``user`` keys tenants by a digest; a request without one and one with ``""`` share,
+    as the suffix stores count them."""
+    from sot.server.app import tenant_key
+
+    assert tenant_key(None) is None and tenant_key("") is None
+    assert tenant_key("alice") == tenant_key("alice") != tenant_key("bob") and len(tenant_key("x" * 10**6)) == 32

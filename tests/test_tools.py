@@ -161,6 +161,13 @@ def test_the_call_format_holds_answers_to_the_tools_schemas() -> None:
         "$id": "urn:example:a", "type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}, "required": ["a"],
         "$defs": {"B": {"type": "integer"}}}}}])
     assert accepts(call_format(with_id, ToolChoice("required")), '[{"name": "f", "arguments": {"a": 1}}]')
+    # ... and only the schema's own: a property named "$id" stays
+    named_id = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"$id": {"type": "integer"}}, "required": ["$id"],
+        "additionalProperties": False}}}])
+    required = call_format(named_id, ToolChoice("required"))
+    assert accepts(required, '[{"name": "f", "arguments": {"$id": 3}}]')
+    assert not accepts(required, '[{"name": "f", "arguments": {"$id": "x"}}]')
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message() -> None:

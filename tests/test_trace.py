@@ -312,3 +312,11 @@ def test_an_output_over_an_input_or_another_output_is_refused(tmp_path: Path) ->
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert re.search(message, proc.stderr), proc.stderr
     assert prompts.read_text() == '{"prompt": "hi"}\n' and not (tmp_path / "x").exists()
+    # flags that take a file or the text itself: a long text is no file name, and no error
+    import argparse
+
+    from sot.cli.common import check_distinct_files
+
+    schema = '{"type": "object", "description": "' + "x" * 600 + '"}'
+    check_distinct_files(argparse.Namespace(json_schema=schema, tools="[" + " " * 400 + "]",
+                                            trace=str(tmp_path / "t.jsonl")))

@@ -48,6 +48,7 @@ from sot.models.loading import (
 from sot.prompts import encode, has_chat_template
 from sot.requests import check_request
 from sot.sampling import SamplingMode, SamplingParams
+from sot.models.support import text_config
 
 SCHEMA = "sot-bench/1"
 SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "draft-top-k": "draft_top_k",
@@ -451,7 +452,8 @@ def _check_lengths(prompts: list[list[int]], records: list, params: GenerationPa
     """Every prompt (of a conversation: its first turn) with the answer's budget must fit the
     model's context: checked before anything runs, with the prompt named as the user counts."""
     limit = target.max_positions if target is not None else next(
-        (getattr(m.model.config, "max_position_embeddings", None) for m in methods if isinstance(m, HFMethod)), None)
+        (getattr(text_config(m.model.config), "max_position_embeddings", None) for m in methods
+         if isinstance(m, HFMethod)), None)
     for i, ids in enumerate(prompts):
         try:
             check_request(ids, params, limit)

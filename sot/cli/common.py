@@ -291,7 +291,8 @@ def check_distinct_files(args: argparse.Namespace) -> None:
     outputs = [(flag, getattr(args, dest, None)) for flag, dest in OUTPUT_FILES]
     outputs = [(flag, path) for flag, path in outputs if isinstance(path, str) and path]
     inputs = [(flag, getattr(args, dest, None)) for flag, dest in INPUT_FILES]
-    inputs = [(flag, path) for flag, path in inputs if isinstance(path, str) and path and Path(path).is_file()]
+    # (--json-schema, --tools and --chat-template take a file or the text itself: only files count)
+    inputs = [(flag, path) for flag, path in inputs if isinstance(path, str) and path and os.path.isfile(path)]
     for i, (flag, path) in enumerate(outputs):
         for other, there in outputs[i + 1:] + [(f, p) for f, p in inputs]:
             if _same_file(path, there):

@@ -224,7 +224,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
     layers = parse_layers(args.layers, text_config(loaded.model.config).num_hidden_layers)
     out = Path(args.out)
-    config = loaded.model.config
+    config = text_config(loaded.model.config)
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq_len = args.seq_len
     if context and seq_len > context:

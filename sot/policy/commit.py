@@ -24,10 +24,6 @@ from sot.tree import DraftTree
 if TYPE_CHECKING:
     from sot.drafters.base import TreeBudget
 
-#: steps a sequence may be left out of drafting by batch planning before it is scored at the
-#: prior again (its estimates change only when it drafts)
-REVISIT = 32
-
 
 class CommitPolicy:
     """Per-sequence decisions of the engine's steps (see the module docstring).
@@ -211,10 +207,7 @@ class CommitPolicy:
         for b in drafting:
             s = self.seqs[b]
             extra = max(1, (s.verified or 4) - 1)
-            # its estimate changes only when it drafts: one left out long enough is scored at the
-            # prior again, so a text that turned predictable is found (one probe per REVISIT steps)
-            tau = max(s.tau, SequencePolicyState.tau) if s.passed_over >= REVISIT else s.tau
-            gain = max(0.0, tau - 1.0)
+            gain = max(0.0, s.tau - 1.0)
             scored.append((gain / extra, b, gain, extra))
         scored.sort(key=lambda x: (-x[0], x[1]))
         best, best_rate = 0, batch_rows / self.pass_cost([1] * batch_rows)
@@ -226,9 +219,6 @@ class CommitPolicy:
             if rate > best_rate:
                 best, best_rate = k + 1, rate
         chosen = {b for _, b, _, _ in scored[:best]}
-        for b in drafting:
-            s = self.seqs[b]
-            s.passed_over = 0 if b in chosen else s.passed_over + 1
         return [b for b in drafting if b in chosen]
 
     def wants_draft(self, b: int, generated: int) -> bool:

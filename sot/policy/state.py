@@ -30,8 +30,6 @@ class SequencePolicyState:
     #: decoding, smoothed; ``None`` until such a step was verified
     free_speed: float | None = None
     temperature: float = 0.0  # the sequence's sampling temperature (0: greedy)
-    #: steps in a row that batch planning left the sequence out of drafting
-    passed_over: int = 0
 
 
 def ranked_nodes(tree: DraftTree, scores: list[float] | None = None) -> list[int]:

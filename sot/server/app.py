@@ -107,7 +107,8 @@ class ServerState:
 def tenant_key(user: str | None) -> str | None:
     """The tenant a request's ``user`` stands for: a digest of it, so a client's choice of a
     long ``user`` cannot grow the per-tenant stores, and a saved store holds no user names."""
-    return None if user is None else hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    # (no user and an empty one are one tenant, as the suffix stores count them)
+    return None if not user else hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def create_app(load: Callable[[], Any], config: ServerConfig,

@@ -29,7 +29,8 @@ class ServerMetrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (Linux)
         self.requests = Counter("sot:requests", "Sequences (each of a request's n choices) by final status: "
                                 "stop, length, eos, abort (client left or shutdown), grammar (the structured "
-                                "output's grammar allowed no token), error; and whole requests turned away: "
+                                "output's grammar allowed no token, or its engine failed), error; "
+                                "and whole requests turned away: "
                                 "rejected (queue full), invalid (bad input)", ["status"],
                                 registry=r)
         for status in STATUSES:  # (every series from the start: a rate over the first error is not lost)

@@ -61,7 +61,7 @@ def responses_error(exc: APIError) -> APIError:
     message = exc.message.replace("max_completion_tokens", "max_output_tokens")
     message = message.replace("response_format json_schema needs json_schema.schema", "text.format json_schema needs "
                               "schema").replace("response_format", "text.format")
-    return APIError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
+    return APIError(exc.status, message, param=param, code=exc.code, headers=exc.headers, counted=exc.counted)
 
 
 class ResponsesRequest(NullMeansDefault):
