@@ -1213,3 +1213,17 @@ def test_a_cache_salt_keeps_the_prefix_cache_apart(tiny_server) -> None:
     bad = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
                      json={"model": TINY, "prompt": "a", "max_tokens": 1, "cache_salt": ""})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+def test_request_latency_and_queue_time_are_measured(tiny_server) -> None:
+    """vLLM's two request histograms: each finished sequence adds its time from submission to
+    its last token, and its wait for a slot, which is the smaller."""
+    names = ("sot:e2e_request_latency_seconds", "sot:request_queue_time_seconds")
+    before = {n: (tiny_server.metric(n + "_count"), tiny_server.metric(n + "_sum")) for n in names}
+    resp = httpx.post(f"{tiny_server.url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": TINY, "prompt": "abcab", "max_tokens": 4, "n": 2, "temperature": 0})
+    assert resp.status_code == 200
+    after = {n: (tiny_server.metric(n + "_count"), tiny_server.metric(n + "_sum")) for n in names}
+    assert all(after[n][0] == before[n][0] + 2 for n in names)
+    e2e, queued = (after[n][1] - before[n][1] for n in names)
+    assert 0 <= queued <= e2e and e2e > 0

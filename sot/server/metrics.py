@@ -14,6 +14,8 @@ from prometheus_client import (
 from sot.engine import SequenceResult
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: whole requests: seconds to minutes
+_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
 #: the final statuses ``sot:requests_total`` counts
@@ -37,8 +39,13 @@ class ServerMetrics:
             self.requests.labels(status=status)
         self.running = Gauge("sot:num_requests_running", "Sequences in the engine's batch", registry=r)
         self.waiting = Gauge("sot:num_requests_waiting", "Requests queued for a slot", registry=r)
-        self.ttft = Histogram("sot:time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("sot:time_to_first_token_seconds", "Time from the request's submission to the "
+                              "engine (once read and tokenized) to its first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("sot:e2e_request_latency_seconds", "Time from a sequence's submission to the engine "
+                             "to its last token (finished sequences)", buckets=_REQUEST_BUCKETS, registry=r)
+        self.queued = Histogram("sot:request_queue_time_seconds", "Time a finished sequence waited for a slot "
+                                "in the batch", buckets=_REQUEST_BUCKETS, registry=r)
         self.itl = Histogram("sot:inter_token_latency_seconds", "Time per generated token after the first "
                              "(a step's gap shared by the tokens it committed)", buckets=_LATENCY_BUCKETS, registry=r)
         self.generated = Counter("sot:generation_tokens", "Generated tokens", registry=r)
@@ -90,6 +97,11 @@ class ServerMetrics:
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+
+    def latency(self, total: float, queued: float) -> None:
+        """A finished sequence's time from submission to its last token, and its wait for a slot."""
+        self.e2e.observe(max(0.0, total))
+        self.queued.observe(max(0.0, queued))
 
     def inter_token(self, seconds: float, tokens: int) -> None:
         for _ in range(tokens):

@@ -232,6 +232,8 @@ class EngineWorker:
             del self._by_engine_id[ev.request_id]
             result = ev.result
             self.metrics.finished(ev.finish_reason or "length", result)
+            if result is not None:  # (its clock runs from admission: the rest of the time it waited)
+                self.metrics.latency(now - t.submitted, now - t.submitted - result.seconds)
         error = result.error if result is not None else None
         self._send(t, Update(list(ev.token_ids), ev.finish_reason if ev.finished else None, result, error=error,
                              logprobs=list(ev.logprobs), prompt_logprobs=ev.prompt_logprobs,
