@@ -136,11 +136,7 @@ class Grammars:
             compiled = self._compiled.get(spec)
             if compiled is not None:
                 self._compiled.move_to_end(spec)
-                fresh = compiled.deep_copy()
-                if not fresh.is_error():
-                    return fresh
-                # copies share the compiled lexer's limits: an earlier answer used them up
-                del self._compiled[spec]
+                return compiled.deep_copy()
             table = self._lltokenizer()
         compiled = LLMatcher(table, spec.grammar(), log_level=0)  # (compiling drops the GIL)
         if compiled.is_error():

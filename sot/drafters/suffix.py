@@ -26,7 +26,6 @@ import heapq
 import itertools
 import math
 import os
-import tempfile
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from sot.errors import ConfigError
+from sot.files import replace_file
 from sot.tree import DraftTree
 
 
@@ -295,22 +295,17 @@ class SuffixStores:
                 lengths.append(len(seq))
                 owners.append(t)
                 flat.extend(seq)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # a name of its own (two savers in one process, or two processes, never share one)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-        part = Path(name)
-        try:
-            with os.fdopen(fd, "wb") as fh:  # np.savez would append .npz to a name without it
+
+        def write(part: Path) -> None:
+            with open(part, "wb") as fh:  # np.savez would append .npz to a name without it
                 np.savez_compressed(fh, tokens=np.asarray(flat, dtype=np.int64),
                                     lengths=np.asarray(lengths, dtype=np.int64),
                                     owners=np.asarray(owners, dtype=np.int64), tenants=np.asarray(names, dtype=str),
                                     vocab_size=np.asarray(self.vocab_size or 0, dtype=np.int64))
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(part, path)
-        finally:
-            part.unlink(missing_ok=True)
+
+        replace_file(path, write, mode=None)  # (earlier answers: its owner's alone)
 
     def load(self, path: str | Path) -> None:
         """Add the stores saved at ``path`` (answers already held are not deduplicated; of a

@@ -122,7 +122,7 @@ def checked_for(model: M, drafter: Drafter, path: str | Path | None) -> M:
     reason = predictor_mismatch(model.info, drafter)
     if reason:
         raise ConfigError(f"the policy model {path or 'shipped with SoT'} does not fit this drafter: {reason}; "
-                          "train one with 'sot train policy --predictor ...'")
+                          "train one with 'sot train policy --predictor ...' (--kind rl for the rl policy)")
     return model
 
 

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from sot.errors import ConfigError
+from sot.files import replace_file
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -19,15 +19,8 @@ def write_policy_file(model: torch.nn.Module, path: str | Path, info: dict) -> N
     previous file whole."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(part),
-                  metadata={"sot_policy": json.dumps(info)})
-        os.chmod(part, 0o644)  # (as a saved model is: readable by a server running as another user)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    replace_file(path, lambda part: save_file(tensors, str(part), metadata={"sot_policy": json.dumps(info)}))
 
 
 def read_policy_file(path: str | Path, what: str, command: str) -> tuple[dict, dict[str, torch.Tensor]]:

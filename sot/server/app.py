@@ -167,7 +167,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
     # ------------------------------------------------------------ errors
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        if exc.counted:
+        if exc.counted:  # (the engine ended it: already in the metrics)
             pass
         elif exc.status in (400, 401, 404, 413, 415) and request.method == "POST" and \
                 request.url.path in GENERATION_ROUTES:

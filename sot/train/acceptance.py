@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 from sot.drafters.base import TreeBudget
 from sot.errors import ConfigError
+from sot.files import replace_file
 from sot.train import changed_settings
 
 if TYPE_CHECKING:
@@ -275,12 +275,7 @@ def load_or_collect(cfg: PolicyTrainConfig) -> dict:
         return traces
     traces = collect_traces(cfg)
     traces["predictor_digest"] = digest
-    part = trace_file.with_name(f".{trace_file.name}.{os.getpid()}.part")
-    try:  # (written beside it and renamed: a run stopped meanwhile leaves no half file)
-        torch.save(traces, part)
-        os.replace(part, trace_file)
-    finally:
-        part.unlink(missing_ok=True)
+    replace_file(trace_file, lambda part: torch.save(traces, part))  # (a run stopped meanwhile leaves no half file)
     return traces
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ from sot.drafters.state.config import NATIVE, StatePredictorConfig, _last_decode
 from sot.drafters.state.eagle3 import load_eagle3
 from sot.drafters.state.model import DecoderLayer, StatePredictor
 from sot.errors import ConfigError, DrafterCompatibilityError
+from sot.files import replace_file
 
 
 def save_predictor(model: StatePredictor, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -23,14 +23,7 @@ def save_predictor(model: StatePredictor, path: str | Path, dtype: torch.dtype =
     tensors = {}
     for k, v in model.state_dict().items():
         tensors[k] = v.detach().to(dtype).contiguous() if v.is_floating_point() else v.detach().contiguous()
-    path = Path(path)
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        save_file(tensors, str(part), metadata={"sot_config": model.config.to_json()})
-        part.chmod(0o644)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
+    replace_file(path, lambda part: save_file(tensors, str(part), metadata={"sot_config": model.config.to_json()}))
 
 
 def read_predictor_config(path: str | Path) -> StatePredictorConfig:

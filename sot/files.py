@@ -1,0 +1,26 @@
+"""Files written whole or not at all."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+
+def replace_file(path: str | Path, write: Callable[[Path], None], mode: int | None = 0o644) -> None:
+    """Write ``path`` whole or not at all: ``write(part)`` fills a temporary file beside it
+    (a name of its own, so two writers never share one), which is then renamed over ``path``;
+    a writer stopped midway leaves the previous file. ``mode``: the file's permissions
+    (``None``: its owner's alone, for files that hold users' data)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    os.close(fd)
+    part = Path(name)
+    try:
+        write(part)
+        if mode is not None:
+            part.chmod(mode)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
