@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from helpers import tiny_model_dir
+import sot.kernels
 from sot import SoT
 from sot import dtype_choice as dc
 from sot.cli import main
@@ -53,7 +54,8 @@ def test_a_mode_with_cheap_wide_passes_wins_for_a_drafter_and_loses_without_one(
     assert [m.depth for m in useless] == [0, 0] and useless[0].tokens_per_s == pytest.approx(1000 / 14.7)
 
 
-def test_auto_measures_both_modes_once_and_reads_the_choice_back(model_dir: Path, cache: Path) -> None:
+def test_auto_measures_both_modes_once_and_reads_the_choice_back(model_dir: Path, cache: Path,
+                                                                 monkeypatch) -> None:
     first = dc.choose_dtype(str(model_dir), "pld", progress=False)
     assert first.source == "measured" and first.path is not None and first.path.is_file()
     assert first.path.parent == cache / "dtype"
@@ -64,8 +66,17 @@ def test_auto_measures_both_modes_once_and_reads_the_choice_back(model_dir: Path
     assert first.dtype == max(first.modes, key=lambda m: m.tokens_per_s).dtype
     again = dc.choose_dtype(str(model_dir), "pld", progress=False)
     assert again.source == "cached" and again.dtype == first.dtype and again.modes == first.modes
-    # another drafter is another choice; a damaged file is measured again
+    # another drafter is another choice, and so is another build of the kernels (or a switch
+    # that bypasses them); a damaged file is measured again
     assert dc.cache_path(str(model_dir), "none", None) != first.path
+    real = sot.kernels.build_key
+    monkeypatch.setattr(sot.kernels, "build_key", lambda: "another-build")
+    assert dc.cache_path(str(model_dir), "pld", None) != first.path
+    monkeypatch.setattr(sot.kernels, "build_key", real)
+    monkeypatch.setenv("SOT_NO_FUSED_BLOCKS", "1")
+    assert dc.cache_path(str(model_dir), "pld", None) != first.path
+    monkeypatch.delenv("SOT_NO_FUSED_BLOCKS")
+    assert dc.cache_path(str(model_dir), "pld", None) == first.path
     first.path.write_text("{not json")
     assert dc.choose_dtype(str(model_dir), "pld", progress=False).source == "measured"
     assert json.loads(first.path.read_text())["dtype"] in dc.CANDIDATES

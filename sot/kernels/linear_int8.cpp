@@ -83,16 +83,28 @@ inline int32_t load4(const int8_t* p) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // MR rows (qa: the first row's quantized inputs, rows K apart) times one panel: out [MR][8],
-// rows `ldo` apart, plus the panel's 8 biases when `bias` is given (added last).
+// rows `ldo` apart, plus the panel's 8 biases when `bias` is given (added last). With one or
+// two rows, block kb of the panel that follows (`next`, or null) is fetched into L2 meanwhile,
+// as in the float32 block kernel (linear.cpp, fused_block_tile): memory and arithmetic overlap.
 template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
-                      const float* scale, const float* mins, float* out, int64_t ldo, const float* bias) {
+                      const float* scale, const float* mins, float* out, int64_t ldo, const float* bias,
+                      const uint8_t* next) {
   const int64_t nb = K / 32;
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t per = nb * kCols;  // one panel's scales
   for (int64_t kb = 0; kb < nb; ++kb) {
+    if (MR <= 2 && next != nullptr) {
+      const char* block = reinterpret_cast<const char*>(next + kb * (Q4 ? 128 : 256));
+      for (int o = 0; o < (Q4 ? 128 : 256); o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
+      if (kb % 2 == 0) {  // (two blocks' 8 scales to a cache line)
+        _mm_prefetch(reinterpret_cast<const char*>(scale + per + kb * kCols), _MM_HINT_T1);
+        if (Q4) _mm_prefetch(reinterpret_cast<const char*>(mins + per + kb * kCols), _MM_HINT_T1);
+      }
+    }
     __m256i s[MR];  // Q4: 16-bit sums (at most 8 * 2 * 15 * 127); Q8: 32-bit sums
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) s[i] = _mm256_setzero_si256();
@@ -138,7 +150,8 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
 #else
 template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
-                      const float* scale, const float* mins, float* out, int64_t ldo, const float* bias) {
+                      const float* scale, const float* mins, float* out, int64_t ldo, const float* bias,
+                      const uint8_t*) {
   const int64_t nb = K / 32;
   for (int i = 0; i < MR; ++i)
     for (int64_t c = 0; c < kCols; ++c) {
@@ -166,12 +179,12 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
 template <bool Q4>
 inline void int8_rows(int64_t rows, const int8_t* qa, const float* da, const float* sa, int64_t K,
                       const uint8_t* data, const float* scale, const float* mins, float* out, int64_t ldo,
-                      const float* bias) {
+                      const float* bias, const uint8_t* next) {
   switch (rows) {
-    case 1: int8_tile<1, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
-    case 2: int8_tile<2, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
-    case 3: int8_tile<3, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
-    default: int8_tile<kGroupRows, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias); break;
+    case 1: int8_tile<1, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias, next); break;
+    case 2: int8_tile<2, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias, next); break;
+    case 3: int8_tile<3, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias, next); break;
+    default: int8_tile<kGroupRows, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias, next); break;
   }
 }
 
@@ -224,10 +237,11 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tens
         float* out = cols == kCols ? yp + m0 * N + n0 : tile;
         const int64_t ldo = cols == kCols ? N : kCols;
         const float* bias = cols == kCols && bp ? bp + n0 : nullptr;
+        const uint8_t* next = p + 1 < end ? dpp + bytes : nullptr;
         if (q4) {
-          int8_rows<true>(rows, qg, dg, sg, K, dpp, spp, mpp, out, ldo, bias);
+          int8_rows<true>(rows, qg, dg, sg, K, dpp, spp, mpp, out, ldo, bias, next);
         } else {
-          int8_rows<false>(rows, qg, dg, sg, K, dpp, spp, nullptr, out, ldo, bias);
+          int8_rows<false>(rows, qg, dg, sg, K, dpp, spp, nullptr, out, ldo, bias, next);
         }
         if (cols < kCols) {
           for (int64_t i = 0; i < rows; ++i) {
