@@ -259,7 +259,8 @@ inline void decode_panel(int bits, const uint8_t* data, const float* scale, cons
 // `next` (or null) is the tile that follows on this thread: block kb of its panels is fetched
 // into L2 while block kb of these is multiplied. The hardware's own prefetch does not run that
 // far ahead, and without it the core waits on memory, then computes, instead of both at once
-// (measured on an AVX-512 EPYC, scripts/linear_bench.py: one-row products 1.3x faster).
+// (on 2 cores of an AVX-512 EPYC, every product of the default model's pass against the same
+// kernel without it: 1.3x faster at one row, 1.2x at two; docs/NOTEBOOK.md).
 struct NextTile {
   const uint8_t* data;
   const float* scale;
