@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import math
 import random
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -330,10 +331,13 @@ class SoT:
                 vLLM applies min-p before top-k and top-p, which differs where both min_p and
                 top_p are set).
             seed: the sampling noise's key, with the prompt's place in the list and the
-                position: a seeded answer is the same whatever was drafted and whatever else is
-                in the batch, for the prompt at that place (the server's requests are each at
-                place 0, so two prompts in one call differ). The default (0) makes a call repeatable;
-                ``None`` draws a fresh seed each call, as the server does for a request without one.
+                position: with ``coupled`` sampling (the default) a seeded answer is the same
+                whatever was drafted and whatever else is in the batch, for the prompt at that
+                place (the server's requests are each at place 0, so two prompts in one call
+                differ). The default (0) makes a call repeatable; ``None`` draws a fresh seed
+                each call, as the server does for a request without one. With ``rejection``
+                the answer also depends on the drafts (which draw on earlier answers), so a
+                seed does not repeat it.
             sampling: ``coupled`` (same text for a seed, whatever was drafted) or
                 ``rejection``; both give the target's distribution.
             stop: strings that end the answer (not included in its text); one string or a
@@ -356,6 +360,9 @@ class SoT:
         """
         if seed is None:  # (as OpenAI and vLLM: no seed, a fresh one)
             seed = random.getrandbits(63)
+        for name, flag in (("ignore_eos", ignore_eos), ("skip_special_tokens", skip_special_tokens)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)):
@@ -366,7 +373,7 @@ class SoT:
             raise ConfigError(f"logit_bias must map token ids to biases, got {logit_bias!r}")
         bias = []
         for token, value in logit_bias.items():
-            if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            if isinstance(token, str) and re.fullmatch(r"\s*-?[0-9]+\s*", token):
                 token = int(token)  # (JSON keys are strings)
             check_number("a logit_bias token", token, integer=True)
             check_number(f"the logit_bias of token {token}", value)
@@ -547,7 +554,9 @@ class SoT:
         **kwargs: Any,
     ) -> Iterator[StreamEvent]:
         """Yield text as it is committed, for prompts generated together (at most
-        ``batch_size`` at a time, as a continuous batch; default: all at once)."""
+        ``batch_size`` at a time, as a continuous batch; default: all at once). Settings as
+        :meth:`params`; with ``logprobs``, each prompt's token log probabilities are in its
+        :class:`~sot.engine.SequenceResult` in ``last_stream`` once the stream has ended."""
         self._check_engine_free()
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in _as_list(prompts)]

@@ -135,8 +135,8 @@ class AdjustedRows:
             token = self.tree.tokens[n]
             if matcher.try_consume_tokens([token]) != 1:  # (refused: no error state, so rollback still works)
                 # the walk only goes where rows allow, so this is a dead end: the grammar allows
-                # no token of the vocabulary, yet its mask offered one. The answer ends at this
-                # token (``LiveRequest.commit``: ``grammar``), so no row after it is used.
+                # no token of the vocabulary, yet its mask offered one. The answer ends before
+                # this token (``LiveRequest.commit``: ``grammar``), so no row after it is used.
                 break
             self._consumed.append(n)
 

@@ -413,8 +413,13 @@ class LiveRequest:
             res.token_ids.append(tok)
             if self.matcher is not None and self.matcher.try_consume_tokens([tok]) != 1:
                 # a dead end: the grammar allows no token of this vocabulary (an enum's "é" that
-                # no token spells), so its mask held only the end of sequence, which it refuses;
-                # or the grammar engine failed (its message kept, for the caller to report)
+                # no token spells), so its mask held only the end of sequence, which it refuses,
+                # or the request's other rules banned what it allowed (stop_token_ids under
+                # min_tokens), so every token was banned; or the grammar engine failed (its
+                # message kept, for the caller to report). The refused token is not the
+                # answer's: it ends before it, short of its form.
+                taken.pop()
+                res.token_ids.pop()
                 reason = "grammar"
                 if self.matcher.is_error():
                     res.error = "the grammar engine stopped: " + grammar_error(self.matcher)

@@ -157,6 +157,13 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
         sot.generate("abc", chat="yes")
     with pytest.raises(ConfigError, match="token ids go to SoT.generate_ids"):
         sot.generate([[3, 4]])
+    # a key that only looks like a number ("²" counts as a digit to str.isdigit), a flag that is not one
+    with pytest.raises(ConfigError, match="logit_bias token"):
+        sot.params(logit_bias={"²": 1.0})
+    assert sot.params(logit_bias={" 7 ": 1.0, "-0": 2.0}).sampling.logit_bias == ((0, 2.0), (7, 1.0))
+    for flag in ("ignore_eos", "skip_special_tokens"):
+        with pytest.raises(ConfigError, match=f"{flag} must be True or False"):
+            sot.params(**{flag: "no"})
     for bad, message in ((dict(prefix_cache_mb=0.5), "prefix_cache_mb must be an integer"),
                          (dict(max_nodes=0), "max_nodes must be >= 1")):
         with pytest.raises(ConfigError, match=message):

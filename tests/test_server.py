@@ -487,6 +487,18 @@ def test_bad_input_gets_a_json_error(tiny_server, name, payload, status) -> None
     assert error["message"] and error["type"] and "Traceback" not in resp.text
 
 
+def test_an_error_names_the_field_it_is_about(tiny_server) -> None:
+    """``param`` is the field at fault also where the message does not begin with it, and a
+    number that is not finite is called that, not out of range."""
+    for body, param, words in ((_chat("hi", logit_bias={"5": float("nan")}), "logit_bias", "logit_bias of token 5"),
+                               (_chat("hi", temperature=float("nan")), "temperature", "finite"),
+                               (_chat("hi", top_p=float("inf")), "top_p", "finite")):
+        resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", content=json.dumps(body).encode(),
+                          headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == param and words in error["message"], resp.text
+
+
 def test_unsupported_features_are_named_and_neutral_values_pass(tiny_server) -> None:
     """A field the server cannot honour is refused with its name; the same fields at their
     neutral values (as many clients send them) are accepted."""

@@ -222,6 +222,10 @@ def test_responses_input_and_metadata_are_checked_as_openai_does() -> None:
     assert refused(input="hi", metadata={"k": 1}) == "metadata"
     assert refused(input="hi", metadata={f"k{i}": "v" for i in range(17)}) == "metadata"
     assert refused(input="hi", truncation="auto") == "truncation"
+    # other APIs' token limits and several answers are refused by name, not ignored
+    for name, value in (("max_tokens", 2), ("max_completion_tokens", 2), ("max_new_tokens", 2), ("n", 3)):
+        assert refused(input="hi", **{name: value}) == name
+    ResponsesRequest(model="m", input="hi", n=1).chat_body()  # (asks for nothing more)
     ok = ResponsesRequest(model="m", input=[{"role": "user", "content": "hi"}, call,
                                             {"type": "function_call_output", "call_id": "c", "output": "3"}],
                           metadata={f"k{i}": "v" for i in range(16)}, truncation="disabled").chat_body()
@@ -301,7 +305,9 @@ def test_vllm_structured_outputs_and_fields_this_server_would_ignore() -> None:
                            (CompletionRequest.model_validate({"model": "m", "prompt": "a", "max_completion_tokens": 2}),
                             "max_completion_tokens"),
                            (CompletionRequest.model_validate({"model": "m", "prompt": "a", "prompt_logprobs": 1}),
-                            "prompt_logprobs")):
+                            "prompt_logprobs"),
+                           # another API's name for the token limit: ignored, the answer would fill the context
+                           (chat(max_output_tokens=2), "max_output_tokens"), (chat(max_new_tokens=2), "max_new_tokens")):
         with pytest.raises(APIError) as err:
             request.check_supported()
         assert err.value.param == field

@@ -162,11 +162,25 @@ def test_a_grammar_dead_end_ends_its_request_alone_the_same_in_every_mode(tiny: 
         while engine.has_unfinished():
             done.update({ev.request_id: ev.result for ev in engine.step() if ev.finished})
         ended, other = (done[r] for r in rids)
-        assert ended.finish_reason == "grammar" and tiny.tokenizer.decode(ended.token_ids[:2]) == "ab"
+        # (the end of sequence its mask offered, which the grammar refuses, is not the answer's)
+        assert ended.finish_reason == "grammar" and tiny.tokenizer.decode(ended.token_ids) == "ab"
         assert other.finish_reason in ("stop", "eos") and other.token_ids == alone
         if isinstance(drafter, NoDrafter):
             plain = ended.token_ids
         assert ended.token_ids == plain
+
+
+def test_rules_that_ban_every_token_the_grammar_allows_end_the_answer_before_it(tiny: SoT) -> None:
+    """A choice of "ab" whose "b" is also a stop token under ``min_tokens``: after "a" every
+    token is banned, and the answer ends there (``grammar``) rather than with a token outside
+    its form, the same plain and speculative."""
+    b = tiny.encode("b", chat=False)
+    assert len(b) == 1
+    params = GenerationParams(max_new_tokens=10, eos_token_ids=(*tiny.eos_ids(), b[0]), min_tokens=3,
+                              structured=StructuredOutput.choice(["ab"]))
+    for drafter in (NoDrafter(), PromptLookupDrafter()):
+        res = _engine(tiny, drafter).generate([tiny.encode("abcabc", chat=False)], params)[0]
+        assert res.finish_reason == "grammar" and tiny.tokenizer.decode(res.token_ids) == "a"
 
 
 def test_a_grammar_past_the_engines_limits_fails_alike_every_time_with_its_reason(tiny: SoT) -> None:
@@ -177,7 +191,7 @@ def test_a_grammar_past_the_engines_limits_fails_alike_every_time_with_its_reaso
     huge = StructuredOutput(OutputFormat.REGEX, "((b{100}){100}){90}")
     runs = [tiny.generate(["say bbbb"], chat=False, structured=huge, max_new_tokens=40)[0] for _ in range(3)]
     assert all(r.finish_reason == "grammar" and "grammar engine stopped" in (r.error or "") for r in runs)
-    assert runs[0].token_ids and all(r.token_ids == runs[0].token_ids for r in runs)
+    assert all(r.token_ids == runs[0].token_ids for r in runs)  # (the refused token is not kept)
     dead = tiny.generate(["abc"], chat=False, structured=StructuredOutput(OutputFormat.REGEX, "ab~c"),
                          max_new_tokens=10)[0]
     assert dead.finish_reason == "grammar" and dead.error is None

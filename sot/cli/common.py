@@ -180,7 +180,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=unit_interval, default=SamplingParams.min_p,
                    help="drop tokens less likely than this fraction of the most likely one (0: off)")
     p.add_argument("--seed", type=int, default=SamplingParams.seed,
-                   help="the sampling noise's key: the same seed gives the same sample (default %(default)s)")
+                   help="the sampling noise's key: with --sampling coupled the same seed gives the same sample "
+                        "(with rejection it also depends on the drafts) (default %(default)s)")
     p.add_argument("--sampling", choices=[m.value for m in SamplingMode], default=SamplingParams.mode.value,
                    help="coupled (default): a seeded sample is the same text whatever was drafted, as plain "
                         "decoding's; rejection: recursive rejection sampling. Both are exact in distribution")

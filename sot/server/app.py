@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 import secrets
 import threading
 import time
@@ -563,8 +564,9 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
         check_params(params, state.sot.target.vocab_size)
     except ConfigError as exc:
         msg = str(exc).replace("max_new_tokens", field)  # (the request's name for it)
-        field = msg.split(" ", 1)[0]  # (each message begins with the field it is about)
-        raise APIError(400, msg, param=field if field in type(body).model_fields else None) from None
+        # (the field a message is about is the first it names: "top_k must be ...", "the logit_bias of ...")
+        named = (word for word in re.findall(r"[A-Za-z_]+", msg) if word in type(body).model_fields)
+        raise APIError(400, msg, param=next(named, None)) from None
     _check_token_ids(state, body.stop_token_ids or [], "stop_token_ids")
     return params
 

@@ -86,10 +86,10 @@ class _GenerationRequest(NullMeansDefault):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(SamplingParams.min_p, ge=0.0, le=1.0)
+    min_p: float = Field(SamplingParams.min_p, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
@@ -110,12 +110,14 @@ class _GenerationRequest(NullMeansDefault):
     cache_salt: str | None = Field(None, min_length=1)
     #: add the generated ``token_ids`` to each choice (and ``prompt_token_ids`` to the response)
     return_token_ids: bool = False
-    presence_penalty: float = Field(SamplingParams.presence_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float = Field(SamplingParams.frequency_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float = Field(SamplingParams.presence_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY,
+                                      allow_inf_nan=False)
+    frequency_penalty: float = Field(SamplingParams.frequency_penalty, ge=-MAX_PENALTY, le=MAX_PENALTY,
+                                       allow_inf_nan=False)
     #: token id (as a string, OpenAI's form) -> a bias of -100 to 100 added to its logit
     logit_bias: dict[str, float] | None = None
     #: vLLM's extensions: over the prompt and the answer (1: off)
-    repetition_penalty: float = Field(SamplingParams.repetition_penalty, gt=0.0)
+    repetition_penalty: float = Field(SamplingParams.repetition_penalty, gt=0.0, allow_inf_nan=False)
     #: no end-of-sequence (or ``stop_token_ids``) token before this many tokens
     min_tokens: int = Field(GenerationParams.min_tokens, ge=0)
     #: tokens that end the answer as an end-of-sequence token does
@@ -240,6 +242,9 @@ _UNSUPPORTED = {
     "truncate_prompt_tokens": "prompt truncation", "guided_whitespace_pattern": "a whitespace pattern (a "
     "schema's x-guidance whitespace_pattern sets it)", "echo": "echo on chat completions",
     "max_completion_tokens": "max_completion_tokens on /v1/completions (send max_tokens)",
+    # token limits by other APIs' names: ignored, the answer would run to the end of the context
+    "max_output_tokens": "max_output_tokens outside /v1/responses (send max_tokens)",
+    "max_new_tokens": "max_new_tokens (send max_tokens)",
 }
 
 

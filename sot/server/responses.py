@@ -34,6 +34,12 @@ from sot.server.protocol import APIError, NullMeansDefault
 _UNSUPPORTED = {
     "conversation": "stored conversations", "reasoning": "reasoning settings", "background": "background responses",
     "prompt": "stored prompt templates", "max_tool_calls": "a tool-call limit",
+    # other APIs' names for what a Responses request calls otherwise (ignored, the answer would
+    # run to the end of the context, or come back once)
+    "max_tokens": "max_tokens on /v1/responses (send max_output_tokens)",
+    "max_completion_tokens": "max_completion_tokens on /v1/responses (send max_output_tokens)",
+    "max_new_tokens": "max_new_tokens (send max_output_tokens)",
+    "n": "several answers to one request (n) on /v1/responses",
 }
 #: the ``include`` value that asks for the answer's log probabilities (the only one this server gives)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -74,8 +80,8 @@ class ResponsesRequest(NullMeansDefault):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict | None = None
@@ -104,7 +110,7 @@ class ResponsesRequest(NullMeansDefault):
             raise APIError(400, "metadata: at most 16 pairs, keys of up to 64 characters and string values of up "
                                 "to 512", param="metadata")
         for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and value not in (None, False, [], {}, ""):
+            if name in _UNSUPPORTED and value not in (None, False, [], {}, "") and not (name == "n" and value == 1):
                 raise APIError(400, f"{name}: {_UNSUPPORTED[name]} is not supported by this server", param=name)
         other = [item for item in self.include or [] if item != LOGPROBS_INCLUDE]
         if other:
