@@ -307,7 +307,8 @@ def test_vllm_structured_outputs_and_fields_this_server_would_ignore() -> None:
                            (CompletionRequest.model_validate({"model": "m", "prompt": "a", "prompt_logprobs": 1}),
                             "prompt_logprobs"),
                            # another API's name for the token limit: ignored, the answer would fill the context
-                           (chat(max_output_tokens=2), "max_output_tokens"), (chat(max_new_tokens=2), "max_new_tokens")):
+                           (chat(max_output_tokens=2), "max_output_tokens"),
+                           (chat(max_new_tokens=2), "max_new_tokens")):
         with pytest.raises(APIError) as err:
             request.check_supported()
         assert err.value.param == field
