@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 
+from sot.attention import MAX_TREE_NODES
 from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
@@ -211,9 +212,9 @@ class SoT:
             device: ``auto`` (default: a CUDA GPU when one is visible, else the CPU), ``cpu``,
                 ``cuda`` or ``cuda:N``: where the target, its cache and the predictor live.
         """
-        for name, value, low in (("max_nodes", max_nodes, 1), ("max_depth", max_depth, 0), ("top_k", top_k, 1),
-                                 ("prefix_cache_mb", prefix_cache_mb, 0)):
-            check_number(name, value, integer=True, low=low)
+        for name, value, low, high in (("max_nodes", max_nodes, 1, MAX_TREE_NODES), ("max_depth", max_depth, 0, None),
+                                       ("top_k", top_k, 1, None), ("prefix_cache_mb", prefix_cache_mb, 0, None)):
+            check_number(name, value, integer=True, low=low, high=high)
         if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
             choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
             raise ConfigError(f"unknown drafter {drafter!r}; choose from {choices}")

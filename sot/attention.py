@@ -38,6 +38,8 @@ from sot.models.rows import round_up
 
 # Rows of a tree may be up to MAX_TREE_DEPTH below the committed length.
 MAX_TREE_DEPTH = 64
+# Nodes of one tree at most (each is a verify row, a cache slot and a timed point of the cost model)
+MAX_TREE_NODES = 256
 FAR_ALIGN = 32
 TAIL = MAX_TREE_DEPTH + FAR_ALIGN
 # Attention rows are computed in multiples of this (keeps matmul shapes out of the

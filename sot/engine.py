@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from sot.acceptance import Acceptance
-from sot.attention import MAX_TREE_DEPTH
+from sot.attention import MAX_TREE_DEPTH, MAX_TREE_NODES
 from sot.cache import KVCache
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, DraftRules, TreeBudget
 from sot.errors import ConfigError
@@ -128,7 +128,7 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         prompt_budget: int | None = None,
     ) -> None:
-        budget.check(MAX_TREE_DEPTH)
+        budget.check(MAX_TREE_DEPTH, MAX_TREE_NODES)
         if max_batch is not None and max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         if prompt_budget is not None and prompt_budget < 1:

@@ -232,18 +232,34 @@ class TracedSequence:
     vocab: dict[str, str] = field(default_factory=dict)
 
 
+def write_output(path: str | Path, write: Callable[[Path], None]) -> None:
+    """``write(p)`` fills the file ``path`` whole or not at all (a run stopped midway leaves the
+    earlier file, not half of a new one); a path that is not a regular file (``/dev/stdout``,
+    a pipe) is written as it is."""
+    from sot.files import replace_file
+
+    target = Path(path)
+    if target.exists() and not target.is_file():
+        write(target)
+    else:
+        replace_file(target, write)
+
+
 def write_trace(path: str | Path, run: dict[str, Any], sequences: list[TracedSequence]) -> None:
-    """Write a trace as JSON lines (the schema above)."""
-    with open(path, "w") as fh:
-        head = {"type": "run", "created": datetime.datetime.now(datetime.timezone.utc).isoformat(), **run}
-        fh.write(json.dumps(head) + "\n")
-        for seq in sequences:
-            body = {k: v for k, v in asdict(seq).items() if k not in ("steps", "states")}
-            fh.write(json.dumps({"type": "sequence", **body}) + "\n")
-            for step in seq.steps:
-                fh.write(json.dumps({"type": "step", "sequence": seq.index, **step}) + "\n")
-            if seq.states is not None:
-                fh.write(json.dumps({"type": "states", "sequence": seq.index, **seq.states}) + "\n")
+    """Write a trace as JSON lines (the schema above), whole or not at all."""
+    def write(part: Path) -> None:
+        with open(part, "w") as fh:
+            head = {"type": "run", "created": datetime.datetime.now(datetime.timezone.utc).isoformat(), **run}
+            fh.write(json.dumps(head) + "\n")
+            for seq in sequences:
+                body = {k: v for k, v in asdict(seq).items() if k not in ("steps", "states")}
+                fh.write(json.dumps({"type": "sequence", **body}) + "\n")
+                for step in seq.steps:
+                    fh.write(json.dumps({"type": "step", "sequence": seq.index, **step}) + "\n")
+                if seq.states is not None:
+                    fh.write(json.dumps({"type": "states", "sequence": seq.index, **seq.states}) + "\n")
+
+    write_output(path, write)
 
 
 def read_trace(path: str | Path) -> tuple[dict[str, Any], list[TracedSequence]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sot.trace import TracedSequence
+from sot.trace import TracedSequence, write_output
 
 
 def _pca(actual: list[list[float]], predicted: list[list[float]]) -> tuple[list[list[float]], list[list[float]]]:
@@ -330,5 +330,6 @@ def render_page(run: dict[str, Any], sequences: list[TracedSequence]) -> str:
 
 
 def write_page(path: str | Path, run: dict[str, Any], sequences: list[TracedSequence]) -> None:
-    """Write the page for ``sequences`` to ``path``."""
-    Path(path).write_text(render_page(run, sequences), encoding="utf-8")
+    """Write the page for ``sequences`` to ``path`` (whole or not at all)."""
+    page = render_page(run, sequences)
+    write_output(path, lambda part: part.write_text(page, encoding="utf-8"))

@@ -165,7 +165,8 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
         with pytest.raises(ConfigError, match=f"{flag} must be True or False"):
             sot.params(**{flag: "no"})
     for bad, message in ((dict(prefix_cache_mb=0.5), "prefix_cache_mb must be an integer"),
-                         (dict(max_nodes=0), "max_nodes must be >= 1")):
+                         (dict(max_nodes=0), "max_nodes must be >= 1"),
+                         (dict(max_nodes=10**11), "max_nodes must be >= 1 and <= 256")):  # (not a 24 GB tree)
         with pytest.raises(ConfigError, match=message):
             SoT.load(str(model_dir), **bad)
     assert len(sot.generate("abc", chat=False, max_new_tokens=2)[0].token_ids) <= 2
@@ -208,6 +209,23 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
     latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
     assert main(["generate", "--prompts", str(latin), "--model", "/no/such/model"]) == 2
     assert "not UTF-8 text" in capsys.readouterr().err
+    # training that would write over the predictor it starts from, or regenerate answers over its prompts
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "predictor.safetensors").write_bytes(b"kept")
+    for cmd in (["fit", "--data", str(tmp_path / "data")], ["onpolicy"]):
+        assert main(["train", *cmd, "--init-from", str(run / "predictor.safetensors"), "--out", str(run)]) == 2
+        assert "would replace the predictor it starts from" in capsys.readouterr().err
+    assert (run / "predictor.safetensors").read_bytes() == b"kept"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "1", "prompt": "hi"}\n')
+    assert main(["train", "gen-data", "--model", "/no/such/model", "--prompts", str(prompts),
+                 "--out", str(prompts)]) == 2
+    assert "is also --prompts's file" in capsys.readouterr().err
+    for layers in ("1,1,1", "2,1,0"):
+        assert main(["train", "prepare", "--model", str(model_dir), "--out", str(tmp_path / "prep"), "--layers",
+                     layers]) == 2
+        assert "--layers must be distinct and ascending" in capsys.readouterr().err
     assert main(["score", "a", "--model", str(model_dir), "--json"]) == 0  # one token: no perplexity
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"] is None
     assert main(["score", "a", "--model", str(model_dir)]) == 0

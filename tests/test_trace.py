@@ -152,6 +152,13 @@ def test_trace_file_round_trip_and_state_comparison(tmp_path: Path) -> None:
         read_trace(bad)
     (tmp_path / "later.jsonl").write_text("\n".join(lines + ['{"type": "a later kind of line"}']) + "\n")
     assert read_trace(tmp_path / "later.jsonl")[1] == traced  # skipped
+    # a write stopped midway (Ctrl-C) leaves the earlier trace whole, and no stray file
+    before = (tmp_path / "t.jsonl").read_bytes()
+    stopping = [TracedSequence(9, [1], [2], ["x"], "", "length", 1.0, 1.0, [{"mode": object()}])]
+    with pytest.raises(TypeError):
+        write_trace(tmp_path / "t.jsonl", {"model": "tiny"}, traced + stopping)
+    assert (tmp_path / "t.jsonl").read_bytes() == before and sorted(os.listdir(tmp_path)) == [
+        "bad.jsonl", "later.jsonl", "t.jsonl"]
 
 
 def test_recording_is_off_by_default() -> None:

@@ -194,7 +194,7 @@ def add_bench_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="send requests at this Poisson rate (per second; inf: all at once) instead of fixed "
                         "concurrency")
     p.add_argument("--max-tokens", type=positive_int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask for exactly --max-tokens tokens (the 'ignore_eos' extension of SoT and vLLM)")
     p.add_argument("--rounds", type=positive_int, default=1, help="alternating rounds per level")

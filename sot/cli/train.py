@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from sot.cli.common import FLOAT_DTYPE_CHOICES, add_device_arg, positive_float, positive_int
+from sot.cli.common import FLOAT_DTYPE_CHOICES, add_device_arg, non_negative_float, positive_float, positive_int
 from sot.drafters.state.config import ARCHES, default_state_layers
 from sot.online.loss import OnlineLossConfig
 from sot.train.acceptance import PolicyTrainConfig
@@ -29,6 +29,8 @@ def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
         raise ConfigError(f"--layers takes comma-separated integers, got {text!r}") from None
     if any(not 0 <= x <= num_layers for x in layers):
         raise ConfigError(f"--layers must lie in 0..{num_layers} for this model, got {text!r}")
+    if list(layers) != sorted(set(layers)):  # (a predictor reads each layer once, in order)
+        raise ConfigError(f"--layers must be distinct and ascending, got {text!r}")
     return layers
 
 
@@ -40,7 +42,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     gen = tsub.add_parser("gen-data", help="regenerate ShareGPT answers with the target (self-distillation)")
     gen.add_argument("--model", default="default")
     gen.add_argument("--out", required=True, help="JSONL file to write (appends; resumes by id)")
-    gen.add_argument("--limit", type=positive_int, default=1000, help="conversations to regenerate")
+    gen.add_argument("--limit", type=positive_int, default=1000,
+                     help="conversations the --out file should hold when done (a run picks up where an "
+                          "earlier one stopped)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=256)
     gen.add_argument("--batch-size", type=positive_int, default=8)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -124,7 +128,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--seed", type=int, default=TrainConfig.seed,
                      help="the seed of the data order, the noise and a new predictor's weights (default "
                           "%(default)s)")
-    fit.add_argument("--max-seconds", type=float, default=TrainConfig.max_seconds,
+    fit.add_argument("--max-seconds", type=non_negative_float, default=TrainConfig.max_seconds,
                      help="stop (with a checkpoint) after this long")
     fit.add_argument("--stop-after", type=int, default=TrainConfig.stop_after, metavar="STEP",
                      help="stop (with a checkpoint) after this step; the learning-rate schedule is still "
@@ -161,7 +165,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                     help="extra weight of the row where a recorded chain was first rejected")
     op.add_argument("--buffer-gb", type=positive_float, default=OnPolicyConfig.buffer_gb,
                     help="recorded data kept; the oldest shards go beyond it")
-    op.add_argument("--max-seconds", type=float, default=OnPolicyConfig.max_seconds,
+    op.add_argument("--max-seconds", type=non_negative_float, default=OnPolicyConfig.max_seconds,
                     help="stop (with a checkpoint) after this much decoding and training time")
     op.add_argument("--dtype", choices=FLOAT_DTYPE_CHOICES, default=OnPolicyConfig.dtype)
     op.add_argument("--seed", type=int, default=OnPolicyConfig.seed)
@@ -203,8 +207,10 @@ def cmd_code_prompts(args: argparse.Namespace) -> int:
 
 
 def cmd_gen_data(args: argparse.Namespace) -> int:
+    from sot.cli.common import check_distinct_files
     from sot.train.selfdistill import generate_answers
 
+    check_distinct_files(args)  # (--out over the --prompts file would count the prompts as done)
     n = generate_answers(args.model, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
                          drafter=args.drafter, max_prompt_tokens=args.max_prompt_tokens,
@@ -244,9 +250,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keeps_its_start(args: argparse.Namespace) -> None:
+    """Stop when ``--init-from`` is the predictor file that ``--out``'s run writes: training
+    would replace the predictor it starts from."""
+    from sot.cli.common import _same_file
+    from sot.errors import ConfigError
+
+    written = str(Path(args.out) / "predictor.safetensors")
+    if args.init_from and _same_file(args.init_from, written):
+        raise ConfigError(f"--init-from {args.init_from} is the file this run writes (--out {args.out}); "
+                          "training would replace the predictor it starts from: give --out another folder")
+
+
 def cmd_fit(args: argparse.Namespace) -> int:
     from sot.train.trainer import TrainConfig, fit
 
+    _keeps_its_start(args)
     cfg = TrainConfig(
         model=args.model, data=args.data, out=args.out, steps=args.steps, tokens_per_step=args.tokens_per_step,
         lr=args.lr, warmup=args.warmup, unroll=args.unroll, draft_vocab=args.draft_vocab, init=args.init,
@@ -313,6 +332,7 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
 
     if args.uniform < 0 or args.error_weight < 0:
         raise ConfigError("--uniform and --error-weight must be >= 0")
+    _keeps_its_start(args)
     loss = OnlineLossConfig(unroll=args.unroll, uniform=args.uniform, error_weight=args.error_weight)
     cfg = OnPolicyConfig(model=args.model, init_from=args.init_from, out=args.out, iterations=args.iterations,
                          prompts_per_iteration=args.prompts_per_iteration, code_share=args.code_share,

@@ -43,10 +43,10 @@ class TreeBudget:
     width: int = 0
     min_confidence: float | None = None
 
-    def check(self, max_depth: int) -> None:
+    def check(self, max_depth: int, max_nodes: int | None = None) -> None:
         """Raise :class:`ConfigError` unless this budget is valid with trees of at most
-        ``max_depth`` levels."""
-        check_number("max_nodes", self.max_nodes, integer=True, low=1)
+        ``max_depth`` levels and ``max_nodes`` nodes."""
+        check_number("max_nodes", self.max_nodes, integer=True, low=1, high=max_nodes)
         check_number("max_depth", self.max_depth, integer=True, low=0)
         if self.max_depth > max_depth:
             raise ConfigError(f"max depth {self.max_depth} exceeds the supported {max_depth}")

@@ -266,8 +266,8 @@ def _check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"an EAGLE-3 predictor has one decoder layer; drop --decoder-layers {cfg.decoder_layers}")
     if cfg.stop_after < 0:
         raise ConfigError(f"--stop-after must be a step number >= 0, got {cfg.stop_after}")
-    if cfg.max_seconds < 0:
-        raise ConfigError(f"--max-seconds must be >= 0 (0: no limit), got {cfg.max_seconds}")
+    if not (math.isfinite(cfg.max_seconds) and cfg.max_seconds >= 0):
+        raise ConfigError(f"--max-seconds must be a finite number >= 0 (0: no limit), got {cfg.max_seconds}")
     if cfg.draft_vocab < 0:
         raise ConfigError(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {cfg.draft_vocab}")
     if cfg.recount_vocab and not cfg.init_from:
