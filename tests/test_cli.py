@@ -743,3 +743,23 @@ def test_serve_refuses_an_empty_api_key_and_bad_loading_options(monkeypatch, cap
         assert main(["serve", "--model", "/no/such/model", "--port", "1", *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and "listening" not in err, err
+
+
+def test_ctrl_c_while_the_command_line_loads_is_one_line(monkeypatch, capsys) -> None:
+    """The ``sot`` entry point loads the command line (and torch) inside its own Ctrl-C
+    handler, and ``import sot`` alone loads nothing heavy."""
+    class Interrupted:
+        def find_spec(self, name, path=None, target=None):
+            if name == "sot.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "sot.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    from sot._entry import main as entry
+
+    assert entry(["--version"]) == 130
+    assert capsys.readouterr().err.strip() == "sot: interrupted"
+    light = subprocess.run([sys.executable, "-c", "import sys, sot; print('torch' in sys.modules, sot.__version__)"],
+                           capture_output=True, text=True, check=True)
+    assert light.stdout.split() == ["False", "0.1.0"]
