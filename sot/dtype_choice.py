@@ -127,19 +127,12 @@ def _model_key(model: str, drafter: str, predictor: str | None) -> dict:
     return {"model": str(path.resolve()), "files": stamp, "drafter": drafter, "predictor": pred}
 
 
-def _kernels_key() -> dict:
-    """What the timings depend on besides the machine and the model: the build of SoT's CPU
-    kernels (a changed kernel can change which mode is faster) and the switches that bypass them."""
-    from sot.kernels import build_key, cpu_kernels
-
-    return {"build": build_key() if cpu_kernels() is not None else None,
-            "env": {k: os.environ.get(k) for k in ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_KERNELS")}}
-
-
 def cache_path(model: str, drafter: str, predictor: str | None) -> Path:
     """Where the choice for this machine, model, drafter and kernel build is kept."""
+    from sot.kernels import kernels_key
+
     key = json.dumps({"format": FORMAT, "machine": machine_key(), "model": _model_key(model, drafter, predictor),
-                      "kernels": _kernels_key()}, sort_keys=True)
+                      "kernels": kernels_key()}, sort_keys=True)
     return cache_root() / "dtype" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 

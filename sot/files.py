@@ -24,3 +24,14 @@ def replace_file(path: str | Path, write: Callable[[Path], None], mode: int | No
         os.replace(part, path)
     finally:
         part.unlink(missing_ok=True)
+
+
+def write_output(path: str | Path, write: Callable[[Path], None]) -> None:
+    """An output file the user named, written whole or not at all (:func:`replace_file`; a
+    run stopped midway leaves the earlier file, not half of a new one); a path that is not a
+    regular file (``/dev/stdout``, a pipe) is written as it is."""
+    target = Path(path)
+    if target.exists() and not target.is_file():
+        write(target)
+    else:
+        replace_file(target, write)

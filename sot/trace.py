@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from sot.files import write_output
 from sot.tree import DraftTree
 
 
@@ -230,19 +231,6 @@ class TracedSequence:
     states: dict[str, Any] | None = None
     #: the text of every token id that appears in a tree (as a string key)
     vocab: dict[str, str] = field(default_factory=dict)
-
-
-def write_output(path: str | Path, write: Callable[[Path], None]) -> None:
-    """``write(p)`` fills the file ``path`` whole or not at all (a run stopped midway leaves the
-    earlier file, not half of a new one); a path that is not a regular file (``/dev/stdout``,
-    a pipe) is written as it is."""
-    from sot.files import replace_file
-
-    target = Path(path)
-    if target.exists() and not target.is_file():
-        write(target)
-    else:
-        replace_file(target, write)
 
 
 def write_trace(path: str | Path, run: dict[str, Any], sequences: list[TracedSequence]) -> None:

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from sot.trace import TracedSequence, write_output
+from sot.files import write_output
+from sot.trace import TracedSequence
 
 
 def _pca(actual: list[list[float]], predicted: list[list[float]]) -> tuple[list[list[float]], list[list[float]]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,15 @@ def test_trace_file_round_trip_and_state_comparison(tmp_path: Path) -> None:
         write_trace(tmp_path / "t.jsonl", {"model": "tiny"}, traced + stopping)
     assert (tmp_path / "t.jsonl").read_bytes() == before and sorted(os.listdir(tmp_path)) == [
         "bad.jsonl", "later.jsonl", "t.jsonl"]
+    # a path that is not a regular file (a pipe, /dev/stdout) is written as it is, not replaced
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_bytes()))
+    reader.start()
+    write_trace(pipe, {"model": "tiny"}, traced)
+    reader.join(timeout=30)
+    assert got and got[0].count(b"\n") == len(lines) and pipe.is_fifo()
 
 
 def test_recording_is_off_by_default() -> None:

@@ -278,7 +278,8 @@ INPUT_FILES = (("--prompts", "prompts"), ("--from", "from_file"), ("--chat-templ
 OUTPUT_FILES = (("--trace", "trace"), ("--out", "out"), ("--save", "save"), ("--suffix-store", "suffix_store"))
 
 
-def _same_file(a: str, b: str) -> bool:
+def same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (existing or not)."""
     pa, pb = Path(a), Path(b)
     if pa.exists() and pb.exists():
         return os.path.samefile(pa, pb)
@@ -296,7 +297,7 @@ def check_distinct_files(args: argparse.Namespace) -> None:
     inputs = [(flag, path) for flag, path in inputs if isinstance(path, str) and path and os.path.isfile(path)]
     for i, (flag, path) in enumerate(outputs):
         for other, there in outputs[i + 1:] + [(f, p) for f, p in inputs]:
-            if _same_file(path, there):
+            if same_file(path, there):
                 raise SoTError(f"{flag} {path} is also {other}'s file; writing it would replace what {other} "
                                "names: give another path")
 

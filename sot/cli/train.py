@@ -253,11 +253,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def _keeps_its_start(args: argparse.Namespace) -> None:
     """Stop when ``--init-from`` is the predictor file that ``--out``'s run writes: training
     would replace the predictor it starts from."""
-    from sot.cli.common import _same_file
+    from sot.cli.common import same_file
     from sot.errors import ConfigError
 
     written = str(Path(args.out) / "predictor.safetensors")
-    if args.init_from and _same_file(args.init_from, written):
+    if args.init_from and same_file(args.init_from, written):
         raise ConfigError(f"--init-from {args.init_from} is the file this run writes (--out {args.out}); "
                           "training would replace the predictor it starts from: give --out another folder")
 

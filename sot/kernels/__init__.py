@@ -72,6 +72,18 @@ def build_key() -> str:
     return _build()[1]
 
 
+#: environment switches that bypass the kernels or their block paths (see sot.kernels.linear)
+SWITCHES = ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_KERNELS")
+
+
+def kernels_key() -> dict:
+    """What a timing on this machine depends on besides the model: the build of the kernels
+    (``None``: the PyTorch path) and the switches that bypass them. Cached timings (the cost
+    curve, the ``--dtype auto`` choice) are keyed on it, so a changed kernel is timed anew."""
+    return {"build": build_key() if cpu_kernels() is not None else None,
+            "env": {k: os.environ.get(k) for k in SWITCHES}}
+
+
 @lru_cache(maxsize=1)
 def cpu_kernels() -> ModuleType | None:
     """The compiled CPU kernels (``tree_attention_exact``, ``linear_f32``,

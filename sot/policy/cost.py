@@ -145,7 +145,7 @@ def cost_cache_path(target: torch.nn.Module, max_rows: int) -> Path | None:
     if os.environ.get("SOT_COST_CACHE", "1") == "0" or target.device.type != "cpu":
         return None
     from sot.fingerprint import target_fingerprint
-    from sot.kernels import build_key, cpu_kernels
+    from sot.kernels import kernels_key
     from sot.machine import machine_key
     from sot.models.loading import cache_root
 
@@ -156,8 +156,7 @@ def cost_cache_path(target: torch.nn.Module, max_rows: int) -> Path | None:
         "format": COST_FORMAT, "machine": machine_key(), "target": target_fingerprint(model),
         "layout": hashlib.sha256(repr(layout).encode()).hexdigest()[:16], "dtype": str(target.dtype),
         "fast": target.fast is not None, "int8": target.int8, "row_multiple": target.row_multiple, "rows": max_rows,
-        "kernels": build_key() if cpu_kernels() is not None else None,  # else the PyTorch path
-        "env": {k: os.environ.get(k) for k in ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_KERNELS")},
+        "kernels": kernels_key(),
     }, sort_keys=True, default=str)
     return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 

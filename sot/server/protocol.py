@@ -199,7 +199,7 @@ class _GenerationRequest(NullMeansDefault):
         (``tools: []``, ``tool_choice: "none"``) are accepted."""
         for name, value in (self.model_extra or {}).items():
             reason = _UNSUPPORTED.get(name)
-            if reason is not None and _asks_for(name, value):
+            if reason is not None and asks_for(name, value):
                 raise APIError(400, f"{name}: {reason} is not supported by this server", param=name)
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -248,12 +248,12 @@ _UNSUPPORTED = {
 }
 
 
-def _asks_for(name: str, value: Any) -> bool:
+def asks_for(name: str, value: Any) -> bool:
     """Whether ``value`` of the unsupported field ``name`` asks for anything (``None``,
-    ``false``, empty, ``best_of`` 1 and ``tool_choice`` none or auto do not)."""
+    ``false``, empty, ``best_of`` or ``n`` 1 and ``tool_choice`` none or auto do not)."""
     if value is None or value is False or value == [] or value == {} or value == "":
         return False
-    if name == "best_of":
+    if name in ("best_of", "n"):
         return value != 1
     if name in ("tool_choice", "function_call"):
         return value not in ("none", "auto")

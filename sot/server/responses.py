@@ -28,7 +28,7 @@ from pydantic import ConfigDict, Field
 
 from sot.sampling import MAX_TOP_LOGPROBS
 from sot.server.config import RESPONSES_KEPT
-from sot.server.protocol import APIError, NullMeansDefault
+from sot.server.protocol import APIError, NullMeansDefault, asks_for
 
 #: Responses fields this server does not act on, with what they ask for
 _UNSUPPORTED = {
@@ -110,7 +110,7 @@ class ResponsesRequest(NullMeansDefault):
             raise APIError(400, "metadata: at most 16 pairs, keys of up to 64 characters and string values of up "
                                 "to 512", param="metadata")
         for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and value not in (None, False, [], {}, "") and not (name == "n" and value == 1):
+            if name in _UNSUPPORTED and asks_for(name, value):
                 raise APIError(400, f"{name}: {_UNSUPPORTED[name]} is not supported by this server", param=name)
         other = [item for item in self.include or [] if item != LOGPROBS_INCLUDE]
         if other:
