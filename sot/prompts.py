@@ -211,9 +211,14 @@ def read_chat_template(template: str) -> str:
         text = template
     else:
         path = Path(template)
+        if path.is_dir():
+            raise ConfigError(f"chat template {template}: is a folder; give the template's file or its text")
         if not path.is_file():
             raise ConfigError(f"chat template: no such file, and not a Jinja template: {template}")
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"chat template {template}: cannot be read as UTF-8 text ({exc})") from None
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:  # (the environment transformers renders templates in)

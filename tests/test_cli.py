@@ -194,7 +194,12 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
                            (["--trace", str(tmp_path)], "is a folder"),
                            (["--suffix-store", str(tmp_path / "no" / "s.store")], "does not exist"),
                            (["--tools", str(tmp_path / "tools.json")], "no such file"),
-                           (["--json-schema", str(tmp_path / "schema.json")], "no such file")):
+                           (["--json-schema", str(tmp_path / "schema.json")], "no such file"),
+                           (["--chat-template", str(tmp_path)], "is a folder"),
+                           (["--policy", "learned", "--policy-model", str(tmp_path)], "is a folder"),
+                           # (a policy that reads no model file is not given one silently)
+                           (["--policy", "heuristic", "--policy-model", str(model_dir / "config.json")],
+                            "the heuristic policy reads no model file")):
         assert main([*base, *extra]) == 2, extra
         err = capsys.readouterr().err
         assert message in err and "model path" not in err and "Traceback" not in err, (extra, err)

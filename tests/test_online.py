@@ -165,6 +165,24 @@ def test_onpolicy_stage_records_trains_bounds_its_buffer_and_resumes(tiny_run, t
             train_onpolicy(OnPolicyConfig(out=str(tmp_path / "x"), **bad))
 
 
+def test_onpolicy_skips_a_prompt_too_long_for_the_context(tiny_run, tmp_path, capsys) -> None:
+    """One over-long prompt is skipped with a line saying so; the run goes on with the rest."""
+    from sot.train.onpolicy import OnPolicyConfig, train_onpolicy
+
+    prompts = tmp_path / "prompts.jsonl"
+    long = " ".join(["word"] * 600)  # (past the tiny model's 512 positions)
+    short = conversations(2)[0]["conversations"][0]["value"]
+    prompts.write_text(json.dumps({"id": "long", "prompt": long}) + "\n" + json.dumps({"id": "s", "prompt": short})
+                       + "\n")
+    out = tmp_path / "op"
+    cfg = OnPolicyConfig(model=str(tiny_run["model_dir"]), init_from=str(tiny_run["predictor"]), out=str(out),
+                         iterations=1, prompts_per_iteration=2, prompts_file=str(prompts), batch_size=2,
+                         max_new_tokens=16, steps_per_iteration=1, tokens_per_step=64)
+    assert train_onpolicy(cfg).is_file()
+    assert "skipped 1 prompt(s) too long for the model's context of 512 tokens" in capsys.readouterr().out
+    assert json.loads((out / "report.json").read_text())["iterations_done"] == 1
+
+
 def _adapt_engine(tiny_run, config: AdaptConfig, train_step=None, policy=STATIC):
     from sot.models.loading import load_model
 

@@ -547,6 +547,12 @@ def test_a_policy_trained_on_another_predictors_drafts_is_not_used(tmp_path) -> 
             Engine(target, other, policy=config)
     with_model = Engine(target, other, policy=PolicyConfig(kind=PolicyKind.AUTO))  # (shipped: another target too)
     assert with_model.policy_config.kind is PolicyKind.HEURISTIC
+    for kind in (PolicyKind.HEURISTIC, PolicyKind.STATIC):  # a model file they would not read is refused
+        with pytest.raises(ConfigError, match=f"the {kind.value} policy reads no model file"):
+            PolicyConfig(kind=kind, model_path=str(path))
+    # auto with a model, on a drafter no acceptance model serves, is the heuristic (its file unread)
+    plain = Engine(target, NoDrafter(), policy=PolicyConfig(kind=PolicyKind.AUTO, model_path=str(path)))
+    assert plain.policy_config.kind is PolicyKind.HEURISTIC and plain.policy_config.model_path is None
     from sot.drafters import DEFAULT_PREDICTOR
     from sot.drafters.state import load_predictor
     from sot.models.loading import load_model

@@ -212,3 +212,29 @@ def test_evaluation_data_is_held_out(tmp_path) -> None:
         for read in (lambda: evaluation_conversations(held, 4), lambda: training_conversations(held)):
             with pytest.raises(ConfigError, match=r"held.jsonl:2: expected a conversation"):
                 read()
+
+
+def test_prepare_stops_on_empty_held_out_data_before_the_training_cache(tiny_run, tmp_path, capsys) -> None:
+    """Held-out data with no assistant reply stops ``prepare`` before the (long) training cache
+    is built, and ``fit`` on a folder without a held-out cache says so instead of training silently."""
+    from sot.cli import main
+
+    convs = conversations(4)
+    for i, c in enumerate(convs):
+        c["id"] = f"t{i}"
+    data, held = tmp_path / "data.jsonl", tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    held.write_text(json.dumps({"id": "h0", "conversations": [{"from": "human", "value": "no reply"}]}) + "\n")
+    out = tmp_path / "prep"
+    assert main(["train", "prepare", "--model", str(tiny_run["model_dir"]), "--data", str(data), "--eval-data",
+                 str(held), "--out", str(out), "--layers", ",".join(map(str, LAYERS)), "--tokens", "100"]) == 2
+    assert "nothing to cache" in capsys.readouterr().err
+    assert not (out / "train").exists() and not (out / "prepare.json").exists()
+    train_only = tmp_path / "train-only"
+    (train_only / "train").mkdir(parents=True)
+    for f in (tiny_run["data"] / "train").iterdir():
+        (train_only / "train" / f.name).write_bytes(f.read_bytes())
+    cfg = dataclasses.replace(tiny_run["cfg"], data=str(train_only), out=str(tmp_path / "run"), steps=1,
+                              save_every=1, eval_every=1)
+    fit(cfg)
+    assert "no held-out evaluation: " in capsys.readouterr().err

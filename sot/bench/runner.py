@@ -291,7 +291,9 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
             # has a drafter of its own (a drafter keeps per-request state, and engines number
             # their requests alike)
             for i, kind in enumerate(cfg.sweep[1]):
-                policy = dataclasses.replace(cfg.policy, kind=PolicyKind(kind))
+                pk = PolicyKind(kind)  # (a --policy-model goes to the policies that read one)
+                policy = dataclasses.replace(cfg.policy, kind=pk,
+                                             model_path=cfg.policy.model_path if pk.reads_model else None)
                 drafter = drafters[name] if i == 0 else _drafter(cfg, name, target.model)
                 methods.append(EngineMethod(f"{method_label(name)}[{kind}]", target, drafter, _budget(cfg),
                                             policy, cfg.prefix_cache_mb))

@@ -215,7 +215,8 @@ class Parser(argparse.ArgumentParser):
 def check_load_args(args: argparse.Namespace) -> None:
     """Refuse, before any model loads, loading options that cannot work: a suffix store that
     could not be written, a device this machine lacks, a chat template that is neither Jinja
-    nor a file, a predictor or policy file that does not exist."""
+    nor a file, a predictor or policy file that does not exist, a policy model for a policy
+    that reads none."""
     from sot.models.loading import resolve_device
     from sot.prompts import read_chat_template
 
@@ -227,6 +228,10 @@ def check_load_args(args: argparse.Namespace) -> None:
                        ("--policy-model", getattr(args, "policy_model", None))):
         if path and not Path(path).exists():
             raise SoTError(f"{flag} {path}: no such file or folder")
+    if getattr(args, "policy_model", None) and Path(args.policy_model).is_dir():
+        raise SoTError(f"--policy-model {args.policy_model}: is a folder; give the policy's file")
+    if hasattr(args, "policy"):
+        policy_from_args(args)
 
 
 def load_sot(args: argparse.Namespace) -> SoT:

@@ -237,8 +237,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(f"--seq-len {seq_len} is past this model's context of {context} tokens: conversations are cut "
               f"at {context}", file=sys.stderr)
         seq_len = context
-    meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, seq_len)
+    # (the held-out cache first: it is small, and data that leaves it empty stops the run before
+    # the training cache's hours, not after)
     ev = build_state_cache(loaded.model, loaded.tokenizer, held_out, out / "eval", layers, None, seq_len)
+    meta = build_state_cache(loaded.model, loaded.tokenizer, convs, out / "train", layers, args.tokens, seq_len)
     info = {"model": args.model, "data": args.data or "sharegpt", "eval_data": args.eval_data or "sharegpt-heldout",
             "dtype": dtype_name(loaded.model.dtype), "train": meta, "eval": ev}
     (out / "prepare.json").write_text(json.dumps(info, indent=2))

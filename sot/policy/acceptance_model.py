@@ -137,7 +137,8 @@ def resolve_policy(config: PolicyConfig, drafter: Drafter, target: TargetModel,
     if config.kind is PolicyKind.AUTO:
         acceptance_model = acceptance_model or fitting_acceptance_model(config.model_path, drafter, target)
         kind = PolicyKind.LEARNED if acceptance_model is not None else PolicyKind.HEURISTIC
-        config = dataclasses.replace(config, kind=kind)
+        config = dataclasses.replace(config, kind=kind,
+                                     model_path=config.model_path if kind is PolicyKind.LEARNED else None)
     if (config.kind is PolicyKind.LEARNED and acceptance_model is None and not record
             and drafter.kind is not DrafterKind.NONE):
         acceptance_model = checked_for(load_acceptance_model(config.model_path, target.model), drafter,

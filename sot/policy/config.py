@@ -17,6 +17,11 @@ class PolicyKind(str, enum.Enum):
     LEARNED = "learned"
     RL = "rl"  # verify size and draft-or-free chosen by a network trained on simulated speed
 
+    @property
+    def reads_model(self) -> bool:
+        """Whether this policy reads a model file (``--policy-model``)."""
+        return self in (PolicyKind.AUTO, PolicyKind.LEARNED, PolicyKind.RL)
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
@@ -56,3 +61,6 @@ class PolicyConfig:
             raise ConfigError(f"fallback threshold must be >= 0, got {self.fallback_threshold}")
         if self.disable_above < 0:
             raise ConfigError(f"disable_above must be >= 0, got {self.disable_above}")
+        if self.model_path and not self.kind.reads_model:
+            raise ConfigError(f"the {self.kind.value} policy reads no model file, yet one was given "
+                              f"({self.model_path}); it is for the learned, rl and auto policies")

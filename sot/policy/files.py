@@ -31,6 +31,8 @@ def read_policy_file(path: str | Path, what: str, command: str) -> tuple[dict, d
     from safetensors.torch import load_file
 
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a folder; give the file (train one with '{command}')")
     if not path.is_file():
         raise ConfigError(f"{what} {path} does not exist (train one with '{command}')")
     try:

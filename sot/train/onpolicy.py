@@ -222,7 +222,15 @@ def _decode(loaded, target, predictor_file: Path, prompts: list[str], temperatur
                                                                                           seed=seed),
                               eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ()))
     ids = [encode(tok, {"turns": [p]}, True) for p in prompts]
-    engine.generate(ids, params, cfg.batch_size)
+    room = target.max_positions
+    fits = [x for x in ids if room is None or len(x) + cfg.max_new_tokens <= room]
+    if len(fits) < len(ids):  # (one long prompt must not end a run of hours)
+        from tqdm import tqdm
+
+        tqdm.write(f"skipped {len(ids) - len(fits)} prompt(s) too long for the model's context of {room} tokens "
+                   f"with --max-new-tokens {cfg.max_new_tokens}")
+    if fits:
+        engine.generate(fits, params, cfg.batch_size)
     return rec.take()
 
 

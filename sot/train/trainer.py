@@ -351,6 +351,9 @@ def _fit(cfg: TrainConfig) -> Path:
     data_dir = data_dirs[0]  # held-out evaluation comes from the first folder
     train = StateDataset([d / "train" for d in data_dirs])
     evals_data = StateDataset(data_dir / "eval") if (data_dir / "eval" / "meta.json").is_file() else None
+    if evals_data is None and rank == 0:
+        print(f"no held-out evaluation: {data_dir / 'eval'} holds no finished state cache ('sot train prepare' "
+              "writes one beside the training cache)", file=sys.stderr)
     loaded = load_model(cfg.model, dtype=torch.float32)
     target = loaded.model
     hidden = text_config(target.config).hidden_size
