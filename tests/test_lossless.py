@@ -123,6 +123,7 @@ def test_fast_path_matches_generic_path_bit_for_bit() -> None:
     ("mistral", "blocks", torch.float32), ("llama", "onednn", torch.float32), ("llama", "onednn-short", torch.float32),
     ("llama", "onednn", torch.bfloat16),
     ("mistral", "onednn", torch.bfloat16),
+    ("llama", "bf16blocks", torch.bfloat16), ("mistral", "bf16blocks", torch.bfloat16),
 ])
 def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, products: str, dtype: torch.dtype,
                                                                  monkeypatch) -> None:
@@ -146,7 +147,9 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
         monkeypatch.setattr(sot.models.fast_llama, "fused_rms_norm", lambda dtype, device: kernels.rms_norm_f32)
     if products == "onednn-short":
         monkeypatch.setattr(sot.kernels.linear.PackedLinear, "_probe_partial_blocks", lambda self: False)
-    blocks = products in ("blocks", "int8")
+    if products == "bf16blocks":
+        _needs_bf16_blocks()
+    blocks = products in ("blocks", "int8", "bf16blocks")
 
     model = tiny_model(arch, seed=5, **({"sliding_window": 24} if arch == "mistral" else {}))
     if blocks:
@@ -155,7 +158,13 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
     for compiled in (True, False):
         if not compiled:
             monkeypatch.setenv("SOT_NO_LAYER_CALL", "1")
-        copy = clone(model, dtype)
+        if products == "bf16blocks":
+            from sot.kernels.linear import cast_keeping_blocks
+
+            copy = clone(model, torch.float32)
+            cast_keeping_blocks(copy, dtype)
+        else:
+            copy = clone(model, dtype)
         setattr(copy, INT8_ATTR, products == "int8")
         target = TargetModel(copy, state_layers=(0, 1, 2))
         monkeypatch.delenv("SOT_NO_LAYER_CALL", raising=False)
@@ -163,6 +172,7 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
         if dtype == torch.bfloat16 and any(lin.kind != "mkldnn" for lin in linears):
             pytest.skip("oneDNN does not pack bfloat16 weights on this CPU, so its passes stay in Python")
         assert all(lin.kind == ("mkldnn" if products.startswith("onednn") else "sot") for lin in linears)
+        assert all(lin.bf16_blocks == (products == "bf16blocks") for lin in linears)
         if products == "onednn-short":
             assert not any(lin.partial_ok for lin in linears)
         assert (target.fast.layer_call is not None) == compiled
@@ -372,6 +382,88 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
     nearly[5, 7] = torch.nextafter(nearly[5, 7], torch.tensor(1.0))
     assert pack_blocks(nearly) is None and pack_blocks(torch.randn(n, k, generator=gen)) is None
     assert not isinstance(PackedLinear(nearly).packed, tuple)
+
+
+def _needs_bf16_blocks() -> None:
+    from sot.kernels.linear import bf16_blocks_supported
+
+    if not bf16_blocks_supported():
+        pytest.skip("the bfloat16 block kernel needs a CPU with AVX512-BF16 (and the compiled kernels); "
+                    "this one has none")
+
+
+def test_bf16_block_products_are_row_stable_and_use_the_bf16_weights() -> None:
+    """``linear_blocks_bf16`` over Q4_1 and Q8_0 blocks: each row's bits are the same whatever
+    else shares the call (1-8 rows in registers, more through L1 blocks); its weights are
+    ``weight.to(bfloat16)`` exactly; stacked parameters read their parts' blocks; a weight
+    changed in place since its blocks were found is no longer read from them."""
+    _needs_bf16_blocks()
+    from sot.kernels.linear import PackedLinear, cast_keeping_blocks, pack_blocks_bf16
+
+    kernel = cpu_kernels()
+    gen = torch.Generator().manual_seed(4)
+    n, k = 80, 96
+    scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
+    low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q4[..., 0], q4[..., 1] = 0, 15
+    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q8[..., 0] = 127
+    x = torch.randn(21, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen)
+    for w, dtype in (((scale * q4 + low).reshape(n, k), torch.uint8), ((scale * q8).reshape(n, k), torch.int8)):
+        blocks = pack_blocks_bf16(w)
+        assert blocks is not None and blocks[0].dtype == dtype
+        full = kernel.linear_blocks_bf16(x, *blocks, n, bias)
+        for lo, hi in ((0, 1), (4, 6), (3, 7), (5, 13), (0, 8), (1, 10), (0, 16), (4, 21), (20, 21)):
+            assert torch.equal(kernel.linear_blocks_bf16(x[lo:hi], *blocks, n, bias), full[lo:hi]), (lo, hi)
+        rows = torch.eye(k).to(torch.bfloat16)  # one product per output: the weight itself
+        assert torch.equal(kernel.linear_blocks_bf16(rows, *blocks, n, None), w.to(torch.bfloat16).T)
+        near = (x.float() @ w.to(torch.bfloat16).float().T + bias).to(torch.bfloat16)
+        assert (full.float() - near.float()).abs().max() <= 0.02 * near.float().abs().max()
+    # parameters stacked along their outputs (q, k, v) read their own blocks, cast from float32
+    parts = [torch.nn.Linear(k, m, bias=False) for m in (32, 16, 40)]
+    for lin, m in zip(parts, (32, 16, 40)):
+        lin.weight.data = (scale[:m] * q4[:m] + low[:m]).reshape(m, k)
+    whole = torch.cat([lin.weight.data for lin in parts])
+    module = torch.nn.Sequential(*parts)
+    assert cast_keeping_blocks(module, torch.bfloat16) == 3
+    weights = [lin.weight for lin in parts]
+    stacked = PackedLinear(torch.cat(weights), parts=weights)
+    assert stacked.bf16_blocks and stacked.partial_ok
+    alone = kernel.linear_blocks_bf16(x[:5], *pack_blocks_bf16(whole), 88, None)
+    assert torch.equal(stacked(x[:5], stable=True), alone)
+    with torch.no_grad():
+        parts[0].weight.add_(1.0)  # (changed in place: its blocks no longer are its weight)
+    assert not PackedLinear(parts[0].weight).bf16_blocks
+    assert not PackedLinear(torch.cat(weights), parts=weights).bf16_blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_speculative_equals_plain_on_bf16_blocks(arch: str) -> None:
+    """bfloat16 over the GGUF blocks (a float32 model of exact blocks cast as ``load_model``
+    casts a GGUF file's conversion): speculative output equals plain decoding, alone and in a
+    batch, and every logits row behind a committed token has the same bits."""
+    _needs_bf16_blocks()
+    import copy
+
+    from sot.kernels.linear import cast_keeping_blocks
+
+    model = blockify(tiny_model(arch, seed=6, **({"sliding_window": 24} if arch == "mistral" else {})), head=True)
+    cast = copy.deepcopy(model)
+    assert cast_keeping_blocks(cast, torch.bfloat16) > 0
+    target = TargetModel(cast)
+    linears = [target.fast.lm_head] + [lin for lay in target.fast.layers for lin in (lay.qkv, lay.o, lay.gate_up,
+                                                                                        lay.down)]
+    assert all(lin.bf16_blocks for lin in linears) and target.fast.layer_call is not None
+    prompts = random_prompts(LENGTHS, seed=1)
+    plain = run(target, NoDrafter(), prompts)
+    assert [run(target, NoDrafter(), [p])[0] for p in prompts] == plain
+    assert run(target, PromptLookupDrafter(), prompts) == plain
+    assert run(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.7, seed=3), prompts) == plain
+    rows = [traced(target, NoDrafter(), [p])[0] for p in prompts]
+    spec = traced(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8, seed=9), prompts)
+    assert all(torch.equal(a, b) for a, b in zip(rows, spec))
 
 
 def test_compiled_block_search_equals_the_pytorch_one() -> None:

@@ -1,6 +1,7 @@
 """SoT's compiled CPU kernels, built on first use with the local C++ compiler: exact tree
 attention (``attention.cpp``), row-stable float32 products on packed and 4/8-bit block
-weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), the int8 mode's
+weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), bfloat16 products
+over the same blocks where the CPU has AVX512-BF16 (``linear_bf16.cpp``), the int8 mode's
 8-bit integer products (``linear_int8.cpp``), and RMSNorm and
 rope with the KV-cache write (``norm_rope.cpp``), and a Llama-family model's decoder layers
 in one call over those kernels (``layers.cpp``), bound into one module (``module.cpp``).
@@ -19,7 +20,8 @@ from types import ModuleType
 
 
 #: the kernel sources, compiled into one module
-SOURCES = ("attention.cpp", "linear.cpp", "linear_int8.cpp", "norm_rope.cpp", "layers.cpp", "module.cpp")
+SOURCES = ("attention.cpp", "linear.cpp", "linear_bf16.cpp", "linear_int8.cpp", "norm_rope.cpp", "layers.cpp",
+           "module.cpp")
 #: what they include from this folder
 HEADERS = ("common.h",)
 
@@ -73,7 +75,7 @@ def build_key() -> str:
 
 
 #: environment switches that bypass the kernels or their block paths (see sot.kernels.linear)
-SWITCHES = ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_KERNELS")
+SWITCHES = ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_BF16_BLOCKS", "SOT_NO_KERNELS")
 
 
 def kernels_key() -> dict:

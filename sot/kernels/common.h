@@ -37,6 +37,15 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc[0];
 }
 
+// The bias of a product as float32 values (null without one); `keep` holds the converted
+// tensor while the pointer is used.
+inline const float* float_bias(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  keep = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(keep.numel() == N, "bias size mismatch");
+  return keep.data_ptr<float>();
+}
+
 }  // namespace
 
 // The kernels each file defines, bound into one module by module.cpp.
@@ -55,3 +64,6 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
 std::vector<at::Tensor> block_grid_f32(at::Tensor blocks);
 at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
                        std::optional<at::Tensor> bias);
+bool bf16_blocks_supported();
+at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
+                              std::optional<at::Tensor> bias);

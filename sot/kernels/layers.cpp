@@ -33,7 +33,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::op
 // PackedLinear.__call__ with stable=True: in blocks of `unit` rows, the last one padded with
 // zero rows unless the kernel gives a short block the bits of a full one (`partial_ok`).
 struct Product {
-  enum Kind { kPanels, kBlocks, kInt8, kOneDNN } kind = kPanels;
+  enum Kind { kPanels, kBlocks, kInt8, kBF16Blocks, kOneDNN } kind = kPanels;
   std::vector<at::Tensor> packed;
   int64_t n = 0;
   std::optional<at::Tensor> bias;
@@ -44,6 +44,7 @@ struct Product {
     if (kind == kPanels) return linear_f32(x, packed[0], n, bias);
     if (kind == kBlocks) return linear_blocks_f32(x, packed[0], packed[1], packed[2], n, bias, fused);
     if (kind == kInt8) return linear_int8(x, packed[0], packed[1], packed[2], n, bias);
+    if (kind == kBF16Blocks) return linear_blocks_bf16(x, packed[0], packed[1], packed[2], n, bias);
     return onednn_linear(x, packed[0], bias);
   }
 
@@ -76,7 +77,8 @@ class LlamaLayers {
 
   // One layer's weights, in order: the two norm weights, then each product as (packed
   // tensors: 1 for panels or a oneDNN weight, 3 for blocks; output size; bias or None; its
-  // kind: "panels", "blocks" (decoded to float32), "int8" (8-bit integer products) or "onednn";
+  // kind: "panels", "blocks" (decoded to float32), "int8" (8-bit integer products), "bf16blocks"
+  // (bfloat16 rows over blocks decoded to bfloat16) or "onednn";
   // short blocks exact), whether blocks decode in
   // registers, the row unit of padded products, and the sliding window (0: none).
   void add(at::Tensor ln1, at::Tensor ln2, std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t> sizes,
@@ -90,13 +92,14 @@ class LlamaLayers {
     Product* products[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int i = 0; i < 4; ++i) {
       const std::string& kind = kinds[i];
-      TORCH_CHECK(kind == "panels" || kind == "blocks" || kind == "int8" || kind == "onednn", "unknown product kind ",
-                  kind);
-      const bool blocks = kind == "blocks" || kind == "int8";
+      TORCH_CHECK(kind == "panels" || kind == "blocks" || kind == "int8" || kind == "bf16blocks" || kind == "onednn",
+                  "unknown product kind ", kind);
+      const bool blocks = kind == "blocks" || kind == "int8" || kind == "bf16blocks";
       TORCH_CHECK(packed[i].size() == (blocks ? 3u : 1u), "a product is packed as 1 or 3 tensors");
       products[i]->kind = kind == "panels" ? Product::kPanels
                           : kind == "blocks" ? Product::kBlocks
                           : kind == "int8"   ? Product::kInt8
+                          : kind == "bf16blocks" ? Product::kBF16Blocks
                                              : Product::kOneDNN;
       products[i]->partial_ok = partial_ok[i];
       products[i]->unit = unit;

@@ -127,6 +127,85 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return data, per_panel(scale), torch.empty(0)
 
 
+def pack_blocks_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`) in the
+    pair layout of the compiled ``linear_blocks_bf16`` (see ``linear_bf16.cpp``): ``(data,
+    scale, mins)``, ``mins`` empty for 8-bit blocks; ``None`` when the weight is not such a
+    grid. Its products use ``weight.to(torch.bfloat16)``, each weight decoded and rounded in
+    registers: the bfloat16 mode's weights, read from a sixth of the bytes."""
+    grid = block_grid(weight)
+    if grid is None:
+        return None
+    q, scale, low = grid
+    panels, nb = q.shape[0] // 16, q.shape[1]
+    # [panels, 16 columns, nb, 16 pairs, 2] -> per pair: columns 0-7 and 8-15, each (column, parity)
+    q = q.reshape(panels, 16, nb, 16, 2)
+    first = q[:, :8].permute(0, 2, 3, 1, 4).reshape(panels, nb, 16, 16)
+    second = q[:, 8:].permute(0, 2, 3, 1, 4).reshape(panels, nb, 16, 16)
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, nb] -> [panels, nb, 16]
+        return t.reshape(panels, 16, nb).transpose(1, 2).contiguous()
+
+    if low is not None:  # 4-bit: the first half in the low nibbles, the second in the high ones
+        data = (first.to(torch.uint8) | (second.to(torch.uint8) << 4)).contiguous()
+        return data, per_panel(scale), per_panel(low)
+    data = torch.cat([first, second], dim=-1).to(torch.int8).contiguous()
+    return data, per_panel(scale), torch.empty(0)
+
+
+def bf16_blocks_supported() -> bool:
+    """Whether this machine runs the compiled ``linear_blocks_bf16`` (a CPU with AVX512-BF16
+    and the kernels built); ``SOT_NO_BF16_BLOCKS=1`` says no."""
+    kernel = cpu_kernels()
+    return kernel is not None and not os.environ.get("SOT_NO_BF16_BLOCKS") and kernel.bf16_blocks_supported()
+
+
+#: the attribute of a bfloat16 parameter holding ``(version, blocks)``: its float32 weight's
+#: blocks in the layout of ``linear_blocks_bf16`` and the parameter's ``_version`` when they
+#: were attached (set at load by :func:`cast_keeping_blocks`)
+BF16_BLOCKS_ATTR = "_sot_bf16_blocks"
+
+
+def cast_keeping_blocks(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Cast a float32 CPU ``model`` to ``dtype``; for bfloat16, first find every linear weight
+    (and the output layer) that is an exact grid of GGUF blocks and attach its blocks to the
+    cast parameter (:data:`BF16_BLOCKS_ATTR`), so that the bfloat16 products read the blocks
+    instead of the bfloat16 weights. Returns how many weights have them (0 where the kernel
+    does not run here, or with ``SOT_NO_BLOCKS=1``)."""
+    found: list[tuple[torch.nn.Parameter, tuple]] = []
+    if dtype == torch.bfloat16 and not os.environ.get("SOT_NO_BLOCKS") and bf16_blocks_supported():
+        weights = {id(m.weight): m.weight for m in model.modules()
+                   if isinstance(m, torch.nn.Linear) and isinstance(m.weight, torch.nn.Parameter)}
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if out is not None and isinstance(getattr(out, "weight", None), torch.nn.Parameter):
+            weights[id(out.weight)] = out.weight
+        for weight in weights.values():
+            if weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu":
+                blocks = pack_blocks_bf16(weight.detach())
+                if blocks is not None:
+                    found.append((weight, blocks))
+    model.to(dtype)  # (the parameters stay the same objects; their data is replaced)
+    for weight, blocks in found:
+        setattr(weight, BF16_BLOCKS_ATTR, (weight._version, blocks))
+    return len(found)
+
+
+def bf16_blocks_of(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The ``linear_blocks_bf16`` blocks of the weight ``torch.cat(parts)`` (bfloat16
+    parameters stacked along their outputs), or ``None`` unless every part has them
+    (:func:`cast_keeping_blocks`), unchanged since, and each but the last fills whole
+    16-column panels."""
+    kept = [getattr(p, BF16_BLOCKS_ATTR, None) for p in parts]
+    if any(k is None or k[0] != p._version or p.dtype != torch.bfloat16 for k, p in zip(kept, parts)):
+        return None  # (a weight changed in place since is no longer its blocks)
+    found = [k[1] for k in kept]
+    if any(p.shape[0] % 16 for p in parts[:-1]) or len({b[0].dtype for b in found}) != 1:
+        return None  # (4-bit and 8-bit blocks do not stack)
+    if len(found) == 1:
+        return found[0]
+    return tuple(torch.cat([b[i] for b in found]) for i in range(3))  # type: ignore[return-value]
+
+
 def round_q8_0(weight: torch.Tensor, width: int = 8) -> tuple[torch.Tensor, torch.Tensor, None] | None:
     """``weight [N, K]`` rounded to GGUF Q8_0 blocks of 32 inputs, the way llama.cpp's q8_0
     conversion does it (scale ``d = max |w| / 127`` kept in float16; here ``q = round(w / d)``
@@ -169,8 +248,8 @@ def pack_int8(weight: torch.Tensor, quantize: bool = False) -> tuple[torch.Tenso
 
 
 class PackedLinear:
-    """A weight ``[N, K]`` pre-packed once for a CPU kernel (bf16: oneDNN; fp32: SoT's own
-    compiled kernel, else MKL or oneDNN).
+    """A weight ``[N, K]`` pre-packed once for a CPU kernel (bf16: SoT's block kernel, else
+    oneDNN; fp32: SoT's own compiled kernel, else MKL or oneDNN).
 
     Packing removes the per-call weight reorder; the products are bit-identical to the
     unpacked kernel's (checked by the test suite). For float32 the kernel is chosen by probe,
@@ -187,6 +266,12 @@ class PackedLinear:
     environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels; ``SOT_NO_FUSED_BLOCKS=1``
     decodes every block product through a float32 panel copy instead of in registers.
 
+    A bfloat16 weight whose float32 original was such a grid (a GGUF file's model loaded in
+    bfloat16: :func:`cast_keeping_blocks`) is read from its blocks by ``linear_blocks_bf16``
+    where the CPU has AVX512-BF16: each weight decoded and rounded to bfloat16 in registers,
+    multiplied in pairs by one instruction, each row on its own (``SOT_NO_BF16_BLOCKS=1``
+    keeps oneDNN's product on the bfloat16 weight).
+
     ``int8=True`` multiplies such a weight in 8-bit integers instead (``linear_int8``: each
     input row rounded to 8-bit blocks, llama.cpp's arithmetic; :func:`pack_int8`). Its rows are
     just as independent of each other, but its results are not float32's: the ``--dtype int8``
@@ -196,11 +281,15 @@ class PackedLinear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, compress: bool = True,
-                 int8: bool = False) -> None:
+                 int8: bool = False, parts: list[torch.Tensor] | None = None) -> None:
+        """``parts``: the parameters ``weight`` was stacked from (``torch.cat(parts)``), whose
+        blocks a bfloat16 weight is read from (:func:`bf16_blocks_of`; default ``[weight]``)."""
         self.compress = compress and not os.environ.get("SOT_NO_BLOCKS")
         self.int8_wanted = int8
         #: the products run in 8-bit integers (``linear_int8``)
         self.int8 = False
+        #: the products run in bfloat16 over 4/8-bit blocks (``linear_blocks_bf16``)
+        self.bf16_blocks = False
         #: block products decode in registers or small L1 blocks (else through a float32 panel copy)
         self.fused = os.environ.get("SOT_NO_FUSED_BLOCKS", "0") != "1"
         self.weight = weight.detach().contiguous()
@@ -212,6 +301,11 @@ class PackedLinear:
         if self.weight.device.type != "cpu":
             return
         if self.weight.dtype == torch.bfloat16:
+            blocks = bf16_blocks_of(parts or [weight]) if self.compress and bf16_blocks_supported() else None
+            if blocks is not None:  # (row-stable by construction, like SoT's float32 kernels)
+                self.kernel, self.packed, self.kind = cpu_kernels(), blocks, "sot"
+                self.bf16_blocks = self.partial_ok = True
+                return
             kinds = ["mkldnn"] if torch.backends.mkldnn.is_available() else []
         elif self.weight.dtype == torch.float32:
             self.kernel = cpu_kernels()
@@ -265,6 +359,8 @@ class PackedLinear:
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "sot":
+            if self.bf16_blocks:
+                return self.kernel.linear_blocks_bf16(x, *self.packed, self.weight.shape[0], self.bias)
             if self.int8:
                 return self.kernel.linear_int8(x, *self.packed, self.weight.shape[0], self.bias)
             if isinstance(self.packed, tuple):

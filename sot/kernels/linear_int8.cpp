@@ -207,12 +207,7 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tens
   at::Tensor xc = x.contiguous(), y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   at::Tensor b;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias size mismatch");
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = float_bias(bias, N, b);
   std::vector<int8_t> qa(M * K);
   std::vector<float> da(M * nb), sa(M * nb);
   quantize_rows(xc.data_ptr<float>(), M * nb, qa.data(), da.data(), sa.data());

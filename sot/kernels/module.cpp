@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "row-stable float32 linear layer on panel-packed weights");
   m.def("linear_blocks_f32", &linear_blocks_f32, "linear_f32 on float32 weights stored as exact 4/8-bit blocks");
   m.def("block_grid_f32", &block_grid_f32, "float32 weights as exact GGUF 4/8-bit blocks, or nothing");
+  m.def("bf16_blocks_supported", &bf16_blocks_supported, "whether this CPU runs linear_blocks_bf16 (AVX512-BF16)");
+  m.def("linear_blocks_bf16", &linear_blocks_bf16, "row-stable bfloat16 product over 4/8-bit blocks (AVX512-BF16)");
   m.def("linear_int8", &linear_int8, "row-stable product in 8-bit integers over 4/8-bit blocks");
   bind_llama_layers(m);
 }

@@ -51,13 +51,20 @@ def layer_window(attention: torch.nn.Module, config: object) -> int | None:
     return getattr(config, "sliding_window", None) or None
 
 
+def _stacked(parts: list[torch.Tensor], bias: torch.Tensor | None, int8: bool) -> PackedLinear:
+    """One product over weights stacked along their outputs (q, k and v; gate and up)."""
+    return PackedLinear(torch.cat(parts), bias, int8=int8, parts=parts)
+
+
 def _product_kind(lin: PackedLinear) -> str:
     """How the compiled layer call runs a product (``layers.cpp``): on SoT's float32 panels,
-    4/8-bit blocks decoded to float32, 8-bit integer products, or oneDNN."""
+    4/8-bit blocks decoded to float32 or to bfloat16, 8-bit integer products, or oneDNN."""
     if lin.kind == "mkldnn":
         return "onednn"
     if lin.int8:
         return "int8"
+    if lin.bf16_blocks:
+        return "bf16blocks"
     return "blocks" if isinstance(lin.packed, tuple) else "panels"
 
 
@@ -98,10 +105,9 @@ class FastLlama:
                 _Layer(
                     ln1=layer.input_layernorm.weight,
                     ln2=layer.post_attention_layernorm.weight,
-                    qkv=PackedLinear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), bias,
-                                     int8=int8),
+                    qkv=_stacked([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], bias, int8),
                     o=PackedLinear(att.o_proj.weight, int8=int8),
-                    gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), int8=int8),
+                    gate_up=_stacked([mlp.gate_proj.weight, mlp.up_proj.weight], None, int8),
                     down=PackedLinear(mlp.down_proj.weight, int8=int8),
                     window=layer_window(att, cfg),
                 )

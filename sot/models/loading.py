@@ -368,6 +368,17 @@ def check_complete(source: Path, kind: str, info: dict) -> None:
                              "another architecture")
 
 
+def _blocks_for_bf16(path: Path, dtype: torch.dtype, device: str | torch.device) -> bool:
+    """Whether a bfloat16 model loads as float32 first, to find its GGUF blocks for the
+    bfloat16 block kernel: a GGUF file's conversion (float32 weights that are exact blocks) on
+    a CPU that runs the kernel (:func:`sot.kernels.linear.cast_keeping_blocks`)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or not (path / "sot_source.json").is_file():
+        return False
+    from sot.kernels.linear import bf16_blocks_supported
+
+    return bf16_blocks_supported()
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                lora: str | None = None, int8: bool = False) -> LoadedModel:
     """Load a target model and tokenizer from a ``--model`` value.
@@ -397,7 +408,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
     if not any((path / name).is_file() for name in tokenizer_files):  # (known before the weights load)
         raise ModelLoadError(f"{path} has no tokenizer (none of {', '.join(tokenizer_files)})")
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if lora else dtype,
+        as_f32 = lora or _blocks_for_bf16(path, dtype, device)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if as_f32 else dtype,
                                                            output_loading_info=True)
     except Exception as exc:  # noqa: BLE001
         hint = (f" (a cached conversion of a GGUF file: delete {path} to convert it again)"
@@ -405,7 +417,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
         raise ModelLoadError(f"cannot load a causal LM from {path}: {_short_error(exc)}{hint}") from exc
     check_complete(path, type(model).__name__, info)
     if lora:
-        model = merge_lora(model, lora).to(dtype)
+        model = merge_lora(model, lora)
+    if as_f32:
+        from sot.kernels.linear import cast_keeping_blocks
+
+        cast_keeping_blocks(model, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001

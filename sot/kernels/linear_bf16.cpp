@@ -1,0 +1,268 @@
+#include "common.h"
+
+#include <c10/util/BFloat16.h>
+
+// Row-stable bfloat16 products over 4-bit or 8-bit blocks (GGUF Q4_1 / Q8_0), with the
+// AVX512-BF16 pair dot product (VDPBF16PS): y[m, n] = bf16(sum_k x[m, k] * bf16(w[n, k]) + bias[n]).
+//
+// The weights are those of the bfloat16 mode: each block weight decoded exactly in float32
+// (w = d * q + m, as the float32 kernels decode it) and rounded to bfloat16 (nearest even), as
+// casting the float32 model to bfloat16 rounds it. Each output is one chain of VDPBF16PS steps
+// over the input pairs (k, k + 1), k = 0, 2, ..., K - 2, in order, from zero; the bias is added
+// to the float32 sum, then rounded to bfloat16. That chain is the same whatever the row count,
+// the row's place in the call or the register tile it lands in, so a row's bits never depend
+// on the other rows, and plain decoding (1 row) and tree verification (many rows) agree.
+//
+// Against the float32 block kernel (linear.cpp), one instruction multiplies 32 pairs instead
+// of 16 products: the same bytes for a one-row pass, half the arithmetic for wide ones.
+//
+// Layout per panel p (16 output columns) and block kb (32 inputs, 16 pairs t):
+//   q4: data [P, K/32, 16, 16] uint8: byte j of pair t holds, in its low nibble, q[column j/2]
+//       [input 2t + j%2] and, in its high nibble, q[column 8 + j/2][input 2t + j%2];
+//   q8: data [P, K/32, 16, 32] int8: bytes 0-15 as the low nibbles above, 16-31 as the high;
+//   scale, mins: [P, K/32, 16] float32 (mins empty for q8).
+// (sot.kernels.linear.pack_blocks_bf16 writes it.)
+namespace {
+
+constexpr int64_t kCols = 16;
+constexpr int kTileRows = 8;
+
+#if defined(__AVX512F__)
+#define SOT_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// The 32 bfloat16 weights of pair t of a panel: dword lane c < 8 holds column c's weights for
+// inputs (2t, 2t + 1), lane 8 + c column 8 + c's. d_lo, m_lo: column c's scale and min in
+// lanes 2c and 2c + 1 (columns 0-7); d_hi, m_hi: the same for columns 8-15.
+template <bool Q4>
+SOT_BF16 __attribute__((always_inline)) inline __m512bh decode_pair(const uint8_t* q, __m512 d_lo, __m512 m_lo,
+                                                                    __m512 d_hi, __m512 m_hi) {
+  __m512 lo, hi;
+  if (Q4) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm512_fmadd_ps(d_lo, _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), m_lo);
+    hi = _mm512_fmadd_ps(d_hi, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), m_hi);
+  } else {
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+    lo = _mm512_mul_ps(d_lo, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)));
+    hi = _mm512_mul_ps(d_hi, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)));
+  }
+  return _mm512_cvtne2ps_pbh(hi, lo);  // (low half from lo: columns 0-7, high half columns 8-15)
+}
+
+// A block's 16 scales (or mins) spread to the pair lanes: {lo, hi} as decode_pair takes them.
+SOT_BF16 __attribute__((always_inline)) inline void spread(const float* v, __m512& lo, __m512& hi) {
+  const __m512 all = _mm512_loadu_ps(v);
+  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  lo = _mm512_permutexvar_ps(first, all);
+  hi = _mm512_permutexvar_ps(_mm512_add_epi32(first, _mm512_set1_epi32(8)), all);
+}
+
+// The pair (x[k], x[k + 1]) of a bfloat16 row, in every dword lane.
+SOT_BF16 __attribute__((always_inline)) inline __m512bh pair_of(const c10::BFloat16* x, int64_t k) {
+  int32_t bits;
+  std::memcpy(&bits, x + k, 4);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+}
+
+struct Blocks {
+  const uint8_t* data;
+  const float* scale;
+  const float* mins;  // null for q8
+  int64_t K, P, N;
+  int64_t bytes() const { return (K / 32) * 16 * (mins ? 16 : 32); }  // per panel
+  int64_t per() const { return (K / 32) * kCols; }                   // scales per panel
+  const uint8_t* pair_bytes(int64_t p, int64_t kb, int64_t t) const {
+    return data + p * bytes() + (kb * 16 + t) * (mins ? 16 : 32);
+  }
+};
+
+// MR rows x NP panels, the accumulators in registers over all of K, each pair decoded right
+// before its multiplies. For calls of at most kTileRows rows (plain decoding, small trees).
+// With 1-2 rows, block kb of the next tile's panels (`next`, `next_np` of them; none when
+// next_np is 0) is fetched into L2 while block kb of these is multiplied, as the float32 block
+// kernel does it (linear.cpp): otherwise the core waits on memory, then computes.
+template <int MR, int NP, bool Q4>
+SOT_BF16 void tile_rows(const c10::BFloat16* x, const Blocks& w, int64_t p, int64_t next, int next_np, float* out) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t K = w.K;
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    __m512 d_lo[NP], d_hi[NP], m_lo[NP], m_hi[NP];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      spread(w.scale + (p + j) * w.per() + kb * kCols, d_lo[j], d_hi[j]);
+      if (Q4) spread(w.mins + (p + j) * w.per() + kb * kCols, m_lo[j], m_hi[j]);
+      else m_lo[j] = m_hi[j] = _mm512_setzero_ps();
+    }
+    if (MR <= 2) {
+      for (int j = 0; j < next_np; ++j) {
+        const char* block = reinterpret_cast<const char*>(w.pair_bytes(next + j, kb, 0));
+        for (int64_t o = 0; o < 16 * (Q4 ? 16 : 32); o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale + (next + j) * w.per() + kb * kCols), _MM_HINT_T1);
+        if (Q4) _mm_prefetch(reinterpret_cast<const char*>(w.mins + (next + j) * w.per() + kb * kCols), _MM_HINT_T1);
+      }
+    }
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512bh wv[NP];
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j)
+        wv[j] = decode_pair<Q4>(w.pair_bytes(p + j, kb, t), d_lo[j], m_lo[j], d_hi[j], m_hi[j]);
+      const int64_t k = kb * 32 + 2 * t;
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xi = pair_of(x + i * K, k);
+#pragma GCC unroll 2
+        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xi, wv[j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(out + (i * NP + j) * kCols, acc[i][j]);
+}
+
+// More rows: each block of a panel is decoded once into 16 pair vectors kept in L1, and the
+// rows, in near-equal groups of at most kTileRows, take their steps from them; a group's
+// accumulators go to memory between blocks (float32 stores: exact), so each output is still
+// the same chain as tile_rows gives it.
+template <int MR>
+SOT_BF16 void chunk_rows(const c10::BFloat16* x, int64_t K, int64_t kb, const __m512bh* pairs, float* acc) {
+  __m512 a[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) a[i] = _mm512_loadu_ps(acc + i * kCols);
+  for (int64_t t = 0; t < 16; ++t) {
+    const int64_t k = kb * 32 + 2 * t;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) a[i] = _mm512_dpbf16_ps(a[i], pair_of(x + i * K, k), pairs[t]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc + i * kCols, a[i]);
+}
+
+template <bool Q4>
+SOT_BF16 void decode_block(const Blocks& w, int64_t p, int64_t kb, __m512bh* pairs) {
+  __m512 d_lo, d_hi, m_lo = _mm512_setzero_ps(), m_hi = _mm512_setzero_ps();
+  spread(w.scale + p * w.per() + kb * kCols, d_lo, d_hi);
+  if (Q4) spread(w.mins + p * w.per() + kb * kCols, m_lo, m_hi);
+  for (int64_t t = 0; t < 16; ++t) pairs[t] = decode_pair<Q4>(w.pair_bytes(p, kb, t), d_lo, m_lo, d_hi, m_hi);
+}
+#endif
+
+// A tile [MR][NP][16] of float32 sums for panels p.. written to y [MR, N]: plus the bias,
+// rounded to bfloat16 (nearest even).
+[[maybe_unused]] inline void store_bf16(const float* tile, int mr, int np, int64_t p, int64_t N, const float* bias, c10::BFloat16* y) {
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < np; ++j) {
+      const int64_t n0 = (p + j) * kCols;
+      const int64_t cols = std::min<int64_t>(kCols, N - n0);
+      const float* a = tile + (i * np + j) * kCols;
+      c10::BFloat16* dst = y + i * N + n0;
+      for (int64_t c = 0; c < cols; ++c) dst[c] = c10::BFloat16(bias ? a[c] + bias[n0 + c] : a[c]);
+    }
+}
+
+}  // namespace
+
+bool bf16_blocks_supported() {
+#if defined(__AVX512F__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// x: [M, K] bfloat16; data, scale, mins: the layout above (pack_blocks_bf16); N: outputs;
+// bias: [N] or None. Returns [M, N] bfloat16.
+at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
+                              std::optional<at::Tensor> bias) {
+  TORCH_CHECK(bf16_blocks_supported(), "linear_blocks_bf16 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = data.size(0);
+  const bool q4 = data.scalar_type() == at::kByte;
+  TORCH_CHECK(data.dim() == 4 && K % 32 == 0 && data.size(1) == K / 32 && data.size(2) == 16 &&
+              data.size(3) == (q4 ? 16 : 32) && (q4 || data.scalar_type() == at::kChar) && data.is_contiguous(),
+              "packed weight mismatch");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * (K / 32) * kCols,
+              "packed weight mismatch");
+  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scale.numel()),
+              "packed weight mismatch");
+  TORCH_CHECK(P * kCols >= N, "N exceeds the packed weight");
+  at::Tensor b;
+  const float* bp = float_bias(bias, N, b);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+#if defined(__AVX512F__)
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
+                 q4 ? mins.data_ptr<float>() : nullptr, K, P, N};
+  if (M <= kTileRows) {
+    // 1-4 rows take two panels a tile (more independent chains), 5-8 rows one
+    const int64_t np = M <= 4 ? 2 : 1;
+    at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float tile[kTileRows * 2 * kCols];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = t * np, q = p + np;
+        const int pn = static_cast<int>(std::min<int64_t>(np, P - p));
+        const int qn = t + 1 < end ? static_cast<int>(std::min<int64_t>(np, P - q)) : 0;  // (this thread's next)
+#define SOT_ONE(R, NPANELS) \
+  (q4 ? tile_rows<R, NPANELS, true>(xp, w, p, q, qn, tile) : tile_rows<R, NPANELS, false>(xp, w, p, q, qn, tile))
+#define SOT_TILE(R) (pn == 2 ? SOT_ONE(R, 2) : SOT_ONE(R, 1))
+        switch (M) {
+          case 1: SOT_TILE(1); break;
+          case 2: SOT_TILE(2); break;
+          case 3: SOT_TILE(3); break;
+          case 4: SOT_TILE(4); break;
+          case 5: SOT_ONE(5, 1); break;
+          case 6: SOT_ONE(6, 1); break;
+          case 7: SOT_ONE(7, 1); break;
+          default: SOT_ONE(8, 1); break;
+        }
+#undef SOT_TILE
+#undef SOT_ONE
+        store_bf16(tile, static_cast<int>(M), pn, p, N, bp, yp);
+      }
+    });
+    return y;
+  }
+  const int64_t groups = (M + kTileRows - 1) / kTileRows, base = M / groups, extra = M % groups;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * kCols);
+    __m512bh pairs[16];
+    for (int64_t p = begin; p < end; ++p) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t kb = 0; kb < K / 32; ++kb) {
+        q4 ? decode_block<true>(w, p, kb, pairs) : decode_block<false>(w, p, kb, pairs);
+        for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+          const int64_t rows = base + (g < extra ? 1 : 0);
+          const c10::BFloat16* xg = xp + m0 * K;
+          float* ag = acc.data() + m0 * kCols;
+          switch (rows) {
+            case 1: chunk_rows<1>(xg, K, kb, pairs, ag); break;
+            case 2: chunk_rows<2>(xg, K, kb, pairs, ag); break;
+            case 3: chunk_rows<3>(xg, K, kb, pairs, ag); break;
+            case 4: chunk_rows<4>(xg, K, kb, pairs, ag); break;
+            case 5: chunk_rows<5>(xg, K, kb, pairs, ag); break;
+            case 6: chunk_rows<6>(xg, K, kb, pairs, ag); break;
+            case 7: chunk_rows<7>(xg, K, kb, pairs, ag); break;
+            default: chunk_rows<8>(xg, K, kb, pairs, ag); break;
+          }
+          m0 += rows;
+        }
+      }
+      for (int64_t i = 0; i < M; ++i) store_bf16(acc.data() + i * kCols, 1, 1, p, N, bp, yp + i * N);
+    }
+  });
+  return y;
+#else
+  (void)bp;
+  TORCH_CHECK(false, "unreachable");
+  return y;
+#endif
+}
