@@ -20,6 +20,7 @@ aborts the request and frees its slot.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -61,6 +62,9 @@ class AsyncSoT:
         check_number("max_batch", max_batch, integer=True, low=1)
         if sot._async_front is not None:  # two threads must not step one engine
             raise ConfigError("this SoT already has a running AsyncSoT; close it first, or share it")
+        if sot.engine.has_unfinished():  # (its thread would finish them, and their caller would lose them)
+            raise ConfigError("the engine has unfinished requests (a SoT.stream not read to its end, or "
+                              "add_request): finish or abort them before starting an AsyncSoT")
         sot._async_front = self
         self.sot = sot
         self._max_batch = sot.engine.max_batch  # (given back on close)
@@ -72,15 +76,23 @@ class AsyncSoT:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.close()
+        await self.aclose()
 
     def close(self) -> None:
-        """Stop the engine thread (requests still running end with an error); the engine's
-        batch limit is given back."""
-        self._worker.stop()
+        """Stop the engine thread (requests still running end with an error), waiting for its
+        step in progress to end; then the engine's batch limit is given back and the SoT is
+        free for other use. (Blocks for up to one engine step: in a coroutine, use
+        :meth:`aclose`.)"""
+        self._worker.stop(timeout=None)
+        if self._worker.alive:  # (not reached: the wait has no limit; never free an engine still stepped)
+            raise SoTError("the engine thread did not stop; the SoT stays taken")
         self.sot.engine.max_batch = self._max_batch
         if self.sot._async_front is self:
             self.sot._async_front = None
+
+    async def aclose(self) -> None:
+        """:meth:`close` without blocking the event loop."""
+        await asyncio.to_thread(self.close)
 
     async def stream(self, prompt: PromptItem, chat: bool | None = None, tenant: str | None = None,
                      priority: int = 0, **kwargs: Any) -> AsyncIterator[StreamEvent]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import math
 import random
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -212,6 +213,8 @@ class SoT:
             device: ``auto`` (default: a CUDA GPU when one is visible, else the CPU), ``cpu``,
                 ``cuda`` or ``cuda:N``: where the target, its cache and the predictor live.
         """
+        if not isinstance(model, (str, os.PathLike)):
+            raise ConfigError(f"model must be 'default', a model folder or a .gguf file path, got {model!r}")
         for name, value, low, high in (("max_nodes", max_nodes, 1, MAX_TREE_NODES), ("max_depth", max_depth, 0, None),
                                        ("top_k", top_k, 1, None), ("prefix_cache_mb", prefix_cache_mb, 0, None)):
             check_number(name, value, integer=True, low=low, high=high)
@@ -281,7 +284,7 @@ class SoT:
                continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a prompt; ``chat=None`` applies the chat template when there is one
         (the other arguments: :func:`sot.prompts.encode`)."""
-        if chat not in (None, True, False):
+        if chat is not None and not isinstance(chat, bool):
             raise ConfigError(f"chat must be True, False or None (the model's own choice), got {chat!r}")
         use_chat = self.is_chat_model if chat is None else chat
         if use_chat and not self.is_chat_model:
@@ -413,6 +416,10 @@ class SoT:
         they finish (so a caller keeps the answers done before an interrupt)."""
         self._check_engine_free()
         check_number("batch_size", batch_size, integer=True, low=1)
+        if not isinstance(prompts, (list, tuple)):
+            raise ConfigError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        if not isinstance(trace, bool):
+            raise ConfigError(f"trace must be True or False, got {trace!r}")
         if not prompts:
             return []
         results: list[SequenceResult] = []

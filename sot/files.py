@@ -9,10 +9,11 @@ from typing import Callable
 
 def replace_file(path: str | Path, write: Callable[[Path], None], mode: int | None = 0o644) -> None:
     """Write ``path`` whole or not at all: ``write(part)`` fills a temporary file beside it
-    (a name of its own, so two writers never share one), which is then renamed over ``path``;
-    a writer stopped midway leaves the previous file. ``mode``: the file's permissions
+    (a name of its own, so two writers never share one), which is then renamed over ``path``
+    (over the file a symbolic link names, the link kept); a writer stopped midway leaves the
+    previous file. ``mode``: the file's permissions
     (``None``: its owner's alone, for files that hold users' data)."""
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # (through a symbolic link: the file it names is replaced, the link kept)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     os.close(fd)

@@ -256,7 +256,8 @@ def check_params(params: GenerationParams, vocab_size: int | None = None) -> Non
     if isinstance(stop, str) or not isinstance(stop, (tuple, list)) or not all(
             isinstance(x, str) and x for x in stop):
         raise ConfigError(f"stop must be a list of non-empty strings, got {stop!r}")
-    if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in params.eos_token_ids):
+    if not isinstance(params.eos_token_ids, (tuple, list)) or not all(
+            isinstance(t, Integral) and not isinstance(t, bool) for t in params.eos_token_ids):
         raise ConfigError(f"eos_token_ids must be token ids, got {params.eos_token_ids!r}")
     for name in ("logprobs", "prompt_logprobs"):
         if getattr(params, name) is not None:

@@ -120,7 +120,12 @@ def test_a_bad_request_fails_alone_and_one_engine_has_one_front(model_dir: Path)
                                                      stop=[held])]
             assert [t for e in events for t in e.token_ids] == want
         again = AsyncSoT(sot)  # the first one closed: a new front may start
-        again.close()
+        await again.aclose()
+        under_way = sot.stream(PROMPTS[0], chat=False, max_new_tokens=30, ignore_eos=True)
+        first = next(under_way)  # a stream being read: its requests are not the thread's to finish
+        with pytest.raises(ConfigError, match="unfinished requests"):
+            AsyncSoT(sot)
+        assert first.token_ids + [t for e in under_way for t in e.token_ids] == want
 
     asyncio.run(run())
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import tiny_model_dir
 from sot import SoT
@@ -193,6 +194,7 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
     for extra, message in ((["--trace", str(tmp_path / "no" / "t.jsonl")], "does not exist"),
                            (["--trace", str(tmp_path)], "is a folder"),
                            (["--suffix-store", str(tmp_path / "no" / "s.store")], "does not exist"),
+                           (["--suffix-store", "/dev/null"], "not a regular file"),
                            (["--tools", str(tmp_path / "tools.json")], "no such file"),
                            (["--json-schema", str(tmp_path / "schema.json")], "no such file"),
                            (["--chat-template", str(tmp_path)], "is a folder"),
@@ -492,6 +494,17 @@ def test_api_argument_errors(model_dir: Path) -> None:
         SoT.load(str(model_dir), dtype="float16")
     with pytest.raises(ConfigError):
         SoT.load(str(model_dir), drafter="magic")
+    with pytest.raises(ConfigError, match="model must be"):
+        SoT.load(None)
+    # wrong types that read as true or false, or as a batch of one, are refused by name
+    with pytest.raises(ConfigError, match="chat must be"):
+        sot.generate("a", chat=1)
+    with pytest.raises(ConfigError, match="trace must be"):
+        sot.generate("a", chat=False, trace="yes")
+    with pytest.raises(ConfigError, match="prompts must be a list"):
+        sot.generate_ids(torch.tensor([[5, 6, 7]]), GenerationParams())
+    with pytest.raises(ConfigError, match="eos_token_ids"):
+        sot.generate_ids([[5, 6]], GenerationParams(eos_token_ids=2))
 
 
 def test_chat_session(model_dir: Path, tmp_path: Path) -> None:

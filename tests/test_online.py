@@ -311,3 +311,21 @@ def test_cli_refuses_adapt_without_a_predictor(tiny_run) -> None:
     bad = subprocess.run([sys.executable, "-m", "sot.cli", "generate", "x", "--adapt-budget", "2"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--adapt-budget" in bad.stderr
+
+
+def test_onpolicy_checks_its_prompts_first_and_stops_when_none_fits(tiny_run, tmp_path) -> None:
+    """An empty prompt file stops the run before anything is written to --out (a corrected
+    command then starts clean); prompts all too long for the context stop it with a clear
+    error instead of training steps on nothing."""
+    from sot.train.onpolicy import OnPolicyConfig, train_onpolicy
+
+    empty, long = tmp_path / "empty.jsonl", tmp_path / "long.jsonl"
+    empty.write_text("")
+    long.write_text(json.dumps({"id": "long", "prompt": " ".join(["word"] * 600)}) + "\n")
+    base = dict(model=str(tiny_run["model_dir"]), init_from=str(tiny_run["predictor"]), iterations=1,
+                prompts_per_iteration=1, batch_size=1, max_new_tokens=16, steps_per_iteration=1, tokens_per_step=64)
+    with pytest.raises(ConfigError, match="holds no prompts"):
+        train_onpolicy(OnPolicyConfig(out=str(tmp_path / "a"), prompts_file=str(empty), **base))
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(ConfigError, match="no recorded sequence to train on"):
+        train_onpolicy(OnPolicyConfig(out=str(tmp_path / "b"), prompts_file=str(long), **base))

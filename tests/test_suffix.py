@@ -134,6 +134,15 @@ def test_store_files_are_checked_written_whole_and_read_within_the_cap(tmp_path,
     good.get(None).add([1, 2], [3, 4, 5])
     good.save(path)
     whole = path.read_bytes()
+    link = tmp_path / "link.store"  # saving through a symbolic link writes the file it names, the link kept
+    link.symlink_to(path)
+    good.get(None).add([7], [8, 9])
+    good.save(link)
+    assert link.is_symlink() and path.read_bytes() != whole
+    good = SuffixStores(vocab_size=64)  # (the store of one answer again, for what follows)
+    good.get(None).add([1, 2], [3, 4, 5])
+    good.save(path)
+    whole = path.read_bytes()
     for name, damage in (("truncated", whole[: len(whole) // 2]), ("flipped", whole[:60] + bytes(40) + whole[100:])):
         (tmp_path / name).write_bytes(damage)
         with pytest.raises(ConfigError, match="is not a suffix store written by SoT"):

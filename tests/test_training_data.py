@@ -230,6 +230,13 @@ def test_prepare_stops_on_empty_held_out_data_before_the_training_cache(tiny_run
                  str(held), "--out", str(out), "--layers", ",".join(map(str, LAYERS)), "--tokens", "100"]) == 2
     assert "nothing to cache" in capsys.readouterr().err
     assert not (out / "train").exists() and not (out / "prepare.json").exists()
+    for flag in ("--data", "--eval-data"):  # an empty file: refused before the model loads
+        empty = tmp_path / f"empty{flag}.jsonl"
+        empty.write_text("")
+        files = {"--data": str(data), "--eval-data": str(held), flag: str(empty)}
+        assert main(["train", "prepare", "--model", "/no/such/model", *[x for kv in files.items() for x in kv],
+                     "--out", str(tmp_path / "prep2")]) == 2
+        assert "holds no conversation for the" in capsys.readouterr().err
     train_only = tmp_path / "train-only"
     (train_only / "train").mkdir(parents=True)
     for f in (tiny_run["data"] / "train").iterdir():

@@ -220,7 +220,10 @@ def check_load_args(args: argparse.Namespace) -> None:
     from sot.models.loading import resolve_device
     from sot.prompts import read_chat_template
 
-    check_output_path(getattr(args, "suffix_store", None), "--suffix-store")
+    store = getattr(args, "suffix_store", None)
+    check_output_path(store, "--suffix-store")
+    if store and os.path.exists(store) and not os.path.isfile(store):  # (a pipe or a device: read, then replaced)
+        raise SoTError(f"--suffix-store {store}: not a regular file; give a file path")
     resolve_device(args.device)
     if getattr(args, "chat_template", None):
         read_chat_template(args.chat_template)

@@ -227,6 +227,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     convs = training_conversations(args.data)
     held_out = evaluation_conversations(args.eval_data, args.eval_conversations, convs)  # checked before loading
+    for found, source, what in ((convs, args.data, "training"), (held_out, args.eval_data, "held-out")):
+        if not found:  # (before the model loads, not after the other cache is built)
+            from sot.errors import ConfigError
+
+            raise ConfigError(f"{source or 'the packaged ShareGPT set'} holds no conversation for the {what} "
+                              "cache (conversations of the held-out split are not trained on)")
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
     layers = parse_layers(args.layers, text_config(loaded.model.config).num_hidden_layers)
     out = Path(args.out)

@@ -82,8 +82,9 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is left and end the thread."""
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Abort what is left and end the thread, waiting up to ``timeout`` seconds for it
+        (``None``: until it ends)."""
         with self._lock:  # (a request submitted before this is failed by the thread; after it, by submit)
             self._stopping.set()
         self._commands.put(("wake", None))

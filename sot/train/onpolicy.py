@@ -253,6 +253,7 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
     from sot.models.loading import load_model, resolve_dtype
 
     _check(cfg)
+    prompts = onpolicy_prompts(cfg)  # (bad prompts stop the run before the model loads and --out is written)
     out = Path(cfg.out)
     start_file = Path(cfg.init_from) if cfg.init_from else DEFAULT_PREDICTOR
     if not start_file.is_file():
@@ -301,7 +302,6 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
 
     if not current.is_file():
         save()
-    prompts = onpolicy_prompts(cfg)
     device = torch.device("cpu")
     done = (state["iteration"] * (cfg.prompts_per_iteration + cfg.steps_per_iteration)
             + (cfg.prompts_per_iteration if state["decoded"] else 0)
@@ -364,6 +364,9 @@ def _run(cfg: OnPolicyConfig, state: dict, pred, opt, lr_at, buffer, prompts, rn
                 buffer.add(f"{it:03d}-{j:05d}", seqs)
                 recorded += seqs
                 bar.update(len(mine[j : j + cfg.batch_size]))
+            if not buffer.items:  # (every prompt was skipped: steps would train on nothing)
+                raise ConfigError(f"iteration {it}: no recorded sequence to train on; every prompt was too long "
+                                  f"for the model's context with --max-new-tokens {cfg.max_new_tokens}")
             seconds = time.perf_counter() - t0
             state["decode_seconds"] += seconds
             state["decoded"] = True

@@ -465,6 +465,10 @@ def _fit(cfg: TrainConfig) -> Path:
         if rank == 0 and evals_data is not None:
             r = evaluate(pred, evals_data, full_head, cfg, device, eval_cache)
             r["step"] = step
+            if not r.get("chains"):  # (not kept: zero acceptance would be a figure nothing measured)
+                tqdm.write(f"step {step}: no held-out chain to evaluate (every held-out answer is shorter than "
+                           f"the evaluated depth {cfg.eval_depth} + 1 tokens)")
+                return
             evals.append(r)
             tqdm.write(f"step {step}: held-out greedy acceptance per depth "
                        + " ".join(f"{x:.2f}" for x in r["accept_rate"]) + f"; chain tau {r['chain_tau']:.2f}")
