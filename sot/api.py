@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import collections.abc
 import math
-import random
 import os
+import random
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -58,6 +58,10 @@ def _check(n_prompts: int, new_tokens: int, bf16_prompts: int | None = None, bf1
     bf16_model = load_model("default", dtype=torch.bfloat16).model
     state16 = make_drafter("state", bf16_model) if shipped else None
     bf16 = TargetModel(bf16_model, state_layers=state16.state_layers if state16 else ())
+    from sot.kernels.linear import bf16_blocks_supported
+
+    if bf16_blocks_supported():  # the GGUF file's model in bfloat16 reads its blocks (load_model keeps them)
+        assert all(lin.bf16_blocks for lay in bf16.fast.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down))
     # The commit policy's verify-cost curve decides how much to verify, never what is
     # committed; the float32 one stands in for bf16's, whose measurement would dominate this
     # test where bf16 is emulated (AVX2)

@@ -232,7 +232,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             from sot.errors import ConfigError
 
             raise ConfigError(f"{source or 'the packaged ShareGPT set'} holds no conversation for the {what} "
-                              "cache (conversations of the held-out split are not trained on)")
+                              "cache" + (" outside the held-out split" if what == "training" else ""))
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
     layers = parse_layers(args.layers, text_config(loaded.model.config).num_hidden_layers)
     out = Path(args.out)

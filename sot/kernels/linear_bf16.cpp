@@ -155,7 +155,8 @@ SOT_BF16 void decode_block(const Blocks& w, int64_t p, int64_t kb, __m512bh* pai
 
 // A tile [MR][NP][16] of float32 sums for panels p.. written to y [MR, N]: plus the bias,
 // rounded to bfloat16 (nearest even).
-[[maybe_unused]] inline void store_bf16(const float* tile, int mr, int np, int64_t p, int64_t N, const float* bias, c10::BFloat16* y) {
+[[maybe_unused]] inline void store_bf16(const float* tile, int mr, int np, int64_t p, int64_t N, const float* bias,
+                                        c10::BFloat16* y) {
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < np; ++j) {
       const int64_t n0 = (p + j) * kCols;
