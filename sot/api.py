@@ -169,6 +169,8 @@ class SoT:
         max_nodes: int = TreeBudget.max_nodes,
         max_depth: int = TreeBudget.max_depth,
         predictor: str | None = None,
+        predictor_nodes: int = TreeBudget.predictor_nodes,
+        predictor_depth: int = TreeBudget.predictor_depth,
         top_k: int = DRAFT_TOP_K,
         policy: PolicyConfig | str | None = None,
         suffix_store: str | None = None,
@@ -190,8 +192,13 @@ class SoT:
                 model and drafter, timed once and cached; :mod:`sot.dtype_choice`), ``bfloat16``,
                 ``float32`` or ``int8`` (a GGUF model's blocks multiplied in 8-bit integers, as
                 llama.cpp does). Greedy output is identical to plain decoding in each.
-            max_nodes: tree size limit per step, root included.
+            max_nodes: nodes a sequence verifies per step at most, root included, whatever
+                drafted them.
             max_depth: how many tokens ahead a tree may reach.
+            predictor_nodes: nodes of the state predictor's own tree at most (the free
+                drafts, prompt lookup and suffix trees, may add more, up to ``max_nodes``).
+            predictor_depth: levels of the state predictor's own tree at most (each is one
+                predictor pass).
             predictor: a state predictor file or an EAGLE-3 head folder (default: the one
                 shipped for the default model).
             top_k: children per expanded node in state-predictor trees.
@@ -216,7 +223,9 @@ class SoT:
         if not isinstance(model, (str, os.PathLike)):
             raise ConfigError(f"model must be 'default', a model folder or a .gguf file path, got {model!r}")
         for name, value, low, high in (("max_nodes", max_nodes, 1, MAX_TREE_NODES), ("max_depth", max_depth, 0, None),
-                                       ("top_k", top_k, 1, None), ("prefix_cache_mb", prefix_cache_mb, 0, None)):
+                                       ("predictor_nodes", predictor_nodes, 1, MAX_TREE_NODES),
+                                       ("predictor_depth", predictor_depth, 0, None), ("top_k", top_k, 1, None),
+                                       ("prefix_cache_mb", prefix_cache_mb, 0, None)):
             check_number(name, value, integer=True, low=low, high=high)
         if drafter != "auto" and drafter not in {k.value for k in DrafterKind}:
             choices = ", ".join(["auto"] + [k.value for k in DrafterKind])
@@ -253,7 +262,9 @@ class SoT:
             use_chat_template(tok, chat_template)
 
         prefix = PrefixCache(prefix_cache_mb << 20, per_tenant=suffix_per_tenant) if prefix_cache_mb else None
-        engine = Engine(target, draft, TreeBudget(max_nodes=max_nodes, max_depth=max_depth),
+        budget = TreeBudget(max_nodes=max_nodes, max_depth=max_depth, predictor_nodes=predictor_nodes,
+                            predictor_depth=predictor_depth)
+        engine = Engine(target, draft, budget,
                         decode=decoder(tok, skip_special=True), policy=policy, prefix_cache=prefix)
         engine.decode_special = decoder(tok, skip_special=False)
         out = cls(target, tok, engine, loaded.name)

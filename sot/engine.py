@@ -84,7 +84,7 @@ class Engine:
         trace: keep the logits row behind every committed token (for exactness checks).
         policy: the commit policy (default: heuristic); ignored for plain decoding. With
             ``static``, a state drafter grows a fixed beam of its ``top_k`` nodes per depth to
-            ``budget.max_depth`` (``budget.max_nodes`` is raised to fit it).
+            ``budget.grown_depth``, verified whole (the node limits are raised to fit it).
         acceptance_model: the model of the ``learned`` policy (default: loaded from
             ``policy.model_path``, or the one shipped for the default model).
         record_policy: verify every tree whole, with the sequence's free drafts merged in, and
@@ -141,7 +141,9 @@ class Engine:
         self.rl_model = resolve_rl_policy(self.policy_config, drafter, target, rl_model, record_policy)
         if self.policy_config.kind is PolicyKind.STATIC and drafter.static_width > 0:
             width = drafter.static_width
-            budget = TreeBudget(max_nodes=1 + width * budget.max_depth, max_depth=budget.max_depth, width=width)
+            depth = budget.grown_depth
+            budget = TreeBudget(max_nodes=1 + width * depth, max_depth=depth, width=width,
+                                predictor_nodes=1 + width * depth, predictor_depth=depth)
         self.target = target
         self.drafter = drafter
         self.budget = budget

@@ -167,7 +167,9 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
             sot.params(**{flag: "no"})
     for bad, message in ((dict(prefix_cache_mb=0.5), "prefix_cache_mb must be an integer"),
                          (dict(max_nodes=0), "max_nodes must be >= 1"),
-                         (dict(max_nodes=10**11), "max_nodes must be >= 1 and <= 256")):  # (not a 24 GB tree)
+                         (dict(max_nodes=10**11), "max_nodes must be >= 1 and <= 256"),  # (not a 24 GB tree)
+                         (dict(predictor_nodes=0), "predictor_nodes must be >= 1"),
+                         (dict(predictor_depth=-1), "predictor_depth must be >= 0")):
         with pytest.raises(ConfigError, match=message):
             SoT.load(str(model_dir), **bad)
     assert len(sot.generate("abc", chat=False, max_new_tokens=2)[0].token_ids) <= 2

@@ -283,14 +283,16 @@ def test_static_policy_grows_a_fixed_beam() -> None:
     params = GenerationParams(max_new_tokens=20)
     plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
     engine = Engine(target, drafter, TreeBudget(4, 5), policy=PolicyConfig(kind=PolicyKind.STATIC))
-    assert engine.budget == TreeBudget(1 + 3 * 5, 5, width=3)
+    b = engine.budget
+    assert (b.max_nodes, b.max_depth, b.width, b.grown_nodes, b.grown_depth) == (1 + 3 * 5, 5, 3, 1 + 3 * 5, 5)
     res = engine.generate(prompts, params)
     assert [r.token_ids for r in res] == plain
     for r in res:  # every drafting step verifies 3 nodes at each of 5 depths (the last step may end early)
         assert set(r.tree_sizes[:-1]) == {16}
     chain = StateDrafter(new_predictor(model, layers, None, seed=1), top_k=1)
     engine = Engine(target, chain, TreeBudget(16, 4), policy=PolicyConfig(kind=PolicyKind.STATIC))
-    assert engine.budget == TreeBudget(5, 4, width=1), "width 1 is a chain of max_depth nodes"
+    b = engine.budget
+    assert (b.max_nodes, b.max_depth, b.width, b.grown_nodes) == (5, 4, 1, 5), "width 1 is a chain of max_depth nodes"
     res = engine.generate(prompts, params)
     assert [r.token_ids for r in res] == plain and set(res[0].tree_sizes[:-1]) == {5}
 
@@ -388,14 +390,15 @@ def test_draft_budget_follows_the_verified_trees() -> None:
     cost = CostModel([1, 16, 64], [0.010, 0.013, 0.040])
     policy = CommitPolicy(PolicyConfig(), cost)
     policy.reset(3)
-    full = TreeBudget(16, 8)
+    full = TreeBudget(16, 8, predictor_nodes=16, predictor_depth=8)
     assert policy.draft_budget(full, [0, 1]) == full
     unsure = tree_from_parents(list(range(5)), [-1, 0, 1, 2, 3], [1.0, 0.3, 0.05, 0.01, 0.001])
     chosen = policy.choose_batch({0: unsure, 1: unsure}, 3)
     n = chosen[0].size
     assert n < 5
     small = policy.draft_budget(full, [0, 1])
-    assert small.max_nodes == n + CommitPolicy.SLACK and small.max_depth == small.max_nodes - 1
+    assert small.grown_nodes == n + CommitPolicy.SLACK and small.grown_depth == small.grown_nodes - 1
+    assert (small.max_nodes, small.max_depth) == (16, 8), "the free drafts keep the whole budget"
     assert policy.draft_budget(full, [0, 2]) == full, "sequence 2 has verified nothing yet"
     assert small.min_confidence is None, "no pass timed yet: the drafter keeps its own floor"
     for _ in range(3):  # 1 ms per predictor pass against 10 ms per plain token alone

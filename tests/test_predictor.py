@@ -21,7 +21,7 @@ from sot.drafters.state import (
     save_predictor,
 )
 from sot.engine import Engine, GenerationParams
-from sot.errors import DrafterCompatibilityError
+from sot.errors import ConfigError, DrafterCompatibilityError
 from sot.models.adapter import TargetModel
 from sot.models.loading import load_model
 
@@ -313,6 +313,37 @@ def test_one_lookup_search_per_sequence_and_step() -> None:
     # the next step (a longer context) searches again
     reused.propose_free([DraftInput(0, ctx + [free.tokens[1]], None)], TreeBudget(8, 6))
     assert calls == [6, 6]
+
+
+def test_the_predictor_grows_within_its_limits_and_free_drafts_reach_further() -> None:
+    """The predictor's own tree keeps to ``predictor_nodes`` / ``predictor_depth`` (each level
+    is a pass), while a lookup path, which costs no pass, is merged in down to ``max_depth``."""
+    from sot.drafters.base import DraftInput
+
+    model = tiny_model("llama", seed=4)
+    pred = new_predictor(model, LAYERS, None, seed=2)
+    (ctx, _), = chain_inputs(model, pred, [30], seed=0)
+    ctx = ctx[:30] + ctx[:6]  # ends with "ctx[0..5]", which was followed by 24 more tokens before
+    gen = torch.Generator().manual_seed(3)
+    states = torch.randn(len(ctx) - 1, len(LAYERS), model.config.hidden_size, generator=gen)
+    budget = TreeBudget(max_nodes=32, max_depth=20, predictor_nodes=6, predictor_depth=3)
+    alone = StateDrafter(pred, top_k=2, lookup=False)
+    alone.reset(1)
+    own = alone.propose([DraftInput(0, ctx, states)], budget)[0]
+    assert 1 < own.size <= 6 and own.max_depth <= 3
+    merged = StateDrafter(pred, top_k=2)
+    merged.reset(1)
+    tree = merged.propose([DraftInput(0, ctx, states)], budget)[0]
+    assert tree.max_depth == 20 and tree.size <= 32, "the lookup path reaches max_depth"
+    path, node = [], 0
+    while node is not None:  # the deepest chain is the earlier continuation
+        kids = [i for i, p in enumerate(tree.parents) if p == node and tree.tokens[i] == ctx[6 + len(path)]]
+        node = kids[0] if kids else None
+        if node is not None:
+            path.append(tree.tokens[node])
+    assert path == ctx[6:26]
+    with pytest.raises(ConfigError, match="predictor_nodes"):
+        TreeBudget(predictor_nodes=0).check(64, 256)
 
 
 def test_checkpoint_round_trip(tiny_run, tmp_path) -> None:

@@ -52,7 +52,8 @@ from sot.models.support import text_config
 
 SCHEMA = "sot-bench/1"
 SWEEPABLE = {"max-depth": "max_depth", "max-nodes": "max_nodes", "budget": "max_nodes", "draft-top-k": "draft_top_k",
-             "warmup": "warmup", "batch-size": "batch_size", "policy": "kind", "dtype": "dtype"}
+             "predictor-nodes": "predictor_nodes", "predictor-depth": "predictor_depth", "warmup": "warmup",
+             "batch-size": "batch_size", "policy": "kind", "dtype": "dtype"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class BenchConfig:
     sampling: str = SamplingParams.mode.value
     max_nodes: int = TreeBudget.max_nodes
     max_depth: int = TreeBudget.max_depth
+    predictor_nodes: int = TreeBudget.predictor_nodes
+    predictor_depth: int = TreeBudget.predictor_depth
     predictor: str | None = None
     draft_top_k: int = DRAFT_TOP_K
     batch_size: int = 1
@@ -118,7 +121,11 @@ def parse_sweep(text: str) -> tuple[str, tuple[int | str, ...]]:
 
 
 def _budget(cfg: BenchConfig, **override: int) -> TreeBudget:
-    return TreeBudget(max_nodes=override.get("max_nodes", cfg.max_nodes), max_depth=override.get("max_depth", cfg.max_depth))
+    def get(name: str) -> int:
+        return override.get(name, getattr(cfg, name))
+
+    return TreeBudget(max_nodes=get("max_nodes"), max_depth=get("max_depth"), predictor_nodes=get("predictor_nodes"),
+                      predictor_depth=get("predictor_depth"))
 
 
 def _predictor_file(method: str) -> str | None:
@@ -521,7 +528,7 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
             continue
         budget = _budget(cfg, **{SWEEPABLE[name]: v})
         if name == "max-depth":
-            budget = TreeBudget(max_nodes=max(budget.max_nodes, v + 1), max_depth=v)
+            budget = dataclasses.replace(budget, max_nodes=max(budget.max_nodes, v + 1))
         variants.append((v, EngineMethod(f"{spec}@{v}", target, drafter, budget, cfg.policy)))
     runs: dict[str, list[RunRecord]] = {"plain": []}
     with tqdm(total=len(prompts) * (len(values) + 1), desc=f"sweep {name}", unit="run") as bar:

@@ -58,7 +58,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_policy_args(bench)
     bench.add_argument("--ignore-eos", action="store_true")
     bench.add_argument("--sweep", default=None,
-                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget), draft-top-k, warmup, "
+                       help="NAME=v1,v2,... with NAME max-depth, max-nodes (or budget), predictor-nodes, "
+                            "predictor-depth, "
+                            "draft-top-k, warmup, "
                             "batch-size, policy (e.g. policy=heuristic,learned,rl: each policy runs as a method of "
                             "its own, alternating with the others on every prompt), or dtype (e.g. dtype=float32,int8: "
                             "every engine method in each mode, each compared with its own mode's plain decoding)")
@@ -92,6 +94,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sampling=args.sampling,
         max_nodes=args.max_nodes,
         max_depth=args.max_depth,
+        predictor_nodes=args.predictor_nodes,
+        predictor_depth=args.predictor_depth,
         predictor=args.predictor,
         draft_top_k=args.draft_top_k,
         batch_size=args.batch_size,

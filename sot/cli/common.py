@@ -120,10 +120,16 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     """The draft tree's size, depth and width; defaults from :class:`~sot.drafters.TreeBudget`
     and :data:`~sot.drafters.DRAFT_TOP_K`."""
     p.add_argument("--max-nodes", "--budget", dest="max_nodes", type=positive_int, default=TreeBudget.max_nodes,
-                   help="draft tree size per step (nodes verified at most), root included "
+                   help="nodes a sequence verifies per step at most, root included, whatever drafted them "
                         f"(default {TreeBudget.max_nodes})")
     p.add_argument("--max-depth", type=non_negative_int, default=TreeBudget.max_depth,
                    help=f"how far a draft tree may look ahead (default {TreeBudget.max_depth})")
+    p.add_argument("--predictor-nodes", type=positive_int, default=TreeBudget.predictor_nodes,
+                   help="nodes of the state predictor's own tree at most; prompt lookup and suffix trees, which "
+                        f"cost no model pass, may add more up to --max-nodes (default {TreeBudget.predictor_nodes})")
+    p.add_argument("--predictor-depth", type=non_negative_int, default=TreeBudget.predictor_depth,
+                   help="levels of the state predictor's own tree at most, one predictor pass each "
+                        f"(default {TreeBudget.predictor_depth})")
     p.add_argument("--draft-top-k", dest="draft_top_k", type=positive_int, default=DRAFT_TOP_K,
                    help=f"children per expanded node of a state-predictor tree; the width of --policy static trees "
                         f"(default {DRAFT_TOP_K})")
@@ -252,7 +258,8 @@ def load_sot(args: argparse.Namespace) -> SoT:
     if args.verbose:
         print(choice.summary(), file=sys.stderr)
     sot = SoT.load(args.model, drafter=args.drafter, dtype=choice.dtype, max_nodes=args.max_nodes,
-                   max_depth=args.max_depth, predictor=args.predictor, top_k=args.draft_top_k,
+                   max_depth=args.max_depth, predictor=args.predictor, predictor_nodes=args.predictor_nodes,
+                   predictor_depth=args.predictor_depth, top_k=args.draft_top_k,
                    policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
                    adapt=adapt_from_args(args), prefix_cache_mb=args.prefix_cache_mb,

@@ -32,22 +32,43 @@ DRAFT_TOP_K = 8
 
 @dataclass(frozen=True)
 class TreeBudget:
-    """Limits on one proposed tree: ``max_nodes`` counts the root; ``max_depth`` the levels.
-    ``width > 0`` asks for a fixed shape instead of a confidence-grown tree: the best
-    ``width`` nodes at every depth down to ``max_depth`` (drafters that only make chains
-    ignore it). ``min_confidence``, when set, replaces the drafter's own floor: nodes whose
-    cumulative draft probability is below it are not expanded."""
+    """Limits on one sequence's tree in a step.
 
-    max_nodes: int = 16
-    max_depth: int = 8
+    ``max_nodes`` (root included) and ``max_depth`` bound every tree the step verifies for the
+    sequence, whatever proposed it. The state predictor's own tree is bounded more tightly,
+    by ``predictor_nodes`` and ``predictor_depth`` (each of its levels is a predictor pass);
+    the free drafts (prompt lookup, suffix trees), which cost no model pass, may reach
+    ``max_depth`` on their own or merged into the predictor's tree, and the commit policy
+    prunes whatever does not pay for its verify rows. ``width > 0`` asks for a fixed shape
+    instead of a confidence-grown tree: the best ``width`` nodes at every depth down to
+    ``max_depth`` (drafters that only make chains ignore it). ``min_confidence``, when set,
+    replaces the drafter's own floor: nodes whose cumulative draft probability is below it
+    are not expanded."""
+
+    max_nodes: int = 32
+    max_depth: int = 24
     width: int = 0
     min_confidence: float | None = None
+    predictor_nodes: int = 16
+    predictor_depth: int = 8
+
+    @property
+    def grown_nodes(self) -> int:
+        """Nodes of the predictor's own tree at most, root included."""
+        return min(self.predictor_nodes, self.max_nodes)
+
+    @property
+    def grown_depth(self) -> int:
+        """Levels of the predictor's own tree at most."""
+        return min(self.predictor_depth, self.max_depth)
 
     def check(self, max_depth: int, max_nodes: int | None = None) -> None:
         """Raise :class:`ConfigError` unless this budget is valid with trees of at most
         ``max_depth`` levels and ``max_nodes`` nodes."""
         check_number("max_nodes", self.max_nodes, integer=True, low=1, high=max_nodes)
         check_number("max_depth", self.max_depth, integer=True, low=0)
+        check_number("predictor_nodes", self.predictor_nodes, integer=True, low=1, high=max_nodes)
+        check_number("predictor_depth", self.predictor_depth, integer=True, low=0)
         if self.max_depth > max_depth:
             raise ConfigError(f"max depth {self.max_depth} exceeds the supported {max_depth}")
 

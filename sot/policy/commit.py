@@ -257,9 +257,9 @@ class CommitPolicy:
         out = budget
         last = [self.seqs[b].verified for b in drafting]
         if min(last) > 0:
-            nodes = min(budget.max_nodes, max(last) + self.SLACK)
-            if nodes < budget.max_nodes:
-                out = replace(out, max_nodes=nodes, max_depth=min(budget.max_depth, nodes - 1))
+            nodes = min(budget.grown_nodes, max(last) + self.SLACK)
+            if nodes < budget.grown_nodes:
+                out = replace(out, predictor_nodes=nodes, predictor_depth=min(budget.grown_depth, nodes - 1))
         if len(self.pass_seconds) >= 3:
             per_sequence = statistics.median(self.pass_seconds) / len(drafting)
             plain_token = self.cost.verify(batch_rows) / batch_rows

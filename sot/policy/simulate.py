@@ -177,7 +177,8 @@ def replay(policy: CommitPolicy, runs: list[list[dict]], machine: SimCost, flat:
             policy.last_draft_features = {}
             plan = policy.plan(dict(generated), free, budget)
             b = plan.budget
-            proposed = {k: within_budget(drafted[k], b.max_nodes, b.max_depth, b.min_confidence) for k in plan.drafting}
+            proposed = {k: within_budget(drafted[k], b.grown_nodes, b.grown_depth, b.min_confidence)
+                        for k in plan.drafting}
             logged_depth = max((drafted[k].max_depth for k in plan.drafting), default=0)
             depth = max((t.max_depth for t in proposed.values()), default=0)
             passes = 0

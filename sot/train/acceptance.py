@@ -48,8 +48,9 @@ class PolicyTrainConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0, 1.5)
     batch_sizes: tuple[int, ...] = (1, 4)
     dtype: str = "auto"
-    max_nodes: int = TreeBudget.max_nodes
-    max_depth: int = TreeBudget.max_depth
+    # (recorded trees keep the predictor's own size: the acceptance model reads its trees)
+    max_nodes: int = TreeBudget.predictor_nodes
+    max_depth: int = TreeBudget.predictor_depth
     epochs: int = 60
     rl_epochs: int = 60  # replays of the training runs (kind rl)
     lr: float = 3e-3

@@ -236,7 +236,7 @@ class StateDrafter(Drafter):
         growths: dict[int, _Growth] = {}
         for j, x in enumerate(inputs):
             seq = self._seq(x.sequence)
-            if seq.last is not None and budget.max_nodes >= 2 and budget.max_depth >= 1:
+            if seq.last is not None and budget.grown_nodes >= 2 and budget.grown_depth >= 1:
                 growths[j] = _Growth(seq, x.context[-1], len(x.context) - 1, x)
         if growths:
             self._grow(list(growths.values()), budget)
@@ -270,11 +270,11 @@ class StateDrafter(Drafter):
     def _grow(self, growths: list[_Growth], budget: TreeBudget) -> None:
         """Grow every tree by cumulative confidence, all sequences in one predictor pass per
         depth: at every depth the ``top_k`` best new nodes of a tree are expanded, until its
-        budget is filled, confidence falls below ``min_confidence`` or ``max_depth`` is
-        reached. With ``budget.width``, a fixed beam of that many nodes per depth."""
+        budget (``grown_nodes``) is filled, confidence falls below ``min_confidence`` or
+        ``grown_depth`` is reached. With ``budget.width``, a fixed beam of that many nodes per depth."""
         p = self.predictor
         fixed = budget.width > 0
-        keep = budget.max_nodes - 1
+        keep = budget.grown_nodes - 1
         k_top = budget.width if fixed else self.top_k
         least = self.min_confidence if budget.min_confidence is None else budget.min_confidence
         floor = math.log(least) if least > 0 and not fixed else -math.inf
@@ -287,8 +287,8 @@ class StateDrafter(Drafter):
         val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
         for gr, vs, ids in zip(growths, val.tolist(), idx.tolist()):
             gr.frontier = gr.add(-1, 1, 0.0, vs, ids, self._vocab)
-            gr.seq.reserve(k_top * budget.max_depth)
-        for depth in range(1, budget.max_depth):
+            gr.seq.reserve(k_top * budget.grown_depth)
+        for depth in range(1, budget.grown_depth):
             live = []
             for gr in growths:
                 front = [n for n in gr.frontier if gr.score[n] >= floor]
@@ -399,7 +399,7 @@ class StateDrafter(Drafter):
 
     @staticmethod
     def _finish_tree(gr: _Growth, budget: TreeBudget) -> DraftTree:
-        """The proposed tree: the best ``max_nodes - 1`` candidates (a parent always scores at
+        """The proposed tree: the best ``grown_nodes - 1`` candidates (a parent always scores at
         least as high as its child and ties go to the shallower node, so the set is closed
         under ancestors), or with ``budget.width`` the whole beam."""
         n_cand = len(gr.tok)
@@ -407,7 +407,7 @@ class StateDrafter(Drafter):
             last = set(gr.frontier)
             chosen = [c for c in range(n_cand) if c in gr.row_of or c in last]
         else:
-            chosen = sorted(range(n_cand), key=lambda c: (-gr.score[c], gr.dep[c], c))[: budget.max_nodes - 1]
+            chosen = sorted(range(n_cand), key=lambda c: (-gr.score[c], gr.dep[c], c))[: budget.grown_nodes - 1]
         chosen.sort(key=lambda c: (gr.dep[c], c))
         index = {c: i + 1 for i, c in enumerate(chosen)}
         tokens = [gr.root] + [gr.tok[c] for c in chosen]
