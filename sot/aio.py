@@ -99,7 +99,16 @@ class AsyncSoT:
         """Yield the text of one prompt as it is committed (``index`` 0; the last event has
         ``finished``), ending before a stop string. Keyword arguments are those of
         :meth:`sot.api.SoT.params`; ``tenant`` keys the earlier answers it may draft from
-        (with ``suffix_per_tenant``); a waiting request of lower ``priority`` goes first."""
+        (with ``suffix_per_tenant``); a waiting request of lower ``priority`` goes first.
+
+        A loop that stops reading early should close the stream, so that the request is
+        aborted at once rather than when the generator is collected::
+
+            async with contextlib.aclosing(aio.stream("Hi")) as events:
+                async for event in events:
+                    if "done" in event.text:
+                        break
+        """
         async for event, _ in self._run(prompt, chat, tenant, priority, kwargs):
             yield event
 

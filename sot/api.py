@@ -238,6 +238,8 @@ class SoT:
                 raise ConfigError(f"unknown policy {policy!r}; choose from {kinds}") from None
         elif policy is not None and not isinstance(policy, PolicyConfig):
             raise ConfigError(f"policy must be a PolicyConfig or a policy name, got {type(policy).__name__}")
+        if suffix_store is not None and drafter not in ("auto", DrafterKind.SUFFIX.value):
+            raise ConfigError("suffix_store needs a drafter that drafts from earlier answers (auto or suffix)")
         dev = resolve_device("cpu" if dtype == "int8" and device == "auto" else device)  # (int8 runs on the CPU)
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
         loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)
@@ -250,11 +252,8 @@ class SoT:
             kind = DrafterKind(drafter)
         if kind is DrafterKind.SUFFIX and stores is None:
             stores = SuffixStores(per_tenant=suffix_per_tenant, vocab_size=vocab)
-        if suffix_store is not None:
-            if stores is None:
-                raise ConfigError("suffix_store needs a drafter that drafts from earlier answers (auto or suffix)")
-            if Path(suffix_store).is_file():
-                stores.load(suffix_store)
+        if suffix_store is not None and Path(suffix_store).is_file():  # (stores exist: the drafter was checked)
+            stores.load(suffix_store)
         draft = make_drafter(kind, loaded.model, predictor, top_k=top_k, suffix=stores)
         target = TargetModel(loaded.model, state_layers=draft.state_layers)
         tok = loaded.tokenizer

@@ -187,6 +187,8 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
         == "static"
     with pytest.raises(ConfigError, match="unknown policy 'fast'"):
         SoT.load(str(model_dir), drafter="pld", dtype="float32", policy="fast")
+    with pytest.raises(ConfigError, match="suffix_store needs a drafter"):  # (before the missing model is read)
+        SoT.load("/no/such/model", drafter="none", suffix_store="s.store")
 
 
 def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tmp_path: Path, capsys,
@@ -197,6 +199,8 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
                            (["--trace", str(tmp_path)], "is a folder"),
                            (["--suffix-store", str(tmp_path / "no" / "s.store")], "does not exist"),
                            (["--suffix-store", "/dev/null"], "not a regular file"),
+                           (["--drafter", "pld", "--suffix-store", str(tmp_path / "s.store")],
+                            "--suffix-store needs a drafter that drafts from earlier answers"),
                            (["--tools", str(tmp_path / "tools.json")], "no such file"),
                            (["--json-schema", str(tmp_path / "schema.json")], "no such file"),
                            (["--chat-template", str(tmp_path)], "is a folder"),

@@ -1101,15 +1101,22 @@ def test_a_client_gone_while_sending_is_no_server_error(tiny_server) -> None:
     assert tiny_server.metric('sot:requests_total{status="error"}') == errors
 
 
-def test_serve_stops_at_once_when_it_cannot_serve(tmp_path) -> None:
-    """A model that fails to load ends the server with the error (it does not answer 503 until
-    someone notices); a port already taken is a one-line error before anything says the server
-    listens."""
+def test_serve_stops_at_once_when_it_cannot_serve(tiny_dir, tmp_path) -> None:
+    """A model, or a store file, that fails to load ends the server with the error naming it
+    (it does not answer 503 until someone notices); a port already taken is a one-line error
+    before anything says the server listens."""
     cmd = [sys.executable, "-m", "sot.cli", "serve", "--host", "127.0.0.1"]
     res = subprocess.run([*cmd, "--port", str(free_port()), "--model", str(tmp_path / "no-such-model")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1, res.stderr
     assert "failed to load" in res.stderr and "no-such-model" in res.stderr and "Traceback" not in res.stderr
+    store = tmp_path / "answers.store"
+    store.write_bytes(b"not a store")
+    res = subprocess.run([*cmd, "--port", str(free_port()), "--model", str(tiny_dir), "--drafter", "suffix",
+                          "--suffix-store", str(store)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stderr
+    line = next(x for x in res.stderr.splitlines() if "failed to load" in x)
+    assert f"{store} is not a suffix store written by SoT" in line and "the model failed" not in line, line
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

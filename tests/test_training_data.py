@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -40,6 +41,18 @@ def test_state_caches_combine(tiny_run, tmp_path) -> None:
         StateDataset([data / "train", tmp_path / "other"])
     with pytest.raises(ConfigError, match="no complete state cache"):
         StateDataset([data / "train", tmp_path / "missing"])
+    # a damaged cache names the file that is wrong
+    meta = tmp_path / "other" / "meta.json"
+    good = meta.read_text()
+    for text in ("{not json", '{"tokens": 3}'):
+        meta.write_text(text)
+        with pytest.raises(ConfigError, match=f"{re.escape(str(meta))}.*sot train prepare"):
+            StateDataset(tmp_path / "other")
+    meta.write_text(good)
+    shard = tmp_path / "other" / json.loads(good)["shards"][0]
+    shard.write_bytes(shard.read_bytes()[:40])
+    with pytest.raises(ConfigError, match=f"shard {re.escape(str(shard))} cannot be read"):
+        StateDataset(tmp_path / "other")
     # the trainer takes them comma-separated
     cfg = dataclasses.replace(tiny_run["cfg"], data=f"{data},{data}", out=str(tmp_path / "both"), steps=2,
                               eval_every=100, save_every=100)

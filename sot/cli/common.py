@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from sot.drafters.base import DRAFT_TOP_K, TreeBudget
+from sot.drafters.base import DRAFT_TOP_K, DrafterKind, TreeBudget
 from sot.errors import SoTError
 from sot.online.defaults import ADAPT_BUDGET
 from sot.policy.config import PolicyConfig, PolicyKind
@@ -230,6 +230,9 @@ def check_load_args(args: argparse.Namespace) -> None:
     check_output_path(store, "--suffix-store")
     if store and os.path.exists(store) and not os.path.isfile(store):  # (a pipe or a device: read, then replaced)
         raise SoTError(f"--suffix-store {store}: not a regular file; give a file path")
+    if store and getattr(args, "drafter", "auto") not in ("auto", DrafterKind.SUFFIX.value):
+        raise SoTError(f"--suffix-store needs a drafter that drafts from earlier answers (--drafter auto or suffix), "
+                       f"not {args.drafter}")
     resolve_device(args.device)
     if getattr(args, "chat_template", None):
         read_chat_template(args.chat_template)

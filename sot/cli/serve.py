@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if error is None:
             print(f"sot serve: ready on {url} (model {state.model_name})", file=sys.stderr)
         else:  # nothing to serve: stop now rather than answer 503 until someone notices
-            print(f"sot serve: error: the model failed to load: {error}", file=sys.stderr)
+            print(f"sot serve: error: failed to load: {error}", file=sys.stderr)
             server.should_exit = True
 
     app = create_app(lambda: load_sot(args), config, on_loaded=loaded)

@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 
 from sot import __version__
 from sot.engine import GenerationParams, SequenceResult
-from sot.errors import ConfigError
+from sot.errors import ConfigError, SoTError
 from sot.requests import check_params
 from sot.sampling import SamplingMode, SamplingParams
 from sot.server.config import ServerConfig
@@ -146,7 +146,8 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
             worker.start()
             state.worker = worker
         except Exception as exc:  # noqa: BLE001 - /health reports it
-            state.load_error = f"{type(exc).__name__}: {exc}"
+            # (what a user can fix, the model path or a store file, says so itself)
+            state.load_error = str(exc) if isinstance(exc, SoTError) else f"{type(exc).__name__}: {exc}"
         if on_loaded is not None:
             on_loaded(state.load_error)
 
@@ -519,7 +520,7 @@ def _check_ready(state: ServerState) -> None:
     if state.draining:
         raise APIError(503, "the server is shutting down")
     if state.load_error:
-        raise APIError(503, f"the model failed to load: {state.load_error}")
+        raise APIError(503, f"the server failed to load: {state.load_error}")
     if not state.ready:
         raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "1"})
 

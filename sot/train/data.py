@@ -225,6 +225,19 @@ def build_state_cache(
     return meta
 
 
+def _read_meta(path: Path) -> dict:
+    """A state cache's ``meta.json``, checked for the keys a dataset reads."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} cannot be read ({exc}); make the cache again (sot train prepare)") from None
+    need = ("hidden_size", "layers", "tokens", "sequences", "bytes", "shards")
+    if not isinstance(meta, dict) or any(k not in meta for k in need) or not isinstance(meta["shards"], list):
+        raise ConfigError(f"{path} is not a state cache's meta.json (it lacks {', '.join(need)}); make the cache "
+                          "again (sot train prepare)")
+    return meta
+
+
 class StateDataset:
     """Memory-mapped state shards written by :func:`build_state_cache`.
 
@@ -243,7 +256,7 @@ class StateDataset:
             meta_path = f / "meta.json"
             if not meta_path.is_file():
                 raise ConfigError(f"{f} holds no complete state cache (meta.json missing)")
-            metas.append(json.loads(meta_path.read_text()))
+            metas.append(_read_meta(meta_path))
         for f, m in zip(folders[1:], metas[1:]):
             first, this = metas[0].get("embed_hash"), m.get("embed_hash")  # (older caches have none)
             if first and this and first != this:
@@ -255,10 +268,16 @@ class StateDataset:
         for key in ("tokens", "sequences", "bytes"):
             self.meta[key] = sum(m[key] for m in metas)
         self.meta["shards"] = [str(f / name) for f, m in zip(folders, metas) for name in m["shards"]]
-        self._files = [safe_open(name, framework="pt") for name in self.meta["shards"]]
+        self._files = []
         self._index: list[tuple[int, int, int]] = []
-        for s, fh in enumerate(self._files):
-            offsets = fh.get_tensor("offsets").tolist()
+        for s, name in enumerate(self.meta["shards"]):
+            try:
+                fh = safe_open(name, framework="pt")
+                offsets = fh.get_tensor("offsets").tolist()
+            except Exception as exc:  # noqa: BLE001 (missing, truncated or foreign: each fails its own way)
+                raise ConfigError(f"state cache shard {name} cannot be read ({exc}); make the cache again "
+                                  "(sot train prepare)") from None
+            self._files.append(fh)
             self._index.extend((s, a, b) for a, b in zip(offsets[:-1], offsets[1:]))
 
     def __len__(self) -> int:
