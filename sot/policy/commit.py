@@ -452,8 +452,9 @@ class CommitPolicy:
         probs = free.draft_probs or [1.0] + [0.0] * (free.size - 1)
         pass_ratio = (statistics.median(self.pass_seconds) / self.cost.verify(1)) if self.pass_seconds else 0.0
         return np.array([
+            # (the shipped network saw free drafts of at most 16 nodes: larger ones read as 16)
             math.log(promise / drafting), math.log(drafting), math.log(max(promise, 1e-3)), sum(probs[1:]),
-            free.size / 16.0, s.calibration, s.tau / 4.0, s.temperature, math.log2(max(1, len(self.seqs))) / 4.0,
+            min(free.size, 16) / 16.0, s.calibration, s.tau / 4.0, s.temperature, math.log2(max(1, len(self.seqs))) / 4.0,
             pass_ratio,
         ], dtype=np.float32)
 
