@@ -23,6 +23,7 @@ from sot.attention import MAX_TREE_NODES
 from sot.drafters import DRAFT_TOP_K, DrafterKind, SuffixStores, TreeBudget, auto_drafter_kind, make_drafter
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
+from sot.fingerprint import tokenizer_hash
 from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
 from sot.detokenize import TextAssembler, decoder, first_stop, token_label, token_pieces
@@ -244,14 +245,11 @@ class SoT:
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
         loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)
         stores = None
-        vocab = int(loaded.model.get_input_embeddings().weight.shape[0])
-        if drafter == "auto":
-            kind = auto_drafter_kind(loaded.model, predictor)
-            stores = SuffixStores(per_tenant=suffix_per_tenant, vocab_size=vocab)
-        else:
-            kind = DrafterKind(drafter)
-        if kind is DrafterKind.SUFFIX and stores is None:
-            stores = SuffixStores(per_tenant=suffix_per_tenant, vocab_size=vocab)
+        kind = auto_drafter_kind(loaded.model, predictor) if drafter == "auto" else DrafterKind(drafter)
+        if drafter == "auto" or kind is DrafterKind.SUFFIX:  # (auto keeps the stores whichever drafter it takes)
+            vocab = int(loaded.model.get_input_embeddings().weight.shape[0])
+            stores = SuffixStores(per_tenant=suffix_per_tenant, vocab_size=vocab,
+                                  tokenizer=tokenizer_hash(loaded.tokenizer))
         if suffix_store is not None and Path(suffix_store).is_file():  # (stores exist: the drafter was checked)
             stores.load(suffix_store)
         draft = make_drafter(kind, loaded.model, predictor, top_k=top_k, suffix=stores)

@@ -13,6 +13,19 @@ def embedding_hash(weight: torch.Tensor) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+def tokenizer_hash(tokenizer: object) -> str | None:
+    """A short fingerprint of a tokenizer's vocabulary (every token's text and id), or
+    ``None`` for a tokenizer that does not list it: what a file of token ids records, so that
+    it is not read with another tokenizer (models that share one may share such files)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    digest = hashlib.sha256()
+    for text, i in sorted(get_vocab().items(), key=lambda item: item[1]):
+        digest.update(f"{i}\t{text}\n".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()[:16]
+
+
 def target_fingerprint(model: torch.nn.Module) -> dict:
     """What a predictor checkpoint records about the target it was trained for."""
     from sot.models.support import text_config

@@ -159,6 +159,17 @@ def test_store_files_are_checked_written_whole_and_read_within_the_cap(tmp_path,
         SuffixStores(vocab_size=64).load(tmp_path / "foreign")
     with pytest.raises(ConfigError, match="a model with 64 tokens, this one has 96"):
         SuffixStores(vocab_size=96).load(path)
+    # a store records its tokenizer: another one's ids are refused, the same one's (or a file
+    # that names none, written before) read
+    named = SuffixStores(vocab_size=64, tokenizer="aaaa")
+    named.get(None).add([1, 2], [3, 4, 5])
+    named.save(tmp_path / "named.store")
+    with pytest.raises(ConfigError, match="another tokenizer's token ids"):
+        SuffixStores(vocab_size=64, tokenizer="bbbb").load(tmp_path / "named.store")
+    for reader, file in ((SuffixStores(vocab_size=64, tokenizer="aaaa"), "named.store"),
+                         (SuffixStores(vocab_size=64, tokenizer="bbbb"), "s.store")):
+        reader.load(tmp_path / file)
+        assert reader.get(None).all_sequences() == good.get(None).all_sequences()
     tenants = SuffixStores(per_tenant=True)
     tenants.get("alice").add([], [1, 2, 3])
     tenants.save(tmp_path / "tenants.store")
@@ -355,3 +366,21 @@ def test_a_request_sees_its_tenants_store_once_it_exists() -> None:
     stores.get("ann").add([], [7, 8, 9, 10, 11])
     tree = free.suffix_tree(DraftInput(0, context + [9, 10, 11, 7, 8], tenant="ann"), 8, 4)
     assert tree is not None and 9 in tree.tokens
+
+
+def test_the_tokenizer_fingerprint_follows_the_vocabulary() -> None:
+    """What a store file records of its tokenizer: the same for the same token texts and ids
+    in any order, another for another mapping; ``None`` where the tokenizer lists none."""
+    from sot.fingerprint import tokenizer_hash
+
+    class Vocab:
+        def __init__(self, vocab: dict) -> None:
+            self.vocab = vocab
+
+        def get_vocab(self) -> dict:
+            return self.vocab
+
+    one = tokenizer_hash(Vocab({"a": 0, "b": 1, "\u00e9": 2}))
+    assert one == tokenizer_hash(Vocab({"\u00e9": 2, "b": 1, "a": 0}))
+    assert one != tokenizer_hash(Vocab({"a": 1, "b": 0, "\u00e9": 2}))
+    assert tokenizer_hash(object()) is None

@@ -211,14 +211,16 @@ class SuffixStores:
     stores together: past it, the largest store forgets its oldest answer, and a store left
     empty is dropped, so clients that each send their own ``user`` hold no more than the cap
     (the largest is found through a heap: an answer costs the same however many tenants
-    came before). ``vocab_size``, when set, is written with the stores and checked when they
-    are read back."""
+    came before). ``vocab_size`` and ``tokenizer`` (a fingerprint of the vocabulary,
+    :func:`sot.fingerprint.tokenizer_hash`), when set, are written with the stores and checked
+    when they are read back."""
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), per_tenant: bool = False,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, tokenizer: str | None = None) -> None:
         self.config = config
         self.per_tenant = per_tenant
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
         self.stores: dict[str, SuffixStore] = {}
         self._total = 0  # tokens in all the stores
         #: ``(-tokens, order, key)`` of each store as it last changed (older entries are skipped)
@@ -301,7 +303,8 @@ class SuffixStores:
                 np.savez_compressed(fh, tokens=np.asarray(flat, dtype=np.int64),
                                     lengths=np.asarray(lengths, dtype=np.int64),
                                     owners=np.asarray(owners, dtype=np.int64), tenants=np.asarray(names, dtype=str),
-                                    vocab_size=np.asarray(self.vocab_size or 0, dtype=np.int64))
+                                    vocab_size=np.asarray(self.vocab_size or 0, dtype=np.int64),
+                                    tokenizer=np.asarray(self.tokenizer or "", dtype=str))
                 fh.flush()
                 os.fsync(fh.fileno())
 
@@ -342,6 +345,7 @@ class SuffixStores:
                 tokens, lengths, owners = data["tokens"], data["lengths"], data["owners"]
                 names = [str(n) for n in data["tenants"].tolist()]
                 vocab = int(data["vocab_size"]) if "vocab_size" in data.files else 0
+                tokenizer = str(data["tokenizer"]) if "tokenizer" in data.files else ""  # (older files: none)
         except OSError as exc:
             raise ConfigError(f"cannot read suffix store {path}: {exc.strerror or exc}") from None
         except Exception:  # noqa: BLE001 (a damaged file fails in zipfile, zlib or numpy, each its own way)
@@ -354,6 +358,9 @@ class SuffixStores:
         if self.vocab_size and vocab and vocab != self.vocab_size:
             raise ConfigError(f"{path} holds answers of a model with {vocab} tokens, this one has "
                               f"{self.vocab_size}; give another file")
+        if self.tokenizer and tokenizer and tokenizer != self.tokenizer:
+            raise ConfigError(f"{path} holds answers in another tokenizer's token ids than this model's; give "
+                              "another file")
         if self.vocab_size and len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise ConfigError(f"{path} holds token ids outside this model's {self.vocab_size}: written for "
                               "another model; give another file")
