@@ -45,7 +45,7 @@ fi
 if stage depth; then
   for S in sharegpt-heldout humaneval; do
     $SOT bench --prompts $S --limit 3 --methods state --max-new-tokens 256 \
-      --sweep max-depth=1,2,4,8,12,16,20,24,32,40,48 --out $OUT/depth-$S
+      --sweep predictor-depth=1,2,4,8,12,16,20,24,32,40,48 --out $OUT/depth-$S
   done
 fi
 # 6. warm-up: tokens decoded plainly before the first draft

@@ -175,7 +175,8 @@ def _probe_decode(target, draft, tokenizer, tokens: int) -> tuple[float, float, 
     from sot.prompts import encode, has_chat_template
     from sot.requests import GenerationParams
 
-    budget = TreeBudget()
+    # (the probe's trees stay within the row counts it times, PROBE_ROWS; its cached choices were made so)
+    budget = TreeBudget(max_nodes=16, max_depth=8)
     engine = Engine(target, draft, budget, policy=PolicyConfig(kind=PolicyKind.STATIC))
     room = _positions(target.model) // 2  # the prompt takes at most half, the answer and a tree the rest
     spent, passes = [0.0], [0]

@@ -1,6 +1,7 @@
 """The state predictor and its drafter: files, growth, batching, lookup, losslessness."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -342,6 +343,11 @@ def test_the_predictor_grows_within_its_limits_and_free_drafts_reach_further() -
         if node is not None:
             path.append(tree.tokens[node])
     assert path == ctx[6:26]
+    # a predictor held to no levels still offers the free drafts
+    idle = StateDrafter(pred, top_k=2)
+    idle.reset(1)
+    chain = idle.propose([DraftInput(0, ctx, states)], dataclasses.replace(budget, predictor_depth=0))[0]
+    assert chain.tokens == [ctx[5], *ctx[6:26]] and chain.parents == list(range(-1, 20))
     with pytest.raises(ConfigError, match="predictor_nodes"):
         TreeBudget(predictor_nodes=0).check(64, 256)
 

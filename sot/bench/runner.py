@@ -529,6 +529,12 @@ def run_sweep(cfg: BenchConfig, target: TargetModel | None, prompts: list[list[i
         budget = _budget(cfg, **{SWEEPABLE[name]: v})
         if name == "max-depth":
             budget = dataclasses.replace(budget, max_nodes=max(budget.max_nodes, v + 1))
+        elif name == "predictor-depth":  # (the predictor's tree grows within the whole budget: raised to fit)
+            nodes = max(budget.predictor_nodes, v + 1)
+            budget = dataclasses.replace(budget, predictor_nodes=nodes, max_nodes=max(budget.max_nodes, nodes),
+                                         max_depth=max(budget.max_depth, v))
+        elif name == "predictor-nodes":
+            budget = dataclasses.replace(budget, max_nodes=max(budget.max_nodes, v))
         variants.append((v, EngineMethod(f"{spec}@{v}", target, drafter, budget, cfg.policy)))
     runs: dict[str, list[RunRecord]] = {"plain": []}
     with tqdm(total=len(prompts) * (len(values) + 1), desc=f"sweep {name}", unit="run") as bar:

@@ -37,7 +37,7 @@ trained by reinforcement on simulated tokens per second (:mod:`sot.policy.rl`,
 and whether a sequence drafts or takes its free draft.
 
 ``static`` verifies a fixed-shape tree: the drafter's best ``width`` nodes at every depth up to
-``max_depth`` (``1 + width * max_depth`` nodes), with no pruning and no fallback.
+the predictor's depth (``1 + width * predictor_depth`` nodes), with no pruning and no fallback.
 """
 from sot.policy.acceptance_model import (
     DEFAULT_ACCEPTANCE_MODEL, FEATURES, AcceptanceModel, Trace, fitting_acceptance_model, load_acceptance_model,

@@ -61,9 +61,9 @@ class CostModel:
     @classmethod
     def for_target(cls, target: torch.nn.Module, max_nodes: int) -> "CostModel":
         """Verify time by row count for ``target`` on this machine, measured once per target
-        and tree size (batches are costed by their total rows, so at least 96 are timed) and
-        kept on disk (see the module)."""
-        rows = max(96, max_nodes)
+        and tree size (batches are costed by their total rows: at least 96 rows are timed, and
+        four trees of the largest size) and kept on disk (see the module)."""
+        rows = max(96, 4 * max_nodes)
         key = ("sot_cost_model", rows)
         cached = getattr(target, "_sot_costs", {})
         if key not in cached:

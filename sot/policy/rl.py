@@ -181,5 +181,6 @@ def select_features(idx: list[int], rows: list[int], expected: list[float], cost
         marginal = expected[k] - expected[k - 1] if k else 0.0
         out.append([math.log(max(expected[k], 1e-9) / max(costs[k], 1e-12)) - top,
                     math.log(max(costs[k], 1e-12) / max(costs[0], 1e-12)), (expected[k] - base) / batch_rows,
-                    marginal, (rows[k] - rows[0]) / batch_rows / 8.0, float(k == 0)])
+                    # (the shipped network saw at most 15 extra rows a sequence: more read as 15)
+                    marginal, min((rows[k] - rows[0]) / batch_rows, 15.0) / 8.0, float(k == 0)])
     return np.array(out, dtype=np.float32)

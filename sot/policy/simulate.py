@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sot.policy.record import from_dict, step_record, tree_dict, union_tree
-from sot.tree import DraftTree
+from sot.tree import DraftTree, merge_trees
 
 if TYPE_CHECKING:
     from sot.drafters.base import TreeBudget
@@ -177,10 +177,13 @@ def replay(policy: CommitPolicy, runs: list[list[dict]], machine: SimCost, flat:
             policy.last_draft_features = {}
             plan = policy.plan(dict(generated), free, budget)
             b = plan.budget
-            proposed = {k: within_budget(drafted[k], b.grown_nodes, b.grown_depth, b.min_confidence)
-                        for k in plan.drafting}
+            own = {k: within_budget(drafted[k], b.grown_nodes, b.grown_depth, b.min_confidence) for k in plan.drafting}
             logged_depth = max((drafted[k].max_depth for k in plan.drafting), default=0)
-            depth = max((t.max_depth for t in proposed.values()), default=0)
+            depth = max((t.max_depth for t in own.values()), default=0)  # (predictor passes)
+            # as the engine does: the free drafts are merged into the drafted tree up to the whole budget
+            proposed = {k: t if free[k].size <= 1 else
+                        merge_trees([t, within_budget(free[k], b.max_nodes, b.max_depth, None)], b.max_nodes)
+                        for k, t in own.items()}
             passes = 0
             if plan.drafting:
                 logged = max(1, int(step["draft_passes"]))

@@ -48,7 +48,8 @@ class PolicyTrainConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0, 1.5)
     batch_sizes: tuple[int, ...] = (1, 4)
     dtype: str = "auto"
-    # (recorded trees keep the predictor's own size: the acceptance model reads its trees)
+    # (recorded trees keep the predictor's own size, as the shipped model was trained on; at run
+    # time it reads merged trees up to the whole budget, its inputs clipped to this range)
     max_nodes: int = TreeBudget.predictor_nodes
     max_depth: int = TreeBudget.predictor_depth
     epochs: int = 60

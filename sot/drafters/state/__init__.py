@@ -21,8 +21,9 @@ way and written to or read from the folder layout vLLM and SGLang serve by
 
 At inference (:class:`StateDrafter`) the predictor keeps its own KV cache of rows built from
 real target states. A tree is grown depth by depth: the ``top_k`` candidates with the highest
-cumulative log-probability are expanded, and the best ``max_nodes - 1`` nodes overall are
-proposed. Expansion stops early once no frontier node can still enter the tree.
+cumulative log-probability are expanded, and the best ``predictor_nodes - 1`` nodes overall are
+proposed (the free drafts are merged in after, up to ``max_nodes``). Expansion stops early
+once no frontier node can still enter the tree.
 """
 from sot.drafters.state.config import FORMAT, StatePredictorConfig
 from sot.drafters.state.drafter import StateDrafter

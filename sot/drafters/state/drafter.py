@@ -244,10 +244,8 @@ class StateDrafter(Drafter):
         if self.record_states:
             self._predicted = {x.sequence: self._node_states(growths[j]) for j, x in enumerate(inputs) if j in growths}
         for j, x in enumerate(inputs):
-            if j not in growths:
-                out.append(DraftTree.root_only(x.context[-1]))
-                continue
-            tree = self._finish_tree(growths[j], budget)
+            # (a predictor held to no nodes still offers the free drafts, which need no pass)
+            tree = self._finish_tree(growths[j], budget) if j in growths else DraftTree.root_only(x.context[-1])
             if self.free is not None and budget.width == 0:
                 tree = self.free.merge_into(tree, x, budget)
             out.append(tree)
