@@ -6,6 +6,11 @@ import numpy as np
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
 from sot.tree import DraftTree, tree_from_paths
 
+#: the longest n-gram prompt lookup matches (it tries this size first, then shorter ones): long
+#: enough that a copy is told apart from the short phrases code and lists repeat inside it
+#: (``docs/NOTEBOOK.md``, *Longer lookup n-grams*)
+LOOKUP_MAX_NGRAM = 8
+
 
 class PromptLookupDrafter(Drafter):
     """Finds the most recent occurrences of the context's last ``n`` tokens (``n`` from
@@ -19,7 +24,7 @@ class PromptLookupDrafter(Drafter):
 
     kind = DrafterKind.PLD
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_candidates: int = 4) -> None:
+    def __init__(self, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1, max_candidates: int = 4) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram
@@ -56,7 +61,8 @@ class PromptLookupDrafter(Drafter):
 class NgramIndex:
     """The most recent start of every n-gram (``min_ngram <= n <= max_ngram``) of one growing
     context, updated with the tokens appended since the last call, so a step's lookup costs
-    a few dictionary reads instead of a scan of the whole context.
+    a few dictionary reads instead of a scan of the whole context. The tables are keyed by the
+    n-grams' hashes (a collision only proposes a continuation the verify pass rejects).
 
     :meth:`best` gives what :meth:`PromptLookupDrafter.candidates` ranks first: the tokens
     that followed the most recent earlier occurrence of the longest matching suffix.
@@ -64,9 +70,9 @@ class NgramIndex:
     (up to ``depth`` tokens).
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1) -> None:
         self.sizes = range(max_ngram, min_ngram - 1, -1)
-        self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.last: dict[int, dict[int, int]] = {n: {} for n in self.sizes}
         self.next = {n: 0 for n in self.sizes}  # per size: the first window start not yet indexed
         self.seen = 0  # length of the context at the last call
 
@@ -80,12 +86,12 @@ class NgramIndex:
         for n in self.sizes:
             table = self.last[n]
             for start in range(self.next[n], end - n + 1):
-                table[tuple(context[start : start + n])] = start
+                table[hash(tuple(context[start : start + n]))] = start
             self.next[n] = max(self.next[n], end - n + 1)
         for n in self.sizes:
             if n > end:
                 continue
-            start = self.last[n].get(tuple(context[-n:]))
+            start = self.last[n].get(hash(tuple(context[-n:])))
             if start is not None:
                 return context[start + n : start + n + depth]
         return []
