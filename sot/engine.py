@@ -542,8 +542,9 @@ class Engine:
         # What the drafter offers for free (prompt-lookup matches) lets the policy keep its
         # model idle for a step; sequences that skip the model keep their states until it runs.
         offers = (policy.adaptive or policy.record) and not policy.holds_plain(len(seqs))
-        free = self.drafter.propose_free(list(given.values()), self.budget) if offers else None
-        plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), self.budget)
+        budget = self.budget.for_batch(len(seqs))
+        free = self.drafter.propose_free(list(given.values()), budget) if offers else None
+        plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), budget)
         proposed: dict[int, DraftTree] = {}
         if plan.drafting:
             by_id = {s.id: s for s in seqs}

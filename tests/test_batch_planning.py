@@ -9,7 +9,7 @@ import torch
 
 from helpers import clone, random_prompts, tiny_model
 from sot.attention import build_tree_layout, flat_packing
-from sot.drafters import TreeBudget
+from sot.drafters import NoDrafter, TreeBudget
 from sot.drafters.state import StateDrafter, new_predictor
 from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
@@ -110,6 +110,33 @@ def test_an_idle_sequence_runs_no_predictor_pass() -> None:
     res = engine.generate(random_prompts((8, 12, 17), seed=4), GenerationParams(max_new_tokens=20), batch_size=2)
     assert all(r.steps > 5 and r.plain_steps == r.steps for r in res), "no step drafted"
     assert Counting.proposals == 0 and drafter.passes <= 3
+
+
+def test_free_drafts_take_the_whole_budget_only_for_one_sequence() -> None:
+    """One sequence's free drafts may reach ``max_nodes`` / ``max_depth``; in a batch every
+    tree keeps to the predictor's limits (and a static beam keeps its shape)."""
+    budget = TreeBudget(max_nodes=32, max_depth=24, predictor_nodes=16, predictor_depth=8)
+    assert budget.for_batch(1) is budget
+    assert (budget.for_batch(2).max_nodes, budget.for_batch(2).max_depth) == (16, 8)
+    assert budget.for_batch(5).grown_nodes == 16 and budget.for_batch(5).grown_depth == 8
+    beam = dataclasses.replace(budget, width=3)
+    assert beam.for_batch(4) is beam
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.float32), state_layers=LAYERS)
+    asked: list[tuple[int, int, int]] = []
+
+    class Watching(StateDrafter):
+        def propose_free(self, inputs, budget):
+            asked.append((len(inputs), budget.max_nodes, budget.max_depth))
+            return super().propose_free(inputs, budget)
+
+    drafter = Watching(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+    engine = Engine(target, drafter, budget, policy=PolicyConfig(fallback_threshold=0))
+    prompts = random_prompts((8, 12, 30), seed=4)
+    res = engine.generate(prompts, GenerationParams(max_new_tokens=20), batch_size=2)
+    plain = Engine(target, NoDrafter()).generate(prompts, GenerationParams(max_new_tokens=20))
+    assert [r.token_ids for r in res] == [r.token_ids for r in plain]
+    assert {(b > 1, n, d) for b, n, d in asked} == {(True, 16, 8), (False, 32, 24)}, "both kinds of step ran"
 
 
 def test_the_fixed_rule_turns_speculation_off_above_its_batch_size() -> None:

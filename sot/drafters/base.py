@@ -1,6 +1,7 @@
 """The drafter interface shared by every way of proposing draft trees."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -51,6 +52,17 @@ class TreeBudget:
     min_confidence: float | None = None
     predictor_nodes: int = 16
     predictor_depth: int = 8
+
+    def for_batch(self, batch: int) -> "TreeBudget":
+        """The limits of a step in which ``batch`` sequences decode. One sequence may take the
+        whole budget. In a batch every tree keeps to the predictor's limits: there the verify
+        pass is compute-bound, rows cost in proportion, and a closed batch lasts as long as
+        its slowest sequence; deeper free drafts ran at 0.93-0.97x the smaller budget with
+        ``auto`` at batch 4 and 16 in three runs (``docs/NOTEBOOK.md``, *Free drafts past
+        the predictor's depth*)."""
+        if batch <= 1 or self.width > 0:
+            return self
+        return dataclasses.replace(self, max_nodes=self.grown_nodes, max_depth=self.grown_depth)
 
     @property
     def grown_nodes(self) -> int:

@@ -175,7 +175,7 @@ def replay(policy: CommitPolicy, runs: list[list[dict]], machine: SimCost, flat:
             free = {k: from_dict(s["free"]) if s["free"] else DraftTree.root_only(drafted[k].tokens[0], confident=True)
                     for k, s in recs.items()}
             policy.last_draft_features = {}
-            plan = policy.plan(dict(generated), free, budget)
+            plan = policy.plan(dict(generated), free, budget.for_batch(batch))
             b = plan.budget
             own = {k: within_budget(drafted[k], b.grown_nodes, b.grown_depth, b.min_confidence) for k in plan.drafting}
             logged_depth = max((drafted[k].max_depth for k in plan.drafting), default=0)
