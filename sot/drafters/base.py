@@ -58,8 +58,8 @@ class TreeBudget:
         whole budget. In a batch every tree keeps to the predictor's limits: there the verify
         pass is compute-bound, rows cost in proportion, and a closed batch lasts as long as
         its slowest sequence; deeper free drafts ran at 0.93-0.97x the smaller budget with
-        ``auto`` at batch 4 and 16 in three runs (``docs/NOTEBOOK.md``, *Free drafts past
-        the predictor's depth*)."""
+        ``auto`` at batch 4 and 16 in three runs, within this machine's noise for batches but
+        never above it (``docs/NOTEBOOK.md``, *Free drafts past the predictor's depth*)."""
         if batch <= 1 or self.width > 0:
             return self
         return dataclasses.replace(self, max_nodes=self.grown_nodes, max_depth=self.grown_depth)
