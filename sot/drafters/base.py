@@ -39,8 +39,8 @@ class TreeBudget:
     sequence, whatever proposed it. The state predictor's own tree is bounded more tightly,
     by ``predictor_nodes`` and ``predictor_depth`` (each of its levels is a predictor pass);
     the free drafts (prompt lookup, suffix trees), which cost no model pass, may reach
-    ``max_depth`` on their own or merged into the predictor's tree, and the commit policy
-    prunes whatever does not pay for its verify rows. ``width > 0`` asks for a fixed shape
+    ``max_depth`` on their own or merged into the predictor's tree while one sequence decodes
+    (:meth:`for_batch`), and the commit policy prunes whatever does not pay for its verify rows. ``width > 0`` asks for a fixed shape
     instead of a confidence-grown tree: the best ``width`` nodes at every depth down to
     ``max_depth`` (drafters that only make chains ignore it). ``min_confidence``, when set,
     replaces the drafter's own floor: nodes whose cumulative draft probability is below it
