@@ -88,6 +88,20 @@ def blockify(model: torch.nn.Module, head: bool = False) -> torch.nn.Module:
     return model
 
 
+def random_blocks(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random exact GGUF blocks of an ``[n, k]`` weight: ``(d, low, q4, q8)``, the scales
+    ``[n, k / 32, 1]`` and minima (fp16 values), the 4-bit codes ``[n, k / 32, 32]`` (each
+    block spanning 0..15) and the 8-bit codes (each block reaching 127). A Q4_1 weight is
+    ``d * q4 + low``, a Q8_0 one ``d * q8``."""
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
+    low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
+    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q4[..., 0], q4[..., 1] = 0, 15
+    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q8[..., 0] = 127
+    return d, low, q4, q8
+
+
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Hugging Face ``generate(do_sample=False)`` continuation of ``prompt``."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)

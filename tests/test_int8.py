@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import RandomTreeDrafter, blockify, random_prompts, tiny_model
+from helpers import RandomTreeDrafter, blockify, random_blocks, random_prompts, tiny_model
 from sot.drafters import NoDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
@@ -51,12 +51,7 @@ def test_int8_products_follow_the_formula_row_by_row() -> None:
     kernel = _kernel()
     gen = torch.Generator().manual_seed(8)
     n, k = 100, 96
-    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
-    low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
-    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
-    q4[..., 0], q4[..., 1] = 0, 15
-    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
-    q8[..., 0] = 127
+    d, low, q4, q8 = random_blocks(n, k, gen)
     x = torch.randn(21, k, generator=gen)
     x[3] = 0.0  # an all-zero row: scale 0
     bias = torch.randn(n, generator=gen)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ARCHS, RandomTreeDrafter, blockify, clone, hf_greedy, random_prompts, tiny_model
+from helpers import ARCHS, RandomTreeDrafter, blockify, clone, hf_greedy, random_blocks, random_prompts, tiny_model
 from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.kernels import cpu_kernels
@@ -403,12 +403,7 @@ def test_bf16_block_products_are_row_stable_and_use_the_bf16_weights() -> None:
     kernel = cpu_kernels()
     gen = torch.Generator().manual_seed(4)
     n, k = 80, 96
-    scale = (torch.rand(n, k // 32, 1, generator=gen) * 0.02).half().float()
-    low = (-torch.rand(n, k // 32, 1, generator=gen) * 0.1).half().float()
-    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
-    q4[..., 0], q4[..., 1] = 0, 15
-    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
-    q8[..., 0] = 127
+    scale, low, q4, q8 = random_blocks(n, k, gen)
     x = torch.randn(21, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen)
     for w, dtype in (((scale * q4 + low).reshape(n, k), torch.uint8), ((scale * q8).reshape(n, k), torch.int8)):

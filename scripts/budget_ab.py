@@ -1,0 +1,128 @@
+"""Drafting settings side by side in one process: tree budgets and lookup n-gram sizes.
+
+Each variant is its own engine (its own suffix store and prefix cache) over one shared
+model file, all in bfloat16, greedy. With ``--batch 1`` every record is run as a conversation
+turn by turn (multi-turn sets) or as one prompt, the variants taking turns in an order that
+alternates per record; with ``--batch B`` the prompts of each round form one
+``generate_ids`` call at batch ``B`` and the variants take turns per round. Prints tokens/s,
+tau and the ratio to the first variant per turn (or per batch), and how many answers equal
+the first variant's.
+
+A variant is ``plain`` or ``DRAFTER:MAX_NODES:MAX_DEPTH[:NGRAM]`` (``NGRAM``: the longest
+n-gram prompt lookup tries), optionally followed by ``@label`` to run a setting twice.
+
+    python scripts/budget_ab.py --set code-edit-multiturn --variants plain,auto:16:8,auto:32:24
+    python scripts/budget_ab.py --set sharegpt-heldout --n 64 --batch 16 --rounds 4 \\
+        --variants plain,state:32:24:3,state:32:24:8
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+
+
+def make(variant: str):
+    from sot import SoT
+
+    spec = variant.split("@")[0]
+    if spec == "plain":
+        return SoT.load("default", drafter="none", dtype="bfloat16")
+    drafter, nodes, depth, *ngram = spec.split(":")
+    sot = SoT.load("default", drafter=drafter, dtype="bfloat16", max_nodes=int(nodes), max_depth=int(depth))
+    if ngram:
+        sot.engine.drafter.free.lookup.max_ngram = int(ngram[0])
+    return sot
+
+
+def conversations(sots: dict, records: list[dict], max_new: int) -> dict:
+    from sot.bench.conversations import turn_messages
+
+    variants = list(sots)
+    stat = defaultdict(lambda: [0, 0.0, 0, []])  # (variant, turn) -> tokens, seconds, steps, answers
+    for i, record in enumerate(records):
+        turns = record.get("turns") or [None]
+        order = variants if i % 2 == 0 else variants[::-1]
+        answers = {v: [] for v in variants}
+        for t, user in enumerate(turns):
+            for v in order:
+                sot = sots[v]
+                item = {"messages": turn_messages(record, answers[v])} if user is not None else record["prompt"]
+                ids = sot.encode(item)
+                t0 = time.perf_counter()
+                out = sot.generate_ids([ids], sot.params(max_new_tokens=max_new))[0]
+                st = stat[(v, t)]
+                st[0] += len(out.token_ids)
+                st[1] += time.perf_counter() - t0
+                st[2] += out.steps
+                st[3].append(out.token_ids)
+                answers[v].append(sot.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+        print(f"record {i + 1}/{len(records)}", file=sys.stderr, flush=True)
+    return stat
+
+
+def batches(sots: dict, records: list[dict], max_new: int, batch: int, rounds: int) -> dict:
+    variants = list(sots)
+    first = sots[variants[0]]
+    prompts = [first.encode(r["turns"][0] if r.get("turns") else r["prompt"]) for r in records]
+    stat = defaultdict(lambda: [0, 0.0, 0, []])
+    for r in range(rounds):
+        part = prompts[r * len(prompts) // rounds:(r + 1) * len(prompts) // rounds]
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            sot = sots[v]
+            t0 = time.perf_counter()
+            outs = sot.generate_ids(part, sot.params(max_new_tokens=max_new), batch_size=batch)
+            st = stat[(v, 0)]
+            st[1] += time.perf_counter() - t0
+            for out in outs:
+                st[0] += len(out.token_ids)
+                st[2] += out.steps
+                st[3].append(out.token_ids)
+    return stat
+
+
+def main() -> None:
+    from sot.bench.conversations import MULTITURN_SETS, load_conversations
+    from sot.bench.prompts import load_prompt_set
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", default="code-edit-multiturn")
+    ap.add_argument("--n", type=int, default=8, help="records (conversations or prompts)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2, help="with --batch > 1: calls per variant, each its own prompts")
+    ap.add_argument("--variants", default="plain,auto:16:8,auto:32:24")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    if len(set(variants)) != len(variants):
+        ap.error("a variant named twice: add @label to tell the copies apart")
+    sots = {v: make(v) for v in variants}
+    for sot in sots.values():  # untimed: kernels, the cost curve
+        sot.generate_ids([sot.encode("Hello")] * 2, sot.params(max_new_tokens=16), batch_size=2)
+    if args.set in MULTITURN_SETS:
+        records = load_conversations(args.set, args.n)
+    else:
+        records = load_prompt_set(args.set, limit=args.n)
+    if args.batch > 1:
+        stat = batches(sots, records, args.max_new_tokens, args.batch, args.rounds)
+    else:
+        stat = conversations(sots, records, args.max_new_tokens)
+    turns = sorted({t for _, t in stat})
+    for t in turns:
+        base = stat[(variants[0], t)]
+        cells = []
+        for v in variants:
+            tokens, seconds, steps, _ = stat[(v, t)]
+            ratio = (tokens / seconds) / (base[0] / base[1])
+            cells.append(f"{v} {tokens / seconds:6.1f} tok/s (tau {tokens / max(steps, 1):.2f}, x{ratio:.3f})")
+        where = f"batch {args.batch}" if args.batch > 1 else f"turn {t + 1}"
+        print(f"{args.set} {where}: " + "  ".join(cells))
+    same = {v: sum(a == b for t in turns for a, b in zip(stat[(v, t)][3], stat[(variants[0], t)][3]))
+            for v in variants}
+    total = sum(len(stat[(variants[0], t)][3]) for t in turns)
+    print("answers equal to the first variant's: " + ", ".join(f"{v} {n}/{total}" for v, n in same.items()))
+
+
+if __name__ == "__main__":
+    main()
