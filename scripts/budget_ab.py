@@ -9,7 +9,9 @@ tau and the ratio to the first variant per turn (or per batch), and how many ans
 the first variant's.
 
 A variant is ``plain`` or ``DRAFTER:MAX_NODES:MAX_DEPTH[:NGRAM]`` (``NGRAM``: the longest
-n-gram prompt lookup tries), optionally followed by ``@label`` to run a setting twice.
+n-gram prompt lookup tries), optionally followed by ``+eager`` (every row's logits computed
+with the verify pass, as before the LM head computed only the rows acceptance reads) and by
+``@label`` to run a setting twice.
 
     python scripts/budget_ab.py --set code-edit-multiturn --variants plain,auto:16:8,auto:32:24
     python scripts/budget_ab.py --set sharegpt-heldout --n 64 --batch 16 --rounds 4 \\
@@ -27,12 +29,16 @@ def make(variant: str):
     from sot import SoT
 
     spec = variant.split("@")[0]
+    spec, eager = spec.removesuffix("+eager"), spec.endswith("+eager")
     if spec == "plain":
-        return SoT.load("default", drafter="none", dtype="bfloat16")
-    drafter, nodes, depth, *ngram = spec.split(":")
-    sot = SoT.load("default", drafter=drafter, dtype="bfloat16", max_nodes=int(nodes), max_depth=int(depth))
-    if ngram:
-        sot.engine.drafter.free.lookup.max_ngram = int(ngram[0])
+        sot = SoT.load("default", drafter="none", dtype="bfloat16")
+    else:
+        drafter, nodes, depth, *ngram = spec.split(":")
+        sot = SoT.load("default", drafter=drafter, dtype="bfloat16", max_nodes=int(nodes), max_depth=int(depth))
+        if ngram:
+            sot.engine.drafter.free.lookup.max_ngram = int(ngram[0])
+    if eager:  # every row's logits computed with the pass
+        sot.engine.target.lazy_head = False
     return sot
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sot.sampling import SamplingParams, draw, gumbel_noise, processed_logits, target_probs
+from sot.sampling import SamplingParams, draw, gumbel_noise, processed_logits, row_argmax, target_probs
 from sot.tree import DraftTree
 
 
@@ -50,7 +50,7 @@ def _walk(tree: DraftTree, choose: "callable") -> Acceptance:
         node = child
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | None = None) -> Acceptance:
+def accept_greedy(tree: DraftTree, logits: torch.Tensor | None, argmax: list[int] | None = None) -> Acceptance:
     """Longest path whose tokens equal the target argmax, plus the argmax after it.
 
     Args:
@@ -64,7 +64,7 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | Non
 
     def choose(node: int, children: list[int]) -> tuple[int | None, int]:
         # (without the argmax taken already, only the walked nodes' rows are read)
-        want = argmax[node] if argmax is not None else int(logits[node : node + 1].argmax())
+        want = argmax[node] if argmax is not None else int(row_argmax(logits[node : node + 1]))
         for c in children:
             if tree.tokens[c] == want:
                 return c, want

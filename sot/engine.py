@@ -497,6 +497,7 @@ class Engine:
         t3 = time.perf_counter()
         out = self._drafter_view(full)
         accepted = accept_all(seqs, batch.trees, out, self._cache, self.trace)
+        head = full.head_seconds  # (the LM head of the rows the walks read, computed in accept_all)
         if full.states is not None and self.prefix_cache is not None:  # kept for the prefix cache
             for b, (seq, acc) in enumerate(zip(seqs, accepted)):
                 if seq.history is not None:
@@ -507,19 +508,19 @@ class Engine:
             trees={s.id: t for s, t in zip(seqs, batch.trees)},
             paths={s.id: a.path for s, a in zip(seqs, accepted)},
             draft_seconds=t1 - t0, draft_passes=self.drafter.passes - passes,
-            verify_seconds=t3 - t2, rows=batch.rows,
+            verify_seconds=t3 - t2 + head, rows=batch.rows,
         ))
         events = self._commit_all(seqs, batch.trees, accepted)
         t4 = time.perf_counter()
         speculative = bool(plan.drafting) or any(t.size > 1 for t in batch.trees)
         self.policy.observe_wall(len(seqs), sum(len(a.tokens) for a in accepted), t4 - t0, speculative)
         self.times.draft += t1 - t0
-        self.times.verify += t3 - t2
-        self.times.bookkeeping += (t2 - t1) + (t4 - t3)
+        self.times.verify += t3 - t2 + head
+        self.times.bookkeeping += (t2 - t1) + (t4 - t3 - head)
         if self.record_steps:
             record_step(seqs, batch, [a.path for a in accepted], events, out, self._proposed,
                         self.policy.expected_tokens, self.drafter.predicted_states,
-                        (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3)))
+                        (t1 - t0, t3 - t2 + head, (t2 - t1) + (t4 - t3 - head)))
             self._proposed = {}
         return events
 
@@ -528,7 +529,7 @@ class Engine:
         """``out`` with only the drafter's state layers (the target may return more)."""
         if self._pick is None or out.states is None:
             return out
-        return ForwardOutput(out.logits, out.states.index_select(-2, self._pick.to(out.states.device)), out.offsets)
+        return out.with_states(out.states.index_select(-2, self._pick.to(out.states.device)))
 
     def _draft_input(self, seq: LiveRequest, states: torch.Tensor | None) -> DraftInput:
         return DraftInput(seq.id, seq.context, states, seq.result.index, seq.tenant,

@@ -160,3 +160,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     vals, idx = lp.topk(min(top, lp.shape[-1]), dim=-1)
     return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, idx.tolist(), vals.tolist())]
 
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V]`` -> the index of each row's largest value (the first on ties), the
+    same as ``argmax`` on the logits' own dtype; bfloat16 rows are compared in float32 (exact),
+    where PyTorch's CPU argmax is vectorized (about 4x faster at a 49k vocabulary)."""
+    return (logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits).argmax(dim=-1)

@@ -8,7 +8,7 @@ import torch
 from sot.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection
 from sot.cache import KVCache
 from sot.logit_rules import AdjustedRows, adjusts
-from sot.models.adapter import ForwardOutput
+from sot.models.adapter import ForwardOutput, TreeRows
 from sot.requests import LiveRequest, SequenceResult
 from sot.sampling import SamplingMode, SamplingParams, token_logprobs
 from sot.tree import DraftTree
@@ -43,21 +43,26 @@ def accept_tree(sampling: SamplingParams, index: int, generator: torch.Generator
 
 def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutput, cache: KVCache,
                trace: bool = False) -> list[Acceptance]:
-    """Accept each sequence's tree against its logits rows (``out.seq_logits(b)``: ``[T, V]``);
+    """Accept each sequence's tree against its logits rows (``out.seq_logits(b)``: ``[T, V]``;
+    where the pass left them to compute, only the rows the walks read are computed);
     the cache keeps the accepted rows, and the target states of each accepted path
     (``out.seq_states(b)[path]``: ``[n, S, D]``) wait in the sequence (``add_states``) for the drafter. With
     ``trace``, each committed token's logits row joins its result's ``logit_trace``."""
     lengths = cache.lengths
     accepted, keep = [], []
-    # greedy sequences: every row's argmax in one call (a call per sequence costs more than
-    # the arithmetic at batch 16); the same values, so the same tokens
+    # greedy sequences: the argmax of the rows their walks reach, in one call per round of
+    # the walks (a call per sequence costs more than the arithmetic at batch 16); the same
+    # values, so the same tokens
     rules = [adjusts(s.params) for s in seqs]
     plain_greedy = [s.params.sampling.greedy and not r for s, r in zip(seqs, rules)]
-    greedy = _argmax_rows(out) if any(plain_greedy) else None
+    views = [TreeRows(out, b, tree) for b, tree in enumerate(trees)]
+    if out.lazy:  # every tree's most confident chain in one call of the head: most walks read no other row
+        out.prefetch([v.start + n for v in views for n in v.chain(0)])
+    greedy = greedy_walks(out, trees, [b for b, g in enumerate(plain_greedy) if g])
     for b, (seq, tree) in enumerate(zip(seqs, trees)):
-        logits = out.seq_logits(b)
-        if greedy is not None and plain_greedy[b]:
-            acc = accept_greedy(tree, logits, greedy[b])
+        logits = views[b]  # node i's row: logits[i : i + 1]
+        if plain_greedy[b]:
+            acc = accept_greedy(tree, None, greedy[b])
         elif rules[b]:  # each walked node's row adjusted for its own context
             scores = AdjustedRows(logits, tree, seq)
             try:
@@ -71,18 +76,43 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
         if out.states is not None:
             new = out.seq_states(b)[acc.path]
             seq.add_states(new)
-        if trace:
-            seq.result.logit_trace.extend(logits[i].clone() for i in acc.path)
-        if seq.params.logprobs is not None:  # (commit keeps those of the tokens it takes)
-            seq.result.logprobs.extend(token_logprobs(logits[acc.path], acc.tokens, seq.params.logprobs))
+        if trace or seq.params.logprobs is not None:
+            start = out.seq_start(b)
+            rows = out.rows([start + i for i in acc.path])  # [n, V] the walked rows
+            if trace:
+                seq.result.logit_trace.extend(r.clone() for r in rows)
+            if seq.params.logprobs is not None:  # (commit keeps those of the tokens it takes)
+                seq.result.logprobs.extend(token_logprobs(rows, acc.tokens, seq.params.logprobs))
     cache.narrow(len(seqs)).keep_rows(keep)
     return accepted
 
 
-def _argmax_rows(out: ForwardOutput) -> list[list[int]]:
-    """Per sequence ``b``, the argmax of each of its logits rows (``out.seq_logits(b)``)."""
-    ids = out.logits.argmax(dim=-1)  # [R] flat or [B, T] padded
-    if out.offsets is None:
-        return ids.tolist()
-    flat = ids.tolist()
-    return [flat[out.offsets[b]:out.offsets[b + 1]] for b in range(len(out.offsets) - 1)]
+def greedy_walks(out: ForwardOutput, trees: list[DraftTree], which: list[int]) -> dict[int, list[int]]:
+    """For each sequence ``b`` in ``which``: the argmax of its tree's rows, ``[T_b]`` with
+    ``-1`` for the rows its greedy walk does not reach (:func:`accept_greedy` reads only
+    those it reaches). Where the pass left its logits to compute on demand, each round
+    computes, for every walk still open, the rows of the most confident chain below the node
+    it stands on; a walk that turns into another branch opens that branch's chain next round.
+    A tree whose walk follows its most confident chain costs one round."""
+    known = {b: [-1] * trees[b].size for b in which}
+    views = {b: TreeRows(out, b, trees[b]) for b in which}
+    kids = {b: trees[b].children() for b in which}
+    pending = {b: 0 for b in which}  # the node whose row each open walk needs next
+    while pending:
+        wanted = [(b, n) for b, node in pending.items() for n in views[b].chain(node)]  # (sequence, node)
+        ids = out.argmax_rows([out.seq_start(b) + n for b, n in wanted])
+        for (b, n), i in zip(wanted, ids):
+            known[b][n] = i
+        pending = {}
+        for b in which:  # walk again: does it end, or reach a row not computed yet?
+            tree, node = trees[b], 0
+            while True:
+                want = known[b][node]
+                if want < 0:
+                    pending[b] = node
+                    break
+                child = next((c for c in kids[b][node] if tree.tokens[c] == want), None)
+                if child is None:
+                    break
+                node = child
+    return known

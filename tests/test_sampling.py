@@ -30,24 +30,92 @@ def test_greedy_keeps_exactly_the_argmax_prefix() -> None:
     assert acc.path == [0, 2, 3] and acc.tokens == [3, 1, 4]
 
 
-def test_batched_argmax_rows_give_each_sequence_its_own_greedy_path() -> None:
-    """accept_all takes every row's argmax in one call; each sequence's slice of it must walk
-    its tree exactly as its own logits do, flat-packed or padded."""
+def test_greedy_walks_give_each_sequence_its_own_greedy_path() -> None:
+    """accept_all takes the argmax of the rows the walks reach, batched over sequences, and
+    with logits left to compute (a head over hidden states) computes only those rows; each
+    sequence must walk its tree exactly as its own full logits do, flat-packed or padded."""
     from sot.models.adapter import ForwardOutput
-    from sot.verify import _argmax_rows
+    from sot.verify import greedy_walks
 
-    trees = [tree_from_parents([9, 2, 3, 1], [-1, 0, 0, 2]), tree_from_parents([5, 0, 1], [-1, 0, 1])]
-    rows = _logits(8, 6, seed=3)
-    for start, tree in zip((0, 4), trees):  # each root row's argmax is its first child: paths go past the root
-        rows[start, tree.tokens[1]] = 50.0
-    flat = ForwardOutput(rows, None, (0, 4, 7))
-    padded = ForwardOutput(torch.stack([rows[0:4], torch.cat([rows[4:7], rows[7:8]])]), None)
-    for out in (flat, padded):
-        ids = _argmax_rows(out)
+    # tree 0: the root's most confident child is node 1, but the target takes node 2's branch
+    trees = [tree_from_parents([9, 2, 3, 1, 4], [-1, 0, 0, 2, 1], [1.0, 0.9, 0.1, 0.1, 0.8]),
+             tree_from_parents([5, 0, 1], [-1, 0, 1])]
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(8, 6, generator=gen)
+    weight = torch.eye(6) + 0.01 * torch.randn(6, 6, generator=gen)  # (row k of the head: token k)
+    hidden[0] = weight[3] * 4  # each root row's argmax is a child: the paths go past the root
+    hidden[5] = weight[0] * 4
+    hidden[2] = weight[1] * 4  # node 2 -> its child node 3
+    calls: list[int] = []
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return h @ weight.T
+
+    rows = hidden @ weight.T
+    padded_hidden = torch.stack([hidden[0:5], torch.cat([hidden[5:8], hidden[7:8], hidden[7:8]])])
+    outs = {
+        "flat": ForwardOutput(rows, None, (0, 5, 8)),
+        "padded": ForwardOutput(padded_hidden @ weight.T, None),
+        "lazy flat": ForwardOutput(None, None, (0, 5, 8), hidden=hidden, head=head),
+        "lazy padded": ForwardOutput(None, None, hidden=padded_hidden, head=head),
+    }
+    alone = [accept_greedy(tree, out_rows) for tree, out_rows in zip(trees, (rows[0:5], rows[5:8]))]
+    assert alone[0].path == [0, 2, 3] and len(alone[1].path) > 1
+    for name, out in outs.items():
+        calls.clear()
+        ids = greedy_walks(out, trees, [0, 1])
         for b, tree in enumerate(trees):
-            alone = accept_greedy(tree, out.seq_logits(b))
-            assert accept_greedy(tree, out.seq_logits(b), ids[b]) == alone
-    assert len(accept_greedy(trees[0], flat.seq_logits(0), _argmax_rows(flat)[0]).path) > 1
+            assert accept_greedy(tree, None, ids[b]) == alone[b], name
+        if out.lazy:
+            # round 1: the confident chains (0, 1, 4 and all of tree 1); round 2: node 2's branch
+            assert calls == [6, 2], name
+            assert out.head_rows == 8 and out.lazy, name
+            assert torch.equal(out.seq_logits(0), rows[0:5]), name  # a sequence's rows on demand
+            assert torch.equal(out.logits.reshape(-1, 6)[: 5], rows[:5]), name
+            assert not out.lazy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_head_computes_only_the_rows_the_walks_read(dtype: torch.dtype) -> None:
+    """Verify passes leave the LM head to the acceptance walks: greedy, rejection-sampled and
+    coupled walks, alone and in a batch, commit the same tokens with the same logits rows as
+    passes that compute every row, and the head computes fewer rows than the passes hold."""
+    model = tiny_model("llama", seed=4)
+    target = TargetModel(clone(model, dtype))
+    assert target.lazy_head, "SoT's CPU forward leaves the head to the walks"
+    prompts = random_prompts((9, 33, 17), seed=8)
+    settings = [GenerationParams(max_new_tokens=24),
+                GenerationParams(max_new_tokens=24, sampling=SamplingParams(temperature=0.9, seed=5)),
+                GenerationParams(max_new_tokens=24, logprobs=2, sampling=SamplingParams(
+                    temperature=1.0, top_p=0.9, seed=6, mode=SamplingMode.COUPLED))]
+    passes: list = []
+    verify = target.verify
+
+    def watched(*args):
+        out = verify(*args)
+        passes.append(out)
+        return out
+
+    target.verify = watched
+    for params in settings:
+        plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+        runs = {}
+        for lazy in (True, False):
+            target.lazy_head = lazy
+            passes.clear()
+            drafter = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8, seed=2)
+            results = Engine(target, drafter, TreeBudget(16, 6), trace=True).generate(prompts, params, batch_size=3)
+            runs[lazy] = results
+            assert [r.token_ids for r in results] == plain
+            if lazy:
+                rows = sum(out.offsets[-1] for out in passes if out.offsets is not None)
+                assert 0 < sum(out.head_rows for out in passes) < rows
+                assert all(out.head_rows >= 0 for out in passes)
+        for a, b in zip(runs[True], runs[False]):
+            assert len(a.logit_trace) == len(b.logit_trace)
+            assert all(torch.equal(x, y) for x, y in zip(a.logit_trace, b.logit_trace))
+            assert a.logprobs == b.logprobs
 
 
 def test_greedy_rejects_everything_when_no_child_matches() -> None:

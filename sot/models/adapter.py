@@ -14,7 +14,8 @@ import importlib.util
 import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from time import perf_counter
 from typing import Callable, Iterator
 
 import torch
@@ -31,7 +32,8 @@ from sot.models.rows import ROW_UNIT
 from sot.models.support import unsupported_reason
 from sot.packing import pack_trees
 from sot.prefix_cache import PREFILL_CHUNK
-from sot.tree import chain_tree
+from sot.sampling import row_argmax
+from sot.tree import DraftTree, chain_tree
 
 ATTN_NAME = "sot"
 
@@ -166,28 +168,199 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_NAME, sot_attention)
 
 
-@dataclass(frozen=True)
 class ForwardOutput:
     """Logits and chosen hidden states of one forward.
 
+    The logits of a verify pass may be left to compute on demand (``hidden`` and ``head``):
+    most of a tree's rows are rejected, and the LM head over a large vocabulary is a good part
+    of a row's cost. A row's logits have the same bits whichever rows are computed with it
+    (the head's products are row-stable), so reading only the rows an acceptance walks
+    (:meth:`argmax_rows`, :meth:`seq_logits`) changes no result.
+
     Attributes:
-        logits: ``[B, T, V]`` in the model dtype, or ``[R, V]`` for a flat-packed pass.
+        logits: ``[B, T, V]`` in the model dtype, or ``[R, V]`` for a flat-packed pass (with a
+            head left to compute, every row is computed on first access).
         states: ``[B, T, S, D]`` hidden states of the ``S`` requested layers (``[R, S, D]``
             flat), or ``None``.
         offsets: for a flat-packed pass, sequence ``b``'s rows are ``offsets[b] .. offsets[b + 1]``.
     """
 
-    logits: torch.Tensor
-    states: torch.Tensor | None
-    offsets: tuple[int, ...] | None = None
+    def __init__(self, logits: torch.Tensor | None = None, states: torch.Tensor | None = None,
+                 offsets: tuple[int, ...] | None = None, hidden: torch.Tensor | None = None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``hidden`` ``[B, T, D]`` or ``[R, D]`` (flat): the final normed states, whose logits
+        ``head`` computes (``[n, D] -> [n, V]``) where ``logits`` is not given."""
+        if logits is None and (hidden is None or head is None):
+            raise ValueError("a forward output needs its logits, or the hidden states and the head that gives them")
+        self._rows = _LogitRows(logits, hidden, head)
+        self.states = states
+        self.offsets = offsets
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self._rows.all()
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the logits are computed on demand and not all have been yet."""
+        return self._rows.logits is None
+
+    @property
+    def head_rows(self) -> int:
+        """Rows the LM head computed so far, when on demand (``-1``: computed with the pass)."""
+        return self._rows.computed
+
+    @property
+    def head_seconds(self) -> float:
+        """Wall time of the LM head's calls on demand so far (0 when computed with the pass)."""
+        return self._rows.seconds
+
+    def with_states(self, states: torch.Tensor | None) -> "ForwardOutput":
+        """The same pass (its logits shared, computed once) with other ``states``."""
+        out = ForwardOutput.__new__(ForwardOutput)
+        out._rows, out.states, out.offsets = self._rows, states, self.offsets
+        return out
+
+    def seq_start(self, b: int) -> int:
+        """Index of sequence ``b``'s first row among the pass's rows (flattened ``[B * T]`` when
+        padded)."""
+        if self.offsets is not None:
+            return self.offsets[b]
+        return b * self._rows.rows_per_seq()
 
     def seq_logits(self, b: int) -> torch.Tensor:
         """``[T_b, V]`` the logits rows of sequence ``b`` (its tree's nodes first)."""
-        return self.logits[b] if self.offsets is None else self.logits[self.offsets[b] : self.offsets[b + 1]]
+        if not self.lazy:
+            logits = self.logits
+            return logits[b] if self.offsets is None else logits[self.offsets[b] : self.offsets[b + 1]]
+        end = self.offsets[b + 1] if self.offsets is not None else self.seq_start(b + 1)
+        return self._rows.span(self.seq_start(b), end)
+
+    def argmax_rows(self, rows: list[int]) -> list[int]:
+        """The argmax of each of ``rows`` (indices into the pass's rows, see :meth:`seq_start`),
+        computing only those rows' logits where they are not computed yet."""
+        return self._rows.argmax(rows)
+
+    def prefetch(self, rows: list[int]) -> None:
+        """Compute the logits of ``rows`` now, in one call of the head, where the pass left
+        them to compute (a no-op otherwise)."""
+        self._rows.ensure(rows)
+
+    def rows(self, rows: list[int]) -> torch.Tensor:
+        """``[n, V]`` the logits of ``rows`` (indices into the pass's rows, see :meth:`seq_start`),
+        computing only those where the pass left them to compute."""
+        return self._rows.pick(rows)
 
     def seq_states(self, b: int) -> torch.Tensor:
         """``[T_b, S, D]`` the requested states of sequence ``b``'s rows."""
         return self.states[b] if self.offsets is None else self.states[self.offsets[b] : self.offsets[b + 1]]
+
+
+class _LogitRows:
+    """A pass's logits, given whole or computed from the final hidden states on demand (each
+    row once, kept with its argmax)."""
+
+    def __init__(self, logits: torch.Tensor | None, hidden: torch.Tensor | None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.logits = logits
+        self.hidden = hidden
+        self.head = head
+        self.computed = -1 if logits is not None else 0
+        self.seconds = 0.0
+        self._row: dict[int, torch.Tensor] = {}  # flat row -> its logits [V]
+        self._argmax: dict[int, int] = {}
+
+    def rows_per_seq(self) -> int:
+        source = self.logits if self.logits is not None else self.hidden
+        return source.shape[1] if source.dim() == 3 else source.shape[0]
+
+    def _flat(self) -> torch.Tensor:
+        return self.logits.reshape(-1, self.logits.shape[-1])
+
+    def ensure(self, rows: list[int]) -> None:
+        """Compute the rows among ``rows`` not computed yet, in one call of the head."""
+        if self.logits is not None:
+            return
+        missing = sorted({r for r in rows if r not in self._row})
+        if not missing:
+            return
+        t0 = perf_counter()
+        hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
+        block = self.head(hidden[torch.tensor(missing, dtype=torch.long, device=hidden.device)])  # [n, V]
+        self.seconds += perf_counter() - t0
+        self.computed += len(missing)
+        self._row.update(zip(missing, block))
+        self._argmax.update(zip(missing, row_argmax(block).tolist()))
+
+    def all(self) -> torch.Tensor:
+        if self.logits is None:
+            t0 = perf_counter()
+            hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
+            self.computed += hidden.shape[0]
+            self.logits = self.head(hidden).view(*self.hidden.shape[:-1], -1)
+            self.seconds += perf_counter() - t0
+            self._row.clear()
+        return self.logits
+
+    def span(self, start: int, end: int) -> torch.Tensor:
+        if self.logits is not None:
+            return self._flat()[start:end]
+        return self.pick(list(range(start, end)))
+
+    def pick(self, rows: list[int]) -> torch.Tensor:
+        if self.logits is not None:
+            return self._flat()[rows]
+        self.ensure(rows)
+        return torch.stack([self._row[r] for r in rows]) if rows else self.hidden.new_empty(0, 0)
+
+    def argmax(self, rows: list[int]) -> list[int]:
+        if self.logits is not None:
+            missing = sorted({r for r in rows if r not in self._argmax})
+            if missing:
+                self._argmax.update(zip(missing, row_argmax(self._flat()[missing]).tolist()))
+        else:
+            self.ensure(rows)
+        return [self._argmax[r] for r in rows]
+
+
+class TreeRows:
+    """The logits rows of one sequence's tree in a pass, for an acceptance walk: ``rows[i]``
+    (``[V]``) or ``rows[i : i + 1]`` (``[1, V]``) is node ``i``'s row. Where the pass left its
+    logits to compute, a row not computed yet is computed with the rest of the most confident
+    chain below it (the rows a walk that reached it goes on to read, most likely)."""
+
+    def __init__(self, out: ForwardOutput, b: int, tree: DraftTree) -> None:
+        self.out, self.tree, self.start = out, tree, out.seq_start(b)
+        self._kids: list[list[int]] | None = None
+
+    def chain(self, node: int) -> list[int]:
+        """``node`` and the most confident chain of its descendants."""
+        if self._kids is None:
+            self._kids = self.tree.children()
+        conf = self.tree.confidences()
+        chain = [node]
+        while self._kids[node]:
+            node = max(self._kids[node], key=lambda c: conf[c])
+            chain.append(node)
+        return chain
+
+    def dim(self) -> int:
+        return 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, V)``: the tree's nodes, the vocabulary."""
+        return self.tree.size, self[0].shape[-1]
+
+    def __getitem__(self, key: int | slice) -> torch.Tensor:
+        if isinstance(key, slice):
+            if key.step not in (None, 1) or key.stop != key.start + 1:
+                raise IndexError("tree rows are read one node at a time")
+            return self[key.start][None]
+        node = int(key)
+        if self.out.lazy:
+            self.out.prefetch([self.start + n for n in self.chain(node)])
+        return self.out.rows([self.start + node])[0]
 
 
 def longrope_limit(config: object) -> int | None:
@@ -261,6 +434,10 @@ class TargetModel:
             if self.int8 and not self.fast.int8_products:
                 warnings.warn("--dtype int8 multiplies weights in blocks of 32 inputs; no weight of this model has a "
                               "multiple of 32 inputs, so its products run in float32", RuntimeWarning, stacklevel=2)
+        #: verify passes leave each row's logits to be computed when read (:class:`ForwardOutput`):
+        #: SoT's CPU forward, whose LM head is row-stable; ``SOT_EAGER_HEAD=1`` computes every row
+        self.lazy_head = (self.fast is not None and self.device.type == "cpu"
+                          and os.environ.get("SOT_EAGER_HEAD") != "1")
         #: a verify pass's rows per sequence must be a multiple of this
         self.row_multiple = self.fast.row_multiple if self.fast is not None else ROW_UNIT
         #: the CUDA graphs of verify passes, or ``None`` (not on a GPU, or turned off)
@@ -299,10 +476,14 @@ class TargetModel:
              last_row: int | None = None) -> ForwardOutput:
         """One verify forward; with ``last_row``, only that row's logits (``[1, V]``)."""
         if self.fast is not None:
-            logits, states = self.fast.forward(input_ids, positions, context.cache, context.layout, self.state_layers,
-                                               last_row)
+            lazy = self.lazy_head and last_row is None
+            out, states = self.fast.forward(input_ids, positions, context.cache, context.layout, self.state_layers,
+                                            last_row, head=not lazy)
             flat = self.fast.flattens(context.layout, context.cache)
-            return ForwardOutput(logits=logits, states=states, offsets=context.layout.flat_offsets if flat else None)
+            offsets = context.layout.flat_offsets if flat else None
+            if lazy:
+                return ForwardOutput(states=states, offsets=offsets, hidden=out, head=self.fast.logits)
+            return ForwardOutput(logits=out, states=states, offsets=offsets)
         want_states = bool(self.state_layers)
         out = self.model(
             input_ids=input_ids,
@@ -367,7 +548,7 @@ class TargetModel:
             out = self.graphs.run(lambda i, p, lay: self._run(i, p, ForwardContext(cache, lay)), cache, input_ids,
                                   positions, layout)
             if out is not None:
-                return out if last_row is None else replace(out, logits=out.logits[0, last_row:last_row + 1])
+                return out if last_row is None else ForwardOutput(out.logits[0, last_row:last_row + 1], out.states)
         return self._run(input_ids.to(self.device), positions.to(self.device), ForwardContext(cache, layout),
                          last_row)
 

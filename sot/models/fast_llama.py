@@ -181,12 +181,15 @@ class FastLlama:
         layout: TreeLayout,
         state_layers: tuple[int, ...],
         last_row: int | None = None,
+        head: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_ids, positions [B, T]`` -> logits ``[B, T, V]`` and states ``[B, T, S, D]``;
         flat-packed (:meth:`flattens`): logits ``[R, V]`` and states ``[R, S, D]`` of the real
-        rows. With ``last_row`` (one sequence), only that row's logits: ``[1, V]``."""
+        rows. With ``last_row`` (one sequence), only that row's logits: ``[1, V]``. With
+        ``head=False``, the final normed states (``[B, T, D]``, ``[R, D]``) in place of the
+        logits, for :meth:`logits` to compute the rows that are read."""
         if self.flattens(layout, cache):
-            return self._forward_flat(input_ids, positions, cache, layout, state_layers, last_row)
+            return self._forward_flat(input_ids, positions, cache, layout, state_layers, last_row, head)
         batch, rows = input_ids.shape
         h = F.embedding(input_ids, self.embed)  # [B, T, D]
         cos3, sin3 = self.rotary(h, positions)  # [B, T, hd]
@@ -224,10 +227,17 @@ class FastLlama:
             states.append(h)
         if last_row is not None:
             h = h[:1, last_row:last_row + 1]
+        stacked = torch.stack(states, dim=2) if state_layers else None
+        if not head:
+            return h, stacked
         logits = self.lm_head(h.reshape(-1, h.shape[-1]), True)
         logits = logits if last_row is not None else logits.view(batch, rows, -1)
-        stacked = torch.stack(states, dim=2) if state_layers else None
         return logits, stacked
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [n, D]`` final normed states -> logits ``[n, V]``, each row's bits the same
+        whichever rows share the call."""
+        return self.lm_head(h, True)
 
     def _run_compiled(
         self, h: torch.Tensor, cos3: torch.Tensor, sin3: torch.Tensor, cache, layout: TreeLayout,
@@ -243,7 +253,7 @@ class FastLlama:
 
     def _forward_flat(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache, layout: TreeLayout,
-        state_layers: tuple[int, ...], last_row: int | None = None,
+        state_layers: tuple[int, ...], last_row: int | None = None, head: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The products over the ``R`` rows of ``layout.flat_index`` only; attention (rope, the
         K/V writes and the kernel) on the ``[B, T]`` grid, whose padding rows stay zero and
@@ -279,6 +289,8 @@ class FastLlama:
         h, _ = self._add_rms(h, delta, self.norm)
         if len(self.layers) in state_layers:  # the last layer's state is the normed one, as transformers returns it
             states.append(h)
-        logits = self.lm_head(h[last_row:last_row + 1] if last_row is not None else h, True)[:real]
         stacked = torch.stack(states, dim=1)[:real] if state_layers else None
+        if not head:
+            return (h[last_row:last_row + 1] if last_row is not None else h[:real]), stacked
+        logits = self.lm_head(h[last_row:last_row + 1] if last_row is not None else h, True)[:real]
         return logits, stacked

@@ -26,7 +26,6 @@ turns them off for the model with a warning (every pass then runs eagerly, as be
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -130,8 +129,7 @@ class VerifyGraphs:
         entry.graph.replay()
         self.replays += 1
         out = entry.out
-        return dataclasses.replace(out, logits=out.logits.clone(),
-                                   states=None if out.states is None else out.states.clone())
+        return type(out)(out.logits.clone(), None if out.states is None else out.states.clone(), out.offsets)
 
     @staticmethod
     def _load(entry: _Graph, input_ids: torch.Tensor, positions: torch.Tensor, layout: TreeLayout) -> None:

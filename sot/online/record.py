@@ -163,7 +163,7 @@ class NodeRecorder:
             rec.states.append(drafter)
             if final is not None:
                 rec.final.append(final)
-            top_i, top_v = top_distribution(out.seq_logits(b)[path], self.top_k)
+            top_i, top_v = top_distribution(out.rows([out.seq_start(b) + i for i in path]), self.top_k)
             rec.ids.append(top_i.cpu())
             rec.logp.append(top_v.cpu())
             rec.tokens.extend(tree.tokens[i] for i in path)  # the root sits at root_pos

@@ -83,10 +83,13 @@ class CostModel:
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
         after a ``context``-token prefill (less where the model's context is shorter): one
         warm-up round, then ``repeats`` rounds in which every size takes its turn; each size
-        keeps its fastest pass. In a batch, a pass over ``B`` sequences of ``n`` rows is costed
-        as ``verify(B * n)``. ``sizes``: the row counts to time (default 1, 2, 4, 8, 12, 16, 24,
-        32, 48, 64 up to ``max_rows``, and ``max_rows``, plus the first row count past each
-        multiple of 16); the others are interpolated."""
+        keeps its fastest pass. Every row's logits are computed in the timed pass, also where
+        a pass leaves them to compute when read: a step reads fewer (the rows its walk reaches),
+        so the curve stays an upper bound, and a deep accepted chain reads most of its rows. In
+        a batch, a pass over ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``.
+        ``sizes``: the row counts to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to
+        ``max_rows``, and ``max_rows``, plus the first row count past each multiple of 16); the
+        others are interpolated."""
         from tqdm import tqdm
 
         from sot.attention import build_tree_layout
@@ -126,7 +129,7 @@ class CostModel:
             for n, (ids, pos, layout) in zip(sizes, passes):
                 target.synchronize()
                 t0 = time.perf_counter()
-                target.verify(cache, ids, pos, layout)
+                target.verify(cache, ids, pos, layout).logits  # (every row's: see the docstring)
                 target.synchronize()
                 if round_ > 0:
                     timings[n] = min(timings[n], time.perf_counter() - t0)
