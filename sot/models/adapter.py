@@ -66,6 +66,8 @@ class RowStableLinear(torch.nn.Linear):
     """``nn.Linear`` whose output rows do not depend on the other rows in the call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # (no row: a verify pass whose logits are computed later)
+            return x.new_empty(*x.shape[:-1], self.out_features)
         flat = x.reshape(-1, x.shape[-1])  # (outside verify passes: SoT's kernel where it runs, else F.linear)
         return _packed(self, lambda: self.weight)(flat, stable=_row_stable.get()).view(*x.shape[:-1], -1)
 
@@ -166,6 +168,13 @@ def register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, sot_attention)
+
+
+#: model types whose causal LM computes its logits as ``lm_head(final states)``, then at most
+#: Gemma 2's final soft cap (their transformers forwards, read for this): on the CPU their verify
+#: passes leave the head to compute the rows acceptance reads
+LAZY_HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+                                "gpt2", "gpt_neox"})
 
 
 class ForwardOutput:
@@ -286,7 +295,8 @@ class _LogitRows:
             return
         t0 = perf_counter()
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
-        block = self.head(hidden[torch.tensor(missing, dtype=torch.long, device=hidden.device)])  # [n, V]
+        with torch.inference_mode():
+            block = self.head(hidden[torch.tensor(missing, dtype=torch.long, device=hidden.device)])  # [n, V]
         self.seconds += perf_counter() - t0
         self.computed += len(missing)
         self._row.update(zip(missing, block))
@@ -297,7 +307,8 @@ class _LogitRows:
             t0 = perf_counter()
             hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
             self.computed += hidden.shape[0]
-            self.logits = self.head(hidden).view(*self.hidden.shape[:-1], -1)
+            with torch.inference_mode():
+                self.logits = self.head(hidden).view(*self.hidden.shape[:-1], -1)
             self.seconds += perf_counter() - t0
             self._row.clear()
         return self.logits
@@ -434,10 +445,15 @@ class TargetModel:
             if self.int8 and not self.fast.int8_products:
                 warnings.warn("--dtype int8 multiplies weights in blocks of 32 inputs; no weight of this model has a "
                               "multiple of 32 inputs, so its products run in float32", RuntimeWarning, stacklevel=2)
+        #: the LM head's module and its final-logit soft cap (Gemma 2), for logits computed on demand
+        self._head = model.get_output_embeddings()
+        self._softcap = getattr(text, "final_logit_softcapping", None)
         #: verify passes leave each row's logits to be computed when read (:class:`ForwardOutput`):
-        #: SoT's CPU forward, whose LM head is row-stable; ``SOT_EAGER_HEAD=1`` computes every row
-        self.lazy_head = (self.fast is not None and self.device.type == "cpu"
-                          and os.environ.get("SOT_EAGER_HEAD") != "1")
+        #: on the CPU, through SoT's forward or a family whose head is a row-stable linear product
+        #: (and Gemma's soft cap, element by element); ``SOT_EAGER_HEAD=1`` computes every row
+        self.lazy_head = (self.device.type == "cpu" and os.environ.get("SOT_EAGER_HEAD") != "1"
+                          and (self.fast is not None or (getattr(config, "model_type", "") in LAZY_HEAD_FAMILIES
+                                                         and isinstance(self._head, RowStableLinear))))
         #: a verify pass's rows per sequence must be a multiple of this
         self.row_multiple = self.fast.row_multiple if self.fast is not None else ROW_UNIT
         #: the CUDA graphs of verify passes, or ``None`` (not on a GPU, or turned off)
@@ -485,18 +501,43 @@ class TargetModel:
                 return ForwardOutput(states=states, offsets=offsets, hidden=out, head=self.fast.logits)
             return ForwardOutput(logits=out, states=states, offsets=offsets)
         want_states = bool(self.state_layers)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            use_cache=False,
-            output_hidden_states=want_states,
-            sot_context=context,
-        )
+        lazy = self.lazy_head and last_row is None
+        kept: list[torch.Tensor] = []
+
+        def keep_states(module: torch.nn.Module, args: tuple) -> tuple:  # the head's input, [B, T, D]
+            kept.append(args[0])
+            return (args[0][..., :0, :], *args[1:])  # (the head runs on no row)
+
+        hook = self._head.register_forward_pre_hook(keep_states) if lazy else None
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=False,
+                output_hidden_states=want_states,
+                sot_context=context,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         states = None
         if want_states:
             states = torch.stack([out.hidden_states[i] for i in self.state_layers], dim=2)
+        if lazy:
+            return ForwardOutput(states=states, hidden=kept[-1], head=self._logits)
         logits = out.logits if last_row is None else out.logits[0, last_row:last_row + 1]
         return ForwardOutput(logits=logits, states=states)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [n, D]`` the final normed states -> logits ``[n, V]``, as the model's forward
+        computes them after its last norm (:data:`LAZY_HEAD_FAMILIES`)."""
+        with row_stable():  # (as inside the pass)
+            logits = self._head(h)
+        if self._softcap is not None:  # (Gemma 2's order of operations, so the same bits)
+            logits = logits / self._softcap
+            logits = torch.tanh(logits)
+            logits = logits * self._softcap
+        return logits
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, batch_index: int, input_ids: torch.Tensor, start: int = 0,
