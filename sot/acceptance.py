@@ -57,7 +57,8 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor | None, argmax: list[int
         logits: ``[N, V]`` target logits at each tree node (or anything that gives node
             ``i``'s row as ``logits[i : i + 1]``: only the walked nodes' rows are read).
         argmax: the argmax of each node's logits row, when the caller took them already
-            (``logits`` is then not read).
+            (``logits`` is then not read); ``-1`` for a node the walk does not reach
+            (:func:`sot.verify.greedy_walks` leaves those rows uncomputed).
     """
     assert argmax is not None or (logits.dim() == 2 and logits.shape[0] >= tree.size)
     assert argmax is None or len(argmax) >= tree.size
@@ -65,6 +66,7 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor | None, argmax: list[int
     def choose(node: int, children: list[int]) -> tuple[int | None, int]:
         # (without the argmax taken already, only the walked nodes' rows are read)
         want = argmax[node] if argmax is not None else int(row_argmax(logits[node : node + 1]))
+        assert want >= 0, "the walk reached a node whose argmax was not taken"
         for c in children:
             if tree.tokens[c] == want:
                 return c, want

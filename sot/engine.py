@@ -63,7 +63,9 @@ class StepObserver(Protocol):
         """A verify pass over ``seqs`` (slot order) ran: their ``trees``, the pass's output
         (``out.seq_logits(b) [T_b, V]``, ``out.seq_states(b) [T_b, S', D]``), each accepted
         path (node indices, root first) and the ids of the sequences the drafter drafted for.
-        Called before the accepted tokens are committed."""
+        Called before the accepted tokens are committed. The walks have computed the logits
+        rows they read (the accepted paths' among them: ``out.rows([out.seq_start(b) + i for i
+        in path])``); other rows are computed when read, outside the step's timings."""
 
     def finished(self, seq: LiveRequest) -> None:
         """``seq`` left the engine (finished or aborted)."""

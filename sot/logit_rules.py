@@ -51,7 +51,9 @@ class AdjustedRows:
     tokens).
 
     Args:
-        logits: ``[>=N, V]`` the tree's raw logits rows.
+        logits: ``[>=N, V]`` the tree's raw logits rows, or anything that gives node ``i``'s
+            row as ``logits[i]`` (a :class:`~sot.models.adapter.TreeRows`, which computes
+            only the rows read).
         tree: the draft tree (``N`` nodes).
         seq: the request, with its committed answer and its rules.
     """

@@ -165,7 +165,7 @@ def record_step(seqs: list[Any], batch: Any, paths: list[list[int]], events: lis
         batch: the step's :class:`~sot.verify.VerifyInput` (its trees and ``[B, T]`` positions).
         paths: each sequence's accepted node indices.
         events: each sequence's committed tokens (:class:`~sot.requests.TokenEvent`).
-        out: the verify pass's output (``seq_logits(b)``: ``[T, V]`` per sequence).
+        out: the verify pass's output (``rows``: the ``[N, V]`` logits of each tree's nodes).
         modes: :func:`step_mode` of each sequence, by request id.
         expected: the policy's expected tokens per request id.
         predicted_states: the state drafter's predicted states of a request id.
@@ -174,9 +174,10 @@ def record_step(seqs: list[Any], batch: Any, paths: list[list[int]], events: lis
     roots = batch.positions[:, 0].tolist()  # each tree's root sits at its sequence's length
     for b, (seq, tree, path, ev) in enumerate(zip(seqs, batch.trees, paths, events)):
         mode, proposed, probe = modes.get(seq.id, ("plain", None, False))
+        logits = out.rows([out.seq_start(b) + i for i in range(tree.size)])  # [N, V] the tree's rows
         rec = build_record(
             len(seq.result.step_records), roots[b], mode, proposed or tree, tree, path, ev.token_ids,
-            out.seq_logits(b), expected.get(seq.id), predicted_states(seq.id) if mode == "draft" else None,
+            logits, expected.get(seq.id), predicted_states(seq.id) if mode == "draft" else None,
         )
         rec.probe = probe
         rec.draft_seconds, rec.verify_seconds, rec.other_seconds = (round(t, 6) for t in times)

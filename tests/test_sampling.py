@@ -76,11 +76,11 @@ def test_greedy_walks_give_each_sequence_its_own_greedy_path() -> None:
             assert not out.lazy
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma2", "gemma3", "qwen3", "phi3", "gpt2", "gpt_neox"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_head_computes_only_the_rows_the_walks_read(arch: str, dtype: torch.dtype) -> None:
     """Verify passes leave the LM head to the acceptance walks (SoT's CPU forward for Llama;
-    transformers' forward with the head held back for Gemma 2, soft cap included, and GPT-2):
+    transformers' forward with the head held back for the others, Gemma 2's soft cap included):
     greedy, rejection-sampled and coupled walks, alone and in a batch, commit the same tokens
     with the same logits rows as passes that compute every row, and the head computes fewer
     rows than the passes hold."""

@@ -250,6 +250,11 @@ class ForwardOutput:
         computing only those rows' logits where they are not computed yet."""
         return self._rows.argmax(rows)
 
+    def row(self, index: int) -> torch.Tensor:
+        """``[V]`` the logits of one of the pass's rows (see :meth:`seq_start`), computed
+        where they are not yet."""
+        return self._rows.row(index)
+
     def prefetch(self, rows: list[int]) -> None:
         """Compute the logits of ``rows`` now, in one call of the head, where the pass left
         them to compute (a no-op otherwise)."""
@@ -300,7 +305,6 @@ class _LogitRows:
         self.seconds += perf_counter() - t0
         self.computed += len(missing)
         self._row.update(zip(missing, block))
-        self._argmax.update(zip(missing, row_argmax(block).tolist()))
 
     def all(self) -> torch.Tensor:
         if self.logits is None:
@@ -318,19 +322,25 @@ class _LogitRows:
             return self._flat()[start:end]
         return self.pick(list(range(start, end)))
 
+    def row(self, r: int) -> torch.Tensor:
+        if self.logits is not None:
+            return self._flat()[r]
+        self.ensure([r])
+        return self._row[r]
+
     def pick(self, rows: list[int]) -> torch.Tensor:
         if self.logits is not None:
             return self._flat()[rows]
         self.ensure(rows)
-        return torch.stack([self._row[r] for r in rows]) if rows else self.hidden.new_empty(0, 0)
+        return torch.stack([self._row[r] for r in rows])
 
     def argmax(self, rows: list[int]) -> list[int]:
-        if self.logits is not None:
-            missing = sorted({r for r in rows if r not in self._argmax})
-            if missing:
-                self._argmax.update(zip(missing, row_argmax(self._flat()[missing]).tolist()))
-        else:
-            self.ensure(rows)
+        missing = sorted({r for r in rows if r not in self._argmax})
+        if missing and self.logits is not None:  # (every row's, in one call)
+            self._argmax.update(enumerate(row_argmax(self._flat()).tolist()))
+        elif missing:
+            self.ensure(missing)
+            self._argmax.update(zip(missing, row_argmax(torch.stack([self._row[r] for r in missing])).tolist()))
         return [self._argmax[r] for r in rows]
 
 
@@ -365,12 +375,16 @@ class TreeRows:
 
     def __getitem__(self, key: int | slice) -> torch.Tensor:
         if isinstance(key, slice):
-            if key.step not in (None, 1) or key.stop != key.start + 1:
-                raise IndexError("tree rows are read one node at a time")
-            return self[key.start][None]
+            start = key.start or 0
+            if key.step not in (None, 1) or key.stop != start + 1:
+                raise IndexError("tree rows are read one node at a time: rows[i] or rows[i : i + 1]")
+            return self[start][None]
         node = int(key)
-        if self.out.lazy:
-            self.out.prefetch([self.start + n for n in self.chain(node)])
+        if not 0 <= node < self.tree.size:
+            raise IndexError(f"node {node} is not in a tree of {self.tree.size} nodes")
+        if not self.out.lazy:
+            return self.out.row(self.start + node)
+        self.out.prefetch([self.start + n for n in self.chain(node)])
         return self.out.rows([self.start + node])[0]
 
 
@@ -501,7 +515,7 @@ class TargetModel:
                 return ForwardOutput(states=states, offsets=offsets, hidden=out, head=self.fast.logits)
             return ForwardOutput(logits=out, states=states, offsets=offsets)
         want_states = bool(self.state_layers)
-        lazy = self.lazy_head and last_row is None
+        lazy = self.lazy_head  # (a prefill's last row too: every row's logits from _logits)
         kept: list[torch.Tensor] = []
 
         def keep_states(module: torch.nn.Module, args: tuple) -> tuple:  # the head's input, [B, T, D]
@@ -523,6 +537,9 @@ class TargetModel:
         states = None
         if want_states:
             states = torch.stack([out.hidden_states[i] for i in self.state_layers], dim=2)
+        if lazy and last_row is not None:
+            with torch.inference_mode():
+                return ForwardOutput(logits=self._logits(kept[-1][0, last_row:last_row + 1]), states=states)
         if lazy:
             return ForwardOutput(states=states, hidden=kept[-1], head=self._logits)
         logits = out.logits if last_row is None else out.logits[0, last_row:last_row + 1]
@@ -533,10 +550,11 @@ class TargetModel:
         computes them after its last norm (:data:`LAZY_HEAD_FAMILIES`)."""
         with row_stable():  # (as inside the pass)
             logits = self._head(h)
-        if self._softcap is not None:  # (Gemma 2's order of operations, so the same bits)
-            logits = logits / self._softcap
-            logits = torch.tanh(logits)
-            logits = logits * self._softcap
+        if self._softcap is not None:
+            # Gemma 2's order of operations, one row at a time: an element's result then does
+            # not depend on how many rows the call holds (where a vector loop's tail falls)
+            for row in logits:
+                row.div_(self._softcap).tanh_().mul_(self._softcap)
         return logits
 
     @torch.inference_mode()

@@ -186,8 +186,9 @@ class FastLlama:
         """``input_ids, positions [B, T]`` -> logits ``[B, T, V]`` and states ``[B, T, S, D]``;
         flat-packed (:meth:`flattens`): logits ``[R, V]`` and states ``[R, S, D]`` of the real
         rows. With ``last_row`` (one sequence), only that row's logits: ``[1, V]``. With
-        ``head=False``, the final normed states (``[B, T, D]``, ``[R, D]``) in place of the
-        logits, for :meth:`logits` to compute the rows that are read."""
+        ``head=False``, the final normed states in place of the logits (``[B, T, D]``,
+        ``[R, D]``; with ``last_row`` ``[1, 1, D]`` or ``[1, D]``), for :meth:`logits` to compute
+        the rows that are read."""
         if self.flattens(layout, cache):
             return self._forward_flat(input_ids, positions, cache, layout, state_layers, last_row, head)
         batch, rows = input_ids.shape
