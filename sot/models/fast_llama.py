@@ -270,7 +270,11 @@ class FastLlama:
         delta = None
         grid_index = flat[:real]
         if self.layer_call is not None:
-            h, delta, more = self._run_compiled(h, cos3, sin3, cache, layout, flat, real, state_layers)
+            # every grid row real (plain decoding, one sequence's tree, trees of one size): the
+            # packed rows are the grid's in order, and the layers need not scatter or gather them
+            same = flat.shape[0] == real == batch * rows
+            h, delta, more = self._run_compiled(h, cos3, sin3, cache, layout, None if same else flat, real,
+                                                state_layers)
             states += more
         for idx, layer in enumerate(self.layers if delta is None else ()):
             x, h = self._add_rms(h, delta, layer.ln1)
