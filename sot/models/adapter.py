@@ -305,6 +305,7 @@ class _LogitRows:
         self.seconds += perf_counter() - t0
         self.computed += len(missing)
         self._row.update(zip(missing, block))
+        self._argmax.update(zip(missing, row_argmax(block).tolist()))  # (most rows read are greedy walks')
 
     def all(self) -> torch.Tensor:
         if self.logits is None:
@@ -340,7 +341,6 @@ class _LogitRows:
             self._argmax.update(enumerate(row_argmax(self._flat()).tolist()))
         elif missing:
             self.ensure(missing)
-            self._argmax.update(zip(missing, row_argmax(torch.stack([self._row[r] for r in missing])).tolist()))
         return [self._argmax[r] for r in rows]
 
 
