@@ -58,6 +58,10 @@ std::vector<at::Tensor> rms_norm_f32(at::Tensor x, at::Tensor weight, double eps
                                      std::optional<at::Tensor> residual);
 at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
                       at::Tensor values, at::Tensor slots, int64_t hq);
+// rope_write without its check that every slot is in the cache (for a caller that checked the
+// pass's slots once, as layers.cpp does for all its layers)
+at::Tensor rope_write_checked_once(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
+                                   at::Tensor values, at::Tensor slots, int64_t hq);
 at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias);
 at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins,
                              int64_t N, std::optional<at::Tensor> bias, bool fused);

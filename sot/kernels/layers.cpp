@@ -131,6 +131,8 @@ class LlamaLayers {
     const int64_t batch = cos.size(0), grid_rows = cos.size(0) * cos.size(1), width = (nq_ + 2 * nkv_) * hd_;
     at::Tensor grid_index;
     if (flat.has_value()) grid_index = flat->narrow(0, 0, real);
+    // every layer writes the same slots: checked once here, not by each layer's rope_write
+    TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < values.size(3), "cache slot out of range");
     std::vector<at::Tensor> out(2);
     at::Tensor delta;
     for (int64_t idx = 0; idx < size(); ++idx) {
@@ -149,11 +151,13 @@ class LlamaLayers {
       if (flat.has_value())
         qkv = at::zeros({grid_rows, width}, qkv.options()).index_copy_(0, grid_index, qkv.narrow(0, 0, real));
       at::Tensor k = keys.select(0, idx), v = values.select(0, idx);
-      at::Tensor q = rope_write(qkv.view({batch, grid_rows / batch, nq_ + 2 * nkv_, hd_}), cos, sin, k, v, slots, nq_);
-      // (the kernel takes the cache's dtype, float32, and returns it)
-      at::Tensor att = tree_attention_exact(q.to(k.scalar_type()), k, v, lengths, ancestors, rows, scaling_,
-                                            layer.window, 0.0);
-      att = att.to(h.scalar_type()).reshape({grid_rows, nq_ * hd_});
+      at::Tensor q = rope_write_checked_once(qkv.view({batch, grid_rows / batch, nq_ + 2 * nkv_, hd_}), cos, sin, k,
+                                             v, slots, nq_);
+      // The kernel widens q's rows to float32 (exactly), computes in float32 and rounds its
+      // output to q's dtype (to nearest even, as a cast of its float32 output would): bfloat16
+      // rows in and out give the bits of a float32 call between two casts, without the casts.
+      at::Tensor att = tree_attention_exact(q, k, v, lengths, ancestors, rows, scaling_, layer.window, 0.0);
+      att = att.reshape({grid_rows, nq_ * hd_});
       if (flat.has_value()) att = at::index_select(att, 0, *flat);
       auto normed = norm(h, layer.ln2, eps_, layer.o(att));
       x = normed[0];

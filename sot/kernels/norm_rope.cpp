@@ -148,6 +148,12 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
 
 at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
                       at::Tensor values, at::Tensor slots, int64_t hq) {
+  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < values.size(2), "cache slot out of range");
+  return rope_write_checked_once(qkv, cos, sin, keys, values, slots, hq);
+}
+
+at::Tensor rope_write_checked_once(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
+                                   at::Tensor values, at::Tensor slots, int64_t hq) {
   TORCH_CHECK(qkv.dim() == 4 && cos.dim() == 3 && keys.dim() == 4, "rank mismatch");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   qkv = qkv.contiguous();
@@ -155,7 +161,6 @@ at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor
   sin = sin.contiguous();
   slots = slots.contiguous();
   TORCH_CHECK(keys.scalar_type() == at::kFloat && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < values.size(2), "cache slot out of range");
   auto q = at::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
   if (qkv.scalar_type() == at::kFloat) {
     rope_write_impl<float>(qkv, cos, sin, keys, values, slots, hq, q);
