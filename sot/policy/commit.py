@@ -114,8 +114,7 @@ class CommitPolicy:
         self.last_draft_features = {}
         if self.record:
             self._record_free = dict(free)
-        over = self.config.disable_above and len(generated) > self.config.disable_above
-        if over or self.holds_plain(len(generated)):  # the fixed rule, or the guard: all plain
+        if self.holds_plain(len(generated)):  # the fixed rule, or the guard: all plain
             return StepPlan((), tuple(generated), {}, budget, len(generated))
         drafting = [b for b, n in generated.items() if self.wants_draft(b, n)]
         taken = [b for b in drafting if b in free and self.prefers_free(b, free[b])]
@@ -132,8 +131,11 @@ class CommitPolicy:
         )
 
     def holds_plain(self, batch: int) -> bool:
-        """Whether the guard has a step of ``batch`` live sequences decode plainly (nothing
-        drafted or offered), measuring plain steps or backing off from speculation that lost."""
+        """Whether a step of ``batch`` live sequences decodes plainly (nothing drafted or
+        offered): above the fixed rule's batch size (``disable_above``), or where the guard
+        measures plain steps or backs off from speculation that lost."""
+        if self.config.disable_above and batch > self.config.disable_above:
+            return True
         return self.adaptive and self.guard.plain(batch)
 
     def observe_wall(self, batch: int, tokens: int, seconds: float, speculative: bool) -> None:
