@@ -56,8 +56,13 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
     rules = [adjusts(s.params) for s in seqs]
     plain_greedy = [s.params.sampling.greedy and not r for s, r in zip(seqs, rules)]
     views = [TreeRows(out, b, tree) for b, tree in enumerate(trees)]
-    if out.lazy:  # every tree's most confident chain in one call of the head: most walks read no other row
-        out.prefetch([v.start + n for v in views for n in v.chain(0)])
+    if out.lazy:
+        # One call of the head: each greedy tree's most confident chain (most greedy walks read
+        # no other row; another branch is fetched for all the walks that turn, together), and
+        # every row of the other trees (a sampled walk fetches alone what it lacks, so it gets
+        # all its rows in this call, as before the head was left to the walks)
+        out.prefetch([v.start + n for v, g in zip(views, plain_greedy)
+                      for n in (v.chain(0) if g else range(v.tree.size))])
     greedy = greedy_walks(out, trees, [b for b, g in enumerate(plain_greedy) if g])
     for b, (seq, tree) in enumerate(zip(seqs, trees)):
         logits = views[b]  # node i's row: logits[i : i + 1]

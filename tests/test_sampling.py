@@ -82,8 +82,8 @@ def test_the_head_computes_only_the_rows_the_walks_read(arch: str, dtype: torch.
     """Verify passes leave the LM head to the acceptance walks (SoT's CPU forward for Llama;
     transformers' forward with the head held back for the others, Gemma 2's soft cap included):
     greedy, rejection-sampled and coupled walks, alone and in a batch, commit the same tokens
-    with the same logits rows as passes that compute every row, and the head computes fewer
-    rows than the passes hold."""
+    with the same logits rows as passes that compute every row, and for greedy walks the head
+    computes fewer rows than the passes hold (sampled trees are computed whole)."""
     model = tiny_model(arch, seed=4)
     target = TargetModel(clone(model, dtype))
     assert target.lazy_head and (target.fast is not None) == (arch == "llama")
@@ -113,7 +113,7 @@ def test_the_head_computes_only_the_rows_the_walks_read(arch: str, dtype: torch.
             results = Engine(target, drafter, TreeBudget(16, 6), trace=True).generate(prompts, params, batch_size=3)
             runs[lazy] = results
             assert [r.token_ids for r in results] == plain
-            if lazy:
+            if lazy and params.sampling.greedy:  # (sampled trees are computed whole, in one call)
                 assert 0 < sum(out.head_rows for out in passes) < sum(sizes)
                 assert all(out.head_rows >= 0 for out in passes)
         for a, b in zip(runs[True], runs[False]):
