@@ -63,7 +63,7 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
         # all its rows in this call, as before the head was left to the walks)
         out.prefetch([v.start + n for v, g in zip(views, plain_greedy)
                       for n in (v.chain(0) if g else range(v.tree.size))])
-    greedy = greedy_walks(out, trees, [b for b, g in enumerate(plain_greedy) if g])
+    greedy = greedy_walks(out, trees, [b for b, g in enumerate(plain_greedy) if g], views)
     for b, (seq, tree) in enumerate(zip(seqs, trees)):
         logits = views[b]  # node i's row: logits[i : i + 1]
         if plain_greedy[b]:
@@ -92,16 +92,18 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
     return accepted
 
 
-def greedy_walks(out: ForwardOutput, trees: list[DraftTree], which: list[int]) -> dict[int, list[int]]:
+def greedy_walks(out: ForwardOutput, trees: list[DraftTree], which: list[int],
+                 views: list[TreeRows] | None = None) -> dict[int, list[int]]:
     """For each sequence ``b`` in ``which``: the argmax of its tree's rows, ``[T_b]`` with
     ``-1`` for the rows its greedy walk does not reach (:func:`accept_greedy` reads only
     those it reaches). Where the pass left its logits to compute on demand, each round
     computes, for every walk still open, the rows of the most confident chain below the node
     it stands on; a walk that turns into another branch opens that branch's chain next round.
-    A tree whose walk follows its most confident chain costs one round."""
+    A tree whose walk follows its most confident chain costs one round. ``views``: each
+    sequence's :class:`TreeRows` of ``out``, where the caller made them already."""
     known = {b: [-1] * trees[b].size for b in which}
-    views = {b: TreeRows(out, b, trees[b]) for b in which}
-    kids = {b: trees[b].children() for b in which}
+    views = {b: views[b] if views is not None else TreeRows(out, b, trees[b]) for b in which}
+    kids = {b: views[b].children for b in which}
     pending = {b: 0 for b in which}  # the node whose row each open walk needs next
     while pending:
         wanted = [(b, n) for b, node in pending.items() for n in views[b].chain(node)]  # (sequence, node)

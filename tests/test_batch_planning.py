@@ -145,6 +145,8 @@ def test_the_fixed_rule_turns_speculation_off_above_its_batch_size() -> None:
     free = {0: tree_from_parents([1, 2], [-1, 0], draft_probs=[1.0, 0.9])}
     plan = policy.plan({b: 10 for b in range(4)}, free, TreeBudget(8, 4))
     assert plan.drafting == () and plan.free == {} and plan.plain == (0, 1, 2, 3)
+    # (the engine then asks its drafter for no free drafts either)
+    assert policy.holds_plain(4) and not policy.holds_plain(3)
     policy.drop_sequence(3)
     assert policy.plan({b: 10 for b in range(3)}, free, TreeBudget(8, 4)).drafting == (0, 1, 2)
 

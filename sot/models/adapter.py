@@ -353,15 +353,24 @@ class TreeRows:
     def __init__(self, out: ForwardOutput, b: int, tree: DraftTree) -> None:
         self.out, self.tree, self.start = out, tree, out.seq_start(b)
         self._kids: list[list[int]] | None = None
+        self._conf: list[float] | None = None
+
+    @property
+    def children(self) -> list[list[int]]:
+        """``children[i]``: the nodes whose parent is ``i`` (the tree's, computed once)."""
+        if self._kids is None:
+            self._kids = self.tree.children()
+        return self._kids
 
     def chain(self, node: int) -> list[int]:
         """``node`` and the most confident chain of its descendants."""
-        if self._kids is None:
-            self._kids = self.tree.children()
-        conf = self.tree.confidences()
+        kids = self.children
+        if self._conf is None:
+            self._conf = self.tree.confidences()
+        conf = self._conf
         chain = [node]
-        while self._kids[node]:
-            node = max(self._kids[node], key=lambda c: conf[c])
+        while kids[node]:
+            node = max(kids[node], key=lambda c: conf[c])
             chain.append(node)
         return chain
 
