@@ -133,8 +133,10 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
     fast = target.fast
     fast.kernel = _KernelProxy(fast.kernel, timer) if fast.kernel is not None else None
     linears = [fast.lm_head] + [lin for lay in fast.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
-    kinds = sorted({"int8" if lin.int8 else "blocks" if isinstance(lin.packed, tuple) else lin.kind
-                    for lin in linears})
+    kinds = sorted({"int8" if lin.int8 else "bf16 blocks" if lin.bf16_blocks
+                    else "blocks" if isinstance(lin.packed, tuple) else lin.kind for lin in linears})
+    if "bf16 blocks" in kinds:
+        name += ", 4-bit blocks"  # (read as bfloat16 weights decoded in registers)
     nbytes = sum(weight_bytes(lin) for lin in linears)
     params = sum(lin.weight.numel() for lin in linears)
 
@@ -265,7 +267,11 @@ def main() -> None:
     data = {"machine": machine, "peaks": peaks, "paths": paths}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    slug = machine_slug(f"{machine['cpu']}-{machine['simd']}")
+    from sot.kernels.linear import bf16_blocks_supported
+
+    # (machines of one name and vector width differ in their bfloat16 instructions)
+    bf16 = "-bf16" if bf16_blocks_supported() else ""
+    slug = machine_slug(f"{machine['cpu']}-{machine['simd']}{bf16}")
     (out / f"{slug}.json").write_text(json.dumps(data, indent=1))
     (out / f"{slug}.md").write_text(report(data))
     print(report(data))

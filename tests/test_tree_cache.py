@@ -127,6 +127,44 @@ def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length
         assert torch.allclose(tree[0, r].double(), expected, atol=1e-5, rtol=1e-4), f"row {r}"
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dtype: torch.dtype) -> None:
+    """The kernel takes a tree's rows several at a time (each key loaded once for all of
+    them): every row of a 13-row tree, in a pass with a second sequence and padding rows,
+    equals the row attended alone, bit for bit, for 1-6 query heads per KV head, with rows
+    whose halves split at different keys (lengths around 256) and under a sliding window."""
+    from sot.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(group)
+    kv, dim, slots, rows = 2, 16, 640, 13
+    keys = torch.randn(2, kv, dim, slots + 16, generator=gen)
+    values = torch.randn(2, kv, slots, dim, generator=gen)
+    q = (torch.randn(2, kv * group, rows + 2, dim, generator=gen) * 3).to(dtype)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # depths 0-6
+    for lengths, window in (((250, 37), 0), ((500, 263), 0), ((500, 263), 200)):
+        anc = torch.full((2, rows + 2, 8), -1, dtype=torch.long)
+        real = torch.tensor([rows, 5])
+        for b in range(2):
+            for r in range(int(real[b])):
+                path, node = [], r
+                while node >= 0:
+                    path.append(lengths[b] + node)
+                    node = parents[node]
+                anc[b, r, :len(path)] = torch.tensor(path[::-1])
+        whole = cpu_kernels().tree_attention_exact(q, keys, values, torch.tensor(lengths), anc, real, 0.125,
+                                                   window, 0.0)
+        assert whole.dtype == dtype and not whole[1, 5:].any(), "padding rows must be zeros"
+        for b in range(2):
+            for r in range(int(real[b])):
+                alone = cpu_kernels().tree_attention_exact(
+                    q[b:b + 1, :, r:r + 1].contiguous(), keys[b:b + 1], values[b:b + 1],
+                    torch.tensor([lengths[b]]), anc[b:b + 1, r:r + 1], torch.tensor([1]), 0.125, window, 0.0)
+                assert torch.equal(alone[0, 0], whole[b, r]), (lengths, window, b, r)
+
+
 def test_transposed_keys_pad_their_stride_and_attention_ignores_it() -> None:
     """Transposed keys get an odd stride in cache lines (1024 slots -> 1040) without changing
     the capacity, what resizing keeps, or one bit of attention; a tree row's scores, taken in

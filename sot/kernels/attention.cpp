@@ -60,45 +60,20 @@ inline __m256 softmax_exp8(__m256 x) {
 constexpr int64_t kMaxGroup = 16;
 
 // The cache layout this kernel reads: keys [B, Hkv, D, S] (transposed, so that 16 keys fit
-// one vector), values [B, Hkv, S, D], both float32. One task is one (sequence, KV head, row):
-// the query heads sharing that KV head are processed together so each key is loaded once,
-// but every head keeps its own accumulators and its own fixed order of operations.
-// One 16-key block of scores for the query heads of one KV head: each lane sums
-// q[d] * k[d] over d in order. G > 0 fixes the head count at compile time, so the
-// accumulators stay in registers; G == 0 takes it from `group`. The operations are the same.
+// one vector), values [B, Hkv, S, D], both float32. One task is one (sequence, KV head) and a
+// tile of that sequence's rows: the query heads sharing that KV head, in each of those rows,
+// are processed together so each key is loaded once, but every (row, head) keeps its own
+// accumulators and its own fixed order of operations.
 // Keys ahead of the block being scored whose lines are prefetched (8 blocks of 16).
 constexpr int64_t kPrefetchKeys = 128;
+
+// One 16-key block of scores for the query heads of one KV head, in plain lane-wise
+// arithmetic (score_tile's vector registers do the same): each lane sums q[d] * k[d] over d
+// in order. G > 0 fixes the head count at compile time; G == 0 takes it from `group`.
 
 template <int G>
 inline void score_block(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
                         float* scores, int64_t stride) {
-#if defined(__AVX2__)
-  if constexpr (G > 0) {  // the same multiply, then add, per lane, in AVX2 registers
-    __m256 lo[G], hi[G];
-#pragma GCC unroll 8
-    for (int j = 0; j < G; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 c0 = _mm256_loadu_ps(kt + d * S), c1 = _mm256_loadu_ps(kt + d * S + 8);
-      // The head dim's rows are S slots apart: too many streams for the hardware prefetcher,
-      // so each row's line of a block a few blocks ahead is asked for now (no effect on the
-      // arithmetic; past the cache's end it is a hint, never a fault).
-      _mm_prefetch(reinterpret_cast<const char*>(kt + d * S + kPrefetchKeys), _MM_HINT_T0);
-#pragma GCC unroll 8
-      for (int j = 0; j < G; ++j) {
-        const __m256 qd = _mm256_set1_ps(qrows[j * D + d]);
-        lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(qd, c0));
-        hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(qd, c1));
-      }
-    }
-    const __m256 sc = _mm256_set1_ps(scale);
-#pragma GCC unroll 8
-    for (int j = 0; j < G; ++j) {
-      _mm256_storeu_ps(scores + j * stride, _mm256_mul_ps(lo[j], sc));
-      _mm256_storeu_ps(scores + j * stride + 8, _mm256_mul_ps(hi[j], sc));
-    }
-    return;
-  }
-#endif
   const int64_t g = G > 0 ? G : group;
   vec16 lane[G > 0 ? G : kMaxGroup];
   for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
@@ -113,44 +88,146 @@ inline void score_block(int64_t group, const float* qrows, int64_t D, const floa
   }
 }
 
-// 16 lanes of the weighted value sum for each query head: acc[j * nv] += w[j][k] * v[k]
-// over the keys k in order (committed slots, then the row's ancestors).
+// 16 lanes of the weighted value sum for each query head: acc[j * nv] = sum of w[j][k] * v[k]
+// over the committed keys k in order (a row's ancestors are added after, by the caller).
 template <int G>
 inline void weighted_values(int64_t group, const float* weights, int64_t stride, const float* vbase, int64_t D,
-                            int64_t committed, const int64_t* slots, int64_t total, vec16* acc, int64_t nv) {
+                            int64_t committed, vec16* acc, int64_t nv) {
+  const int64_t g = G > 0 ? G : group;
+  vec16 lane[G > 0 ? G : kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
+  for (int64_t k = 0; k < committed; ++k) {
+    vec16 vv;
+    std::memcpy(&vv, vbase + k * D, sizeof(vv));
+    for (int64_t j = 0; j < g; ++j) lane[j] += weights[j * stride + k] * vv;
+  }
+  for (int64_t j = 0; j < g; ++j) acc[j * nv] = lane[j];
+}
+
+// The largest of n scores (-inf for none). Lane-wise maxima over 16-key blocks, then the lanes:
+// a maximum is exact in any order, so this is the value a scan in key order finds.
+inline float max_score(const float* sc, int64_t n) {
+  float lanes[kLanes];
+  int64_t k = 0;
+#if defined(__AVX2__)
+  // (GCC lowers the 16-lane select below poorly on AVX2; MAXPS is the same select)
+  __m256 lo = _mm256_set1_ps(-INFINITY), hi = lo;
+  for (; k + kLanes <= n; k += kLanes) {
+    lo = _mm256_max_ps(_mm256_loadu_ps(sc + k), lo);  // (first > second ? first : second)
+    hi = _mm256_max_ps(_mm256_loadu_ps(sc + k + 8), hi);
+  }
+  _mm256_storeu_ps(lanes, lo);
+  _mm256_storeu_ps(lanes + 8, hi);
+#else
+  vec16 top16 = vec16{} - INFINITY;
+  for (; k + kLanes <= n; k += kLanes) {
+    vec16 v;
+    std::memcpy(&v, sc + k, sizeof(v));
+    top16 = v > top16 ? v : top16;
+  }
+  std::memcpy(lanes, &top16, sizeof(lanes));
+#endif
+  float top = -INFINITY;
+  for (int l = 0; l < kLanes; ++l) top = lanes[l] > top ? lanes[l] : top;
+  for (; k < n; ++k) top = sc[k] > top ? sc[k] : top;
+  return top;
+}
+
+// Rows of one tree share their committed keys, so a task takes up to kTileSlots (row, query
+// head) pairs at once: each key (and value) vector is loaded once for all of them, while every
+// pair keeps its own accumulators and the very operations score_block and weighted_values give
+// it alone. A row's bits therefore do not depend on the rows it is tiled with.
+#if defined(__AVX512F__)
+constexpr int kTileSlots = 12;  // (32 vector registers: 24 accumulators, 2 loaded vectors)
+#else
+constexpr int kTileSlots = 6;   // (16 registers)
+#endif
+
+template <int G>
+constexpr int max_tile_rows() { return G > 0 && kTileSlots / G > 1 ? kTileSlots / G : 1; }
+
+// score_block for NR rows: qrows [NR][group][D], scores of row i, head j at (i * group + j) * stride.
+template <int G, int NR>
+inline void score_tile(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
+                       float* scores, int64_t stride) {
 #if defined(__AVX2__)
   if constexpr (G > 0) {
-    __m256 lo[G], hi[G];
-#pragma GCC unroll 8
-    for (int j = 0; j < G; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < total; ++k) {
-      const float* v = vbase + (k < committed ? k : slots[k - committed]) * D;
-      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-#pragma GCC unroll 8
-      for (int j = 0; j < G; ++j) {
-        const __m256 w = _mm256_set1_ps(weights[j * stride + k]);
-        lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(w, v0));
-        hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(w, v1));
+    constexpr int P = G * NR;
+    __m256 lo[P], hi[P];
+#pragma GCC unroll 12
+    for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 c0 = _mm256_loadu_ps(kt + d * S), c1 = _mm256_loadu_ps(kt + d * S + 8);
+      _mm_prefetch(reinterpret_cast<const char*>(kt + d * S + kPrefetchKeys), _MM_HINT_T0);
+#pragma GCC unroll 12
+      for (int s = 0; s < P; ++s) {
+        const __m256 qd = _mm256_set1_ps(qrows[s * D + d]);
+        lo[s] = _mm256_add_ps(lo[s], _mm256_mul_ps(qd, c0));
+        hi[s] = _mm256_add_ps(hi[s], _mm256_mul_ps(qd, c1));
       }
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < G; ++j) {
-      _mm256_storeu_ps(reinterpret_cast<float*>(acc + j * nv), lo[j]);
-      _mm256_storeu_ps(reinterpret_cast<float*>(acc + j * nv) + 8, hi[j]);
+    const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 12
+    for (int s = 0; s < P; ++s) {
+      _mm256_storeu_ps(scores + s * stride, _mm256_mul_ps(lo[s], sc));
+      _mm256_storeu_ps(scores + s * stride + 8, _mm256_mul_ps(hi[s], sc));
     }
     return;
   }
 #endif
-  const int64_t g = G > 0 ? G : group;
-  vec16 lane[G > 0 ? G : kMaxGroup];
-  for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
-  for (int64_t k = 0; k < total; ++k) {
-    const int64_t slot = k < committed ? k : slots[k - committed];
-    vec16 vv;
-    std::memcpy(&vv, vbase + slot * D, sizeof(vv));
-    for (int64_t j = 0; j < g; ++j) lane[j] += weights[j * stride + k] * vv;
+  for (int i = 0; i < NR; ++i)
+    score_block<G>(group, qrows + i * group * D, D, kt, S, scale, scores + i * group * stride, stride);
+}
+
+// weighted_values over the committed keys 0 .. committed - 1 for NR rows: acc[i] is row i's
+// accumulators (head j's 16 lanes at acc[i][j * nv]).
+template <int G, int NR>
+inline void weighted_tile(int64_t group, const float* weights, int64_t stride, const float* vbase, int64_t D,
+                          int64_t committed, vec16* const* acc, int64_t nv) {
+#if defined(__AVX2__)
+  if constexpr (G > 0) {
+    constexpr int P = G * NR;
+    __m256 lo[P], hi[P];
+#pragma GCC unroll 12
+    for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < committed; ++k) {
+      const float* v = vbase + k * D;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+#pragma GCC unroll 12
+      for (int s = 0; s < P; ++s) {
+        const __m256 w = _mm256_set1_ps(weights[s * stride + k]);
+        lo[s] = _mm256_add_ps(lo[s], _mm256_mul_ps(w, v0));
+        hi[s] = _mm256_add_ps(hi[s], _mm256_mul_ps(w, v1));
+      }
+    }
+#pragma GCC unroll 12
+    for (int s = 0; s < P; ++s) {
+      float* a = reinterpret_cast<float*>(acc[s / G] + (s % G) * nv);
+      _mm256_storeu_ps(a, lo[s]);
+      _mm256_storeu_ps(a + 8, hi[s]);
+    }
+    return;
   }
-  for (int64_t j = 0; j < g; ++j) acc[j * nv] = lane[j];
+#endif
+  for (int i = 0; i < NR; ++i)
+    weighted_values<G>(group, weights + i * group * stride, stride, vbase, D, committed, acc[i], nv);
+}
+
+// The tile functions for nr rows (1 <= nr <= NR), register tiles fixed at compile time.
+template <int G, int NR>
+inline void score_rows(int nr, int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
+                       float* scores, int64_t stride) {
+  if constexpr (NR > 1)
+    if (nr < NR) return score_rows<G, NR - 1>(nr, group, qrows, D, kt, S, scale, scores, stride);
+  score_tile<G, NR>(group, qrows, D, kt, S, scale, scores, stride);
+}
+
+template <int G, int NR>
+inline void weighted_rows(int nr, int64_t group, const float* weights, int64_t stride, const float* vbase, int64_t D,
+                          int64_t committed, vec16* const* acc, int64_t nv) {
+  if constexpr (NR > 1)
+    if (nr < NR) return weighted_rows<G, NR - 1>(nr, group, weights, stride, vbase, D, committed, acc, nv);
+  weighted_tile<G, NR>(group, weights, stride, vbase, D, committed, acc, nv);
 }
 
 // A row with at least this many keys is attended as two halves, split at a point its own
@@ -159,90 +236,115 @@ inline void weighted_values(int64_t group, const float* weights, int64_t stride,
 // instead of leaving a thread with one head more than another.
 constexpr int64_t kSplitKeys = 256;
 
-// One row's attention over its keys from slot `lo`: the `committed` slots from there, then
-// its ancestors at `slots` (relative to `lo`). Leaves, per query head j, the weighted value sums
-// in acc[j * nv ...], the largest score in tops[j] and the sum of the weights in sums[j].
+// The attention of nr rows (a tile) over their keys from slot `lo`: the `committed` slots from
+// there, shared by the tile, then each row's own ancestors at slots[i] (relative to `lo`).
+// Leaves, for row i and query head j, the weighted value sums in acc[i][j * nv ...], the
+// largest score in tops[i * group + j] and the sum of the weights in sums[i * group + j].
 template <int G>
-void attend_part(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, int64_t room,
-                 const float* vbase, int64_t committed, const std::vector<int64_t>& slots, float scale,
-                 float softcap, std::vector<float>& scores, vec16* accv, float* tops, float* sums) {
+void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, int64_t room,
+                 const float* vbase, int64_t committed, const std::vector<int64_t>* slots, float scale,
+                 float softcap, std::vector<float>& scores, vec16* const* acc, float* tops, float* sums) {
   const int64_t nv = D / kLanes;
-  const int64_t total = committed + static_cast<int64_t>(slots.size());
   // Scores in whole 16-key blocks from slot lo: over the committed slots and on through the
-  // scratch slots up to the row's own, whose ancestors' scores are then moved behind the
-  // committed ones. Each lane sums q[d] * k[d] over d in order, the same operations as the
+  // scratch slots up to the furthest row's own, whose ancestors' scores are then moved behind
+  // the committed ones. Each lane sums q[d] * k[d] over d in order, the same operations as the
   // scalar loops, which take whatever the blocks cannot reach (the end of the cache).
-  const int64_t reach = slots.empty() ? committed : slots.back() + 1;
+  int64_t reach = committed, most = committed;
+  for (int i = 0; i < nr; ++i) {
+    if (!slots[i].empty()) reach = std::max(reach, slots[i].back() + 1);
+    most = std::max(most, committed + static_cast<int64_t>(slots[i].size()));
+  }
   int64_t blocks = (reach + kLanes - 1) / kLanes * kLanes;
   const bool tail_in_blocks = blocks <= room;
   if (!tail_in_blocks) {
     blocks = (committed + kLanes - 1) / kLanes * kLanes;
     if (blocks > room) blocks = committed / kLanes * kLanes;
   }
-  const int64_t stride = (std::max(total, blocks) + kLanes - 1) / kLanes * kLanes;
-  scores.resize(group * stride);
+  const int64_t stride = (std::max(most, blocks) + kLanes - 1) / kLanes * kLanes;
+  scores.resize(nr * group * stride);
   for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
-    score_block<G>(group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
-  if (tail_in_blocks) {
-    // An ancestor's slot is at or past its place in the row's key order, and later
-    // ancestors sit at later slots: moving them in order overwrites nothing still needed.
-    for (int64_t j = 0; j < group; ++j)
-      for (int64_t k = committed; k < total; ++k)
-        scores[j * stride + k] = scores[j * stride + slots[k - committed]];
-  } else {
-    for (int64_t k = committed; k < total; ++k) {
-      const int64_t slot = slots[k - committed];
-      for (int64_t j = 0; j < group; ++j) {
-        float sc = 0.f;
-        for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + slot];
-        scores[j * stride + k] = sc * scale;
+    score_rows<G, max_tile_rows<G>()>(nr, group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
+  for (int i = 0; i < nr; ++i) {
+    const std::vector<int64_t>& own = slots[i];
+    const int64_t total = committed + static_cast<int64_t>(own.size());
+    float* rs = scores.data() + i * group * stride;  // this row's scores, head j at j * stride
+    const float* q = qrows + i * group * D;
+    if (tail_in_blocks) {
+      // An ancestor's slot is at or past its place in the row's key order, and later
+      // ancestors sit at later slots: moving them in order overwrites nothing still needed.
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t k = committed; k < total; ++k) rs[j * stride + k] = rs[j * stride + own[k - committed]];
+    } else {
+      for (int64_t k = committed; k < total; ++k) {
+        const int64_t slot = own[k - committed];
+        for (int64_t j = 0; j < group; ++j) {
+          float sc = 0.f;
+          for (int64_t d = 0; d < D; ++d) sc += q[j * D + d] * kt[d * S + slot];
+          rs[j * stride + k] = sc * scale;
+        }
+      }
+      for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
+        for (int64_t j = 0; j < group; ++j) {
+          float sc = 0.f;
+          for (int64_t d = 0; d < D; ++d) sc += q[j * D + d] * kt[d * S + k];
+          rs[j * stride + k] = sc * scale;
+        }
       }
     }
-    for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
-      for (int64_t j = 0; j < group; ++j) {
-        float sc = 0.f;
-        for (int64_t d = 0; d < D; ++d) sc += qrows[j * D + d] * kt[d * S + k];
-        scores[j * stride + k] = sc * scale;
-      }
-    }
-  }
-  if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), before the softmax
-    for (int64_t j = 0; j < group; ++j)
-      for (int64_t k = 0; k < total; ++k) {
-        float& s = scores[j * stride + k];
-        s = std::tanh(s / softcap) * softcap;
-      }
-  for (int64_t j = 0; j < group; ++j) {
-    float* sc = scores.data() + j * stride;
-    float top = -INFINITY;
-    for (int64_t k = 0; k < total; ++k) top = sc[k] > top ? sc[k] : top;
-    for (int64_t k = total; k < stride; ++k) sc[k] = top;  // padding, zeroed below
+    if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), before the softmax
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t k = 0; k < total; ++k) {
+          float& s = rs[j * stride + k];
+          s = std::tanh(s / softcap) * softcap;
+        }
+    for (int64_t j = 0; j < group; ++j) {
+      float* sc = rs + j * stride;
+      const float top = max_score(sc, total);
+      for (int64_t k = total; k < stride; ++k) sc[k] = top;  // padding, zeroed below
 #if defined(__AVX2__)
-    const __m256 top8 = _mm256_set1_ps(top);
-    for (int64_t k = 0; k < stride; k += 8)  // now weights
-      _mm256_storeu_ps(sc + k, softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), top8)));
+      const __m256 top8 = _mm256_set1_ps(top);
+      for (int64_t k = 0; k < stride; k += 8)  // now weights
+        _mm256_storeu_ps(sc + k, softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), top8)));
 #else
-    for (int64_t k = 0; k < stride; k += kLanes) {
-      vec16 v;
-      std::memcpy(&v, sc + k, sizeof(v));
-      v = softmax_exp(v - top);  // now weights
-      std::memcpy(sc + k, &v, sizeof(v));
-    }
+      for (int64_t k = 0; k < stride; k += kLanes) {
+        vec16 v;
+        std::memcpy(&v, sc + k, sizeof(v));
+        v = softmax_exp(v - top);  // now weights
+        std::memcpy(sc + k, &v, sizeof(v));
+      }
 #endif
-    for (int64_t k = total; k < stride; ++k) sc[k] = 0.f;
-    float lanes[kLanes] = {0};
-    int64_t k = 0;
-    for (; k + kLanes <= total; k += kLanes)
-      for (int l = 0; l < kLanes; ++l) lanes[l] += sc[k + l];
-    for (int l = 0; k < total; ++k, ++l) lanes[l] += sc[k];
-    for (int w = kLanes / 2; w > 0; w /= 2)
-      for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-    sums[j] = lanes[0];
-    tops[j] = top;
+      for (int64_t k = total; k < stride; ++k) sc[k] = 0.f;
+      float lanes[kLanes] = {0};
+      int64_t k = 0;
+      for (; k + kLanes <= total; k += kLanes)
+        for (int l = 0; l < kLanes; ++l) lanes[l] += sc[k + l];
+      for (int l = 0; k < total; ++k, ++l) lanes[l] += sc[k];
+      for (int w = kLanes / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+      sums[i * group + j] = lanes[0];
+      tops[i * group + j] = top;
+    }
   }
-  for (int64_t i = 0; i < nv; ++i)
-    weighted_values<G>(group, scores.data(), stride, vbase + i * kLanes, D, committed, slots.data(), total,
-                       accv + i, nv);
+  vec16* slice[kTileSlots];
+  for (int64_t v = 0; v < nv; ++v) {
+    for (int i = 0; i < nr; ++i) slice[i] = acc[i] + v;
+    // the shared committed keys for every row at once, then each row's ancestors in order
+    weighted_rows<G, max_tile_rows<G>()>(nr, group, scores.data(), stride, vbase + v * kLanes, D, committed, slice,
+                                         nv);
+    for (int i = 0; i < nr; ++i) {
+      const std::vector<int64_t>& own = slots[i];
+      const float* w = scores.data() + i * group * stride + committed;
+      for (int64_t j = 0; j < group; ++j) {
+        vec16 a = slice[i][j * nv];
+        for (size_t k = 0; k < own.size(); ++k) {
+          vec16 vv;
+          std::memcpy(&vv, vbase + own[k] * D + v * kLanes, sizeof(vv));
+          a += w[j * stride + k] * vv;
+        }
+        slice[i][j * nv] = a;
+      }
+    }
+  }
 }
 
 template <typename T, int G>
@@ -270,66 +372,107 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   std::vector<float> half_top(units * 2 * group), half_sum(units * 2 * group);
   std::vector<char> split_rows(units, 0);
 
-  // One task is one half of one (sequence, KV head, row); a row that is not split is all
-  // in its first half's task.
-  at::parallel_for(0, units * 2, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qrows(group * D);
-    std::vector<int64_t> slots;
-    std::vector<vec16> accv(group * nv);
-    float tops[kMaxGroup], sums[kMaxGroup];
+  // Where each row's keys lie. A row sits at position lp[b] + depth. With a sliding window it
+  // sees the keys at positions first .. position only: the window's first key depends on the
+  // row's own position, so a tree row and plain decoding of the same token see the same keys.
+  // Keys are counted from `first` (k = 0 is position first) on both paths. A row of many keys
+  // is split, at a whole number of 16-key blocks among its committed keys, into two halves.
+  struct Geometry {
+    int64_t depth, first, lo, committed, split;
+  };
+  auto geometry = [&](int64_t b, int64_t r) {
+    const int64_t* anc = ap + (b * R + r) * W;
+    int64_t depth = -1;
+    while (depth + 1 < W && anc[depth + 1] >= 0) ++depth;
+    const int64_t position = lp[b] + depth;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+    const int64_t lo = std::min(first, lp[b]);  // first committed slot read
+    const int64_t committed = lp[b] - lo;
+    const int64_t total = committed + depth + 1 - std::max<int64_t>(0, first - lp[b]);
+    int64_t split = total >= kSplitKeys ? total / 2 / kLanes * kLanes : 0;
+    if (split > committed) split = 0;  // (never, with trees of at most 64 levels: a guard)
+    return Geometry{depth, first, lo, committed, split};
+  };
+  // Tiles: runs of up to max_tile_rows consecutive real rows of one sequence whose committed
+  // keys and split agree (a tree's rows, unless a window starts them at different keys).
+  struct Tile {
+    int64_t b, r0;
+    int nr;
+  };
+  std::vector<Tile> tiles;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t r = 0; r < rp[b];) {
+      const Geometry g = geometry(b, r);
+      int n = 1;
+      while (n < max_tile_rows<G>() && r + n < rp[b]) {
+        const Geometry h = geometry(b, r + n);
+        if (h.lo != g.lo || h.committed != g.committed || h.split != g.split) break;
+        ++n;
+      }
+      tiles.push_back({b, r, n});
+      r += n;
+    }
+    for (int64_t r = std::max<int64_t>(rp[b], 0); r < R; ++r)  // padding rows: zeros
+      for (int64_t h = 0; h < H; ++h) {
+        T* o = op + ((b * R + r) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = T(0.f);
+      }
+  }
+  const int64_t ntiles = static_cast<int64_t>(tiles.size());
+
+  // One task is one half of one (tile, KV head); a tile that is not split is all in its
+  // first half's task.
+  at::parallel_for(0, ntiles * Hkv * 2, 1, [&](int64_t begin, int64_t end) {
+    constexpr int NR = max_tile_rows<G>();
+    std::vector<float> scores, qrows(NR * group * D);
+    std::vector<int64_t> slots[NR];
+    std::vector<vec16> accv(NR * group * nv);
+    vec16* acc[NR];
+    float tops[NR * kMaxGroup], sums[NR * kMaxGroup];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t unit = task / 2, half = task % 2;
-      const int64_t b = unit / (Hkv * R), kvh = (unit / R) % Hkv, r = unit % R;
-      if (r >= rp[b]) {
-        if (half == 0)
-          for (int64_t j = 0; j < group; ++j) {
-            T* o = op + ((b * R + r) * H + kvh * group + j) * D;
-            for (int64_t d = 0; d < D; ++d) o[d] = T(0.f);
-          }
-        continue;
+      const Tile& tile = tiles[task / (Hkv * 2)];
+      const int64_t kvh = (task / 2) % Hkv, half = task % 2, b = tile.b;
+      const Geometry g = geometry(b, tile.r0);
+      if (half == 1 && g.split == 0) continue;
+      const int64_t from = g.lo + (half == 1 ? g.split : 0);  // this part's first slot
+      const int64_t part_committed = g.split == 0 ? g.committed : (half == 0 ? g.split : g.committed - g.split);
+      for (int i = 0; i < tile.nr; ++i) {
+        const int64_t r = tile.r0 + i;
+        for (int64_t j = 0; j < group; ++j) {
+          const T* qsrc = qp + b * qs0 + (kvh * group + j) * qs1 + r * qs2;
+          float* qrow = qrows.data() + (i * group + j) * D;
+          for (int64_t d = 0; d < D; ++d) qrow[d] = static_cast<float>(qsrc[d]);
+        }
+        slots[i].clear();
+        if (g.split == 0 || half == 1) {
+          const Geometry own = i == 0 ? g : geometry(b, r);
+          const int64_t* anc = ap + (b * R + r) * W;
+          for (int64_t w = std::max<int64_t>(0, own.first - lp[b]); w <= own.depth; ++w)
+            slots[i].push_back(anc[w] - from);
+        }
+        const int64_t unit = (b * Hkv + kvh) * R + r;
+        acc[i] = g.split == 0 ? accv.data() + i * group * nv : half_acc.data() + (unit * 2 + half) * group * nv;
       }
-      const int64_t* anc = ap + (b * R + r) * W;
-      int64_t depth = -1;
-      while (depth + 1 < W && anc[depth + 1] >= 0) ++depth;
-      // The row sits at position lp[b] + depth. With a sliding window it sees the keys at
-      // positions first .. position only: the window's first key depends on the row's own
-      // position, so a tree row and plain decoding of the same token see the same keys.
-      // Keys are then counted from `first` (k = 0 is position first) on both paths.
-      const int64_t position = lp[b] + depth;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
-      const int64_t lo = std::min(first, lp[b]);  // first committed slot read
-      const int64_t committed = lp[b] - lo;
-      const int64_t total = committed + depth + 1 - std::max<int64_t>(0, first - lp[b]);
-      // the split: a whole number of 16-key blocks, among the committed keys
-      int64_t split = total >= kSplitKeys ? total / 2 / kLanes * kLanes : 0;
-      if (split > committed) split = 0;  // (never, with trees of at most 64 levels: a guard)
-      if (half == 1 && split == 0) continue;
-      for (int64_t j = 0; j < group; ++j) {
-        const T* qsrc = qp + b * qs0 + (kvh * group + j) * qs1 + r * qs2;
-        for (int64_t d = 0; d < D; ++d) qrows[j * D + d] = static_cast<float>(qsrc[d]);
-      }
-      const int64_t from = lo + (half == 1 ? split : 0);  // this part's first slot
-      slots.clear();
-      if (split == 0 || half == 1)
-        for (int64_t w = std::max<int64_t>(0, first - lp[b]); w <= depth; ++w) slots.push_back(anc[w] - from);
-      const int64_t part_committed = split == 0 ? committed : (half == 0 ? split : committed - split);
       const float* kt = kp + (b * Hkv + kvh) * D * S + from;      // [D][S], from slot `from`
       const float* vbase = vp + ((b * Hkv + kvh) * Sv + from) * D;  // [Sv][D], from slot `from`
-      vec16* acc = split == 0 ? accv.data() : half_acc.data() + (unit * 2 + half) * group * nv;
-      attend_part<G>(group, qrows.data(), D, kt, S, S - from, vbase, part_committed, slots, scale, softcap,
+      attend_tile<G>(tile.nr, group, qrows.data(), D, kt, S, S - from, vbase, part_committed, slots, scale, softcap,
                      scores, acc, tops, sums);
-      if (split > 0) {
-        split_rows[unit] = 1;
-        for (int64_t j = 0; j < group; ++j) {
-          half_top[(unit * 2 + half) * group + j] = tops[j];
-          half_sum[(unit * 2 + half) * group + j] = sums[j];
+      for (int i = 0; i < tile.nr; ++i) {
+        const int64_t r = tile.r0 + i, unit = (b * Hkv + kvh) * R + r;
+        if (g.split > 0) {
+          split_rows[unit] = 1;
+          for (int64_t j = 0; j < group; ++j) {
+            half_top[(unit * 2 + half) * group + j] = tops[i * group + j];
+            half_sum[(unit * 2 + half) * group + j] = sums[i * group + j];
+          }
+          continue;
         }
-        continue;
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        T* o = op + ((b * R + r) * H + kvh * group + j) * D;
-        for (int64_t i = 0; i < nv; ++i)
-          for (int l = 0; l < kLanes; ++l) o[i * kLanes + l] = static_cast<T>(accv[j * nv + i][l] / sums[j]);
+        for (int64_t j = 0; j < group; ++j) {
+          T* o = op + ((b * R + r) * H + kvh * group + j) * D;
+          const float sum = sums[i * group + j];
+          for (int64_t v = 0; v < nv; ++v)
+            for (int l = 0; l < kLanes; ++l) o[v * kLanes + l] = static_cast<T>(acc[i][j * nv + v][l] / sum);
+        }
       }
     }
   });
