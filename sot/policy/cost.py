@@ -1,9 +1,11 @@
 """The verify cost of a pass by its row count, measured on this machine.
 
 Measuring the curve takes about 15 seconds on the default model on a 2-core AVX2 machine
-(about 90 passes of up to 96 rows), so it is kept under ``$SOT_CACHE/costs/`` (default
-``~/.cache/sot``) per machine, target weights, dtype, compute path and kernel build, and later
-loads read it back; delete the folder to measure again. A running engine still rescales the curve to the passes it times
+(about 90 passes of up to 96 rows), and a second curve of 6 sizes after a 1024-token context
+(what a longer context adds to each row's attention) about as long again, so both are kept
+under ``$SOT_CACHE/costs/`` (default ``~/.cache/sot``) per machine, target weights, dtype,
+compute path and kernel build, and later loads read them back; delete the folder to measure
+again. A running engine still rescales the curves to the passes it times
 (:meth:`CostModel.observe`), so a busier machine than at measurement is followed.
 """
 from __future__ import annotations
@@ -17,46 +19,87 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from sot.models.rows import round_up
 
 
+#: the context lengths the curves are timed after: every pass (NEAR), and a second curve of
+#: fewer sizes (FAR) that prices what attending to more keys adds to each row
+NEAR_CONTEXT, FAR_CONTEXT = 256, 1024
+#: how far past FAR_CONTEXT the two curves are extrapolated (in multiples of their distance)
+MAX_FAR = 4.0
+
+
+def _interpolate(rows: list[int], seconds: list[float], n: int) -> float:
+    """``seconds`` at ``n`` rows, linear between the measured ``rows`` and past the last two."""
+    if n <= rows[0]:
+        return seconds[0]
+    for i in range(1, len(rows)):
+        if n <= rows[i]:
+            f = (n - rows[i - 1]) / (rows[i] - rows[i - 1])
+            return seconds[i - 1] + f * (seconds[i] - seconds[i - 1])
+    slope = (seconds[-1] - seconds[-2]) / (rows[-1] - rows[-2]) if len(rows) > 1 else 0.0
+    return seconds[-1] + slope * (n - rows[-1])
+
+
+def _monotone(rows: list[int], seconds: list[float]) -> tuple[list[int], list[float]]:
+    """The points sorted by rows, each time at least the one before (measurement noise can
+    make a pass of more rows look faster)."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    kept: list[float] = []
+    for i in order:
+        kept.append(max([seconds[i]] + kept[-1:]))
+    return [rows[i] for i in order], kept
+
+
 class CostModel:
     """Seconds of one verify pass as a function of its row count (batch of one sequence),
-    interpolated linearly between measured points."""
+    interpolated linearly between measured points. With a second curve timed after a longer
+    context (``far``), also of the context the pass attends to: each row's attention reads
+    every key before it, so on a long conversation a wide pass costs more, against one row,
+    than after a short prompt. The engine sets :attr:`context` (the batch's mean context
+    length) before each step; costs are then interpolated between the two curves, and
+    extrapolated up to ``MAX_FAR`` times their distance beyond the far one."""
 
-    def __init__(self, rows: list[int], seconds: list[float]) -> None:
+    def __init__(self, rows: list[int], seconds: list[float],
+                 far: tuple[list[int], list[float]] | None = None,
+                 contexts: tuple[int, int] = (NEAR_CONTEXT, FAR_CONTEXT)) -> None:
         if not rows or len(rows) != len(seconds):
             raise ValueError("a cost model needs matching rows and seconds")
-        order = sorted(range(len(rows)), key=lambda i: rows[i])
-        self.rows = [rows[i] for i in order]
-        # verify time never decreases with more rows; measurement noise can make it look so
-        self.seconds = []
-        for i in order:
-            self.seconds.append(max([seconds[i]] + self.seconds[-1:]))
+        self.rows, self.seconds = _monotone(rows, seconds)
+        self.far: tuple[list[int], list[float]] | None = None
+        if far is not None:
+            if not far[0] or len(far[0]) != len(far[1]) or contexts[1] <= contexts[0]:
+                raise ValueError("a far curve needs matching rows and seconds, after a longer context")
+            far_rows, far_seconds = _monotone(*far)
+            # (never cheaper than the near curve: a longer context adds keys, never removes work)
+            floor = [_interpolate(self.rows, self.seconds, n) for n in far_rows]
+            self.far = far_rows, [max(t, f) for t, f in zip(far_seconds, floor)]
+        self.contexts = contexts
+        #: the context length the costs are for (the near curve's until set)
+        self.context = contexts[0]
 
     def verify(self, rows: int) -> float:
-        r, s = self.rows, self.seconds
-        if rows <= r[0]:
-            return s[0]
-        for i in range(1, len(r)):
-            if rows <= r[i]:
-                f = (rows - r[i - 1]) / (r[i] - r[i - 1])
-                return s[i - 1] + f * (s[i] - s[i - 1])
-        slope = (s[-1] - s[-2]) / (r[-1] - r[-2]) if len(r) > 1 else 0.0
-        return s[-1] + slope * (rows - r[-1])
+        near = _interpolate(self.rows, self.seconds, rows)
+        if self.far is None:
+            return near
+        f = min(MAX_FAR, max(0.0, (self.context - self.contexts[0]) / (self.contexts[1] - self.contexts[0])))
+        return near + f * (_interpolate(*self.far, rows) - near)
 
     def observe(self, rows: int, seconds: float, rate: float = 0.1) -> None:
         """Refine the curve with a pass of ``rows`` rows that took ``seconds`` (a step's own
-        timing): the whole curve is scaled toward it by ``rate``, so the model follows the
-        machine's load in a long-running server, and the cost that a batch of many sequences
-        adds over the one-sequence passes timed at start-up. A single pass moves the curve by at
-        most a factor of 2 ** rate."""
+        timing, at the current :attr:`context`): the whole curve is scaled toward it by
+        ``rate``, so the model follows the machine's load in a long-running server, and the
+        cost that a batch of many sequences adds over the one-sequence passes timed at
+        start-up. A single pass moves the curve by at most a factor of 2 ** rate."""
         predicted = self.verify(rows)
         if predicted <= 0 or seconds <= 0:
             return
         factor = min(2.0, max(0.5, seconds / predicted)) ** rate
         self.seconds = [t * factor for t in self.seconds]
+        if self.far is not None:
+            self.far = self.far[0], [t * factor for t in self.far[1]]
 
     @classmethod
     def for_target(cls, target: torch.nn.Module, max_nodes: int) -> "CostModel":
@@ -70,7 +113,7 @@ class CostModel:
             path = cost_cache_path(target, rows)
             model = _read_curve(path) if path is not None else None
             if model is None:
-                model = cls.measure(target, rows)
+                model = cls.measure(target, rows, far_context=FAR_CONTEXT)
                 if path is not None:
                     _write_curve(model, path)
             cached[key] = model
@@ -78,8 +121,8 @@ class CostModel:
         return cached[key]
 
     @classmethod
-    def measure(cls, target: torch.nn.Module, max_rows: int, context: int = 256, repeats: int = 5,
-                sizes: list[int] | None = None) -> "CostModel":
+    def measure(cls, target: torch.nn.Module, max_rows: int, context: int = NEAR_CONTEXT, repeats: int = 5,
+                sizes: list[int] | None = None, far_context: int | None = None) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
         after a ``context``-token prefill (less where the model's context is shorter): one
         warm-up round, then ``repeats`` rounds in which every size takes its turn; each size
@@ -89,57 +132,72 @@ class CostModel:
         a batch, a pass over ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``.
         ``sizes``: the row counts to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to
         ``max_rows``, and ``max_rows``, plus the first row count past each multiple of 16); the
-        others are interpolated."""
-        from tqdm import tqdm
-
-        from sot.attention import build_tree_layout
-        from sot.tree import ancestor_table, tree_from_parents
-
+        others are interpolated. ``far_context``: also time a few of those sizes after that
+        many tokens (the far curve; none where the model's positions end before it)."""
         if sizes is None:  # (17, 33, ...: a product of ROW_UNIT-row blocks costs a block more there)
             points = {1, 2, 4, 8, 12, 16, 17, 24, 32, 33, 48, 49, 64, 65, 80, 96, 97, 128}
             sizes = sorted(points & set(range(1, max_rows + 1)) | {max_rows})
-        unit = target.row_multiple
         last = (getattr(target, "max_positions", None) or 1 << 40) - 1  # the model's last position
         context = max(1, min(context, last - 8))  # (a small context: learned positions end there)
-        cache = target.new_cache(1, context + max(sizes) + unit + 16)
-        gen = torch.Generator().manual_seed(0)
-        vocab = target.model.get_input_embeddings().weight.shape[0]
-        prompt = torch.randint(0, vocab, (context,), generator=gen)
-        target.prefill(cache, 0, prompt)
-        cache.set_length(0, context)
-        passes = []
-        for n in sizes:
-            tokens = prompt.repeat(-(-n // context))[-n:]  # (a context shorter than the tree repeats)
-            tree = tree_from_parents(tokens.tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
-            rows = round_up(n, unit)
-            ids = torch.full((1, rows), int(tree.tokens[0]))
-            ids[0, :n] = torch.tensor(tree.tokens)
-            pos = torch.full((1, rows), context)
-            pos[0, :n] = (torch.tensor(tree.depths) + context).clamp(max=last)
-            layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows, cache)
-            passes.append((ids, pos, layout))
-        # Sizes take turns, round after round (the first round warms up), and each keeps its
-        # fastest pass: a busy moment then slows one round of every size instead of bending
-        # the curve, and the minimum is the most repeatable timing of a pass.
-        timings = {n: math.inf for n in sizes}
+        jobs = [(context, sizes, repeats)]
+        if far_context is not None and far_context + max(sizes) + 8 <= last and far_context > context:
+            far_sizes = sorted({1, 8, 16, 32, 64} & set(sizes) | {max(sizes)})
+            jobs.append((far_context, far_sizes, max(1, repeats - 2)))
+        total = sum((r + 1) * len(z) for _, z, r in jobs)
         # (a bar with its ETA in a terminal, where the first load waits on this; none elsewhere)
-        bar = tqdm(total=(repeats + 1) * len(sizes), desc="timing verify passes (once per machine and model)",
-                   unit="pass", disable=None, leave=False, dynamic_ncols=True)
-        for round_ in range(repeats + 1):
-            for n, (ids, pos, layout) in zip(sizes, passes):
-                target.synchronize()
-                t0 = time.perf_counter()
-                target.verify(cache, ids, pos, layout).logits  # (every row's: see the docstring)
-                target.synchronize()
-                if round_ > 0:
-                    timings[n] = min(timings[n], time.perf_counter() - t0)
-                bar.update()
-        bar.close()
-        return cls(list(timings), list(timings.values()))
+        with tqdm(total=total, desc="timing verify passes (once per machine and model)", unit="pass",
+                  disable=None, leave=False, dynamic_ncols=True) as bar:
+            curves = [_time_passes(target, c, z, r, bar) for c, z, r in jobs]
+        near = curves[0]
+        if len(curves) == 1:
+            return cls(list(near), list(near.values()))
+        far = curves[1]
+        return cls(list(near), list(near.values()), (list(far), list(far.values())), (context, far_context))
+
+
+def _time_passes(target: torch.nn.Module, context: int, sizes: list[int], repeats: int, bar) -> dict[int, float]:
+    """Fastest verify pass of each tree size after a ``context``-token prefill (see
+    :meth:`CostModel.measure`): ``{rows: seconds}``."""
+    from sot.attention import build_tree_layout
+    from sot.tree import ancestor_table, tree_from_parents
+
+    unit = target.row_multiple
+    last = (getattr(target, "max_positions", None) or 1 << 40) - 1
+    cache = target.new_cache(1, context + max(sizes) + unit + 16)
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.model.get_input_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (context,), generator=gen)
+    target.prefill(cache, 0, prompt)
+    cache.set_length(0, context)
+    passes = []
+    for n in sizes:
+        tokens = prompt.repeat(-(-n // context))[-n:]  # (a context shorter than the tree repeats)
+        tree = tree_from_parents(tokens.tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
+        rows = round_up(n, unit)
+        ids = torch.full((1, rows), int(tree.tokens[0]))
+        ids[0, :n] = torch.tensor(tree.tokens)
+        pos = torch.full((1, rows), context)
+        pos[0, :n] = (torch.tensor(tree.depths) + context).clamp(max=last)
+        layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows, cache)
+        passes.append((ids, pos, layout))
+    # Sizes take turns, round after round (the first round warms up), and each keeps its
+    # fastest pass: a busy moment then slows one round of every size instead of bending
+    # the curve, and the minimum is the most repeatable timing of a pass.
+    timings = {n: math.inf for n in sizes}
+    for round_ in range(repeats + 1):
+        for n, (ids, pos, layout) in zip(sizes, passes):
+            target.synchronize()
+            t0 = time.perf_counter()
+            target.verify(cache, ids, pos, layout).logits  # (every row's: see the docstring)
+            target.synchronize()
+            if round_ > 0:
+                timings[n] = min(timings[n], time.perf_counter() - t0)
+            bar.update()
+    return timings
 
 
 #: bump when the measurement changes, so curves kept by older versions are measured again
-COST_FORMAT = 1
+COST_FORMAT = 2
 
 
 def cost_cache_path(target: torch.nn.Module, max_rows: int) -> Path | None:
@@ -167,7 +225,10 @@ def cost_cache_path(target: torch.nn.Module, max_rows: int) -> Path | None:
 def _read_curve(path: Path) -> CostModel | None:
     try:
         raw = json.loads(path.read_text())
-        return CostModel([int(r) for r in raw["rows"]], [float(s) for s in raw["seconds"]])
+        far = raw.get("far")
+        return CostModel([int(r) for r in raw["rows"]], [float(s) for s in raw["seconds"]],
+                         None if far is None else ([int(r) for r in far["rows"]], [float(s) for s in far["seconds"]]),
+                         tuple(int(c) for c in raw.get("contexts", (NEAR_CONTEXT, FAR_CONTEXT))))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no curve kept, or an unreadable one: measure again
 
@@ -177,7 +238,8 @@ def _write_curve(model: CostModel, path: Path) -> None:
     from sot.models.loading import keep_json
 
     try:
-        keep_json(path, {"rows": model.rows, "seconds": model.seconds})
+        far = None if model.far is None else {"rows": model.far[0], "seconds": model.far[1]}
+        keep_json(path, {"rows": model.rows, "seconds": model.seconds, "far": far, "contexts": list(model.contexts)})
     except OSError:
         pass
 
