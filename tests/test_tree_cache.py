@@ -133,7 +133,8 @@ def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dty
     """The kernel takes a tree's rows several at a time (each key loaded once for all of
     them): every row of a 13-row tree, in a pass with a second sequence and padding rows,
     equals the row attended alone, bit for bit, for 1-6 query heads per KV head, with rows
-    whose halves split at different keys (lengths around 256) and under a sliding window."""
+    whose halves split at different keys (lengths around 256) and under a sliding window; a
+    bfloat16 cache gives what a float32 one holding the same values gives."""
     from sot.kernels import cpu_kernels
 
     if cpu_kernels() is None:
@@ -163,6 +164,11 @@ def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dty
                     q[b:b + 1, :, r:r + 1].contiguous(), keys[b:b + 1], values[b:b + 1],
                     torch.tensor([lengths[b]]), anc[b:b + 1, r:r + 1], torch.tensor([1]), 0.125, window, 0.0)
                 assert torch.equal(alone[0, 0], whole[b, r]), (lengths, window, b, r)
+        if dtype == torch.bfloat16:  # a bfloat16 cache: the same bits as float32 holding its values
+            half_k, half_v = keys.bfloat16(), values.bfloat16()
+            args = (torch.tensor(lengths), anc, real, 0.125, window, 0.0)
+            half = cpu_kernels().tree_attention_exact(q, half_k, half_v, *args)
+            assert torch.equal(half, cpu_kernels().tree_attention_exact(q, half_k.float(), half_v.float(), *args))
 
 
 def test_transposed_keys_pad_their_stride_and_attention_ignores_it() -> None:

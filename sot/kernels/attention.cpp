@@ -59,6 +59,36 @@ inline __m256 softmax_exp8(__m256 x) {
 
 constexpr int64_t kMaxGroup = 16;
 
+// The cache holds float32 or bfloat16 values (bfloat16 models write bfloat16 keys and values,
+// so a float32 cache would only hold them widened). Loads widen exactly, so the arithmetic
+// below is the same float32 arithmetic on the same values either way.
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vec16 load16(const at::BFloat16* p) {
+  uint16_t bits[kLanes];
+  std::memcpy(bits, p, sizeof(bits));
+  uint32_t wide[kLanes];
+  for (int l = 0; l < kLanes; ++l) wide[l] = static_cast<uint32_t>(bits[l]) << 16;
+  vec16 v;
+  std::memcpy(&v, wide, sizeof(v));
+  return v;
+}
+
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 // The cache layout this kernel reads: keys [B, Hkv, D, S] (transposed, so that 16 keys fit
 // one vector), values [B, Hkv, S, D], both float32. One task is one (sequence, KV head) and a
 // tile of that sequence's rows: the query heads sharing that KV head, in each of those rows,
@@ -71,15 +101,14 @@ constexpr int64_t kPrefetchKeys = 128;
 // arithmetic (score_tile's vector registers do the same): each lane sums q[d] * k[d] over d
 // in order. G > 0 fixes the head count at compile time; G == 0 takes it from `group`.
 
-template <int G>
-inline void score_block(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
+template <int G, typename C>
+inline void score_block(int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, float scale,
                         float* scores, int64_t stride) {
   const int64_t g = G > 0 ? G : group;
   vec16 lane[G > 0 ? G : kMaxGroup];
   for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
   for (int64_t d = 0; d < D; ++d) {
-    vec16 col;
-    std::memcpy(&col, kt + d * S, sizeof(col));
+    const vec16 col = load16(kt + d * S);
     for (int64_t j = 0; j < g; ++j) lane[j] += qrows[j * D + d] * col;
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -90,15 +119,14 @@ inline void score_block(int64_t group, const float* qrows, int64_t D, const floa
 
 // 16 lanes of the weighted value sum for each query head: acc[j * nv] = sum of w[j][k] * v[k]
 // over the committed keys k in order (a row's ancestors are added after, by the caller).
-template <int G>
-inline void weighted_values(int64_t group, const float* weights, int64_t stride, const float* vbase, int64_t D,
+template <int G, typename C>
+inline void weighted_values(int64_t group, const float* weights, int64_t stride, const C* vbase, int64_t D,
                             int64_t committed, vec16* acc, int64_t nv) {
   const int64_t g = G > 0 ? G : group;
   vec16 lane[G > 0 ? G : kMaxGroup];
   for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
   for (int64_t k = 0; k < committed; ++k) {
-    vec16 vv;
-    std::memcpy(&vv, vbase + k * D, sizeof(vv));
+    const vec16 vv = load16(vbase + k * D);
     for (int64_t j = 0; j < g; ++j) lane[j] += weights[j * stride + k] * vv;
   }
   for (int64_t j = 0; j < g; ++j) acc[j * nv] = lane[j];
@@ -147,8 +175,8 @@ template <int G>
 constexpr int max_tile_rows() { return G > 0 && kTileSlots / G > 1 ? kTileSlots / G : 1; }
 
 // score_block for NR rows: qrows [NR][group][D], scores of row i, head j at (i * group + j) * stride.
-template <int G, int NR>
-inline void score_tile(int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
+template <int G, int NR, typename C>
+inline void score_tile(int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, float scale,
                        float* scores, int64_t stride) {
 #if defined(__AVX2__)
   if constexpr (G > 0) {
@@ -157,7 +185,7 @@ inline void score_tile(int64_t group, const float* qrows, int64_t D, const float
 #pragma GCC unroll 12
     for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
-      const __m256 c0 = _mm256_loadu_ps(kt + d * S), c1 = _mm256_loadu_ps(kt + d * S + 8);
+      const __m256 c0 = load8(kt + d * S), c1 = load8(kt + d * S + 8);
       _mm_prefetch(reinterpret_cast<const char*>(kt + d * S + kPrefetchKeys), _MM_HINT_T0);
 #pragma GCC unroll 12
       for (int s = 0; s < P; ++s) {
@@ -176,13 +204,13 @@ inline void score_tile(int64_t group, const float* qrows, int64_t D, const float
   }
 #endif
   for (int i = 0; i < NR; ++i)
-    score_block<G>(group, qrows + i * group * D, D, kt, S, scale, scores + i * group * stride, stride);
+    score_block<G, C>(group, qrows + i * group * D, D, kt, S, scale, scores + i * group * stride, stride);
 }
 
 // weighted_values over the committed keys 0 .. committed - 1 for NR rows: acc[i] is row i's
 // accumulators (head j's 16 lanes at acc[i][j * nv]).
-template <int G, int NR>
-inline void weighted_tile(int64_t group, const float* weights, int64_t stride, const float* vbase, int64_t D,
+template <int G, int NR, typename C>
+inline void weighted_tile(int64_t group, const float* weights, int64_t stride, const C* vbase, int64_t D,
                           int64_t committed, vec16* const* acc, int64_t nv) {
 #if defined(__AVX2__)
   if constexpr (G > 0) {
@@ -191,8 +219,8 @@ inline void weighted_tile(int64_t group, const float* weights, int64_t stride, c
 #pragma GCC unroll 12
     for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
     for (int64_t k = 0; k < committed; ++k) {
-      const float* v = vbase + k * D;
-      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+      const C* v = vbase + k * D;
+      const __m256 v0 = load8(v), v1 = load8(v + 8);
 #pragma GCC unroll 12
       for (int s = 0; s < P; ++s) {
         const __m256 w = _mm256_set1_ps(weights[s * stride + k]);
@@ -210,24 +238,24 @@ inline void weighted_tile(int64_t group, const float* weights, int64_t stride, c
   }
 #endif
   for (int i = 0; i < NR; ++i)
-    weighted_values<G>(group, weights + i * group * stride, stride, vbase, D, committed, acc[i], nv);
+    weighted_values<G, C>(group, weights + i * group * stride, stride, vbase, D, committed, acc[i], nv);
 }
 
 // The tile functions for nr rows (1 <= nr <= NR), register tiles fixed at compile time.
-template <int G, int NR>
-inline void score_rows(int nr, int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, float scale,
+template <int G, int NR, typename C>
+inline void score_rows(int nr, int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, float scale,
                        float* scores, int64_t stride) {
   if constexpr (NR > 1)
-    if (nr < NR) return score_rows<G, NR - 1>(nr, group, qrows, D, kt, S, scale, scores, stride);
-  score_tile<G, NR>(group, qrows, D, kt, S, scale, scores, stride);
+    if (nr < NR) return score_rows<G, NR - 1, C>(nr, group, qrows, D, kt, S, scale, scores, stride);
+  score_tile<G, NR, C>(group, qrows, D, kt, S, scale, scores, stride);
 }
 
-template <int G, int NR>
-inline void weighted_rows(int nr, int64_t group, const float* weights, int64_t stride, const float* vbase, int64_t D,
+template <int G, int NR, typename C>
+inline void weighted_rows(int nr, int64_t group, const float* weights, int64_t stride, const C* vbase, int64_t D,
                           int64_t committed, vec16* const* acc, int64_t nv) {
   if constexpr (NR > 1)
-    if (nr < NR) return weighted_rows<G, NR - 1>(nr, group, weights, stride, vbase, D, committed, acc, nv);
-  weighted_tile<G, NR>(group, weights, stride, vbase, D, committed, acc, nv);
+    if (nr < NR) return weighted_rows<G, NR - 1, C>(nr, group, weights, stride, vbase, D, committed, acc, nv);
+  weighted_tile<G, NR, C>(group, weights, stride, vbase, D, committed, acc, nv);
 }
 
 // A row with at least this many keys is attended as two halves, split at a point its own
@@ -240,9 +268,9 @@ constexpr int64_t kSplitKeys = 256;
 // there, shared by the tile, then each row's own ancestors at slots[i] (relative to `lo`).
 // Leaves, for row i and query head j, the weighted value sums in acc[i][j * nv ...], the
 // largest score in tops[i * group + j] and the sum of the weights in sums[i * group + j].
-template <int G>
-void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const float* kt, int64_t S, int64_t room,
-                 const float* vbase, int64_t committed, const std::vector<int64_t>* slots, float scale,
+template <int G, typename C>
+void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, int64_t room,
+                 const C* vbase, int64_t committed, const std::vector<int64_t>* slots, float scale,
                  float softcap, std::vector<float>& scores, vec16* const* acc, float* tops, float* sums) {
   const int64_t nv = D / kLanes;
   // Scores in whole 16-key blocks from slot lo: over the committed slots and on through the
@@ -263,7 +291,7 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const flo
   const int64_t stride = (std::max(most, blocks) + kLanes - 1) / kLanes * kLanes;
   scores.resize(nr * group * stride);
   for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
-    score_rows<G, max_tile_rows<G>()>(nr, group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
+    score_rows<G, max_tile_rows<G>(), C>(nr, group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
   for (int i = 0; i < nr; ++i) {
     const std::vector<int64_t>& own = slots[i];
     const int64_t total = committed + static_cast<int64_t>(own.size());
@@ -279,14 +307,14 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const flo
         const int64_t slot = own[k - committed];
         for (int64_t j = 0; j < group; ++j) {
           float sc = 0.f;
-          for (int64_t d = 0; d < D; ++d) sc += q[j * D + d] * kt[d * S + slot];
+          for (int64_t d = 0; d < D; ++d) sc += q[j * D + d] * widen(kt[d * S + slot]);
           rs[j * stride + k] = sc * scale;
         }
       }
       for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
         for (int64_t j = 0; j < group; ++j) {
           float sc = 0.f;
-          for (int64_t d = 0; d < D; ++d) sc += q[j * D + d] * kt[d * S + k];
+          for (int64_t d = 0; d < D; ++d) sc += q[j * D + d] * widen(kt[d * S + k]);
           rs[j * stride + k] = sc * scale;
         }
       }
@@ -329,7 +357,7 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const flo
   for (int64_t v = 0; v < nv; ++v) {
     for (int i = 0; i < nr; ++i) slice[i] = acc[i] + v;
     // the shared committed keys for every row at once, then each row's ancestors in order
-    weighted_rows<G, max_tile_rows<G>()>(nr, group, scores.data(), stride, vbase + v * kLanes, D, committed, slice,
+    weighted_rows<G, max_tile_rows<G>(), C>(nr, group, scores.data(), stride, vbase + v * kLanes, D, committed, slice,
                                          nv);
     for (int i = 0; i < nr; ++i) {
       const std::vector<int64_t>& own = slots[i];
@@ -337,9 +365,7 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const flo
       for (int64_t j = 0; j < group; ++j) {
         vec16 a = slice[i][j * nv];
         for (size_t k = 0; k < own.size(); ++k) {
-          vec16 vv;
-          std::memcpy(&vv, vbase + own[k] * D + v * kLanes, sizeof(vv));
-          a += w[j * stride + k] * vv;
+          a += w[j * stride + k] * load16(vbase + own[k] * D + v * kLanes);
         }
         slice[i][j * nv] = a;
       }
@@ -347,7 +373,7 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const flo
   }
 }
 
-template <typename T, int G>
+template <typename T, int G, typename C>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
          const at::Tensor& lengths, const at::Tensor& ancestors, const at::Tensor& rows,
          float scale, int64_t window, float softcap, at::Tensor& out) {
@@ -360,8 +386,8 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   const int64_t nv = D / kLanes;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const T* qp = q.data_ptr<T>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const C* kp = keys.data_ptr<C>();
+  const C* vp = values.data_ptr<C>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   const int64_t* ap = ancestors.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
@@ -453,9 +479,9 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
         const int64_t unit = (b * Hkv + kvh) * R + r;
         acc[i] = g.split == 0 ? accv.data() + i * group * nv : half_acc.data() + (unit * 2 + half) * group * nv;
       }
-      const float* kt = kp + (b * Hkv + kvh) * D * S + from;      // [D][S], from slot `from`
-      const float* vbase = vp + ((b * Hkv + kvh) * Sv + from) * D;  // [Sv][D], from slot `from`
-      attend_tile<G>(tile.nr, group, qrows.data(), D, kt, S, S - from, vbase, part_committed, slots, scale, softcap,
+      const C* kt = kp + (b * Hkv + kvh) * D * S + from;      // [D][S], from slot `from`
+      const C* vbase = vp + ((b * Hkv + kvh) * Sv + from) * D;  // [Sv][D], from slot `from`
+      attend_tile<G, C>(tile.nr, group, qrows.data(), D, kt, S, S - from, vbase, part_committed, slots, scale, softcap,
                      scores, acc, tops, sums);
       for (int i = 0; i < tile.nr; ++i) {
         const int64_t r = tile.r0 + i, unit = (b * Hkv + kvh) * R + r;
@@ -500,8 +526,23 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   });
 }
 
+// A run<T, G, C> for the query heads per KV head (G: 1-4 at compile time, else 0).
+template <typename T, typename C>
+void run_by_group(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& lengths,
+                  const at::Tensor& ancestors, const at::Tensor& rows, float scale, int64_t window, float cap,
+                  at::Tensor& out) {
+  switch (q.size(1) / keys.size(1)) {
+    case 1: run<T, 1, C>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 2: run<T, 2, C>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 3: run<T, 3, C>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    case 4: run<T, 4, C>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+    default: run<T, 0, C>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
+  }
+}
+
 // q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, D, S'] and
-// values: [B, Hkv, S, D], float32, contiguous (S' >= S); lengths: [B] int64; ancestors: [B, R, W] int64
+// values: [B, Hkv, S, D], contiguous (S' >= S), float32, or bfloat16 with a bfloat16 q;
+// lengths: [B] int64; ancestors: [B, R, W] int64
 // cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence; window:
 // keys per row under a sliding window (0: all); softcap: attention-logit soft cap (0: none).
 // Returns [B, R, H, D] in q's dtype, accumulated in float32 (zeros past rows[b]).
@@ -509,26 +550,21 @@ at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values
                                 at::Tensor lengths, at::Tensor ancestors,
                                 at::Tensor rows, double scaling, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rank mismatch");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-              "the cache must be float32");
+  const bool half_cache = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() && (half_cache || keys.scalar_type() == at::kFloat),
+              "the cache must be float32 or bfloat16");
+  TORCH_CHECK(!half_cache || q.scalar_type() == at::kBFloat16, "a bfloat16 cache takes a bfloat16 q");
   TORCH_CHECK(q.stride(3) == 1, "q's last dim must be contiguous");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   auto out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-  const bool f32 = q.scalar_type() == at::kFloat;
-  switch (q.size(1) / keys.size(1)) {  // query heads per KV head
-    case 1: f32 ? run<float, 1>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
-                : run<at::BFloat16, 1>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
-    case 2: f32 ? run<float, 2>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
-                : run<at::BFloat16, 2>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
-    case 3: f32 ? run<float, 3>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
-                : run<at::BFloat16, 3>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
-    case 4: f32 ? run<float, 4>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
-                : run<at::BFloat16, 4>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
-    default: f32 ? run<float, 0>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out)
-                 : run<at::BFloat16, 0>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out); break;
-  }
+  if (q.scalar_type() == at::kFloat)
+    run_by_group<float, float>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out);
+  else if (half_cache)
+    run_by_group<at::BFloat16, at::BFloat16>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out);
+  else
+    run_by_group<at::BFloat16, float>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out);
   return out;
 }

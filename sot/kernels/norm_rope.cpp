@@ -98,12 +98,13 @@ inline T round_to(float v) { return static_cast<T>(v); }
 
 // Rotary embedding of q and k plus the KV-cache write, in one pass.
 // qkv: [B, T, Hq + 2 Hkv, D] (q heads, k heads, v heads); cos, sin: [B, T, D];
-// keys: [B, Hkv, D, S'], values: [B, Hkv, S, D] (one layer of the float32 cache; the keys'
-// slot stride S' >= S may carry padding);
+// keys: [B, Hkv, D, S'], values: [B, Hkv, S, D] (one layer of the cache, float32, or bfloat16
+// for a bfloat16 model, whose keys and values are bfloat16 values; the keys' slot stride
+// S' >= S may carry padding);
 // slots: [B, T] cache slot per row.
 // Returns q: [B, Hq, T, D]. Every operation rounds to the model dtype exactly as the
 // transformers formula q * cos + rotate_half(q) * sin does, so the bits are the same.
-template <typename T>
+template <typename T, typename C>
 void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
                      int64_t hq, at::Tensor& q_out) {
@@ -113,8 +114,8 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
+  C* kp = keys.data_ptr<C>();
+  C* vp = values.data_ptr<C>();
   T* qp = q_out.data_ptr<T>();
   at::parallel_for(0, B * Tn, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
@@ -133,14 +134,14 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
           if (h < hq) {
             qp[((b * hq + h) * Tn + t) * D + d] = value;
           } else {
-            kp[((b * hkv + (h - hq)) * D + d) * S + where] = static_cast<float>(value);
+            kp[((b * hkv + (h - hq)) * D + d) * S + where] = static_cast<C>(static_cast<float>(value));
           }
         }
       }
       for (int64_t h = 0; h < hkv; ++h) {
         const T* x = src + (bt * Hall + hq + hkv + h) * D;
-        float* dst = vp + ((b * hkv + h) * Sv + where) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(x[d]);
+        C* dst = vp + ((b * hkv + h) * Sv + where) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<C>(static_cast<float>(x[d]));
       }
     }
   });
@@ -160,12 +161,17 @@ at::Tensor rope_write_checked_once(at::Tensor qkv, at::Tensor cos, at::Tensor si
   cos = cos.contiguous();
   sin = sin.contiguous();
   slots = slots.contiguous();
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && cos.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  const bool half_cache = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((keys.scalar_type() == at::kFloat || (half_cache && qkv.scalar_type() == at::kBFloat16)) &&
+                  values.scalar_type() == keys.scalar_type() && cos.scalar_type() == qkv.scalar_type(),
+              "dtype mismatch (a float32 cache, or a bfloat16 one for a bfloat16 model)");
   auto q = at::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
   if (qkv.scalar_type() == at::kFloat) {
-    rope_write_impl<float>(qkv, cos, sin, keys, values, slots, hq, q);
+    rope_write_impl<float, float>(qkv, cos, sin, keys, values, slots, hq, q);
+  } else if (qkv.scalar_type() == at::kBFloat16 && half_cache) {
+    rope_write_impl<at::BFloat16, at::BFloat16>(qkv, cos, sin, keys, values, slots, hq, q);
   } else if (qkv.scalar_type() == at::kBFloat16) {
-    rope_write_impl<at::BFloat16>(qkv, cos, sin, keys, values, slots, hq, q);
+    rope_write_impl<at::BFloat16, float>(qkv, cos, sin, keys, values, slots, hq, q);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 only");
   }
