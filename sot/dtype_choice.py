@@ -7,8 +7,10 @@ hardware, a 16-row verify pass costs little more than one row, so the policy ver
 trees. Neither is best everywhere, so at the first load of a model on a machine each mode is
 timed:
 
-- the target's verify pass of 1, 2, 4, 8 and 16 rows after a 256-token context (the engine's
-  own :meth:`sot.policy.CostModel.measure`: rounds of every size, each keeping its fastest);
+- the target's verify pass of 1, 2, 4, 8 and 16 rows after a 256-token context (as the
+  engine's :meth:`sot.policy.CostModel.measure` times them: rounds of every size, each keeping
+  its fastest), the modes taking turns round after round, so that a busy moment on a shared
+  machine cannot make one mode look slower than it is;
 - for a drafter, a short decode with a fixed tree (the ``static`` policy): the drafter's seconds
   per model pass, and its acceptance (tokens per step ``tau`` gives a per-token rate
   ``a = (tau - 1) / tau``, pooled over the modes since it belongs to the drafter).
@@ -49,7 +51,7 @@ PROBE_TOKENS_AGAIN = 16
 #: the probe decode's prompt
 PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number, and explain how it works."
 #: bump when the measurement changes, so older cached choices are measured again
-FORMAT = 1
+FORMAT = 2
 #: ``SOT_DTYPE_AUTO=rule`` skips the measurement: bfloat16 where the hardware computes it
 #: natively, else float32 (the rule ``auto`` followed before it measured)
 RULE_ENV = "SOT_DTYPE_AUTO"
@@ -199,43 +201,109 @@ def _probe_decode(target, draft, tokenizer, tokens: int) -> tuple[float, float, 
     return spent[0] / max(1, passes[0]), max(1.0, result.mean_accept_len), len(result.token_ids)
 
 
-def measure_mode(model: str, dtype: str, drafter: str, predictor: str | None,
-                 earlier: list[ModeTiming] | None = None) -> ModeTiming:
-    """Time ``model`` in ``dtype``: verify passes by rows and, with a drafter, a probe decode.
+@dataclass
+class _Loaded:
+    """One mode's target and drafter, loaded for timing."""
 
-    A mode whose passes are slower at every timed size than an ``earlier`` mode's cannot be faster
-    with the same drafter; it skips the probe decode (minutes where bfloat16 is emulated), and its
-    drafter pass is taken as the earlier mode's scaled by the ratio of their one-row passes."""
+    dtype: str
+    target: object
+    draft: object
+    tokenizer: object
+    speculative: bool
+
+
+def _load(model: str, dtype: str, drafter: str, predictor: str | None) -> _Loaded:
     from sot.drafters import DrafterKind, auto_drafter_kind, make_drafter
     from sot.drafters.suffix import SuffixStores
     from sot.models.adapter import TargetModel
     from sot.models.loading import load_model
-    from sot.policy import CostModel
 
     loaded = load_model(model, dtype=DTYPES[dtype])
     kind = auto_drafter_kind(loaded.model, predictor) if drafter == "auto" else DrafterKind(drafter)
     stores = SuffixStores() if drafter == "auto" or kind is DrafterKind.SUFFIX else None
     draft = make_drafter(kind, loaded.model, predictor, suffix=stores)
     target = TargetModel(loaded.model, state_layers=draft.state_layers)
-    context = min(PROBE_CONTEXT, _positions(loaded.model) - 2 * max(PROBE_ROWS))
+    return _Loaded(dtype, target, draft, loaded.tokenizer, kind is not DrafterKind.NONE)
+
+
+def _bytes(target) -> int:
+    """What a loaded target holds in parameters and buffers, packed forms included."""
+    model = target.model
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _available_bytes() -> int:
+    """Memory the system could still give this process (a large number where it cannot say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def measure_modes(model: str, names: tuple[str, ...], drafter: str, predictor: str | None) -> list[ModeTiming]:
+    """Time ``model`` in each mode of ``names``: verify passes by rows and, with a drafter, a
+    probe decode.
+
+    The modes are loaded together where memory allows it (twice the first mode's bytes free),
+    and their verify passes are timed in turns, round after round (each round times every size
+    of each mode; each size keeps its fastest pass): a busy moment on a shared machine then
+    slows one round of every mode instead of one mode's whole measurement. A mode that does
+    not fit beside the first is timed after it, alone."""
+    first = _load(model, names[0], drafter, predictor)
+    together, rest = [first], list(names[1:])
+    while rest and 2 * _bytes(first.target) < _available_bytes():
+        together.append(_load(model, rest.pop(0), drafter, predictor))
+    timings = _time_in_turns(together, [])
+    del first, together
+    for name in rest:
+        timings += _time_in_turns([_load(model, name, drafter, predictor)], timings)
+    return timings
+
+
+def _time_in_turns(group: list[_Loaded], earlier: list[ModeTiming]) -> list[ModeTiming]:
+    """The timings of the modes of ``group`` (see :func:`measure_modes`), after ``earlier``
+    ones. After the first round, a mode whose passes take twice another's at every size cannot
+    be faster: it is timed no further and skips the probe decode (minutes where bfloat16 is
+    emulated); its drafter pass is then taken as the faster mode's, scaled by the ratio of their
+    one-row passes."""
+    from sot.policy.cost import CostModel, _time_passes
+
     sizes = list(PROBE_ROWS)
-    # one round first: a mode twice as slow as an earlier one at every size needs no more
-    cost = CostModel.measure(target, max(sizes), context=max(1, context), repeats=1, sizes=sizes)
-    if not any(all(2 * o.verify_ms[r] <= cost.verify(r) * 1000 for r in sizes) for o in earlier or []):
-        cost = CostModel.measure(target, max(sizes), context=max(1, context), repeats=PROBE_REPEATS, sizes=sizes)
-    timing = ModeTiming(dtype, {r: cost.verify(r) * 1000 for r in PROBE_ROWS})
-    if kind is DrafterKind.NONE:
-        return timing
-    for other in earlier or []:
+    context = max(1, min(PROBE_CONTEXT, _positions(group[0].target.model) - 2 * max(PROBE_ROWS)))
+    best = {m.dtype: {r: float("inf") for r in sizes} for m in group}
+    live = list(group)
+    for round_ in range(PROBE_REPEATS):
+        for m in live:
+            timed = _time_passes(m.target, context, sizes, 1, None)
+            best[m.dtype] = {r: min(best[m.dtype][r], timed[r]) for r in sizes}
+        if round_ == 0:
+            ms = {t.dtype: [t.verify_ms[r] / 1000 for r in sizes] for t in earlier}
+            ms.update({m.dtype: [best[m.dtype][r] for r in sizes] for m in group})
+            live = [m for m in live if not any(all(2 * a <= b for a, b in zip(other, ms[m.dtype]))
+                                               for name, other in ms.items() if name != m.dtype)]
+    out: list[ModeTiming] = []
+    for m in group:
+        curve = CostModel(sizes, [best[m.dtype][r] for r in sizes])
+        timing = ModeTiming(m.dtype, {r: curve.verify(r) * 1000 for r in PROBE_ROWS})
+        if m.speculative:
+            _probe(m, timing, earlier + out)
+        out.append(timing)
+    return out
+
+
+def _probe(m: _Loaded, timing: ModeTiming, earlier: list[ModeTiming]) -> None:
+    """The drafter's pass time and tau for ``timing``: a probe decode, or an ``earlier`` mode's
+    figures where that mode's passes are at least as fast at every size."""
+    for other in earlier:
         if all(other.verify_ms[r] <= timing.verify_ms[r] for r in PROBE_ROWS):
             timing.draft_ms = other.draft_ms * timing.verify_ms[1] / other.verify_ms[1]
             timing.tau = other.tau
             timing.note = f"slower than {other.dtype} at every size: not decoded"
-            return timing
+            return
     draft_s, timing.tau, timing.probe_tokens = _probe_decode(
-        target, draft, loaded.tokenizer, PROBE_TOKENS_AGAIN if earlier else PROBE_TOKENS)
+        m.target, m.draft, m.tokenizer, PROBE_TOKENS_AGAIN if earlier else PROBE_TOKENS)
     timing.draft_ms = draft_s * 1000
-    return timing
 
 
 def _expected(modes: list[ModeTiming], speculative: bool) -> None:
@@ -271,9 +339,7 @@ def choose_dtype(model: str, drafter: str = "auto", predictor: str | None = None
     if progress:
         print(f"timing {' and '.join(CANDIDATES)} on this machine for --dtype auto (once; kept in {path.parent})",
               file=sys.stderr, flush=True)
-    modes: list[ModeTiming] = []
-    for name in CANDIDATES:
-        modes.append(measure_mode(model, name, drafter, predictor, modes))
+    modes = measure_modes(model, CANDIDATES, drafter, predictor)
     _expected(modes, speculative=drafter != "none")
     best = max(modes, key=lambda m: m.tokens_per_s)
     choice = DtypeChoice(best.dtype, "measured", drafter, modes, path)

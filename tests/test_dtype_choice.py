@@ -82,6 +82,41 @@ def test_auto_measures_both_modes_once_and_reads_the_choice_back(model_dir: Path
     assert json.loads(first.path.read_text())["dtype"] in dc.CANDIDATES
 
 
+def test_the_modes_take_turns_and_a_mode_twice_as_slow_stops_early(model_dir: Path, monkeypatch) -> None:
+    """The verify passes of the modes are timed in turns, round after round (a busy moment
+    slows a round of each, not one mode's whole measurement); a mode twice as slow as another
+    at every size after the first round is timed no further and not decoded; a mode that does
+    not fit in memory beside the first is loaded after it, alone."""
+    from sot.policy import cost
+
+    calls: list[str] = []
+    slow = {"float32": 1.0, "bfloat16": 0.9}  # (a mode slower everywhere than an earlier one is not decoded)
+
+    def fake(target, context, sizes, repeats, bar):
+        name = str(target.dtype).removeprefix("torch.")
+        calls.append(name)
+        return {r: slow[name] * (0.010 + 0.001 * r) for r in sizes}
+
+    monkeypatch.setattr(cost, "_time_passes", fake)
+    modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None)
+    assert calls == list(dc.CANDIDATES) * dc.PROBE_REPEATS, "one round of each mode in turn"
+    assert all(m.probe_tokens > 0 for m in modes)
+    calls.clear()
+    slow["bfloat16"] = 2.5
+    modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None)
+    assert calls == ["float32", "bfloat16"] + ["float32"] * (dc.PROBE_REPEATS - 1)
+    assert modes[1].probe_tokens == 0 and "not decoded" in modes[1].note
+    calls.clear()
+    loaded: list[str] = []
+    real_load = dc._load
+    monkeypatch.setattr(dc, "_load", lambda model, name, *a: loaded.append(name) or real_load(model, name, *a))
+    monkeypatch.setattr(dc, "_available_bytes", lambda: 0)
+    slow["bfloat16"] = 0.9
+    modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None)
+    assert loaded == list(dc.CANDIDATES) and [m.dtype for m in modes] == list(dc.CANDIDATES)
+    assert calls == ["float32"] * dc.PROBE_REPEATS + ["bfloat16"] * dc.PROBE_REPEATS, "one after the other"
+
+
 def test_a_forced_mode_or_the_rule_skips_the_measurement(model_dir: Path, cache: Path, monkeypatch) -> None:
     forced = dc.resolve("bfloat16", str(model_dir))
     assert (forced.dtype, forced.source, forced.modes) == ("bfloat16", "forced", [])

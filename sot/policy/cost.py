@@ -157,7 +157,8 @@ class CostModel:
 
 def _time_passes(target: torch.nn.Module, context: int, sizes: list[int], repeats: int, bar) -> dict[int, float]:
     """Fastest verify pass of each tree size after a ``context``-token prefill (see
-    :meth:`CostModel.measure`): ``{rows: seconds}``."""
+    :meth:`CostModel.measure`): ``{rows: seconds}``; ``bar`` (a progress bar, or None) counts
+    the passes."""
     from sot.attention import build_tree_layout
     from sot.tree import ancestor_table, tree_from_parents
 
@@ -192,7 +193,8 @@ def _time_passes(target: torch.nn.Module, context: int, sizes: list[int], repeat
             target.synchronize()
             if round_ > 0:
                 timings[n] = min(timings[n], time.perf_counter() - t0)
-            bar.update()
+            if bar is not None:
+                bar.update()
     return timings
 
 
