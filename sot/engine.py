@@ -546,8 +546,6 @@ class Engine:
         # model idle for a step; sequences that skip the model keep their states until it runs.
         offers = (policy.adaptive or policy.record) and not policy.holds_plain(len(seqs))
         budget = self.budget.for_batch(len(seqs))
-        if policy.cost is not None:  # (a pass's rows cost more where they attend to more keys)
-            policy.cost.context = sum(len(x.context) for x in given.values()) // max(1, len(given))
         free = self.drafter.propose_free(list(given.values()), budget) if offers else None
         plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), budget)
         proposed: dict[int, DraftTree] = {}

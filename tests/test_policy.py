@@ -22,53 +22,6 @@ def test_cost_model_interpolates_and_never_decreases() -> None:
     assert cost.verify(24) > cost.verify(16)
 
 
-def test_cost_model_prices_rows_by_the_context_they_attend_to(tmp_path) -> None:
-    """With a second curve timed after a longer context, a pass costs what the context the
-    engine sets says: the near curve up to its context, the far one at its own, linear between
-    and beyond (up to MAX_FAR times their distance); both follow the steps' timings, and both
-    are kept and read back."""
-    from sot.policy.cost import MAX_FAR, _read_curve, _write_curve
-
-    cost = CostModel([1, 16], [0.010, 0.020], far=([1, 16], [0.012, 0.036]), contexts=(256, 1024))
-    assert cost.context == 256 and cost.verify(16) == pytest.approx(0.020)
-    cost.context = 100  # (shorter than the near curve's: priced as it)
-    assert cost.verify(16) == pytest.approx(0.020)
-    cost.context = 1024
-    assert cost.verify(1) == pytest.approx(0.012) and cost.verify(16) == pytest.approx(0.036)
-    cost.context = 640  # halfway
-    assert cost.verify(16) == pytest.approx(0.028)
-    assert cost.verify(8) == pytest.approx((0.010 + 7 / 15 * 0.010 + 0.012 + 7 / 15 * 0.024) / 2)
-    cost.context = 256 + 768 * 100  # far past both: extrapolated, but only so far
-    assert cost.verify(16) == pytest.approx(0.020 + MAX_FAR * 0.016)
-    cost.context = 1024
-    before = cost.verify(16)
-    for _ in range(20):
-        cost.observe(16, 2 * before)
-    assert cost.verify(16) > 1.5 * before and cost.seconds[0] > 0.015, "both curves follow the steps"
-    noisy = CostModel([1, 16], [0.010, 0.020], far=([1, 16], [0.009, 0.030]))
-    assert noisy.far[1][0] == pytest.approx(0.010), "a longer context never prices a pass cheaper"
-    _write_curve(cost, tmp_path / "curve.json")
-    again = _read_curve(tmp_path / "curve.json")
-    assert again.rows == cost.rows and again.seconds == cost.seconds and again.far == cost.far
-    assert again.contexts == cost.contexts
-    plain = CostModel([1, 8], [0.010, 0.012])
-    _write_curve(plain, tmp_path / "plain.json")
-    assert _read_curve(tmp_path / "plain.json").far is None
-    with pytest.raises(ValueError):
-        CostModel([1], [0.01], far=([1], [0.02]), contexts=(1024, 256))
-
-
-def test_cost_model_measure_times_a_far_curve_where_the_model_reaches_it() -> None:
-    """``far_context`` adds a curve of a few sizes after that many tokens, where the model's
-    positions reach past it; a model whose positions end sooner keeps the near curve alone."""
-    target = TargetModel(clone(tiny_model("llama", seed=2, max_position_embeddings=1024), torch.float32))
-    cost = CostModel.measure(target, 16, context=32, repeats=1, sizes=[1, 4, 8, 16], far_context=512)
-    assert cost.far is not None and cost.far[0] == [1, 8, 16] and cost.contexts == (32, 512)
-    assert all(f >= cost.verify(n) - 1e-12 for n, f in zip(*cost.far))
-    short = TargetModel(clone(tiny_model("llama", seed=2, max_position_embeddings=256), torch.float32))
-    assert CostModel.measure(short, 16, context=32, repeats=1, sizes=[1, 16], far_context=512).far is None
-
-
 def test_cost_model_measure_times_every_size_in_turn_and_keeps_the_fastest(monkeypatch) -> None:
     """Every size is timed once per round (sizes take turns, so a slow moment hits one round of
     each), the warm-up round is dropped, and each size keeps its fastest pass."""
@@ -253,25 +206,6 @@ def test_root_only_choice_falls_back_and_skips_the_drafter() -> None:
     assert res.fallbacks >= 2 and set(res.tree_sizes) == {1}
     assert _Unsure.calls < res.steps, "fallback steps must not call the drafter"
     assert res.plain_steps == res.steps - _Unsure.calls
-
-
-def test_the_engine_prices_each_step_at_its_batch_context() -> None:
-    """Before each step the engine tells the cost model the batch's mean context length, so
-    the policy prices rows at the keys they attend to; the output stays plain decoding's."""
-    target, prompts, params, plain = _plain_run((12, 30), 20)
-    seen: list[int] = []
-
-    class Watched(CostModel):
-        def verify(self, rows: int) -> float:
-            seen.append(self.context)
-            return super().verify(rows)
-
-    engine = Engine(target, PromptLookupDrafter(), TreeBudget(8, 6))
-    engine.cost_model = lambda: Watched([1, 8], [0.010, 0.012], far=([1, 8], [0.011, 0.020]), contexts=(16, 64))
-    out = engine.generate(prompts, params)
-    assert [r.token_ids for r in out] == plain
-    assert seen and min(seen) >= (12 + 30) // 2 and max(seen) <= (12 + 30) // 2 + 20
-    assert max(seen) > min(seen), "the context grows with the answers"
 
 
 def test_free_drafts_replace_worse_model_drafts_losslessly() -> None:

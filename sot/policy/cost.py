@@ -1,11 +1,9 @@
 """The verify cost of a pass by its row count, measured on this machine.
 
 Measuring the curve takes about 15 seconds on the default model on a 2-core AVX2 machine
-(about 90 passes of up to 96 rows), and a second curve of 6 sizes after a 1024-token context
-(what a longer context adds to each row's attention) about as long again, so both are kept
-under ``$SOT_CACHE/costs/`` (default ``~/.cache/sot``) per machine, target weights, dtype,
-compute path and kernel build, and later loads read them back; delete the folder to measure
-again. A running engine still rescales the curves to the passes it times
+(about 90 passes of up to 96 rows), so it is kept under ``$SOT_CACHE/costs/`` (default
+``~/.cache/sot``) per machine, target weights, dtype, compute path and kernel build, and later
+loads read it back; delete the folder to measure again. A running engine still rescales the curve to the passes it times
 (:meth:`CostModel.observe`), so a busier machine than at measurement is followed.
 """
 from __future__ import annotations
@@ -24,82 +22,42 @@ from tqdm import tqdm
 from sot.models.rows import round_up
 
 
-#: the context lengths the curves are timed after: every pass (NEAR), and a second curve of
-#: fewer sizes (FAR) that prices what attending to more keys adds to each row
-NEAR_CONTEXT, FAR_CONTEXT = 256, 1024
-#: how far past FAR_CONTEXT the two curves are extrapolated (in multiples of their distance)
-MAX_FAR = 4.0
-
-
-def _interpolate(rows: list[int], seconds: list[float], n: int) -> float:
-    """``seconds`` at ``n`` rows, linear between the measured ``rows`` and past the last two."""
-    if n <= rows[0]:
-        return seconds[0]
-    for i in range(1, len(rows)):
-        if n <= rows[i]:
-            f = (n - rows[i - 1]) / (rows[i] - rows[i - 1])
-            return seconds[i - 1] + f * (seconds[i] - seconds[i - 1])
-    slope = (seconds[-1] - seconds[-2]) / (rows[-1] - rows[-2]) if len(rows) > 1 else 0.0
-    return seconds[-1] + slope * (n - rows[-1])
-
-
-def _monotone(rows: list[int], seconds: list[float]) -> tuple[list[int], list[float]]:
-    """The points sorted by rows, each time at least the one before (measurement noise can
-    make a pass of more rows look faster)."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i])
-    kept: list[float] = []
-    for i in order:
-        kept.append(max([seconds[i]] + kept[-1:]))
-    return [rows[i] for i in order], kept
-
-
 class CostModel:
     """Seconds of one verify pass as a function of its row count (batch of one sequence),
-    interpolated linearly between measured points. With a second curve timed after a longer
-    context (``far``), also of the context the pass attends to: each row's attention reads
-    every key before it, so on a long conversation a wide pass costs more, against one row,
-    than after a short prompt. The engine sets :attr:`context` (the batch's mean context
-    length) before each step; costs are then interpolated between the two curves, and
-    extrapolated up to ``MAX_FAR`` times their distance beyond the far one."""
+    interpolated linearly between measured points."""
 
-    def __init__(self, rows: list[int], seconds: list[float],
-                 far: tuple[list[int], list[float]] | None = None,
-                 contexts: tuple[int, int] = (NEAR_CONTEXT, FAR_CONTEXT)) -> None:
+    def __init__(self, rows: list[int], seconds: list[float]) -> None:
         if not rows or len(rows) != len(seconds):
             raise ValueError("a cost model needs matching rows and seconds")
-        self.rows, self.seconds = _monotone(rows, seconds)
-        self.far: tuple[list[int], list[float]] | None = None
-        if far is not None:
-            if not far[0] or len(far[0]) != len(far[1]) or contexts[1] <= contexts[0]:
-                raise ValueError("a far curve needs matching rows and seconds, after a longer context")
-            far_rows, far_seconds = _monotone(*far)
-            # (never cheaper than the near curve: a longer context adds keys, never removes work)
-            floor = [_interpolate(self.rows, self.seconds, n) for n in far_rows]
-            self.far = far_rows, [max(t, f) for t, f in zip(far_seconds, floor)]
-        self.contexts = contexts
-        #: the context length the costs are for (the near curve's until set)
-        self.context = contexts[0]
+        order = sorted(range(len(rows)), key=lambda i: rows[i])
+        self.rows = [rows[i] for i in order]
+        # verify time never decreases with more rows; measurement noise can make it look so
+        self.seconds = []
+        for i in order:
+            self.seconds.append(max([seconds[i]] + self.seconds[-1:]))
 
     def verify(self, rows: int) -> float:
-        near = _interpolate(self.rows, self.seconds, rows)
-        if self.far is None:
-            return near
-        f = min(MAX_FAR, max(0.0, (self.context - self.contexts[0]) / (self.contexts[1] - self.contexts[0])))
-        return near + f * (_interpolate(*self.far, rows) - near)
+        r, s = self.rows, self.seconds
+        if rows <= r[0]:
+            return s[0]
+        for i in range(1, len(r)):
+            if rows <= r[i]:
+                f = (rows - r[i - 1]) / (r[i] - r[i - 1])
+                return s[i - 1] + f * (s[i] - s[i - 1])
+        slope = (s[-1] - s[-2]) / (r[-1] - r[-2]) if len(r) > 1 else 0.0
+        return s[-1] + slope * (rows - r[-1])
 
     def observe(self, rows: int, seconds: float, rate: float = 0.1) -> None:
         """Refine the curve with a pass of ``rows`` rows that took ``seconds`` (a step's own
-        timing, at the current :attr:`context`): the whole curve is scaled toward it by
-        ``rate``, so the model follows the machine's load in a long-running server, and the
-        cost that a batch of many sequences adds over the one-sequence passes timed at
-        start-up. A single pass moves the curve by at most a factor of 2 ** rate."""
+        timing): the whole curve is scaled toward it by ``rate``, so the model follows the
+        machine's load in a long-running server, and the cost that a batch of many sequences
+        adds over the one-sequence passes timed at start-up. A single pass moves the curve by at
+        most a factor of 2 ** rate."""
         predicted = self.verify(rows)
         if predicted <= 0 or seconds <= 0:
             return
         factor = min(2.0, max(0.5, seconds / predicted)) ** rate
         self.seconds = [t * factor for t in self.seconds]
-        if self.far is not None:
-            self.far = self.far[0], [t * factor for t in self.far[1]]
 
     @classmethod
     def for_target(cls, target: torch.nn.Module, max_nodes: int) -> "CostModel":
@@ -113,7 +71,7 @@ class CostModel:
             path = cost_cache_path(target, rows)
             model = _read_curve(path) if path is not None else None
             if model is None:
-                model = cls.measure(target, rows, far_context=FAR_CONTEXT)
+                model = cls.measure(target, rows)
                 if path is not None:
                     _write_curve(model, path)
             cached[key] = model
@@ -121,8 +79,8 @@ class CostModel:
         return cached[key]
 
     @classmethod
-    def measure(cls, target: torch.nn.Module, max_rows: int, context: int = NEAR_CONTEXT, repeats: int = 5,
-                sizes: list[int] | None = None, far_context: int | None = None) -> "CostModel":
+    def measure(cls, target: torch.nn.Module, max_rows: int, context: int = 256, repeats: int = 5,
+                sizes: list[int] | None = None) -> "CostModel":
         """Time verify passes of trees of growing size (binary trees, so depth stays small)
         after a ``context``-token prefill (less where the model's context is shorter): one
         warm-up round, then ``repeats`` rounds in which every size takes its turn; each size
@@ -132,27 +90,17 @@ class CostModel:
         a batch, a pass over ``B`` sequences of ``n`` rows is costed as ``verify(B * n)``.
         ``sizes``: the row counts to time (default 1, 2, 4, 8, 12, 16, 24, 32, 48, 64 up to
         ``max_rows``, and ``max_rows``, plus the first row count past each multiple of 16); the
-        others are interpolated. ``far_context``: also time a few of those sizes after that
-        many tokens (the far curve; none where the model's positions end before it)."""
+        others are interpolated."""
         if sizes is None:  # (17, 33, ...: a product of ROW_UNIT-row blocks costs a block more there)
             points = {1, 2, 4, 8, 12, 16, 17, 24, 32, 33, 48, 49, 64, 65, 80, 96, 97, 128}
             sizes = sorted(points & set(range(1, max_rows + 1)) | {max_rows})
         last = (getattr(target, "max_positions", None) or 1 << 40) - 1  # the model's last position
         context = max(1, min(context, last - 8))  # (a small context: learned positions end there)
-        jobs = [(context, sizes, repeats)]
-        if far_context is not None and far_context + max(sizes) + 8 <= last and far_context > context:
-            far_sizes = sorted({1, 8, 16, 32, 64} & set(sizes) | {max(sizes)})
-            jobs.append((far_context, far_sizes, max(1, repeats - 2)))
-        total = sum((r + 1) * len(z) for _, z, r in jobs)
         # (a bar with its ETA in a terminal, where the first load waits on this; none elsewhere)
-        with tqdm(total=total, desc="timing verify passes (once per machine and model)", unit="pass",
-                  disable=None, leave=False, dynamic_ncols=True) as bar:
-            curves = [_time_passes(target, c, z, r, bar) for c, z, r in jobs]
-        near = curves[0]
-        if len(curves) == 1:
-            return cls(list(near), list(near.values()))
-        far = curves[1]
-        return cls(list(near), list(near.values()), (list(far), list(far.values())), (context, far_context))
+        with tqdm(total=(repeats + 1) * len(sizes), desc="timing verify passes (once per machine and model)",
+                  unit="pass", disable=None, leave=False, dynamic_ncols=True) as bar:
+            timings = _time_passes(target, context, sizes, repeats, bar)
+        return cls(list(timings), list(timings.values()))
 
 
 def _time_passes(target: torch.nn.Module, context: int, sizes: list[int], repeats: int, bar) -> dict[int, float]:
@@ -227,10 +175,7 @@ def cost_cache_path(target: torch.nn.Module, max_rows: int) -> Path | None:
 def _read_curve(path: Path) -> CostModel | None:
     try:
         raw = json.loads(path.read_text())
-        far = raw.get("far")
-        return CostModel([int(r) for r in raw["rows"]], [float(s) for s in raw["seconds"]],
-                         None if far is None else ([int(r) for r in far["rows"]], [float(s) for s in far["seconds"]]),
-                         tuple(int(c) for c in raw.get("contexts", (NEAR_CONTEXT, FAR_CONTEXT))))
+        return CostModel([int(r) for r in raw["rows"]], [float(s) for s in raw["seconds"]])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no curve kept, or an unreadable one: measure again
 
@@ -240,8 +185,7 @@ def _write_curve(model: CostModel, path: Path) -> None:
     from sot.models.loading import keep_json
 
     try:
-        far = None if model.far is None else {"rows": model.far[0], "seconds": model.far[1]}
-        keep_json(path, {"rows": model.rows, "seconds": model.seconds, "far": far, "contexts": list(model.contexts)})
+        keep_json(path, {"rows": model.rows, "seconds": model.seconds})
     except OSError:
         pass
 
