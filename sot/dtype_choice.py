@@ -227,7 +227,8 @@ def _load(model: str, dtype: str, drafter: str, predictor: str | None) -> _Loade
 
 
 def _bytes(target) -> int:
-    """What a loaded target holds in parameters and buffers, packed forms included."""
+    """What a loaded target holds in its parameters and buffers (the packed copies the kernels
+    read are not counted: they are smaller than a float32 mode's parameters)."""
     model = target.model
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)

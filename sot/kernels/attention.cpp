@@ -174,6 +174,31 @@ constexpr int kTileSlots = 6;   // (16 registers)
 template <int G>
 constexpr int max_tile_rows() { return G > 0 && kTileSlots / G > 1 ? kTileSlots / G : 1; }
 
+#if defined(__AVX2__)
+// For each of P (row, head) pairs s, 16 lanes lo[s] | hi[s] = sum over i < n, in order, of
+// scalars[s * step + i] * vecs[i * stride .. + 16], as one multiply and one add per lane and i
+// (score_tile: i is the head dimension, weighted_tile: the key). With PREFETCH, each vector's
+// line kPrefetchKeys entries ahead is asked for (the keys' rows are too many streams for the
+// hardware prefetcher; no effect on the arithmetic; past the cache's end it is a hint only).
+template <int P, bool PREFETCH, typename C>
+inline void broadcast_sums(int64_t n, const float* scalars, int64_t step, const C* vecs, int64_t stride, __m256* lo,
+                           __m256* hi) {
+#pragma GCC unroll 12
+  for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const C* v = vecs + i * stride;
+    const __m256 v0 = load8(v), v1 = load8(v + 8);
+    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchKeys), _MM_HINT_T0);
+#pragma GCC unroll 12
+    for (int s = 0; s < P; ++s) {
+      const __m256 x = _mm256_set1_ps(scalars[s * step + i]);
+      lo[s] = _mm256_add_ps(lo[s], _mm256_mul_ps(x, v0));
+      hi[s] = _mm256_add_ps(hi[s], _mm256_mul_ps(x, v1));
+    }
+  }
+}
+#endif
+
 // score_block for NR rows: qrows [NR][group][D], scores of row i, head j at (i * group + j) * stride.
 template <int G, int NR, typename C>
 inline void score_tile(int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, float scale,
@@ -182,18 +207,7 @@ inline void score_tile(int64_t group, const float* qrows, int64_t D, const C* kt
   if constexpr (G > 0) {
     constexpr int P = G * NR;
     __m256 lo[P], hi[P];
-#pragma GCC unroll 12
-    for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 c0 = load8(kt + d * S), c1 = load8(kt + d * S + 8);
-      _mm_prefetch(reinterpret_cast<const char*>(kt + d * S + kPrefetchKeys), _MM_HINT_T0);
-#pragma GCC unroll 12
-      for (int s = 0; s < P; ++s) {
-        const __m256 qd = _mm256_set1_ps(qrows[s * D + d]);
-        lo[s] = _mm256_add_ps(lo[s], _mm256_mul_ps(qd, c0));
-        hi[s] = _mm256_add_ps(hi[s], _mm256_mul_ps(qd, c1));
-      }
-    }
+    broadcast_sums<P, true>(D, qrows, D, kt, S, lo, hi);
     const __m256 sc = _mm256_set1_ps(scale);
 #pragma GCC unroll 12
     for (int s = 0; s < P; ++s) {
@@ -216,18 +230,7 @@ inline void weighted_tile(int64_t group, const float* weights, int64_t stride, c
   if constexpr (G > 0) {
     constexpr int P = G * NR;
     __m256 lo[P], hi[P];
-#pragma GCC unroll 12
-    for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < committed; ++k) {
-      const C* v = vbase + k * D;
-      const __m256 v0 = load8(v), v1 = load8(v + 8);
-#pragma GCC unroll 12
-      for (int s = 0; s < P; ++s) {
-        const __m256 w = _mm256_set1_ps(weights[s * stride + k]);
-        lo[s] = _mm256_add_ps(lo[s], _mm256_mul_ps(w, v0));
-        hi[s] = _mm256_add_ps(hi[s], _mm256_mul_ps(w, v1));
-      }
-    }
+    broadcast_sums<P, false>(committed, weights, stride, vbase, D, lo, hi);
 #pragma GCC unroll 12
     for (int s = 0; s < P; ++s) {
       float* a = reinterpret_cast<float*>(acc[s / G] + (s % G) * nv);
@@ -406,7 +409,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   struct Geometry {
     int64_t depth, first, lo, committed, split;
   };
-  auto geometry = [&](int64_t b, int64_t r) {
+  auto locate = [&](int64_t b, int64_t r) {
     const int64_t* anc = ap + (b * R + r) * W;
     int64_t depth = -1;
     while (depth + 1 < W && anc[depth + 1] >= 0) ++depth;
@@ -419,6 +422,10 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
     if (split > committed) split = 0;  // (never, with trees of at most 64 levels: a guard)
     return Geometry{depth, first, lo, committed, split};
   };
+  std::vector<Geometry> rows_at(B * R);  // (real rows only)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < rp[b]; ++r) rows_at[b * R + r] = locate(b, r);
+  auto geometry = [&](int64_t b, int64_t r) -> const Geometry& { return rows_at[b * R + r]; };
   // Tiles: runs of up to max_tile_rows consecutive real rows of one sequence whose committed
   // keys and split agree (a tree's rows, unless a window starts them at different keys).
   struct Tile {
@@ -428,10 +435,10 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t r = 0; r < rp[b];) {
-      const Geometry g = geometry(b, r);
+      const Geometry& g = geometry(b, r);
       int n = 1;
       while (n < max_tile_rows<G>() && r + n < rp[b]) {
-        const Geometry h = geometry(b, r + n);
+        const Geometry& h = geometry(b, r + n);
         if (h.lo != g.lo || h.committed != g.committed || h.split != g.split) break;
         ++n;
       }
@@ -458,7 +465,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
     for (int64_t task = begin; task < end; ++task) {
       const Tile& tile = tiles[task / (Hkv * 2)];
       const int64_t kvh = (task / 2) % Hkv, half = task % 2, b = tile.b;
-      const Geometry g = geometry(b, tile.r0);
+      const Geometry& g = geometry(b, tile.r0);
       if (half == 1 && g.split == 0) continue;
       const int64_t from = g.lo + (half == 1 ? g.split : 0);  // this part's first slot
       const int64_t part_committed = g.split == 0 ? g.committed : (half == 0 ? g.split : g.committed - g.split);
@@ -471,7 +478,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
         }
         slots[i].clear();
         if (g.split == 0 || half == 1) {
-          const Geometry own = i == 0 ? g : geometry(b, r);
+          const Geometry& own = geometry(b, r);
           const int64_t* anc = ap + (b * R + r) * W;
           for (int64_t w = std::max<int64_t>(0, own.first - lp[b]); w <= own.depth; ++w)
             slots[i].push_back(anc[w] - from);
