@@ -384,3 +384,51 @@ def test_the_tokenizer_fingerprint_follows_the_vocabulary() -> None:
     assert one == tokenizer_hash(Vocab({"\u00e9": 2, "b": 1, "a": 0}))
     assert one != tokenizer_hash(Vocab({"a": 1, "b": 0, "\u00e9": 2}))
     assert tokenizer_hash(object()) is None
+
+
+def test_match_rates_are_kept_by_match_length_and_depth() -> None:
+    """Free drafts behind a long match are priced by what such drafts did: the chance at depth
+    ``d`` given ``1..d-1`` matched, per band of match lengths; a depth no step has reached yet
+    leans on the shallower depths measured, and a node's chance is the product down to it."""
+    from sot.drafters.pld import MatchRates
+
+    rates = MatchRates(prior=0.5, prior_tries=2.0)
+    assert rates.confidences(40, 3) == pytest.approx([1.0, 0.5, 0.25, 0.125]), "no counts: the prior"
+    for _ in range(30):  # copies: eight tokens matched, then the ninth tried and missed
+        rates.record(40, 8, 9)
+    for _ in range(30):  # weak matches: the first token misses
+        rates.record(2, 0, 1)
+    long, weak = rates.confidences(40, 12), rates.confidences(2, 3)
+    assert rates.rate(40, 1) > 0.9 and rates.rate(2, 1) < 0.1
+    assert long[8] > 0.5 > weak[1], "a long match's eighth token beats a weak match's first"
+    assert rates.rate(40, 9) < rates.rate(40, 5), "depth 9 missed every time it was tried"
+    assert rates.rate(40, 17) == pytest.approx((2.0 * rates.rate(40, 9)) / 2.0), "unreached: the band above"
+    assert all(a >= b for a, b in zip(long, long[1:])) and long[0] == 1.0
+    assert rates.rate(8, 1) == pytest.approx(0.5), "another band of match lengths keeps its own counts"
+    for _ in range(1000):
+        rates.record(40, 8, 9)
+    assert max(max(row) for row in rates.tries) < rates.window, "old counts fade"
+
+
+def test_lookup_measures_its_match_and_new_sequences_start_from_learned_rates() -> None:
+    """The lookup's match length runs back past its n-gram (a copy in progress is told from a
+    repeated phrase), and the rates a sequence learned price the next sequence's drafts."""
+    from sot.drafters.free import FreeDrafts
+    from sot.drafters.pld import NgramIndex
+
+    text = list(range(100, 200))
+    index = NgramIndex(8)
+    assert index.best(text + [7, 8, 9] + text[:30], 4) == text[30:34] and index.match == 30
+    assert index.best(text + [7, 8, 9] + text[:30] + [5, 6, 8, 9], 2) == text[:2] and index.match == 2
+
+    free = FreeDrafts(lookup=True)
+    budget = TreeBudget(32, 24)
+    ctx, pos = text + [1, 2] + text[:20], 20
+    first = free.free_tree(DraftInput(0, ctx), budget)
+    assert first.draft_probs[1:4] == pytest.approx([0.5, 0.25, 0.125]), "nothing learned yet"
+    for _ in range(8):  # the copy goes on: eight tokens a step, each what the draft said
+        ctx, pos = ctx + text[pos:pos + 8], pos + 8
+        free.free_tree(DraftInput(0, ctx), budget)
+    free.release(0)
+    later = free.free_tree(DraftInput(1, [9] + text + [3] + text[:40]), budget)
+    assert later.size > 8 and later.draft_probs[8] > 0.6, "a new sequence prices a copy as copies went"

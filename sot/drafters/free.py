@@ -1,14 +1,15 @@
 """Free drafts: what costs no model pass, for one sequence per step.
 
-Two sources, each with a per-sequence calibration (:class:`~sot.drafters.pld.LookupRate`:
-how often its best path matched what the target really generated):
+Two sources, each calibrated by how often its best path matched what the target really
+generated, by the length of the match behind the path and by depth
+(:class:`~sot.drafters.pld.MatchRates`, one table per source, learned over all sequences):
 
 * **prompt lookup**: the continuation of the most recent earlier occurrence of the context's
   longest matching n-gram (:class:`~sot.drafters.pld.NgramIndex`), a chain whose node at depth
-  ``d`` has confidence ``rate ** d``;
+  ``d`` has the chance that its first ``d`` tokens match;
 * **suffix trees** (:mod:`sot.drafters.suffix`): the frequency-weighted continuations of the
   longest match in the sequence's own context and in the global store of earlier answers;
-  a node's confidence is its estimated probability times ``rate ** depth``.
+  a node's confidence is its estimated probability times that chance at its depth.
 
 The state drafter merges them into its drafted trees and offers them alone on the steps the
 commit policy keeps its model idle; the suffix drafter offers them every step.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from sot.drafters.base import DraftInput, Drafter, DrafterKind, TreeBudget
-from sot.drafters.pld import LookupRate, NgramIndex, PromptLookupDrafter
+from sot.drafters.pld import LookupRate, MatchRates, NgramIndex, PromptLookupDrafter
 from sot.drafters.suffix import SuffixMatcher, SuffixStores
 from sot.tree import DraftTree, merge_trees
 
@@ -39,10 +40,14 @@ class FreeDrafts:
         self.lookup_confidence = lookup_confidence
         self.suffix = suffix
         self.rates: dict[int, LookupRate] = {}
+        # the match rates of each source, shared by the sequences (kept across reset: a
+        # sequence that joins later starts from what the earlier ones measured)
+        self.lookup_table = MatchRates()
+        self.suffix_table = MatchRates()
         self.indexes: dict[int, NgramIndex] = {}  # each sequence's n-grams, for the lookup
         # per sequence: (context length, best lookup continuation, whether it reached the
-        # context's end) of this step's search
-        self._found: dict[int, tuple[int, list[int], bool]] = {}
+        # context's end, the match behind it) of this step's search
+        self._found: dict[int, tuple[int, list[int], bool, int]] = {}
         self.matchers: dict[int, SuffixMatcher] = {}
         self.suffix_rates: dict[int, LookupRate] = {}
         # per sequence: ((context length, max nodes, depth), tree) of this step's suffix search
@@ -69,7 +74,7 @@ class FreeDrafts:
 
     def _rate(self, sequence: int) -> LookupRate:
         if sequence not in self.rates:
-            self.rates[sequence] = LookupRate()
+            self.rates[sequence] = LookupRate(table=self.lookup_table)
         return self.rates[sequence]
 
     # ----------------------------------------------------------------- prompt lookup
@@ -83,13 +88,14 @@ class FreeDrafts:
         rate.update(x.context)
         known = self._found.get(x.sequence)
         if known is not None and known[0] == len(x.context) and (len(known[1]) >= depth or known[2]):
-            best = known[1][:depth]
+            best, match = known[1][:depth], known[3]
         else:
-            best = self.index(x.sequence).best(x.context, depth)
+            index = self.index(x.sequence)
+            best, match = index.best(x.context, depth), index.match
             # a continuation shorter than asked for ends at the context's end: it is complete
-            self._found[x.sequence] = (len(x.context), best, len(best) < depth)
+            self._found[x.sequence] = (len(x.context), best, len(best) < depth, match)
         if best:
-            rate.proposed(x.context, best)
+            rate.proposed(x.context, best, match)
         return best
 
     def _lookup_chain(self, x: DraftInput, depth: int) -> DraftTree | None:
@@ -100,7 +106,7 @@ class FreeDrafts:
             return None
         root = x.context[-1]
         if self.lookup_confidence is None:
-            return self._rate(x.sequence).chain(root, best)
+            return self._rate(x.sequence).chain(root, best, self._found[x.sequence][3])
         r, n = self.lookup_confidence, len(best)
         return DraftTree([root] + best, list(range(-1, n)), list(range(n + 1)), [r**d for d in range(n + 1)])
 
@@ -116,19 +122,20 @@ class FreeDrafts:
             return known[1]
         if key not in self.matchers:
             self.matchers[key] = SuffixMatcher(self.suffix.config, self.suffix.find(x.tenant))
-            self.suffix_rates[key] = LookupRate()
+            self.suffix_rates[key] = LookupRate(table=self.suffix_table)
         matcher = self.matchers[key]
         if matcher.store is None or matcher.store.tokens == 0:  # (the tenant's store made, or remade, since)
             matcher.store = self.suffix.find(x.tenant)
         rate = self.suffix_rates[key]
         rate.update(x.context)
-        tree: DraftTree | None = self.matchers[key].tree(x.context, max_nodes, max_depth)
+        tree: DraftTree | None = matcher.tree(x.context, max_nodes, max_depth)
         if tree.size < 2:
             tree = None
         else:
-            rate.proposed(x.context, _best_path(tree))
-            r = rate.rate
-            tree = dataclasses.replace(tree, draft_probs=[p * r**d for p, d in zip(tree.draft_probs, tree.depths)])
+            match = matcher.last_match
+            rate.proposed(x.context, _best_path(tree), match)
+            conf = rate.confidences(tree.max_depth, match)
+            tree = dataclasses.replace(tree, draft_probs=[p * conf[d] for p, d in zip(tree.draft_probs, tree.depths)])
         self._suffix_found[key] = (asked, tree)
         return tree
 

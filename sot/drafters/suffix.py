@@ -375,6 +375,8 @@ class SuffixMatcher:
         self.store = store
         self._own = _Index(config.min_match)
         self._n = self._own.add([])
+        #: the length of the match behind the last tree (0: none)
+        self.last_match = 0
 
     def tree(self, context: list[int], max_nodes: int, max_depth: int) -> DraftTree:
         """The continuation tree of ``context`` (rooted at its last token), at most
@@ -391,9 +393,11 @@ class SuffixMatcher:
         if self.store is not None:
             found += self.store.occurrences(context)
         root = context[-1]
+        self.last_match = 0
         if not found or max_nodes < 2 or max_depth < 1:
             return DraftTree.root_only(root)
         best = max(m for m, _, _ in found)
+        self.last_match = best
         # a match of m tokens speculates at most factor * m tokens: deep and wide
         spec = max(1, math.floor(c.max_spec_factor * best))
         return grow_tree(root, [s[end:end + min(max_depth, spec)] for m, s, end in found if m == best],
