@@ -118,7 +118,9 @@ class LookupRate:
     the tokens committed since and counts, per token of the path, whether it matched (the
     match at depth ``d`` is only tried when depths ``1..d-1`` matched). A path the commit
     policy pruned away still counts: the committed tokens are what the target generated
-    either way. :attr:`rate` is the smoothed per-token match rate, starting from 1/2.
+    either way. :attr:`rate` is the smoothed per-token match rate, starting from 1/2. With a
+    shared ``table`` (:class:`MatchRates`), each outcome is also counted there, by the length
+    of the match behind the path, and the path's confidences come from the table.
     """
 
     def __init__(self, decay: float = 0.8, table: MatchRates | None = None) -> None:
