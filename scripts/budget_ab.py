@@ -10,8 +10,9 @@ the first variant's.
 
 A variant is ``plain`` or ``DRAFTER:MAX_NODES:MAX_DEPTH[:NGRAM]`` (``NGRAM``: the longest
 n-gram prompt lookup tries), optionally followed by ``+eager`` (every row's logits computed
-with the verify pass, as before the LM head computed only the rows acceptance reads) and by
-``@label`` to run a setting twice.
+with the verify pass, as before the LM head computed only the rows acceptance reads) or
+``+stale`` (the batch guard's back-offs run their length whoever joins, as before a new
+request ended them), and by ``@label`` to run a setting twice.
 
     python scripts/budget_ab.py --set code-edit-multiturn --variants plain,auto:16:8,auto:32:24
     python scripts/budget_ab.py --set sharegpt-heldout --n 64 --batch 16 --rounds 4 \\
@@ -30,6 +31,7 @@ def make(variant: str):
 
     spec = variant.split("@")[0]
     spec, eager = spec.removesuffix("+eager"), spec.endswith("+eager")
+    spec, stale = spec.removesuffix("+stale"), spec.endswith("+stale")
     if spec == "plain":
         sot = SoT.load("default", drafter="none", dtype="bfloat16")
     else:
@@ -39,6 +41,8 @@ def make(variant: str):
             sot.engine.drafter.free.lookup.max_ngram = int(ngram[0])
     if eager:  # every row's logits computed with the pass
         sot.engine.target.lazy_head = False
+    if stale:  # joins do not end the guard's back-offs
+        sot.engine.policy.guard.joined = lambda: None
     return sot
 
 

@@ -205,6 +205,25 @@ def test_the_guard_backs_off_where_speculation_loses_on_the_clock() -> None:
     # a retry that wins keeps speculating and resets the back-off
     spec_steps(4, SPEC_WINDOW, 5, 0.012)
     assert guard.sizes[4].backoff == FIRST_BACKOFF and guard.stats()[4]["holds"] == 2
+    # a back-off judges the sequences that lost: it ends once half the batch joined since it
+    # began (joins before it do not count), and the new sequences start from the first length
+    guard.joined()
+    while not guard.plain(4):
+        guard.observe(4, 4.5, 0.012, speculative=True)
+    guard.joined()
+    assert guard.plain(4)  # one new sequence of four
+    guard.joined()
+    assert not guard.plain(4)
+    spec_steps(4, SPEC_WINDOW - 1, 4.5, 0.012)  # judged on its own steps, a whole window
+    guard.observe(4, 4.5, 0.012, speculative=True)
+    assert plain_steps(4) == FIRST_BACKOFF
+    solo = BatchGuard()  # at batch 1, the next request is judged afresh
+    for _ in range(SPEC_WINDOW):
+        solo.observe(1, 1, 0.010, speculative=False)
+    while not solo.plain(1):
+        solo.observe(1, 1.2, 0.015, speculative=True)
+    solo.joined()
+    assert not solo.plain(1)
     # other batch sizes keep their own measurements; threshold 0 speculates whatever it costs
     assert not guard.plain(2) and 2 not in guard.sizes
     off = BatchGuard(threshold=0.0)

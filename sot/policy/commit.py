@@ -98,6 +98,7 @@ class CommitPolicy:
     def add_sequence(self, key: int, temperature: float = 0.0) -> None:
         """A new sequence joins (``temperature``: its sampling temperature, 0 for greedy)."""
         self.seqs[key] = SequencePolicyState(backoff=self.config.first_backoff, temperature=temperature)
+        self.guard.joined()
 
     def drop_sequence(self, key: int) -> None:
         """Sequence ``key`` left (finished or aborted)."""

@@ -13,7 +13,10 @@ for steps that speculated (a drafting call or a verified tree beyond its root) a
 ones. While speculation's tokens per second at a batch size stay at or above plain's (times
 the policy's fallback threshold), it goes on; a few plain steps are interleaved now and then
 to keep plain's figure current. When it falls below, that batch size decodes plainly for a
-back-off (doubling after each retry that fails), then speculation is tried again.
+back-off (doubling after each retry that fails), then speculation is tried again. A back-off
+judges the sequences that lost: once at least half of a batch's sequences joined after it began
+(at batch 1, the next request), it ends, and the new sequences are judged on their own steps
+(``docs/NOTEBOOK.md``, *The guard forgets the sequences that lost*).
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ class _Size:
     since_plain: int = 0  # speculative steps since plain's rate was last measured
     backoff: int = FIRST_BACKOFF
     holds: int = 0  # back-offs taken
+    holding: bool = False  # plain_left counts a back-off (not a probe of plain's rate)
+    joined: int = 0  # sequences that joined the engine since the back-off began
 
     @staticmethod
     def rate(steps: deque) -> float:
@@ -58,7 +63,18 @@ class BatchGuard:
     def plain(self, batch: int) -> bool:
         """Whether a step of ``batch`` live sequences decodes plainly (a probe or a back-off)."""
         s = self.sizes.get(batch)
+        if s is not None and s.holding and s.plain_left > 0 and 2 * s.joined >= batch:
+            # most of the batch is new since speculation lost: judge the new sequences afresh
+            s.plain_left, s.holding, s.backoff = 0, False, FIRST_BACKOFF
+            s.spec.clear()
         return s is not None and s.plain_left > 0
+
+    def joined(self) -> None:
+        """A sequence joined the engine (a new request): it counts toward ending the back-offs
+        running at every batch size."""
+        for s in self.sizes.values():
+            if s.holding:
+                s.joined += 1
 
     def observe(self, batch: int, tokens: int, seconds: float, speculative: bool) -> None:
         """A step of ``batch`` live sequences committed ``tokens`` in ``seconds`` (wall clock);
@@ -71,7 +87,7 @@ class BatchGuard:
             if s.plain_left > 0:
                 s.plain_left -= 1
                 if s.plain_left == 0:
-                    s.since_plain = 0
+                    s.since_plain, s.holding = 0, False
             return
         s.spec.append((tokens, seconds))
         s.since_plain += 1
@@ -81,7 +97,7 @@ class BatchGuard:
             s.plain_left = PROBE  # measure plain decoding at this batch size
             return
         if s.rate(s.spec) < self.threshold * s.rate(s.plain):
-            s.plain_left = s.backoff
+            s.plain_left, s.holding, s.joined = s.backoff, True, 0
             s.backoff = min(2 * s.backoff, MAX_BACKOFF)
             s.holds += 1
             s.spec.clear()  # the retry is judged on its own steps
