@@ -224,6 +224,14 @@ def test_the_guard_backs_off_where_speculation_loses_on_the_clock() -> None:
         solo.observe(1, 1.2, 0.015, speculative=True)
     solo.joined()
     assert not solo.plain(1)
+    # through the policy: a sequence the engine adds is a join
+    policy = _policy([0.010, 0.011, 0.012, 0.014], tau=2.0)
+    for _ in range(SPEC_WINDOW):
+        policy.observe_wall(1, 1, 0.010, speculative=False)
+    while not policy.holds_plain(1):
+        policy.observe_wall(1, 1.2, 0.015, speculative=True)
+    policy.add_sequence(9)
+    assert not policy.holds_plain(1)
     # other batch sizes keep their own measurements; threshold 0 speculates whatever it costs
     assert not guard.plain(2) and 2 not in guard.sizes
     off = BatchGuard(threshold=0.0)
