@@ -8,6 +8,10 @@ reading) of each.
 
     python scripts/ab_checkouts.py --a /tmp/base --b . --set sharegpt-heldout --limit 8
 
+A multi-turn set (``code-edit-multiturn``, ``agent-loop``, ``sharegpt-multiturn``) runs as
+conversations: each checkout answers every turn from its own earlier answers (as ``sot bench``
+does), the checkouts take turns per turn, and the table has a row per method and turn.
+
 Only one generation runs at a time; the machine's 2 cores are not shared between the two.
 """
 from __future__ import annotations
@@ -22,17 +26,29 @@ import sys
 WORKER = r"""
 import json, sys, time
 from sot.api import SoT
+from sot.bench.conversations import MULTITURN_SETS, load_conversations, render
 from sot.bench.prompts import load_prompt_set
 args = json.loads(sys.argv[1])
 engines = {m: SoT.load(drafter=m, dtype=args["dtype"]) for m in args["methods"]}
-prompts = load_prompt_set(args["set"], limit=args["limit"])
-print(json.dumps({"ready": len(prompts)}), flush=True)
+turns = None
+if args["set"] in MULTITURN_SETS:
+    records = load_conversations(args["set"], args["limit"])
+    turns = [len(r["turns"]) for r in records]
+    answers = {m: [[] for _ in records] for m in args["methods"]}
+else:
+    prompts = load_prompt_set(args["set"], limit=args["limit"])
+print(json.dumps({"ready": len(turns or prompts), "turns": turns}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     sot = engines[job["method"]]
-    ids = sot.encode(prompts[job["prompt"]])
+    if turns is None:
+        ids = sot.encode(prompts[job["prompt"]])
+    else:
+        ids = sot.encode(render(records[job["prompt"]], answers[job["method"]][job["prompt"]], True))
     params = sot.params(max_new_tokens=args["tokens"])
     c = sot.generate_ids([ids], params)[0]
+    if turns is not None:
+        answers[job["method"]][job["prompt"]].append(sot.tokenizer.decode(c.token_ids, skip_special_tokens=True))
     print(json.dumps({"ids": c.token_ids, "seconds": c.seconds, "tau": c.mean_accept_len,
                       "ttft": c.first_token_seconds}), flush=True)
 """
@@ -66,30 +82,37 @@ def main() -> None:
     ap.add_argument("--methods", default="none,state", help="drafters, comma-separated")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    procs, counts = {}, {}
+    procs, ready = {}, {}
     for k in "ab":  # one after the other: neither builds its kernels while the other times
         procs[k] = start(getattr(args, k), args)
-        counts[k] = json.loads(procs[k].stdout.readline())["ready"]
-    n = min(counts.values())
+        ready[k] = json.loads(procs[k].stdout.readline())
+    n = min(r["ready"] for r in ready.values())
+    turns = ready["a"]["turns"]  # (None: single prompts, one turn each)
     rows = []
     for method in args.methods.split(","):
-        tot = {"a": [0, 0.0, [], []], "b": [0, 0.0, [], []]}
-        identical = 0
+        # per turn (0 for single prompts): tokens, seconds, taus, first-token times of each checkout
+        tot: dict = {}
+        identical: dict = {}
         for i in range(n):
-            order = ("a", "b") if i % 2 == 0 else ("b", "a")
-            got = {k: ask(procs[k], {"method": method, "prompt": i}) for k in order}
-            identical += got["a"]["ids"] == got["b"]["ids"]
-            for k in "ab":
-                tot[k][0] += len(got[k]["ids"])
-                tot[k][1] += got[k]["seconds"]
-                tot[k][2].append(got[k]["tau"])
-                tot[k][3].append(got[k]["ttft"])
-        speed = {k: tot[k][0] / tot[k][1] for k in "ab"}
-        tau = {k: sum(tot[k][2]) / len(tot[k][2]) for k in "ab"}
-        ttft = {k: statistics.median(tot[k][3]) for k in "ab"}
-        rows.append(f"| {method} | {identical}/{n} | {speed['a']:.1f} | {speed['b']:.1f} | "
-                    f"{speed['b'] / speed['a']:.3f} | {tau['a']:.2f} | {tau['b']:.2f} | "
-                    f"{ttft['a']:.3f} | {ttft['b']:.3f} |")
+            for t in range(turns[i] if turns else 1):
+                order = ("a", "b") if (i + t) % 2 == 0 else ("b", "a")
+                got = {k: ask(procs[k], {"method": method, "prompt": i}) for k in order}
+                turn = t + 1 if turns else 0
+                identical[turn] = identical.get(turn, 0) + (got["a"]["ids"] == got["b"]["ids"])
+                for k in "ab":
+                    acc = tot.setdefault((turn, k), [0, 0.0, [], []])
+                    acc[0] += len(got[k]["ids"])
+                    acc[1] += got[k]["seconds"]
+                    acc[2].append(got[k]["tau"])
+                    acc[3].append(got[k]["ttft"])
+        for turn in sorted(identical):
+            speed = {k: tot[turn, k][0] / tot[turn, k][1] for k in "ab"}
+            tau = {k: sum(tot[turn, k][2]) / len(tot[turn, k][2]) for k in "ab"}
+            ttft = {k: statistics.median(tot[turn, k][3]) for k in "ab"}
+            count = len(tot[turn, "a"][2])
+            rows.append(f"| {method}{f' turn {turn}' if turn else ''} | {identical[turn]}/{count} | "
+                        f"{speed['a']:.1f} | {speed['b']:.1f} | {speed['b'] / speed['a']:.3f} | "
+                        f"{tau['a']:.2f} | {tau['b']:.2f} | {ttft['a']:.3f} | {ttft['b']:.3f} |")
     for p in procs.values():
         p.stdin.close()
         p.wait()

@@ -1,9 +1,10 @@
 """The exact tree-attention kernel of this checkout against the one of another git revision,
 built side by side in one process: the same inputs (30 layers of random K/V, SmolLM2-135M's
 9 query and 3 KV heads, head dim 64), a chain of R rows after L committed keys, alternating,
-best of N. Prints the time of each and whether every output has the same bits.
+best of N. Prints the time of each and whether every output has the same bits (a kernel that
+changes its arithmetic gives other bits; the tests check that each is exact by itself).
 
-    python scripts/attention_ab.py --base be56857
+    python scripts/attention_ab.py --base be56857 [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git revision whose kernel is compared")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the cache's and q's dtype (bfloat16: a bfloat16 model's cache)")
+    ap.add_argument("--rows", default="1,9,16", help="rows of the chain, comma-separated")
     args = ap.parse_args()
     new = cpu_kernels()
     if new is None:
@@ -56,15 +60,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = build_base(args.base, Path(tmp))
         heads, kv_heads, dim, layers = 9, 3, 64, 30
+        dtype = getattr(torch, args.dtype)
         gen = torch.Generator().manual_seed(0)
         print(f"| keys | capacity | rows | {args.base} ms | this checkout ms | speed-up | same bits |")
         print("|---|---|---|---|---|---|---|")
         for length, capacity in ((256, 384), (900, 1024), (1500, 1536)):
-            keys = [torch.randn(1, kv_heads, dim, key_stride(capacity), generator=gen) for _ in range(layers)]
-            base_keys = [k[..., :capacity].contiguous() for k in keys]  # the old layout: no padding
-            values = [torch.randn(1, kv_heads, capacity, dim, generator=gen) for _ in range(layers)]
-            for rows in (1, 9, 16):
-                q = torch.randn(1, heads, rows, dim, generator=gen)
+            keys = [torch.randn(1, kv_heads, dim, key_stride(capacity), generator=gen).to(dtype)
+                    for _ in range(layers)]
+            values = [torch.randn(1, kv_heads, capacity, dim, generator=gen).to(dtype) for _ in range(layers)]
+            for rows in (int(r) for r in args.rows.split(",")):
+                q = torch.randn(1, heads, rows, dim, generator=gen).to(dtype)
                 anc = torch.full((1, rows, rows), -1, dtype=torch.long)
                 for r in range(rows):
                     anc[0, r, : r + 1] = torch.arange(length, length + r + 1)
@@ -74,11 +79,11 @@ def main() -> int:
                     return [mod.tree_attention_exact(q, ks[i], values[i], lengths, anc, real, 0.125, 0, 0.0)
                             for i in range(layers)]
 
-                same = all(torch.equal(a, b) for a, b in zip(run(base, base_keys), run(new, keys)))
+                same = all(torch.equal(a, b) for a, b in zip(run(base, keys), run(new, keys)))
                 old_t, new_t = [], []
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
-                    run(base, base_keys)
+                    run(base, keys)
                     old_t.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     run(new, keys)

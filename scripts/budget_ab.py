@@ -12,7 +12,9 @@ A variant is ``plain`` or ``DRAFTER:MAX_NODES:MAX_DEPTH[:NGRAM]`` (``NGRAM``: th
 n-gram prompt lookup tries), optionally followed by ``+eager`` (every row's logits computed
 with the verify pass, as before the LM head computed only the rows acceptance reads) or
 ``+stale`` (the batch guard's back-offs run their length whoever joins, as before a new
-request ended them), and by ``@label`` to run a setting twice.
+request ended them) or ``+loops`` (attention over the bfloat16 cache by the float32 loops, not
+the AVX512-BF16 pair dot products: ``SOT_NO_BF16_ATTENTION`` set while the variant loads and
+runs), and by ``@label`` to run a setting twice.
 
     python scripts/budget_ab.py --set code-edit-multiturn --variants plain,auto:16:8,auto:32:24
     python scripts/budget_ab.py --set sharegpt-heldout --n 64 --batch 16 --rounds 4 \\
@@ -21,15 +23,29 @@ request ended them), and by ``@label`` to run a setting twice.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
+
+
+@contextmanager
+def kernel_env(variant: str):
+    """The kernels' switches a variant runs under (``+loops``: SOT_NO_BF16_ATTENTION)."""
+    loops = "+loops" in variant.split("@")[0]
+    if loops:
+        os.environ["SOT_NO_BF16_ATTENTION"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("SOT_NO_BF16_ATTENTION", None)
 
 
 def make(variant: str):
     from sot import SoT
 
-    spec = variant.split("@")[0]
+    spec = variant.split("@")[0].replace("+loops", "")
     spec, eager = spec.removesuffix("+eager"), spec.endswith("+eager")
     spec, stale = spec.removesuffix("+stale"), spec.endswith("+stale")
     if spec == "plain":
@@ -60,8 +76,9 @@ def conversations(sots: dict, records: list[dict], max_new: int) -> dict:
                 sot = sots[v]
                 item = {"messages": turn_messages(record, answers[v])} if user is not None else record["prompt"]
                 ids = sot.encode(item)
-                t0 = time.perf_counter()
-                out = sot.generate_ids([ids], sot.params(max_new_tokens=max_new))[0]
+                with kernel_env(v):
+                    t0 = time.perf_counter()
+                    out = sot.generate_ids([ids], sot.params(max_new_tokens=max_new))[0]
                 st = stat[(v, t)]
                 st[0] += len(out.token_ids)
                 st[1] += time.perf_counter() - t0
@@ -81,10 +98,11 @@ def batches(sots: dict, records: list[dict], max_new: int, batch: int, rounds: i
         part = prompts[r * len(prompts) // rounds:(r + 1) * len(prompts) // rounds]
         for v in (variants if r % 2 == 0 else variants[::-1]):
             sot = sots[v]
-            t0 = time.perf_counter()
-            outs = sot.generate_ids(part, sot.params(max_new_tokens=max_new), batch_size=batch)
-            st = stat[(v, 0)]
-            st[1] += time.perf_counter() - t0
+            with kernel_env(v):
+                t0 = time.perf_counter()
+                outs = sot.generate_ids(part, sot.params(max_new_tokens=max_new), batch_size=batch)
+                st = stat[(v, 0)]
+                st[1] += time.perf_counter() - t0
             for out in outs:
                 st[0] += len(out.token_ids)
                 st[2] += out.steps
@@ -107,9 +125,12 @@ def main() -> None:
     variants = args.variants.split(",")
     if len(set(variants)) != len(variants):
         ap.error("a variant named twice: add @label to tell the copies apart")
-    sots = {v: make(v) for v in variants}
-    for sot in sots.values():  # untimed: kernels, the cost curve
-        sot.generate_ids([sot.encode("Hello")] * 2, sot.params(max_new_tokens=16), batch_size=2)
+    sots = {}
+    for v in variants:
+        with kernel_env(v):
+            sots[v] = make(v)
+            sot = sots[v]  # untimed: kernels, the cost curve
+            sot.generate_ids([sot.encode("Hello")] * 2, sot.params(max_new_tokens=16), batch_size=2)
     if args.set in MULTITURN_SETS:
         records = load_conversations(args.set, args.n)
     else:

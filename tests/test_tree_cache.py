@@ -164,11 +164,86 @@ def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dty
                     q[b:b + 1, :, r:r + 1].contiguous(), keys[b:b + 1], values[b:b + 1],
                     torch.tensor([lengths[b]]), anc[b:b + 1, r:r + 1], torch.tensor([1]), 0.125, window, 0.0)
                 assert torch.equal(alone[0, 0], whole[b, r]), (lengths, window, b, r)
-        if dtype == torch.bfloat16:  # a bfloat16 cache: the same bits as float32 holding its values
+        if dtype == torch.bfloat16:  # a bfloat16 cache: rows keep their bits there too
             half_k, half_v = keys.bfloat16(), values.bfloat16()
             args = (torch.tensor(lengths), anc, real, 0.125, window, 0.0)
             half = cpu_kernels().tree_attention_exact(q, half_k, half_v, *args)
-            assert torch.equal(half, cpu_kernels().tree_attention_exact(q, half_k.float(), half_v.float(), *args))
+            for b in range(2):
+                for r in range(int(real[b])):
+                    alone = cpu_kernels().tree_attention_exact(
+                        q[b:b + 1, :, r:r + 1].contiguous(), half_k[b:b + 1], half_v[b:b + 1],
+                        torch.tensor([lengths[b]]), anc[b:b + 1, r:r + 1], torch.tensor([1]), 0.125, window, 0.0)
+                    assert torch.equal(alone[0, 0], half[b, r]), ("bf16 cache", lengths, window, b, r)
+            wide = cpu_kernels().tree_attention_exact(q, half_k.float(), half_v.float(), *args)
+            if cpu_kernels().attention_pairs_bf16():  # scores by pair dot products: other rounding
+                assert torch.allclose(half.float(), wide.float(), atol=0.02, rtol=0.02)
+            else:  # the float32 loops on the widened values: the same bits
+                assert torch.equal(half, wide)
+
+
+def test_a_bfloat16_cache_keeps_plain_decodings_bits_where_the_blocks_stop_short() -> None:
+    """With a bfloat16 cache (scored by bfloat16 pair dot products where the CPU has them),
+    tree rows equal plain decoding of their tokens bit for bit, also where the cache ends right
+    after the tree, so that keys are scored one at a time, and they are the attention of the
+    bfloat16 values computed in float64, within bfloat16's rounding."""
+    from sot.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(3)
+    length, dim = 1000, 64
+    paths = [[length], [length, length + 1], [length, length + 2], [length, length + 1, length + 3]]
+    q = (torch.randn(1, 6, 4, dim, generator=gen) * 16).bfloat16()  # (large scores: a last-bit change shows)
+    for slots in (1040, 1004):  # room for whole blocks past the tree, or none
+        keys = torch.randn(1, 2, dim, slots, generator=gen).bfloat16()
+        values = torch.randn(1, 2, slots, dim, generator=gen).bfloat16()
+        tree = _kernel_attention(q, keys, values, length, paths)
+        for r, path in enumerate(paths):
+            pos = length + len(path) - 1
+            k2, v2 = keys.clone(), values.clone()
+            k2[..., length:pos + 1] = keys[..., path]
+            v2[:, :, length:pos + 1] = values[:, :, path]
+            plain = _kernel_attention(q[:, :, r:r + 1].contiguous(), k2, v2, pos, [[pos]])
+            assert torch.equal(plain[0, 0], tree[0, r]), (slots, r)
+            kk = k2[0, :, :, :pos + 1].double().repeat_interleave(3, dim=0)
+            vv = v2[0, :, :pos + 1].double().repeat_interleave(3, dim=0)
+            weights = torch.softmax(torch.einsum("hd,hdn->hn", q[0, :, r].double(), kk) * 0.125, dim=-1)
+            expected = torch.einsum("hn,hnd->hd", weights, vv)
+            assert torch.allclose(tree[0, r].double(), expected, atol=0.02, rtol=0.02), (slots, r)
+    # Short contexts in a cache that ends after the tree (every key scored alone) against the
+    # same in a roomy one (every key in blocks): many sequences, so that a key scored alone by
+    # other arithmetic than the blocks' would change some bfloat16 output.
+    batch, rows, length = 128, 4, 10
+    q = (torch.randn(batch, 12, rows, dim, generator=gen) * 3).bfloat16()
+    keys = torch.randn(batch, 4, dim, 32, generator=gen).bfloat16()
+    values = torch.randn(batch, 4, 32, dim, generator=gen).bfloat16()
+    anc = torch.full((batch, rows, rows), -1, dtype=torch.long)
+    for r in range(rows):
+        anc[:, r, :r + 1] = torch.arange(length, length + r + 1)
+    args = (torch.full((batch,), length), anc, torch.full((batch,), rows), 0.125, 0, 0.0)
+    roomy = cpu_kernels().tree_attention_exact(q, keys, values, *args)
+    end = length + rows
+    short = cpu_kernels().tree_attention_exact(q, keys[..., :end].contiguous(), values[:, :, :end].contiguous(), *args)
+    assert torch.equal(short, roomy)
+    # Tree rows after an odd number of committed keys (a pair of keys straddles the committed
+    # ones and the row's ancestors) against plain decoding of each row's token.
+    length = 11
+    anc = torch.full((batch, rows, rows), -1, dtype=torch.long)
+    for r in range(rows):
+        anc[:, r, :r + 1] = torch.arange(length, length + r + 1)
+    tree = cpu_kernels().tree_attention_exact(q, keys, values, torch.full((batch,), length), anc,
+                                              torch.full((batch,), rows), 0.125, 0, 0.0)
+    for r in range(rows):
+        plain = cpu_kernels().tree_attention_exact(q[:, :, r:r + 1].contiguous(), keys, values,
+                                                   torch.full((batch,), length + r),
+                                                   anc[:, r:r + 1, r:r + 1].contiguous(),
+                                                   torch.ones(batch, dtype=torch.long), 0.125, 0, 0.0)
+        assert torch.equal(plain[:, 0], tree[:, r]), r
+        kk = keys[..., :length + r + 1].double().repeat_interleave(3, dim=1)  # [batch, H, D, n]
+        vv = values[:, :, :length + r + 1].double().repeat_interleave(3, dim=1)  # [batch, H, n, D]
+        weights = torch.softmax(torch.einsum("bhd,bhdn->bhn", q[:, :, r].double(), kk) * 0.125, dim=-1)
+        expected = torch.einsum("bhn,bhnd->bhd", weights, vv)
+        assert torch.allclose(tree[:, r].double(), expected, atol=0.03, rtol=0.02), r
 
 
 def test_transposed_keys_pad_their_stride_and_attention_ignores_it() -> None:

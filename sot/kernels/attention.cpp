@@ -9,6 +9,8 @@
 // are separate tasks, which spreads a one-row pass over the threads.
 #include "common.h"
 
+#include <type_traits>
+
 typedef int32_t vec16i __attribute__((vector_size(64)));
 
 // exp for the softmax, 16 values at once: range reduction plus a degree-6 polynomial, in
@@ -199,6 +201,142 @@ inline void broadcast_sums(int64_t n, const float* scalars, int64_t step, const 
 }
 #endif
 
+#if defined(__AVX512F__)
+// Scores over a bfloat16 cache with the AVX512-BF16 pair dot product (VDPBF16PS), where the CPU
+// has it: q and the keys are both bfloat16 then, so one instruction takes two head dimensions
+// of 16 keys, twice the multiply-adds of the float32 loop. Each lane (one key) is one chain of
+// VDPBF16PS steps over the pairs (d, d + 1), d = 0, 2, ..., D - 2, in order, from zero, then
+// times the scale: the same instructions for every key, row and head, whether the key is
+// scored in a block of 16 or alone (pair_score_one), so a row's scores never depend on the
+// rows or the keys around it. (The float32 loops' bits differ; a machine uses one or the other.)
+#define SOT_DPBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// (SOT_NO_BF16_ATTENTION=1: the float32 loops, as on other CPUs; read at each call, so that a
+// comparison can switch it between passes)
+bool attention_pairs_bf16() {
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported && !std::getenv("SOT_NO_BF16_ATTENTION");
+}
+
+// q of one (row, head) as bfloat16 pairs: pairs[p] holds q[2p] in its low half, q[2p + 1] in
+// its high half. qrow holds bfloat16 values widened to float32, so dropping the low half of
+// each float's bits gives them back exactly.
+inline void q_pairs(const float* qrow, int64_t D, uint32_t* pairs) {
+  for (int64_t p = 0; p < D / 2; ++p) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, qrow + 2 * p, 4);
+    std::memcpy(&hi, qrow + 2 * p + 1, 4);
+    pairs[p] = (lo >> 16) | (hi & 0xFFFF0000u);
+  }
+}
+
+// For P (row, head) slots s with pairs qp[s * D / 2 ...], the scores of the 16 keys of each
+// block k0 = 0, 16, ..., blocks - 16: scores[s * stride + k0 + l] for key k0 + l, whose
+// dimension d sits at kt[d * S + k0 + l].
+template <int P>
+SOT_DPBF16 void pair_scores(int64_t blocks, const uint32_t* qp, int64_t D, const uint16_t* kt, int64_t S, float scale,
+                            float* scores, int64_t stride) {
+  // element 2l <- key l of dimension d (first 256 bits), 2l + 1 <- key l of d + 1 (last 256)
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int64_t half = D / 2;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t k0 = 0; k0 < blocks; k0 += kLanes) {
+    __m512 acc[P];
+#pragma GCC unroll 16
+    for (int s = 0; s < P; ++s) acc[s] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < half; ++p) {
+      const uint16_t* r0 = kt + 2 * p * S + k0;
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + kPrefetchKeys), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + S + kPrefetchKeys), _MM_HINT_T0);
+      const __m512i both = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + S)), 1);
+      const __m512bh keys = (__m512bh)_mm512_permutexvar_epi16(order, both);
+#pragma GCC unroll 16
+      for (int s = 0; s < P; ++s)
+        acc[s] = _mm512_dpbf16_ps(acc[s], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[s * half + p])), keys);
+    }
+#pragma GCC unroll 16
+    for (int s = 0; s < P; ++s) _mm512_storeu_ps(scores + s * stride + k0, _mm512_mul_ps(acc[s], sc));
+  }
+}
+
+// pair_scores for n slots (any n), P at a time.
+template <int P>
+void pair_scores_n(int n, int64_t blocks, const uint32_t* qp, int64_t D, const uint16_t* kt, int64_t S, float scale,
+                   float* scores, int64_t stride) {
+  for (; n >= P; n -= P, qp += P * (D / 2), scores += P * stride)
+    pair_scores<P>(blocks, qp, D, kt, S, scale, scores, stride);
+  if constexpr (P > 1)
+    if (n > 0) pair_scores_n<P - 1>(n, blocks, qp, D, kt, S, scale, scores, stride);
+}
+
+// The score of one key (at kt[d * S]) for n slots, by the block code on a block whose lane 0 is
+// that key and whose other lanes are zeros: out[s] is what a block would give in that key's lane.
+inline void pair_score_one(int n, const uint32_t* qp, int64_t D, const at::BFloat16* kt, int64_t S, float scale,
+                           float* out) {
+  uint16_t column[kMaxD * kLanes] = {};
+  for (int64_t d = 0; d < D; ++d) std::memcpy(column + d * kLanes, kt + d * S, 2);
+  float lanes[kMaxGroup * kLanes];
+  pair_scores_n<kTileSlots>(n, kLanes, qp, D, column, kLanes, scale, lanes, kLanes);
+  for (int s = 0; s < n; ++s) out[s] = lanes[s * kLanes];
+}
+
+// The weighted value sums by the same pair dot product, where the scores were taken by it: a
+// row's weights are rounded to bfloat16 (as a bfloat16 model's reference attention rounds its
+// probabilities before the product with the values), and each of its 16-dimension chunks is
+// one chain of VDPBF16PS steps over the pairs of its keys (k, k + 1), k = 0, 2, ..., counted
+// in the row's key order (its committed keys, then its ancestors; an odd last key is paired
+// with a zero weight and zero values). A key's place in that order is its position less the
+// row's first, so a tree row and plain decoding of the same token pair the same keys.
+//
+// For P slots s, pairs m = m0 .. m1 - 1: out[s][l] (16 floats; zeros first unless `resume`)
+// += w[s][2m] * v(2m)[l] + w[s][2m + 1] * v(2m + 1)[l], where wp[s][m] holds the weights of
+// keys 2m (low half) and 2m + 1 (high half) and v(k) is rows[k] + off (when `rows` is given)
+// or base + k * D.
+template <int P>
+SOT_DPBF16 void pair_values(int64_t m0, int64_t m1, const uint32_t* const* wp, const uint16_t* const* rows,
+                            int64_t off, const uint16_t* base, int64_t D, bool resume, float* const* out) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 acc[P];
+#pragma GCC unroll 16
+  for (int s = 0; s < P; ++s) acc[s] = resume ? _mm512_loadu_ps(out[s]) : _mm512_setzero_ps();
+  for (int64_t m = m0; m < m1; ++m) {
+    const uint16_t* r0 = rows ? rows[2 * m] + off : base + 2 * m * D;
+    const uint16_t* r1 = rows ? rows[2 * m + 1] + off : r0 + D;
+    const __m512i both = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)), 1);
+    const __m512bh vals = (__m512bh)_mm512_permutexvar_epi16(order, both);
+#pragma GCC unroll 16
+    for (int s = 0; s < P; ++s)
+      acc[s] = _mm512_dpbf16_ps(acc[s], (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[s][m])), vals);
+  }
+#pragma GCC unroll 16
+  for (int s = 0; s < P; ++s) _mm512_storeu_ps(out[s], acc[s]);
+}
+
+// pair_values for n slots (any n), P at a time.
+template <int P>
+void pair_values_n(int n, int64_t m0, int64_t m1, const uint32_t* const* wp, const uint16_t* const* rows, int64_t off,
+                   const uint16_t* base, int64_t D, bool resume, float* const* out) {
+  for (; n >= P; n -= P, wp += P, out += P) pair_values<P>(m0, m1, wp, rows, off, base, D, resume, out);
+  if constexpr (P > 1)
+    if (n > 0) pair_values_n<P - 1>(n, m0, m1, wp, rows, off, base, D, resume, out);
+}
+#else
+bool attention_pairs_bf16() { return false; }
+inline void q_pairs(const float*, int64_t, uint32_t*) {}
+template <int P>
+void pair_scores_n(int, int64_t, const uint32_t*, int64_t, const uint16_t*, int64_t, float, float*, int64_t) {}
+inline void pair_score_one(int, const uint32_t*, int64_t, const at::BFloat16*, int64_t, float, float*) {}
+template <int P>
+void pair_values_n(int, int64_t, int64_t, const uint32_t* const*, const uint16_t* const*, int64_t, const uint16_t*,
+                   int64_t, bool, float* const*) {}
+#endif
+
 // score_block for NR rows: qrows [NR][group][D], scores of row i, head j at (i * group + j) * stride.
 template <int G, int NR, typename C>
 inline void score_tile(int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, float scale,
@@ -274,7 +412,8 @@ constexpr int64_t kSplitKeys = 256;
 template <int G, typename C>
 void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, int64_t room,
                  const C* vbase, int64_t committed, const std::vector<int64_t>* slots, float scale,
-                 float softcap, std::vector<float>& scores, vec16* const* acc, float* tops, float* sums) {
+                 float softcap, bool paired, std::vector<float>& scores, vec16* const* acc, float* tops,
+                 float* sums) {
   const int64_t nv = D / kLanes;
   // Scores in whole 16-key blocks from slot lo: over the committed slots and on through the
   // scratch slots up to the furthest row's own, whose ancestors' scores are then moved behind
@@ -293,8 +432,16 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
   }
   const int64_t stride = (std::max(most, blocks) + kLanes - 1) / kLanes * kLanes;
   scores.resize(nr * group * stride);
-  for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
-    score_rows<G, max_tile_rows<G>(), C>(nr, group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
+  // paired: bfloat16 pair dot products (a bfloat16 cache on a CPU that has them, see pair_scores)
+  uint32_t qp[kMaxGroup * kMaxD / 2];  // (nr * group <= kMaxGroup slots: tiles hold at most kTileSlots)
+  if (paired) {
+    for (int s = 0; s < nr * group; ++s) q_pairs(qrows + s * D, D, qp + s * (D / 2));
+    pair_scores_n<kTileSlots>(nr * static_cast<int>(group), blocks, qp, D, reinterpret_cast<const uint16_t*>(kt), S,
+                              scale, scores.data(), stride);
+  } else {
+    for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
+      score_rows<G, max_tile_rows<G>(), C>(nr, group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
+  }
   for (int i = 0; i < nr; ++i) {
     const std::vector<int64_t>& own = slots[i];
     const int64_t total = committed + static_cast<int64_t>(own.size());
@@ -305,6 +452,19 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
       // ancestors sit at later slots: moving them in order overwrites nothing still needed.
       for (int64_t j = 0; j < group; ++j)
         for (int64_t k = committed; k < total; ++k) rs[j * stride + k] = rs[j * stride + own[k - committed]];
+    } else if (paired) {  // (the keys the blocks cannot reach, one at a time by the same code)
+      if constexpr (std::is_same_v<C, at::BFloat16>) {
+        float one[kMaxGroup];
+        const uint32_t* rq = qp + i * group * (D / 2);
+        for (int64_t k = committed; k < total; ++k) {
+          pair_score_one(static_cast<int>(group), rq, D, kt + own[k - committed], S, scale, one);
+          for (int64_t j = 0; j < group; ++j) rs[j * stride + k] = one[j];
+        }
+        for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
+          pair_score_one(static_cast<int>(group), rq, D, kt + k, S, scale, one);
+          for (int64_t j = 0; j < group; ++j) rs[j * stride + k] = one[j];
+        }
+      }
     } else {
       for (int64_t k = committed; k < total; ++k) {
         const int64_t slot = own[k - committed];
@@ -345,6 +505,8 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
       }
 #endif
       for (int64_t k = total; k < stride; ++k) sc[k] = 0.f;
+      if (paired)  // (weights as bfloat16 for pair_values; the sum is of the rounded weights)
+        for (int64_t k = 0; k < total; ++k) sc[k] = static_cast<float>(c10::BFloat16(sc[k]));
       float lanes[kLanes] = {0};
       int64_t k = 0;
       for (; k + kLanes <= total; k += kLanes)
@@ -355,6 +517,50 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
       sums[i * group + j] = lanes[0];
       tops[i * group + j] = top;
     }
+  }
+  if (paired) {
+    if constexpr (std::is_same_v<C, at::BFloat16>) {
+      const int n = nr * static_cast<int>(group);
+      const int64_t half = stride / 2;  // (stride: a multiple of 16, past every row's keys)
+      std::vector<uint32_t> wpairs(n * half);
+      const uint32_t* wp[kMaxGroup];
+      for (int s = 0; s < n; ++s) {
+        const float* w = scores.data() + s * stride;
+        for (int64_t m = 0; m < half; ++m) {
+          uint32_t lo, hi;
+          std::memcpy(&lo, w + 2 * m, 4);
+          std::memcpy(&hi, w + 2 * m + 1, 4);
+          wpairs[s * half + m] = (lo >> 16) | (hi & 0xFFFF0000u);
+        }
+        wp[s] = wpairs.data() + s * half;
+      }
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(vbase);
+      // each row's own keys, from the last whole pair of committed keys on (`first`, even)
+      // through its ancestors: their value rows, a zero row after an odd last key
+      static const uint16_t zeros[kMaxD] = {};
+      const int64_t first = committed / 2 * 2;
+      std::vector<const uint16_t*> own_rows[kTileSlots];
+      const uint32_t* own_wp[kMaxGroup * kTileSlots];
+      for (int i = 0; i < nr; ++i) {
+        const int64_t total = committed + static_cast<int64_t>(slots[i].size());
+        own_rows[i].assign(total > first ? (total - first + 1) / 2 * 2 : 0, zeros);
+        for (int64_t k = first; k < total; ++k)
+          own_rows[i][k - first] = vb + (k < committed ? k : slots[i][k - committed]) * D;
+        for (int64_t j = 0; j < group; ++j) own_wp[i * group + j] = wp[i * group + j] + first / 2;
+      }
+      float* out[kMaxGroup];
+      for (int64_t v = 0; v < nv; ++v) {
+        // the pairs of committed keys, shared by the tile's rows, then each row's own
+        for (int s = 0; s < n; ++s) out[s] = reinterpret_cast<float*>(acc[s / group] + (s % group) * nv + v);
+        pair_values_n<kTileSlots>(n, 0, committed / 2, wp, nullptr, 0, vb + v * kLanes, D, false, out);
+        for (int i = 0; i < nr; ++i)
+          if (!own_rows[i].empty())
+            pair_values_n<kTileSlots>(static_cast<int>(group), 0, static_cast<int64_t>(own_rows[i].size()) / 2,
+                                      own_wp + i * group, own_rows[i].data(), v * kLanes, nullptr, D, true,
+                                      out + i * group);
+      }
+    }
+    return;
   }
   vec16* slice[kTileSlots];
   for (int64_t v = 0; v < nv; ++v) {
@@ -395,6 +601,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   const int64_t* ap = ancestors.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+  const bool paired = std::is_same_v<C, at::BFloat16> && attention_pairs_bf16();  // (once a call)
   // the halves of split rows: weighted value sums, largest scores and weight sums per head
   const int64_t units = B * Hkv * R;
   std::vector<vec16> half_acc(units * 2 * group * nv);
@@ -489,7 +696,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
       const C* kt = kp + (b * Hkv + kvh) * D * S + from;      // [D][S], from slot `from`
       const C* vbase = vp + ((b * Hkv + kvh) * Sv + from) * D;  // [Sv][D], from slot `from`
       attend_tile<G, C>(tile.nr, group, qrows.data(), D, kt, S, S - from, vbase, part_committed, slots, scale, softcap,
-                     scores, acc, tops, sums);
+                     paired, scores, acc, tops, sums);
       for (int i = 0; i < tile.nr; ++i) {
         const int64_t r = tile.r0 + i, unit = (b * Hkv + kvh) * R + r;
         if (g.split > 0) {
@@ -563,6 +770,8 @@ at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values
   TORCH_CHECK(!half_cache || q.scalar_type() == at::kBFloat16, "a bfloat16 cache takes a bfloat16 q");
   TORCH_CHECK(q.stride(3) == 1, "q's last dim must be contiguous");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
+  for (const at::Tensor* t : {&lengths, &ancestors, &rows})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "lengths, ancestors and rows: contiguous int64");
   auto out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");

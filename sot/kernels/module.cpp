@@ -8,6 +8,8 @@ void bind_llama_layers(pybind11::module_& m);  // layers.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rotary embedding of q/k and KV-cache write");
   m.def("tree_attention_exact", &tree_attention_exact, "exact CPU tree attention");
+  m.def("attention_pairs_bf16", &attention_pairs_bf16,
+        "whether tree_attention_exact scores a bfloat16 cache with pair dot products (AVX512-BF16)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "fused bfloat16 RMSNorm (optionally after a residual add)");
   m.def("rms_norm_f32", &rms_norm_f32, "fused float32 RMSNorm (optionally after a residual add)");
   m.def("linear_f32", &linear_f32, "row-stable float32 linear layer on panel-packed weights");
