@@ -318,6 +318,16 @@ SOT_DPBF16 void pair_values(int64_t m0, int64_t m1, const uint32_t* const* wp, c
   for (int s = 0; s < P; ++s) _mm512_storeu_ps(out[s], acc[s]);
 }
 
+// A row's weights w[0 .. n) (n a multiple of 16) rounded to bfloat16 (nearest even): stored as
+// pairs (weights 2m and 2m + 1 in pairs[m], low half first) and written back to w as floats.
+SOT_DPBF16 void round_weights(float* w, int64_t n, uint32_t* pairs) {
+  for (int64_t k = 0; k < n; k += kLanes) {
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w + k));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + k / 2), b);
+    _mm512_storeu_ps(w + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+  }
+}
+
 // pair_values for n slots (any n), P at a time.
 template <int P>
 void pair_values_n(int n, int64_t m0, int64_t m1, const uint32_t* const* wp, const uint16_t* const* rows, int64_t off,
@@ -335,6 +345,7 @@ inline void pair_score_one(int, const uint32_t*, int64_t, const at::BFloat16*, i
 template <int P>
 void pair_values_n(int, int64_t, int64_t, const uint32_t* const*, const uint16_t* const*, int64_t, const uint16_t*,
                    int64_t, bool, float* const*) {}
+inline void round_weights(float*, int64_t, uint32_t*) {}
 #endif
 
 // score_block for NR rows: qrows [NR][group][D], scores of row i, head j at (i * group + j) * stride.
@@ -412,8 +423,8 @@ constexpr int64_t kSplitKeys = 256;
 template <int G, typename C>
 void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, int64_t room,
                  const C* vbase, int64_t committed, const std::vector<int64_t>* slots, float scale,
-                 float softcap, bool paired, std::vector<float>& scores, vec16* const* acc, float* tops,
-                 float* sums) {
+                 float softcap, bool paired, std::vector<float>& scores, std::vector<uint32_t>& wpairs,
+                 vec16* const* acc, float* tops, float* sums) {
   const int64_t nv = D / kLanes;
   // Scores in whole 16-key blocks from slot lo: over the committed slots and on through the
   // scratch slots up to the furthest row's own, whose ancestors' scores are then moved behind
@@ -432,6 +443,7 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
   }
   const int64_t stride = (std::max(most, blocks) + kLanes - 1) / kLanes * kLanes;
   scores.resize(nr * group * stride);
+  if (paired) wpairs.resize(nr * group * stride / 2);
   // paired: bfloat16 pair dot products (a bfloat16 cache on a CPU that has them, see pair_scores)
   uint32_t qp[kMaxGroup * kMaxD / 2];  // (nr * group <= kMaxGroup slots: tiles hold at most kTileSlots)
   if (paired) {
@@ -505,8 +517,8 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
       }
 #endif
       for (int64_t k = total; k < stride; ++k) sc[k] = 0.f;
-      if (paired)  // (weights as bfloat16 for pair_values; the sum is of the rounded weights)
-        for (int64_t k = 0; k < total; ++k) sc[k] = static_cast<float>(c10::BFloat16(sc[k]));
+      if (paired)  // (weights as bfloat16 pairs for pair_values; the sum is of the rounded weights)
+        round_weights(sc, stride, wpairs.data() + (i * group + j) * (stride / 2));
       float lanes[kLanes] = {0};
       int64_t k = 0;
       for (; k + kLanes <= total; k += kLanes)
@@ -521,19 +533,8 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
   if (paired) {
     if constexpr (std::is_same_v<C, at::BFloat16>) {
       const int n = nr * static_cast<int>(group);
-      const int64_t half = stride / 2;  // (stride: a multiple of 16, past every row's keys)
-      std::vector<uint32_t> wpairs(n * half);
       const uint32_t* wp[kMaxGroup];
-      for (int s = 0; s < n; ++s) {
-        const float* w = scores.data() + s * stride;
-        for (int64_t m = 0; m < half; ++m) {
-          uint32_t lo, hi;
-          std::memcpy(&lo, w + 2 * m, 4);
-          std::memcpy(&hi, w + 2 * m + 1, 4);
-          wpairs[s * half + m] = (lo >> 16) | (hi & 0xFFFF0000u);
-        }
-        wp[s] = wpairs.data() + s * half;
-      }
+      for (int s = 0; s < n; ++s) wp[s] = wpairs.data() + s * (stride / 2);
       const uint16_t* vb = reinterpret_cast<const uint16_t*>(vbase);
       // each row's own keys, from the last whole pair of committed keys on (`first`, even)
       // through its ancestors: their value rows, a zero row after an odd last key
@@ -665,6 +666,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   at::parallel_for(0, ntiles * Hkv * 2, 1, [&](int64_t begin, int64_t end) {
     constexpr int NR = max_tile_rows<G>();
     std::vector<float> scores, qrows(NR * group * D);
+    std::vector<uint32_t> wpairs;
     std::vector<int64_t> slots[NR];
     std::vector<vec16> accv(NR * group * nv);
     vec16* acc[NR];
@@ -696,7 +698,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
       const C* kt = kp + (b * Hkv + kvh) * D * S + from;      // [D][S], from slot `from`
       const C* vbase = vp + ((b * Hkv + kvh) * Sv + from) * D;  // [Sv][D], from slot `from`
       attend_tile<G, C>(tile.nr, group, qrows.data(), D, kt, S, S - from, vbase, part_committed, slots, scale, softcap,
-                     paired, scores, acc, tops, sums);
+                     paired, scores, wpairs, acc, tops, sums);
       for (int i = 0; i < tile.nr; ++i) {
         const int64_t r = tile.r0 + i, unit = (b * Hkv + kvh) * R + r;
         if (g.split > 0) {
