@@ -233,33 +233,64 @@ inline void q_pairs(const float* qrow, int64_t D, uint32_t* pairs) {
 // For P (row, head) slots s with pairs qp[s * D / 2 ...], the scores of the 16 keys of each
 // block k0 = 0, 16, ..., blocks - 16: scores[s * stride + k0 + l] for key k0 + l, whose
 // dimension d sits at kt[d * S + k0 + l].
+// Interleaves the 16 bfloat16 values at r0 and the 16 at r1: element 2l <- r0[l], 2l + 1 <- r1[l].
+SOT_DPBF16 __attribute__((always_inline)) inline __m512bh interleave(const uint16_t* r0, const uint16_t* r1) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i both = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)), 1);
+  return (__m512bh)_mm512_permutexvar_epi16(order, both);
+}
+
+// NB blocks of 16 keys from k0 for P slots (see pair_scores): NB independent chains per slot,
+// so that few slots (a one-row pass) still keep the dot-product unit busy; each lane's chain is
+// the same whatever NB.
+template <int P, int NB>
+SOT_DPBF16 __attribute__((always_inline)) inline void pair_score_blocks(int64_t k0, const uint32_t* qp, int64_t D,
+                                                                        const uint16_t* kt, int64_t S, __m512 sc,
+                                                                        float* scores, int64_t stride) {
+  const int64_t half = D / 2;
+  __m512 acc[NB][P];
+#pragma GCC unroll 16
+  for (int b = 0; b < NB; ++b)
+#pragma GCC unroll 16
+    for (int s = 0; s < P; ++s) acc[b][s] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < half; ++p) {
+    const uint16_t* r0 = kt + 2 * p * S + k0;
+    __m512bh keys[NB];
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + b * kLanes + kPrefetchKeys), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + S + b * kLanes + kPrefetchKeys), _MM_HINT_T0);
+      keys[b] = interleave(r0 + b * kLanes, r0 + S + b * kLanes);
+    }
+#pragma GCC unroll 16
+    for (int s = 0; s < P; ++s) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[s * half + p]));
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) acc[b][s] = _mm512_dpbf16_ps(acc[b][s], q, keys[b]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < NB; ++b)
+#pragma GCC unroll 16
+    for (int s = 0; s < P; ++s) _mm512_storeu_ps(scores + s * stride + k0 + b * kLanes, _mm512_mul_ps(acc[b][s], sc));
+}
+
+// For P (row, head) slots s with pairs qp[s * D / 2 ...], the scores of the 16 keys of each
+// block k0 = 0, 16, ..., blocks - 16: scores[s * stride + k0 + l] for key k0 + l, whose
+// dimension d sits at kt[d * S + k0 + l]. (Few slots take blocks four or two at a time.)
 template <int P>
 SOT_DPBF16 void pair_scores(int64_t blocks, const uint32_t* qp, int64_t D, const uint16_t* kt, int64_t S, float scale,
                             float* scores, int64_t stride) {
-  // element 2l <- key l of dimension d (first 256 bits), 2l + 1 <- key l of d + 1 (last 256)
-  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const int64_t half = D / 2;
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t k0 = 0; k0 < blocks; k0 += kLanes) {
-    __m512 acc[P];
-#pragma GCC unroll 16
-    for (int s = 0; s < P; ++s) acc[s] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < half; ++p) {
-      const uint16_t* r0 = kt + 2 * p * S + k0;
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + kPrefetchKeys), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + S + kPrefetchKeys), _MM_HINT_T0);
-      const __m512i both = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + S)), 1);
-      const __m512bh keys = (__m512bh)_mm512_permutexvar_epi16(order, both);
-#pragma GCC unroll 16
-      for (int s = 0; s < P; ++s)
-        acc[s] = _mm512_dpbf16_ps(acc[s], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[s * half + p])), keys);
-    }
-#pragma GCC unroll 16
-    for (int s = 0; s < P; ++s) _mm512_storeu_ps(scores + s * stride + k0, _mm512_mul_ps(acc[s], sc));
-  }
+  int64_t k0 = 0;
+  if constexpr (P <= 3)
+    for (; k0 + 4 * kLanes <= blocks; k0 += 4 * kLanes) pair_score_blocks<P, 4>(k0, qp, D, kt, S, sc, scores, stride);
+  if constexpr (P <= 6)
+    for (; k0 + 2 * kLanes <= blocks; k0 += 2 * kLanes) pair_score_blocks<P, 2>(k0, qp, D, kt, S, sc, scores, stride);
+  for (; k0 < blocks; k0 += kLanes) pair_score_blocks<P, 1>(k0, qp, D, kt, S, sc, scores, stride);
 }
 
 // pair_scores for n slots (any n), P at a time.
@@ -295,27 +326,34 @@ inline void pair_score_one(int n, const uint32_t* qp, int64_t D, const at::BFloa
 // += w[s][2m] * v(2m)[l] + w[s][2m + 1] * v(2m + 1)[l], where wp[s][m] holds the weights of
 // keys 2m (low half) and 2m + 1 (high half) and v(k) is rows[k] + off (when `rows` is given)
 // or base + k * D.
-template <int P>
+//
+// NV chunks at once (out[s] + c * 16 for chunk c, values at + c * 16): independent chains, for
+// few slots; each lane's chain is the same whatever NV.
+template <int P, int NV>
 SOT_DPBF16 void pair_values(int64_t m0, int64_t m1, const uint32_t* const* wp, const uint16_t* const* rows,
                             int64_t off, const uint16_t* base, int64_t D, bool resume, float* const* out) {
-  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  __m512 acc[P];
+  __m512 acc[NV][P];
+#pragma GCC unroll 4
+  for (int c = 0; c < NV; ++c)
 #pragma GCC unroll 16
-  for (int s = 0; s < P; ++s) acc[s] = resume ? _mm512_loadu_ps(out[s]) : _mm512_setzero_ps();
+    for (int s = 0; s < P; ++s) acc[c][s] = resume ? _mm512_loadu_ps(out[s] + c * kLanes) : _mm512_setzero_ps();
   for (int64_t m = m0; m < m1; ++m) {
     const uint16_t* r0 = rows ? rows[2 * m] + off : base + 2 * m * D;
     const uint16_t* r1 = rows ? rows[2 * m + 1] + off : r0 + D;
-    const __m512i both = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)), 1);
-    const __m512bh vals = (__m512bh)_mm512_permutexvar_epi16(order, both);
+    __m512bh vals[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vals[c] = interleave(r0 + c * kLanes, r1 + c * kLanes);
 #pragma GCC unroll 16
-    for (int s = 0; s < P; ++s)
-      acc[s] = _mm512_dpbf16_ps(acc[s], (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[s][m])), vals);
+    for (int s = 0; s < P; ++s) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[s][m]));
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[c][s] = _mm512_dpbf16_ps(acc[c][s], w, vals[c]);
+    }
   }
+#pragma GCC unroll 4
+  for (int c = 0; c < NV; ++c)
 #pragma GCC unroll 16
-  for (int s = 0; s < P; ++s) _mm512_storeu_ps(out[s], acc[s]);
+    for (int s = 0; s < P; ++s) _mm512_storeu_ps(out[s] + c * kLanes, acc[c][s]);
 }
 
 // A row's weights w[0 .. n) (n a multiple of 16) rounded to bfloat16 (nearest even): stored as
@@ -328,13 +366,30 @@ SOT_DPBF16 void round_weights(float* w, int64_t n, uint32_t* pairs) {
   }
 }
 
-// pair_values for n slots (any n), P at a time.
+// pair_values for n slots (any n), P at a time, over the `chunks` chunks of 16 dimensions from
+// `off` (out[s] + c * 16 for chunk c): few slots take two or four chunks at once.
 template <int P>
-void pair_values_n(int n, int64_t m0, int64_t m1, const uint32_t* const* wp, const uint16_t* const* rows, int64_t off,
-                   const uint16_t* base, int64_t D, bool resume, float* const* out) {
-  for (; n >= P; n -= P, wp += P, out += P) pair_values<P>(m0, m1, wp, rows, off, base, D, resume, out);
+void pair_values_n(int n, int chunks, int64_t m0, int64_t m1, const uint32_t* const* wp, const uint16_t* const* rows,
+                   int64_t off, const uint16_t* base, int64_t D, bool resume, float* const* out) {
+  for (; n >= P; n -= P, wp += P, out += P) {
+    float* o[P];
+    for (int c = 0; c < chunks;) {
+      for (int s = 0; s < P; ++s) o[s] = out[s] + c * kLanes;
+      const int64_t at = off + c * kLanes;
+      if (P <= 3 && c + 4 <= chunks) {
+        pair_values<P, 4>(m0, m1, wp, rows, at, base + (rows ? 0 : at), D, resume, o);
+        c += 4;
+      } else if (P <= 6 && c + 2 <= chunks) {
+        pair_values<P, 2>(m0, m1, wp, rows, at, base + (rows ? 0 : at), D, resume, o);
+        c += 2;
+      } else {
+        pair_values<P, 1>(m0, m1, wp, rows, at, base + (rows ? 0 : at), D, resume, o);
+        c += 1;
+      }
+    }
+  }
   if constexpr (P > 1)
-    if (n > 0) pair_values_n<P - 1>(n, m0, m1, wp, rows, off, base, D, resume, out);
+    if (n > 0) pair_values_n<P - 1>(n, chunks, m0, m1, wp, rows, off, base, D, resume, out);
 }
 #else
 bool attention_pairs_bf16() { return false; }
@@ -343,8 +398,8 @@ template <int P>
 void pair_scores_n(int, int64_t, const uint32_t*, int64_t, const uint16_t*, int64_t, float, float*, int64_t) {}
 inline void pair_score_one(int, const uint32_t*, int64_t, const at::BFloat16*, int64_t, float, float*) {}
 template <int P>
-void pair_values_n(int, int64_t, int64_t, const uint32_t* const*, const uint16_t* const*, int64_t, const uint16_t*,
-                   int64_t, bool, float* const*) {}
+void pair_values_n(int, int, int64_t, int64_t, const uint32_t* const*, const uint16_t* const*, int64_t,
+                   const uint16_t*, int64_t, bool, float* const*) {}
 inline void round_weights(float*, int64_t, uint32_t*) {}
 #endif
 
@@ -550,16 +605,14 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
         for (int64_t j = 0; j < group; ++j) own_wp[i * group + j] = wp[i * group + j] + first / 2;
       }
       float* out[kMaxGroup];
-      for (int64_t v = 0; v < nv; ++v) {
-        // the pairs of committed keys, shared by the tile's rows, then each row's own
-        for (int s = 0; s < n; ++s) out[s] = reinterpret_cast<float*>(acc[s / group] + (s % group) * nv + v);
-        pair_values_n<kTileSlots>(n, 0, committed / 2, wp, nullptr, 0, vb + v * kLanes, D, false, out);
-        for (int i = 0; i < nr; ++i)
-          if (!own_rows[i].empty())
-            pair_values_n<kTileSlots>(static_cast<int>(group), 0, static_cast<int64_t>(own_rows[i].size()) / 2,
-                                      own_wp + i * group, own_rows[i].data(), v * kLanes, nullptr, D, true,
-                                      out + i * group);
-      }
+      // the pairs of committed keys, shared by the tile's rows, then each row's own (every chunk)
+      for (int s = 0; s < n; ++s) out[s] = reinterpret_cast<float*>(acc[s / group] + (s % group) * nv);
+      const int chunks = static_cast<int>(nv);
+      pair_values_n<kTileSlots>(n, chunks, 0, committed / 2, wp, nullptr, 0, vb, D, false, out);
+      for (int i = 0; i < nr; ++i)
+        if (!own_rows[i].empty())
+          pair_values_n<kTileSlots>(static_cast<int>(group), chunks, 0, static_cast<int64_t>(own_rows[i].size()) / 2,
+                                    own_wp + i * group, own_rows[i].data(), 0, nullptr, D, true, out + i * group);
     }
     return;
   }
