@@ -194,22 +194,25 @@ def test_a_bfloat16_cache_keeps_plain_decodings_bits_where_the_blocks_stop_short
     length, dim = 1000, 64
     paths = [[length], [length, length + 1], [length, length + 2], [length, length + 1, length + 3]]
     q = (torch.randn(1, 6, 4, dim, generator=gen) * 16).bfloat16()  # (large scores: a last-bit change shows)
-    for slots in (1040, 1004):  # room for whole blocks past the tree, or none
+    # room for whole blocks past the tree, or none; a sliding window of 301 keys (each row's
+    # first key, where its pairs start, then depends on its depth)
+    for slots, window in ((1040, 0), (1004, 0), (1040, 301)):
         keys = torch.randn(1, 2, dim, slots, generator=gen).bfloat16()
         values = torch.randn(1, 2, slots, dim, generator=gen).bfloat16()
-        tree = _kernel_attention(q, keys, values, length, paths)
+        tree = _kernel_attention(q, keys, values, length, paths, window)
         for r, path in enumerate(paths):
             pos = length + len(path) - 1
             k2, v2 = keys.clone(), values.clone()
             k2[..., length:pos + 1] = keys[..., path]
             v2[:, :, length:pos + 1] = values[:, :, path]
-            plain = _kernel_attention(q[:, :, r:r + 1].contiguous(), k2, v2, pos, [[pos]])
-            assert torch.equal(plain[0, 0], tree[0, r]), (slots, r)
-            kk = k2[0, :, :, :pos + 1].double().repeat_interleave(3, dim=0)
-            vv = v2[0, :, :pos + 1].double().repeat_interleave(3, dim=0)
+            plain = _kernel_attention(q[:, :, r:r + 1].contiguous(), k2, v2, pos, [[pos]], window)
+            assert torch.equal(plain[0, 0], tree[0, r]), (slots, window, r)
+            first = max(0, pos - window + 1) if window else 0
+            kk = k2[0, :, :, first:pos + 1].double().repeat_interleave(3, dim=0)
+            vv = v2[0, :, first:pos + 1].double().repeat_interleave(3, dim=0)
             weights = torch.softmax(torch.einsum("hd,hdn->hn", q[0, :, r].double(), kk) * 0.125, dim=-1)
             expected = torch.einsum("hn,hnd->hd", weights, vv)
-            assert torch.allclose(tree[0, r].double(), expected, atol=0.02, rtol=0.02), (slots, r)
+            assert torch.allclose(tree[0, r].double(), expected, atol=0.02, rtol=0.02), (slots, window, r)
     # Short contexts in a cache that ends after the tree (every key scored alone) against the
     # same in a roomy one (every key in blocks): many sequences, so that a key scored alone by
     # other arithmetic than the blocks' would change some bfloat16 output.
