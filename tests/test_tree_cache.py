@@ -129,7 +129,8 @@ def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dtype: torch.dtype) -> None:
+def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dtype: torch.dtype,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel takes a tree's rows several at a time (each key loaded once for all of
     them): every row of a 13-row tree, in a pass with a second sequence and padding rows,
     equals the row attended alone, bit for bit, for 1-6 query heads per KV head, with rows
@@ -177,8 +178,12 @@ def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dty
             wide = cpu_kernels().tree_attention_exact(q, half_k.float(), half_v.float(), *args)
             if cpu_kernels().attention_pairs_bf16():  # scores by pair dot products: other rounding
                 assert torch.allclose(half.float(), wide.float(), atol=0.02, rtol=0.02)
-            else:  # the float32 loops on the widened values: the same bits
-                assert torch.equal(half, wide)
+                # SOT_NO_BF16_ATTENTION (read at each call) turns them off: the float32 loops
+                monkeypatch.setenv("SOT_NO_BF16_ATTENTION", "1")
+                assert not cpu_kernels().attention_pairs_bf16()
+                half = cpu_kernels().tree_attention_exact(q, half_k, half_v, *args)
+                monkeypatch.delenv("SOT_NO_BF16_ATTENTION")
+            assert torch.equal(half, wide)  # the float32 loops on the widened values: the same bits
 
 
 def test_a_bfloat16_cache_keeps_plain_decodings_bits_where_the_blocks_stop_short() -> None:

@@ -59,29 +59,6 @@ inline __m256 softmax_exp8(__m256 x) {
 }
 #endif
 
-#if defined(__AVX512F__)
-// softmax_exp8 on 16 lanes in AVX-512 registers: the same operations in the same order, so the
-// same bits (half the instructions: where 512-bit units are native, half the time).
-inline __m512 softmax_exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // x < -87 ? -87 : x (NaN stays)
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 half = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_LT_OQ),
-                                           _mm512_set1_ps(0.5f), _mm512_set1_ps(-0.5f));
-  const __m512i ni = _mm512_cvttps_epi32(_mm512_add_ps(t, half));
-  const __m512 n = _mm512_cvtepi32_ps(ni);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
-
 constexpr int64_t kMaxGroup = 16;
 
 // The cache holds float32 or bfloat16 values (bfloat16 models write bfloat16 keys and values,
@@ -253,9 +230,6 @@ inline void q_pairs(const float* qrow, int64_t D, uint32_t* pairs) {
   }
 }
 
-// For P (row, head) slots s with pairs qp[s * D / 2 ...], the scores of the 16 keys of each
-// block k0 = 0, 16, ..., blocks - 16: scores[s * stride + k0 + l] for key k0 + l, whose
-// dimension d sits at kt[d * S + k0 + l].
 // Interleaves the 16 bfloat16 values at r0 and the 16 at r1: element 2l <- r0[l], 2l + 1 <- r1[l].
 SOT_DPBF16 __attribute__((always_inline)) inline __m512bh interleave(const uint16_t* r0, const uint16_t* r1) {
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -582,11 +556,7 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
       float* sc = rs + j * stride;
       const float top = max_score(sc, total);
       for (int64_t k = total; k < stride; ++k) sc[k] = top;  // padding, zeroed below
-#if defined(__AVX512F__)
-      const __m512 top16 = _mm512_set1_ps(top);
-      for (int64_t k = 0; k < stride; k += kLanes)  // now weights
-        _mm512_storeu_ps(sc + k, softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + k), top16)));
-#elif defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)  // (with AVX-512, GCC lowers the 16 lanes well)
       const __m256 top8 = _mm256_set1_ps(top);
       for (int64_t k = 0; k < stride; k += 8)  // now weights
         _mm256_storeu_ps(sc + k, softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + k), top8)));
