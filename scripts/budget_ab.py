@@ -14,7 +14,10 @@ with the verify pass, as before the LM head computed only the rows acceptance re
 ``+stale`` (the batch guard's back-offs run their length whoever joins, as before a new
 request ended them) or ``+loops`` (attention over the bfloat16 cache by the float32 loops, not
 the AVX512-BF16 pair dot products: ``SOT_NO_BF16_ATTENTION`` set while the variant loads and
-runs), and by ``@label`` to run a setting twice.
+runs) or ``+held`` (the drafter's engine with every step held plain by the fixed rule,
+``disable_above`` 1: its machinery without its drafts) or ``+open`` (an offline call's batch
+planned as an open one, by tokens per second, as before closed batches were planned for their
+end), and by ``@label`` to run a setting twice.
 
     python scripts/budget_ab.py --set code-edit-multiturn --variants plain,auto:16:8,auto:32:24
     python scripts/budget_ab.py --set sharegpt-heldout --n 64 --batch 16 --rounds 4 \\
@@ -28,6 +31,7 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import replace
 
 
 @contextmanager
@@ -48,6 +52,8 @@ def make(variant: str):
     spec = variant.split("@")[0].replace("+loops", "")
     spec, eager = spec.removesuffix("+eager"), spec.endswith("+eager")
     spec, stale = spec.removesuffix("+stale"), spec.endswith("+stale")
+    spec, held = spec.removesuffix("+held"), spec.endswith("+held")
+    spec, open_ = spec.removesuffix("+open"), spec.endswith("+open")
     if spec == "plain":
         sot = SoT.load("default", drafter="none", dtype="bfloat16")
     else:
@@ -57,6 +63,12 @@ def make(variant: str):
             sot.engine.drafter.free.lookup.max_ngram = int(ngram[0])
     if eager:  # every row's logits computed with the pass
         sot.engine.target.lazy_head = False
+    if held:  # the fixed rule holds every step of two or more sequences plain
+        policy = sot.engine.policy
+        policy.config = replace(policy.config, disable_above=1)
+    if open_:  # the policy is never told that the batch is closed
+        plan = sot.engine.policy.plan
+        sot.engine.policy.plan = lambda generated, free, budget, left=None: plan(generated, free, budget)
     if stale:  # joins do not end the guard's back-offs
         sot.engine.policy.guard.joined = lambda: None
     return sot

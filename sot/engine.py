@@ -168,6 +168,7 @@ class Engine:
         self.acceptance_model = acceptance_model
         self._ids = itertools.count()
         self._waiting: list[LiveRequest] = []
+        self._offline = False  # inside an offline call (offline_batch): its requests are all there is
         self._running: list[LiveRequest] = []  # running[b] holds cache slot b
         self._cache: KVCache | None = None
         self._policy: CommitPolicy | None = None
@@ -547,7 +548,12 @@ class Engine:
         offers = (policy.adaptive or policy.record) and not policy.holds_plain(len(seqs))
         budget = self.budget.for_batch(len(seqs))
         free = self.drafter.propose_free(list(given.values()), budget) if offers else None
-        plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), budget)
+        # An offline call with nothing left to admit is a closed batch: its caller waits for the
+        # last sequence, and no request takes a freed slot (the policy plans for the batch's end)
+        left = ({s.id: s.params.max_new_tokens - len(s.result.token_ids) for s in seqs}
+                if self._offline and not self._waiting else None)
+        plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), budget,
+                           left)
         proposed: dict[int, DraftTree] = {}
         if plan.drafting:
             by_id = {s.id: s for s in seqs}
@@ -681,10 +687,12 @@ class Engine:
         self.max_batch = batch_size
         self.drafter.reset(min(len(prompts), batch_size or len(prompts)))
         self.policy.trace = Trace()  # a recording run logs this call's decisions
+        self._offline = True
         try:
             ids = [self.add_request(p, params, index=i) for i, p in enumerate(prompts)]
             yield [self.result(r) for r in ids]
         finally:
             self.max_batch = saved
+            self._offline = False
             for r in list(self._waiting) + list(self._running):  # a call left early
                 self.abort(r.id)

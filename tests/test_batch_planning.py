@@ -283,3 +283,70 @@ def test_idle_states_are_handed_over_once_in_order() -> None:
     assert torch.equal(taken, torch.cat(pieces)) and seq.take_states() is None
     seq.add_states(pieces[1])
     assert seq.take_states() is pieces[1]  # a single piece is handed over without a copy
+
+
+def _closed_policy(taus: list[float]) -> CommitPolicy:
+    """Four sequences drafting at ``taus``; a pass of 4 rows costs 10 ms, 16 rows 16 ms; a
+    drafting call 6 ms."""
+    policy = _policy([0.010, 0.010, 0.012, 0.016], tau=2.0)
+    for b, tau in enumerate(taus):
+        policy.seqs[b].tau = tau
+    return policy
+
+
+def test_a_closed_batch_speculates_only_on_its_critical_path() -> None:
+    """In a closed batch only the sequences with the most tokens left may speculate: the
+    others' drafts would add rows without ending the batch a step sooner."""
+    policy = _closed_policy([2.0, 2.0, 2.0, 2.0])
+    assert policy.critical_path({0: 10, 1: 40, 2: 10, 3: 10}, [0, 1, 2, 3], {}) == {1}
+    # two tied at the most left must both speed up for the batch to end sooner
+    assert policy.critical_path({0: 10, 1: 40, 2: 40, 3: 10}, [0, 1, 2, 3], {}) == {1, 2}
+    # a leader that cannot speculate (falling back: not drafting) holds the batch's end, so nobody does
+    assert policy.critical_path({0: 10, 1: 40, 2: 10, 3: 10}, [0, 2, 3], {}) == set()
+    # three sequences drafting well and one barely: per step the drafts pay (tokens per second
+    # rise), but the batch still lasts as long as the fourth's 38 steps, so nobody speculates
+    policy = _closed_policy([3.0, 3.0, 3.0, 1.05])
+    assert policy.worth_drafting([0, 1, 2, 3], 4) == [0, 1, 2], "an open batch drafts for throughput"
+    assert policy.critical_path({b: 40 for b in range(4)}, [0, 1, 2, 3], {}) == set()
+    policy = _closed_policy([3.0, 3.0, 3.0, 3.0])
+    assert policy.critical_path({b: 40 for b in range(4)}, [0, 1, 2, 3], {}) == {0, 1, 2, 3}
+
+
+def test_a_closed_plan_takes_free_drafts_only_on_the_critical_path() -> None:
+    policy = _closed_policy([2.0, 2.0, 2.0, 2.0])
+    assert not policy.plans_for_the_end(4), "8 rows cost 1.2x 4 rows: tokens per second plans"
+    policy.cost = CostModel([1, 4, 8, 16], [0.010, 0.010, 0.016, 0.028])  # rows now dear
+    assert policy.plans_for_the_end(4) and not policy.plans_for_the_end(1)
+    sure = tree_from_parents([1, 2, 3], [-1, 0, 1], draft_probs=[1.0, 0.9, 0.8])
+    free = {0: sure, 3: sure}
+    open_plan = policy.plan({b: 10 for b in range(4)}, free, TreeBudget(8, 4))
+    assert open_plan.drafting == () and set(open_plan.free) == {0, 3}, "an open batch verifies every free draft"
+    policy.seqs[0].speed = policy.seqs[3].speed = [0.5, 0.5]  # drafting was slow: the free drafts win
+    plan = policy.plan({b: 10 for b in range(4)}, free, TreeBudget(8, 4), left={0: 30, 1: 5, 2: 5, 3: 5})
+    assert plan.drafting == () and set(plan.free) == {0}, "the free draft of the sequence with the most left only"
+    assert plan.plain == (0, 1, 2, 3)
+
+
+def test_the_engine_tells_the_policy_when_its_batch_is_closed() -> None:
+    """An offline call's batch is closed once nothing waits to take a freed slot; requests added
+    one by one (as a server adds them) never make a closed batch."""
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.float32), state_layers=LAYERS)
+    prompts = random_prompts((8, 12, 17), seed=4)
+    params = GenerationParams(max_new_tokens=12)
+    engine = Engine(target, StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3), TreeBudget(8, 4))
+    seen: list[dict | None] = []
+    plan = engine.policy.plan
+    engine.policy.plan = lambda generated, free, budget, left=None: seen.append(left) or plan(generated, free,
+                                                                                               budget, left)
+    engine.generate(prompts, params, batch_size=2)
+    assert seen[0] is None, "the third prompt waits for a slot"
+    closed = [left for left in seen if left is not None]
+    assert closed and all(n >= 1 for left in closed for n in left.values())
+    assert seen.index(closed[0]) > 0 and all(left is not None for left in seen[seen.index(closed[0]):])
+    seen.clear()
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert seen and all(left is None for left in seen)

@@ -43,6 +43,9 @@ class CommitPolicy:
 
     #: nodes a tree may grow by from one step to the next (see :meth:`draft_budget`)
     SLACK = 2
+    #: a closed batch is planned for its end (:meth:`plans_for_the_end`) where doubling its
+    #: rows costs at least this factor
+    ARITHMETIC_BOUND = 1.5
     #: fall back when drafting is slower than the free drafts, not only than plain decoding
     compare_free = True
 
@@ -109,9 +112,13 @@ class CommitPolicy:
         return self.seqs[key].fallbacks
 
     # ------------------------------------------------------------ the engine's three calls
-    def plan(self, generated: dict[int, int], free: dict[int, DraftTree], budget: "TreeBudget") -> StepPlan:
+    def plan(self, generated: dict[int, int], free: dict[int, DraftTree], budget: "TreeBudget",
+             left: dict[int, int] | None = None) -> StepPlan:
         """Decide one step: ``generated`` maps each live sequence's key to its tokens so far;
-        ``free`` holds the free drafts the drafter offered (see :meth:`prefers_free`)."""
+        ``free`` holds the free drafts the drafter offered (see :meth:`prefers_free`).
+        ``left`` (key -> tokens the sequence may still commit) marks a closed batch, one whose
+        caller waits for every sequence and whose freed slots nobody takes: its drafts are then
+        planned by :meth:`critical_path`, not by tokens per second."""
         self.last_draft_features = {}
         if self.record:
             self._record_free = dict(free)
@@ -119,7 +126,14 @@ class CommitPolicy:
             return StepPlan((), tuple(generated), {}, budget, len(generated))
         drafting = [b for b, n in generated.items() if self.wants_draft(b, n)]
         taken = [b for b in drafting if b in free and self.prefers_free(b, free[b])]
-        drafting = self.worth_drafting([b for b in drafting if b not in taken], len(generated))
+        drafting = [b for b in drafting if b not in taken]
+        if left is not None and self.plans_for_the_end(len(generated)):
+            offered = {b: free[b] for b in generated if b in free and b not in drafting}
+            allowed = self.critical_path(left, drafting, offered)
+            drafting = [b for b in drafting if b in allowed]
+            free = {b: t for b, t in offered.items() if b in allowed}
+        else:
+            drafting = self.worth_drafting(drafting, len(generated))
         plain = [b for b in generated if b not in drafting]
         if generated:
             self.drafting_share = 0.9 * self.drafting_share + 0.1 * len(drafting) / len(generated)
@@ -223,6 +237,92 @@ class CommitPolicy:
                 best, best_rate = k + 1, rate
         chosen = {b for _, b, _, _ in scored[:best]}
         return [b for b in drafting if b in chosen]
+
+    def plans_for_the_end(self, batch: int) -> bool:
+        """Whether a closed batch of ``batch`` sequences is planned by :meth:`critical_path`:
+        where its verify pass is bound by arithmetic, a second batch's rows costing at least
+        :attr:`ARITHMETIC_BOUND` times the pass (on the AVX-512 EPYC in bfloat16: 8 and 16
+        sequences, 1.8x and 1.6x; 4 sequences 1.26x). There every row a draft adds is dear and
+        the sequences that finish early leave a tail of small passes, so only the critical
+        path's drafts pay; where rows are nearly free, drafts on any sequence cost little and
+        tokens per second (:meth:`worth_drafting`) plans better."""
+        if batch < 2 or not self.adaptive or len(self.pass_seconds) < 3:
+            return False
+        return self.cost.verify(2 * batch) >= self.ARITHMETIC_BOUND * self.cost.verify(batch)
+
+    def critical_path(self, left: dict[int, int], drafting: list[int], free: dict[int, DraftTree]) -> set[int]:
+        """Batch planning for a closed batch: the keys of ``drafting`` (model drafts) and of
+        ``free`` (free drafts) that speculate this step, chosen to finish the whole batch
+        soonest. ``left``: every live sequence's tokens still allowed (its cap; an EOS may
+        come sooner).
+
+        Such a batch lasts as long as its slowest sequence, and a draft commits fewer tokens
+        than it verifies rows, so a sequence that finishes early saves only its rows, never a
+        step. Speculation pays only on the critical path: the sequences with the most tokens
+        left, which must all speed up for the batch to finish sooner (16 sequences tied at 128
+        tokens finish no sooner unless the slowest drafter of them gains). For ``k = 0, 1, ..``
+        the ``k`` sequences with the most left speculate: sequence ``i`` then finishes after
+        ``left_i / tau_i`` steps of ``1 + extra_i`` rows (``tau``: its recent tokens per
+        drafting step, or its free draft's estimate), the others after ``left_i`` steps of
+        one row. The batch's time is the sum over steps of the verify cost of the rows still
+        live, plus a drafting call per step while a model-drafting sequence lives; the ``k``
+        with the least time wins (``k = 0``: plain decoding).
+
+        Example: two sequences with 40 and 10 tokens left, the first drafting at tau 2: it
+        alone speculates (20 steps instead of 40); the second's drafts would only add rows."""
+        if not drafting and not free:
+            return set()
+        draft_time = statistics.median(self.pass_seconds) * self.passes_per_call
+        speed: dict[int, tuple[float, int, bool]] = {}  # key -> tokens per step, extra rows, model pass
+        for b in drafting:
+            s = self.seqs[b]
+            speed[b] = (max(1.0, s.tau), max(1, (s.verified or 4) - 1), True)
+        # a free draft is priced at the nodes worth their rows (as choose_batch will prune it):
+        # best estimate first, a node kept while its share of a step's tokens beats its row's
+        # share of the step's cost
+        n = len(left)
+        row = (self.cost.verify(n + 8) - self.cost.verify(n)) / 8 if self.flat else self.cost.verify(2 * n) / n
+        for b, tree in free.items():
+            probs = tree.draft_probs or [1.0] + [0.0] * (tree.size - 1)
+            tau, kept = 1.0, 0
+            for i in ranked_nodes(tree, probs):
+                p = self.gain_scale * probs[i]
+                if p * self.cost.verify(n) <= row * tau:
+                    break
+                tau, kept = tau + p, kept + 1
+            if kept:
+                speed[b] = (tau, kept, False)
+        keys = sorted(left, key=lambda b: (-left[b], b))
+        cost = self.cost.verify if self.flat else None
+
+        def batch_time(k: int) -> float:
+            ends, model_until = [], 0.0  # (finishing step, rows per step) per sequence
+            for j, b in enumerate(keys):
+                tau, extra, model = speed.get(b, (1.0, 0, False)) if j < k else (1.0, 0, False)
+                ends.append((max(left[b], 1) / tau, 1 + extra))
+                if model:
+                    model_until = max(model_until, ends[-1][0])
+            ends.sort()
+            total, now, live = 0.0, 0.0, sum(r for _, r in ends)
+            widest = [0] * (len(ends) + 1)  # the widest tree among sequences j.. (padded passes)
+            for j in range(len(ends) - 1, -1, -1):
+                widest[j] = max(widest[j + 1], ends[j][1])
+            for j, (end, rows) in enumerate(ends):
+                if end > now:
+                    pass_seconds = cost(live) if cost is not None else self.cost.verify((len(ends) - j) * widest[j])
+                    total += (end - now) * pass_seconds
+                    now = end
+                live -= rows
+            return total + model_until * draft_time
+
+        # k only where the sequences left out have fewer tokens left than those taken
+        cuts = [k for k in range(1, len(keys) + 1) if k == len(keys) or left[keys[k]] < left[keys[k - 1]]]
+        best, best_time = 0, batch_time(0)
+        for k in cuts:
+            t = batch_time(k)
+            if t < best_time:
+                best, best_time = k, t
+        return {b for b in keys[:best] if b in speed}
 
     def wants_draft(self, b: int, generated: int) -> bool:
         """False when sequence ``b`` decodes plainly this step (warm-up or fallback)."""
