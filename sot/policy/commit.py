@@ -117,8 +117,9 @@ class CommitPolicy:
         """Decide one step: ``generated`` maps each live sequence's key to its tokens so far;
         ``free`` holds the free drafts the drafter offered (see :meth:`prefers_free`).
         ``left`` (key -> tokens the sequence may still commit) marks a closed batch, one whose
-        caller waits for every sequence and whose freed slots nobody takes: its drafts are then
-        planned by :meth:`critical_path`, not by tokens per second."""
+        caller waits for every sequence and whose freed slots nobody takes: where its pass is bound
+        by arithmetic (:meth:`plans_for_the_end`) its drafts are then planned by
+        :meth:`critical_path`, not by tokens per second."""
         self.last_draft_features = {}
         if self.record:
             self._record_free = dict(free)
@@ -268,8 +269,9 @@ class CommitPolicy:
         live, plus a drafting call per step while a model-drafting sequence lives; the ``k``
         with the least time wins (``k = 0``: plain decoding).
 
-        Example: two sequences with 40 and 10 tokens left, the first drafting at tau 2: it
-        alone speculates (20 steps instead of 40); the second's drafts would only add rows."""
+        Example: two sequences with 40 and 10 tokens left, both drafting at tau 2: at most the
+        first speculates (20 steps instead of 40, if its rows and drafting cost less than the
+        20 steps saved); the second's drafts would only add rows."""
         if not drafting and not free:
             return set()
         draft_time = statistics.median(self.pass_seconds) * self.passes_per_call
