@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ARCHS, RandomTreeDrafter, blockify, clone, hf_greedy, random_blocks, random_prompts, tiny_model
+from helpers import (ARCHS, VOCAB, RandomTreeDrafter, blockify, clone, hf_greedy, random_blocks, random_prompts,
+                     tiny_model)
 from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.kernels import cpu_kernels
@@ -459,6 +460,48 @@ def test_speculative_equals_plain_on_bf16_blocks(arch: str) -> None:
     rows = [traced(target, NoDrafter(), [p])[0] for p in prompts]
     spec = traced(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8, seed=9), prompts)
     assert all(torch.equal(a, b) for a, b in zip(rows, spec))
+
+
+def test_block_rows_are_picked_as_if_packed_alone() -> None:
+    """``select_block_rows`` (a draft head's rows of the target head's blocks) gives the blocks
+    that packing those rows alone gives: Q4_1 and Q8_0, rows repeated and out of order, the
+    last panel padded."""
+    from sot.kernels.linear import pack_blocks_bf16, select_block_rows
+
+    gen = torch.Generator().manual_seed(8)
+    n, k = 70, 96
+    scale, low, q4, q8 = random_blocks(n, k, gen)
+    rows = torch.tensor([3, 69, 0, 17, 17, 40, 66])
+    for w in ((scale * q4 + low).reshape(n, k), (scale * q8).reshape(n, k)):
+        picked = select_block_rows(pack_blocks_bf16(w), rows)
+        alone = pack_blocks_bf16(w[rows])
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(picked, alone))
+
+
+def test_a_draft_head_reads_the_target_heads_blocks() -> None:
+    """In the bfloat16 mode over GGUF blocks the state predictor's draft head (the target head's
+    rows of the draft vocabulary) is read from those rows' blocks: the same weights, through
+    the block kernel; speculative output still equals plain decoding."""
+    _needs_bf16_blocks()
+    import copy
+
+    from sot.drafters.state import StateDrafter, new_predictor
+    from sot.kernels.linear import cast_keeping_blocks
+
+    model = blockify(tiny_model("llama", seed=6), head=True)
+    cast = copy.deepcopy(model)
+    assert cast_keeping_blocks(cast, torch.bfloat16) > 0
+    layers = (0, 1, 2)
+    vocab = torch.tensor(sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:40].tolist()))
+    predictor = new_predictor(cast, layers, vocab, seed=1).cast_for_inference(torch.bfloat16)
+    drafter = StateDrafter(predictor, top_k=3)
+    head = predictor._packed["head"]
+    assert head.bf16_blocks, "the draft head reads blocks"
+    eye = torch.eye(predictor.head.shape[1]).to(torch.bfloat16)  # one product per output: the weight itself
+    assert torch.equal(head._block(eye).T, predictor.head)
+    target = TargetModel(cast, state_layers=layers)
+    prompts = random_prompts(LENGTHS, seed=1)
+    assert run(target, drafter, prompts) == run(target, NoDrafter(), prompts)
 
 
 def test_compiled_block_search_equals_the_pytorch_one() -> None:

@@ -136,7 +136,13 @@ def pack_blocks_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     grid = block_grid(weight)
     if grid is None:
         return None
-    q, scale, low = grid
+    return _pair_layout(*grid)
+
+
+def _pair_layout(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_grid`'s ``(q [N', K/32, 32], d [N', K/32], m or None)`` in the pair layout
+    of ``linear_blocks_bf16`` (``N'`` a multiple of 16)."""
     panels, nb = q.shape[0] // 16, q.shape[1]
     # [panels, 16 columns, nb, 16 pairs, 2] -> per pair: columns 0-7 and 8-15, each (column, parity)
     q = q.reshape(panels, 16, nb, 16, 2)
@@ -151,6 +157,37 @@ def pack_blocks_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
         return data, per_panel(scale), per_panel(low)
     data = torch.cat([first, second], dim=-1).to(torch.int8).contiguous()
     return data, per_panel(scale), torch.empty(0)
+
+
+def select_block_rows(blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``linear_blocks_bf16`` blocks of the weight rows ``rows [n]`` of the weight whose
+    blocks are ``blocks`` (:func:`pack_blocks_bf16`): the same blocks, unpacked, picked and
+    packed again (a draft head: the target head's rows of the draft vocabulary)."""
+    data, scale, mins = blocks
+    panels, nb = data.shape[0], data.shape[1]
+    if data.dtype == torch.uint8:  # 4-bit: the first half of each pair row in the low nibbles
+        first, second = (data & 0xF).to(torch.int16), (data >> 4).to(torch.int16)
+    else:
+        first, second = data[..., :16].to(torch.int16), data[..., 16:].to(torch.int16)
+
+    def columns(t: torch.Tensor) -> torch.Tensor:  # [panels, nb, 16 pairs, 8 x 2] -> [panels, 8, nb, 16, 2]
+        return t.reshape(panels, nb, 16, 8, 2).permute(0, 3, 1, 2, 4)
+
+    q = torch.cat([columns(first), columns(second)], dim=1).reshape(panels * 16, nb, 32)
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [panels, nb, 16] -> [panels * 16, nb]
+        return t.transpose(1, 2).reshape(panels * 16, nb)
+
+    pad = -rows.numel() % 16
+    pick = torch.cat([rows.long(), rows.new_zeros(pad, dtype=torch.long)]) if pad else rows.long()
+    q, d = q[pick].clone(), per_row(scale)[pick].clone()
+    low = per_row(mins)[pick].clone() if mins.numel() else None
+    if pad:  # padding rows are zero weights, as block_grid pads
+        q[-pad:], d[-pad:] = 0, 0
+        if low is not None:
+            low[-pad:] = 0
+    return _pair_layout(q, d, low)
 
 
 def bf16_blocks_supported() -> bool:

@@ -123,6 +123,7 @@ class StatePredictor(torch.nn.Module):
         # the target's head rows of the draft vocabulary: the native predictor's output layer,
         # and the training target of both
         self.register_buffer("head", head.detach()[self.draft_vocab], persistent=False)
+        self.__dict__["_head_source"] = head  # (its GGUF blocks, if any, for pack_for_inference)
         if self.eagle3:  # EAGLE-3 trains its own head over the draft vocabulary, started from the target's
             self.lm_head = lin(d, int(self.draft_vocab.numel()))
             with torch.no_grad():
@@ -144,6 +145,8 @@ class StatePredictor(torch.nn.Module):
         seen, so call it again after changing the weights."""
         from sot.kernels.linear import PackedLinear
 
+        if not self.eagle3:
+            self._head_blocks()
         packed = {"fuse": PackedLinear(self.fuse.weight),
                   "head": PackedLinear(self.lm_head.weight if self.eagle3 else self.head)}
         if not self.eagle3:
@@ -158,6 +161,22 @@ class StatePredictor(torch.nn.Module):
             packed[prefix + "o_proj"] = PackedLinear(layer.o_proj.weight)
             packed[prefix + "down_proj"] = PackedLinear(layer.down_proj.weight)
         self.__dict__["_packed"] = packed
+
+    def _head_blocks(self) -> None:
+        """Where the target's head is read from its GGUF blocks (bfloat16 mode), give the draft
+        head the blocks of its rows, so its products read them too (Q8_0: about half the bytes
+        of the bfloat16 rows, through the target's own block kernel). The draft head's weights
+        are the same; only the order of the sums differs from oneDNN's, which moves draft
+        confidences in their last bits and never the output."""
+        from sot.kernels.linear import BF16_BLOCKS_ATTR, bf16_blocks_of, select_block_rows
+
+        source = self.__dict__.get("_head_source")
+        if source is None or self.head.dtype != torch.bfloat16 or self.head.device.type != "cpu":
+            return
+        blocks = bf16_blocks_of([source])
+        if blocks is not None and source.shape[1] == self.head.shape[1]:
+            picked = select_block_rows(blocks, self.draft_vocab.cpu())
+            setattr(self.head, BF16_BLOCKS_ATTR, (self.head._version, picked))
 
     def _layer(self, i: int) -> tuple[torch.nn.Module, str]:
         """Decoder layer ``i`` (the module holding its weights) and its name prefix."""
