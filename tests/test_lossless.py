@@ -481,12 +481,13 @@ def test_block_rows_are_picked_as_if_packed_alone() -> None:
 def test_a_draft_head_reads_the_target_heads_blocks() -> None:
     """In the bfloat16 mode over GGUF blocks the state predictor's draft head (the target head's
     rows of the draft vocabulary) is read from those rows' blocks: the same weights, through
-    the block kernel; speculative output still equals plain decoding."""
+    the block kernel; its own weights are read rounded to Q8_0 blocks; speculative output
+    still equals plain decoding."""
     _needs_bf16_blocks()
     import copy
 
     from sot.drafters.state import StateDrafter, new_predictor
-    from sot.kernels.linear import cast_keeping_blocks
+    from sot.kernels.linear import cast_keeping_blocks, round_q8_0
 
     model = blockify(tiny_model("llama", seed=6), head=True)
     cast = copy.deepcopy(model)
@@ -494,11 +495,21 @@ def test_a_draft_head_reads_the_target_heads_blocks() -> None:
     layers = (0, 1, 2)
     vocab = torch.tensor(sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[:40].tolist()))
     predictor = new_predictor(cast, layers, vocab, seed=1).cast_for_inference(torch.bfloat16)
+    trained = {n: p.detach().clone() for n, p in predictor.named_parameters()}
     drafter = StateDrafter(predictor, top_k=3)
     head = predictor._packed["head"]
     assert head.bf16_blocks, "the draft head reads blocks"
     eye = torch.eye(predictor.head.shape[1]).to(torch.bfloat16)  # one product per output: the weight itself
     assert torch.equal(head._block(eye).T, predictor.head)
+    # the predictor's own products read its weights rounded to Q8_0 blocks; the parameters stay as trained
+    assert all(torch.equal(p, trained[n]) for n, p in predictor.named_parameters())
+    for name in ("fuse", "inp", "qkv", "gate_up", "o_proj", "down_proj"):
+        assert predictor._packed[name].bf16_blocks, name
+    fuse = predictor.fuse.weight
+    q, d, _ = round_q8_0(fuse.float())
+    rounded = (q.float() * d[..., None]).reshape(-1, fuse.shape[1])[: fuse.shape[0]].to(torch.bfloat16)
+    eye = torch.eye(fuse.shape[1]).to(torch.bfloat16)
+    assert torch.equal(predictor._packed["fuse"]._block(eye).T, rounded) and not torch.equal(rounded, fuse)
     target = TargetModel(cast, state_layers=layers)
     prompts = random_prompts(LENGTHS, seed=1)
     assert run(target, drafter, prompts) == run(target, NoDrafter(), prompts)

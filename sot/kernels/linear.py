@@ -190,6 +190,24 @@ def select_block_rows(blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], r
     return _pair_layout(q, d, low)
 
 
+def q8_0_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 copy of the CPU weight ``weight [N, K]`` rounded to GGUF Q8_0 blocks
+    (:func:`round_q8_0`), carrying those blocks (:data:`BF16_BLOCKS_ATTR`) so that a
+    :class:`PackedLinear` of it runs ``linear_blocks_bf16`` from about half the bytes of the
+    bfloat16 weight; ``None`` where that kernel does not run or ``K`` is not a multiple of 32.
+    ``weight`` itself is left as it is."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or not bf16_blocks_supported():
+        return None
+    grid = round_q8_0(weight.detach().float(), width=16)
+    if grid is None:
+        return None
+    q, d, _ = grid
+    n, k = weight.shape
+    copy = (q.float() * d[..., None]).reshape(-1, k)[:n].to(torch.bfloat16).contiguous()
+    setattr(copy, BF16_BLOCKS_ATTR, (copy._version, _pair_layout(q, d, None)))
+    return copy
+
+
 def bf16_blocks_supported() -> bool:
     """Whether this machine runs the compiled ``linear_blocks_bf16`` (a CPU with AVX512-BF16
     and the kernels built); ``SOT_NO_BF16_BLOCKS=1`` says no."""
