@@ -196,7 +196,9 @@ def q8_0_copy(weight: torch.Tensor) -> torch.Tensor | None:
     :class:`PackedLinear` of it runs ``linear_blocks_bf16`` from about half the bytes of the
     bfloat16 weight; ``None`` where that kernel does not run or ``K`` is not a multiple of 32.
     ``weight`` itself is left as it is."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or not bf16_blocks_supported():
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if not bf16_blocks_supported():
         return None
     grid = round_q8_0(weight.detach().float(), width=16)
     if grid is None:

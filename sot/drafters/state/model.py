@@ -157,7 +157,7 @@ class StatePredictor(torch.nn.Module):
 
         def packed_of(*weights: torch.Tensor) -> PackedLinear:  # (stacked along the outputs)
             parts = [read(w) for w in weights]
-            return PackedLinear(parts[0], parts=parts) if len(parts) == 1 else PackedLinear(torch.cat(parts), parts=parts)
+            return PackedLinear(parts[0] if len(parts) == 1 else torch.cat(parts), parts=parts)
 
         packed = {"fuse": packed_of(self.fuse.weight),
                   "head": packed_of(self.lm_head.weight) if self.eagle3 else PackedLinear(self.head)}
