@@ -375,3 +375,23 @@ def test_checkpoint_round_trip(tiny_run, tmp_path) -> None:
     assert back.config.decoder_layers == 2 and len(back.upper) == 1
     for k, a in two.state_dict().items():
         assert torch.equal(a, back.state_dict()[k]), k
+
+
+def test_predictor_norm_of_bfloat16_rows_is_the_float32_formula_rounded() -> None:
+    """The predictor's RMSNorm on bfloat16 rows (the compiled float32 kernel where it is
+    built): the float32 formula over the widened rows, rounded once to bfloat16."""
+    from sot.drafters.state.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(5, 64, generator=gen) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        got = norm(x)
+    xf = x.float()
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # one rounding of a float32 value that may differ from the formula's in its last bits
+    assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=0)
