@@ -14,7 +14,8 @@ with the verify pass, as before the LM head computed only the rows acceptance re
 ``+stale`` (the batch guard's back-offs run their length whoever joins, as before a new
 request ended them) or ``+loops`` (attention over the bfloat16 cache by the float32 loops, not
 the AVX512-BF16 pair dot products: ``SOT_NO_BF16_ATTENTION`` set while the variant loads and
-runs) or ``+held`` (the drafter's engine with every step held plain by the fixed rule,
+runs) or ``+blocks`` (wide products decode the 4/8-bit blocks as narrow ones do, without the
+decoded copy: ``SOT_NO_BF16_PAIRS``) or ``+held`` (the drafter's engine with every step held plain by the fixed rule,
 ``disable_above`` 1: its machinery without its drafts) or ``+open`` (an offline call's batch
 planned as an open one, by tokens per second, as before closed batches were planned for their
 end), and by ``@label`` to run a setting twice.
@@ -36,20 +37,24 @@ from dataclasses import replace
 
 @contextmanager
 def kernel_env(variant: str):
-    """The kernels' switches a variant runs under (``+loops``: SOT_NO_BF16_ATTENTION)."""
-    loops = "+loops" in variant.split("@")[0]
-    if loops:
-        os.environ["SOT_NO_BF16_ATTENTION"] = "1"
+    """The kernels' switches a variant loads and runs under (``+loops``:
+    SOT_NO_BF16_ATTENTION; ``+blocks``: SOT_NO_BF16_PAIRS)."""
+    spec = variant.split("@")[0]
+    switches = [name for flag, name in (("+loops", "SOT_NO_BF16_ATTENTION"), ("+blocks", "SOT_NO_BF16_PAIRS"))
+                if flag in spec]
+    for name in switches:
+        os.environ[name] = "1"
     try:
         yield
     finally:
-        os.environ.pop("SOT_NO_BF16_ATTENTION", None)
+        for name in switches:
+            os.environ.pop(name, None)
 
 
 def make(variant: str):
     from sot import SoT
 
-    spec = variant.split("@")[0].replace("+loops", "")
+    spec = variant.split("@")[0].replace("+loops", "").replace("+blocks", "")
     spec, eager = spec.removesuffix("+eager"), spec.endswith("+eager")
     spec, stale = spec.removesuffix("+stale"), spec.endswith("+stale")
     spec, held = spec.removesuffix("+held"), spec.endswith("+held")

@@ -435,6 +435,46 @@ def test_bf16_block_products_are_row_stable_and_use_the_bf16_weights() -> None:
     assert not PackedLinear(torch.cat(weights), parts=weights).bf16_blocks
 
 
+def test_bf16_decoded_pairs_give_the_blocks_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocks decoded once (``decode_blocks_bf16``), which wide calls read instead of the
+    blocks, give every row the bits the blocks give it, from one row up, over 4-bit and 8-bit
+    blocks, an odd number of panels and row groups of every size; ``PackedLinear`` keeps them
+    unless ``SOT_NO_BF16_PAIRS=1``, and its wide calls read them."""
+    _needs_bf16_blocks()
+    from sot.kernels.linear import PackedLinear, cast_keeping_blocks, pack_blocks_bf16
+
+    kernel = cpu_kernels()
+    start = kernel.bf16_pairs_from_rows()
+    gen = torch.Generator().manual_seed(5)
+    n, k = 80, 96  # 5 panels
+    scale, low, q4, q8 = random_blocks(n, k, gen)
+    x = torch.randn(3 * start + 5, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen)
+    for w in ((scale * q4 + low).reshape(n, k), (scale * q8).reshape(n, k)):
+        blocks = pack_blocks_bf16(w)
+        pairs = kernel.decode_blocks_bf16(*blocks)
+        assert pairs.dtype == torch.bfloat16 and pairs.numel() == blocks[1].numel() * 32
+        one = torch.cat([kernel.linear_blocks_bf16(x[i:i + 1], *blocks, n, bias) for i in range(x.shape[0])])
+        for rows in (1, start - 1, start, start + 1, 2 * start, 2 * start + 3, x.shape[0]):
+            assert torch.equal(kernel.linear_blocks_bf16(x[:rows], *blocks, n, bias, pairs), one[:rows]), rows
+            assert torch.equal(kernel.linear_blocks_bf16(x[-rows:], *blocks, n, None, pairs),
+                               kernel.linear_blocks_bf16(x[-rows:], *blocks, n, None)), rows
+        # the pairs path really runs: decoded pairs of other weights change a wide call only
+        other = kernel.decode_blocks_bf16(*pack_blocks_bf16((scale * q8).reshape(n, k) * 2))
+        assert torch.equal(kernel.linear_blocks_bf16(x[:start - 1], *blocks, n, None, other),
+                           kernel.linear_blocks_bf16(x[:start - 1], *blocks, n, None))
+        assert not torch.equal(kernel.linear_blocks_bf16(x[:start], *blocks, n, None, other),
+                               kernel.linear_blocks_bf16(x[:start], *blocks, n, None))
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data = (scale * q4 + low).reshape(n, k)
+    cast_keeping_blocks(lin, torch.bfloat16)
+    packed = PackedLinear(lin.weight)
+    assert packed.bf16_blocks and packed.pairs is not None
+    assert torch.equal(packed(x, stable=True), kernel.linear_blocks_bf16(x, *packed.packed, n, None))
+    monkeypatch.setenv("SOT_NO_BF16_PAIRS", "1")
+    assert PackedLinear(lin.weight).pairs is None
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_speculative_equals_plain_on_bf16_blocks(arch: str) -> None:
     """bfloat16 over the GGUF blocks (a float32 model of exact blocks cast as ``load_model``

@@ -72,4 +72,6 @@ bool bf16_blocks_supported();
 // whether tree_attention_exact scores a bfloat16 cache with AVX512-BF16 pair dot products
 bool attention_pairs_bf16();
 at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
-                              std::optional<at::Tensor> bias);
+                              std::optional<at::Tensor> bias, std::optional<at::Tensor> pairs);
+at::Tensor decode_blocks_bf16(at::Tensor data, at::Tensor scale, at::Tensor mins);
+int64_t bf16_pairs_from_rows();

@@ -44,7 +44,9 @@ struct Product {
     if (kind == kPanels) return linear_f32(x, packed[0], n, bias);
     if (kind == kBlocks) return linear_blocks_f32(x, packed[0], packed[1], packed[2], n, bias, fused);
     if (kind == kInt8) return linear_int8(x, packed[0], packed[1], packed[2], n, bias);
-    if (kind == kBF16Blocks) return linear_blocks_bf16(x, packed[0], packed[1], packed[2], n, bias);
+    if (kind == kBF16Blocks)
+      return linear_blocks_bf16(x, packed[0], packed[1], packed[2], n, bias,
+                                packed.size() > 3 ? std::optional<at::Tensor>(packed[3]) : std::nullopt);
     return onednn_linear(x, packed[0], bias);
   }
 
@@ -78,7 +80,8 @@ class LlamaLayers {
   // One layer's weights, in order: the two norm weights, then each product as (packed
   // tensors: 1 for panels or a oneDNN weight, 3 for blocks; output size; bias or None; its
   // kind: "panels", "blocks" (decoded to float32), "int8" (8-bit integer products), "bf16blocks"
-  // (bfloat16 rows over blocks decoded to bfloat16) or "onednn";
+  // (bfloat16 rows over blocks decoded to bfloat16; a fourth tensor: the blocks decoded once,
+  // read by wide products) or "onednn";
   // short blocks exact), whether blocks decode in
   // registers, the row unit of padded products, and the sliding window (0: none).
   void add(at::Tensor ln1, at::Tensor ln2, std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t> sizes,
@@ -95,7 +98,8 @@ class LlamaLayers {
       TORCH_CHECK(kind == "panels" || kind == "blocks" || kind == "int8" || kind == "bf16blocks" || kind == "onednn",
                   "unknown product kind ", kind);
       const bool blocks = kind == "blocks" || kind == "int8" || kind == "bf16blocks";
-      TORCH_CHECK(packed[i].size() == (blocks ? 3u : 1u), "a product is packed as 1 or 3 tensors");
+      TORCH_CHECK(packed[i].size() == (blocks ? 3u : 1u) || (kind == "bf16blocks" && packed[i].size() == 4u),
+                  "a product is packed as 1 or 3 tensors (4: bfloat16 blocks and their decoded pairs)");
       products[i]->kind = kind == "panels" ? Product::kPanels
                           : kind == "blocks" ? Product::kBlocks
                           : kind == "int8"   ? Product::kInt8

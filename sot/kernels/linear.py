@@ -327,7 +327,11 @@ class PackedLinear:
     bfloat16: :func:`cast_keeping_blocks`) is read from its blocks by ``linear_blocks_bf16``
     where the CPU has AVX512-BF16: each weight decoded and rounded to bfloat16 in registers,
     multiplied in pairs by one instruction, each row on its own (``SOT_NO_BF16_BLOCKS=1``
-    keeps oneDNN's product on the bfloat16 weight).
+    keeps oneDNN's product on the bfloat16 weight). Such a product also keeps the blocks
+    decoded once (:attr:`pairs`, bfloat16: four times the blocks' bytes), which calls of
+    ``bf16_pairs_from_rows()`` rows or more read instead: the same chains of pair products,
+    so the same bits, without decoding each weight again (``SOT_NO_BF16_PAIRS=1`` keeps the
+    blocks only).
 
     ``int8=True`` multiplies such a weight in 8-bit integers instead (``linear_int8``: each
     input row rounded to 8-bit blocks, llama.cpp's arithmetic; :func:`pack_int8`). Its rows are
@@ -347,6 +351,8 @@ class PackedLinear:
         self.int8 = False
         #: the products run in bfloat16 over 4/8-bit blocks (``linear_blocks_bf16``)
         self.bf16_blocks = False
+        #: the bfloat16 blocks decoded once (``[P, K/32, 16, 32]``), read by wide calls; or ``None``
+        self.pairs: torch.Tensor | None = None
         #: block products decode in registers or small L1 blocks (else through a float32 panel copy)
         self.fused = os.environ.get("SOT_NO_FUSED_BLOCKS", "0") != "1"
         self.weight = weight.detach().contiguous()
@@ -362,6 +368,8 @@ class PackedLinear:
             if blocks is not None:  # (row-stable by construction, like SoT's float32 kernels)
                 self.kernel, self.packed, self.kind = cpu_kernels(), blocks, "sot"
                 self.bf16_blocks = self.partial_ok = True
+                if not os.environ.get("SOT_NO_BF16_PAIRS"):
+                    self.pairs = self.kernel.decode_blocks_bf16(*blocks)
                 return
             kinds = ["mkldnn"] if torch.backends.mkldnn.is_available() else []
         elif self.weight.dtype == torch.float32:
@@ -417,7 +425,7 @@ class PackedLinear:
     def _block(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "sot":
             if self.bf16_blocks:
-                return self.kernel.linear_blocks_bf16(x, *self.packed, self.weight.shape[0], self.bias)
+                return self.kernel.linear_blocks_bf16(x, *self.packed, self.weight.shape[0], self.bias, self.pairs)
             if self.int8:
                 return self.kernel.linear_int8(x, *self.packed, self.weight.shape[0], self.bias)
             if isinstance(self.packed, tuple):

@@ -16,6 +16,13 @@
 // Against the float32 block kernel (linear.cpp), one instruction multiplies 32 pairs instead
 // of 16 products: the same bytes for a one-row pass, half the arithmetic for wide ones.
 //
+// Decoding a pair costs about eight vector instructions against the one that multiplies it,
+// so a one-row product is bound by the decoding, not by memory, and wide ones spend a third of
+// their instructions on it. Wide calls (kPairsFromRows rows or more) therefore read the pair
+// vectors decoded once, ahead of time, where the caller keeps them (decode_blocks_bf16: 2
+// bytes a weight): each output is the same chain, so the bits are the same whichever path a
+// call takes.
+//
 // Layout per panel p (16 output columns) and block kb (32 inputs, 16 pairs t):
 //   q4: data [P, K/32, 16, 16] uint8: byte j of pair t holds, in its low nibble, q[column j/2]
 //       [input 2t + j%2] and, in its high nibble, q[column 8 + j/2][input 2t + j%2];
@@ -26,6 +33,8 @@ namespace {
 
 constexpr int64_t kCols = 16;
 constexpr int kTileRows = 8;
+// from this many rows on, a product reads the decoded pairs where it has them (linear_blocks_bf16)
+constexpr int64_t kPairsFromRows = 8;
 
 #if defined(__AVX512F__)
 #define SOT_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -116,7 +125,7 @@ SOT_BF16 void tile_rows(const c10::BFloat16* x, const Blocks& w, int64_t p, int6
       for (int i = 0; i < MR; ++i) {
         const __m512bh xi = pair_of(x + i * K, k);
 #pragma GCC unroll 2
-        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xi, wv[j]);
+        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xi);
       }
     }
   }
@@ -138,7 +147,7 @@ SOT_BF16 void chunk_rows(const c10::BFloat16* x, int64_t K, int64_t kb, const __
   for (int64_t t = 0; t < 16; ++t) {
     const int64_t k = kb * 32 + 2 * t;
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) a[i] = _mm512_dpbf16_ps(a[i], pair_of(x + i * K, k), pairs[t]);
+    for (int i = 0; i < MR; ++i) a[i] = _mm512_dpbf16_ps(a[i], pairs[t], pair_of(x + i * K, k));
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc + i * kCols, a[i]);
@@ -150,6 +159,38 @@ SOT_BF16 void decode_block(const Blocks& w, int64_t p, int64_t kb, __m512bh* pai
   spread(w.scale + p * w.per() + kb * kCols, d_lo, d_hi);
   if (Q4) spread(w.mins + p * w.per() + kb * kCols, m_lo, m_hi);
   for (int64_t t = 0; t < 16; ++t) pairs[t] = decode_pair<Q4>(w.pair_bytes(p, kb, t), d_lo, m_lo, d_hi, m_hi);
+}
+
+// The same chains over pair vectors decoded once, ahead of the call (decode_blocks_bf16:
+// [P, K/32, 16, 32] bfloat16, panel p's pairs at `pairs + p * K / 2`): MR rows x NP panels,
+// the accumulators in registers over all of K. Each output is the chain tile_rows and
+// chunk_rows give it (the pair vectors hold the bits decode_pair makes), so a pass reading
+// these and one reading the blocks agree bit for bit.
+template <int MR, int NP>
+SOT_BF16 void tile_pairs(const c10::BFloat16* x, int64_t K, const __m512bh* pairs, const __m512bh* next, int next_np,
+                         float* out) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t stride = K / 2;  // pair vectors a panel
+  for (int64_t s = 0; s < K / 2; ++s) {
+    __m512bh wv[NP];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) wv[j] = pairs[j * stride + s];
+    for (int j = 0; j < next_np; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride + s), _MM_HINT_T1);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xi = pair_of(x + i * K, 2 * s);
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xi);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(out + (i * NP + j) * kCols, acc[i][j]);
 }
 #endif
 
@@ -177,10 +218,43 @@ bool bf16_blocks_supported() {
 #endif
 }
 
+int64_t bf16_pairs_from_rows() { return kPairsFromRows; }
+
+// The blocks' weights decoded once: [P, K/32, 16, 32] bfloat16, pair t of block kb of panel p
+// as decode_pair makes it (a product reading these takes 4x the bytes of 4-bit blocks and
+// none of the decoding: the faster read from kPairsFromRows rows on).
+at::Tensor decode_blocks_bf16(at::Tensor data, at::Tensor scale, at::Tensor mins) {
+  TORCH_CHECK(bf16_blocks_supported(), "decode_blocks_bf16 needs a CPU with AVX512-BF16");
+  const bool q4 = data.scalar_type() == at::kByte;
+  TORCH_CHECK(data.dim() == 4 && data.size(2) == 16 && data.size(3) == (q4 ? 16 : 32) && data.is_contiguous() &&
+              (q4 || data.scalar_type() == at::kChar), "packed weight mismatch");
+  const int64_t P = data.size(0), K = data.size(1) * 32;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * (K / 32) * kCols,
+              "packed weight mismatch");
+  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scale.numel()),
+              "packed weight mismatch");
+  at::Tensor out = at::empty({P, K / 32, 16, 32}, data.options().dtype(at::kBFloat16));
+#if defined(__AVX512F__)
+  const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
+                 q4 ? mins.data_ptr<float>() : nullptr, K, P, P * kCols};
+  __m512bh* dst = reinterpret_cast<__m512bh*>(out.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    __m512bh pairs[16];
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t kb = 0; kb < K / 32; ++kb) {
+        q4 ? decode_block<true>(w, p, kb, pairs) : decode_block<false>(w, p, kb, pairs);
+        std::memcpy(dst + (p * (K / 32) + kb) * 16, pairs, sizeof(pairs));
+      }
+  });
+#endif
+  return out;
+}
+
 // x: [M, K] bfloat16; data, scale, mins: the layout above (pack_blocks_bf16); N: outputs;
-// bias: [N] or None. Returns [M, N] bfloat16.
+// bias: [N] or None; pairs: the same weights decoded (decode_blocks_bf16) or None, read
+// instead of the blocks from kPairsFromRows rows on. Returns [M, N] bfloat16.
 at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
-                              std::optional<at::Tensor> bias) {
+                              std::optional<at::Tensor> bias, std::optional<at::Tensor> pairs) {
   TORCH_CHECK(bf16_blocks_supported(), "linear_blocks_bf16 needs a CPU with AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
   x = x.contiguous();
@@ -201,6 +275,45 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
 #if defined(__AVX512F__)
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  if (pairs.has_value() && pairs->defined() && M >= kPairsFromRows) {
+    TORCH_CHECK(pairs->scalar_type() == at::kBFloat16 && pairs->is_contiguous() && pairs->numel() == P * K * kCols,
+                "decoded pairs mismatch");
+    const __m512bh* pp = reinterpret_cast<const __m512bh*>(pairs->data_ptr());
+    // rows in near-equal groups of at most kTileRows, two panels a tile; each tile's panels
+    // stay in L2 while its row groups pass over them
+    const int64_t groups = (M + kTileRows - 1) / kTileRows, base = M / groups, extra = M % groups;
+    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float tile[kTileRows * 2 * kCols];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = 2 * t;
+        const bool two = p + 1 < P;
+        const __m512bh* wp = pp + p * (K / 2);
+        // (this thread's next tile, fetched into L2 while the first row group multiplies)
+        const int next_np = t + 1 < end ? static_cast<int>(std::min<int64_t>(2, P - p - 2)) : 0;
+        for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+          const int64_t rows = base + (g < extra ? 1 : 0);
+          const c10::BFloat16* xg = xp + m0 * K;
+          const int ahead = g == 0 ? next_np : 0;
+#define SOT_PAIRS(R) (two ? tile_pairs<R, 2>(xg, K, wp, wp + K, ahead, tile) \
+                          : tile_pairs<R, 1>(xg, K, wp, wp + K, ahead, tile))
+          switch (rows) {
+            case 1: SOT_PAIRS(1); break;
+            case 2: SOT_PAIRS(2); break;
+            case 3: SOT_PAIRS(3); break;
+            case 4: SOT_PAIRS(4); break;
+            case 5: SOT_PAIRS(5); break;
+            case 6: SOT_PAIRS(6); break;
+            case 7: SOT_PAIRS(7); break;
+            default: SOT_PAIRS(8); break;
+          }
+#undef SOT_PAIRS
+          store_bf16(tile, static_cast<int>(rows), two ? 2 : 1, p, N, bp, yp + m0 * N);
+          m0 += rows;
+        }
+      }
+    });
+    return y;
+  }
   const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
                  q4 ? mins.data_ptr<float>() : nullptr, K, P, N};
   if (M <= kTileRows) {

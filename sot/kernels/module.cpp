@@ -16,7 +16,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_blocks_f32", &linear_blocks_f32, "linear_f32 on float32 weights stored as exact 4/8-bit blocks");
   m.def("block_grid_f32", &block_grid_f32, "float32 weights as exact GGUF 4/8-bit blocks, or nothing");
   m.def("bf16_blocks_supported", &bf16_blocks_supported, "whether this CPU runs linear_blocks_bf16 (AVX512-BF16)");
-  m.def("linear_blocks_bf16", &linear_blocks_bf16, "row-stable bfloat16 product over 4/8-bit blocks (AVX512-BF16)");
+  m.def("linear_blocks_bf16", &linear_blocks_bf16, "row-stable bfloat16 product over 4/8-bit blocks (AVX512-BF16)",
+        pybind11::arg("x"), pybind11::arg("data"), pybind11::arg("scale"), pybind11::arg("mins"), pybind11::arg("n"),
+        pybind11::arg("bias"), pybind11::arg("pairs") = pybind11::none());
+  m.def("decode_blocks_bf16", &decode_blocks_bf16, "linear_blocks_bf16's weights decoded once, for wide products");
+  m.def("bf16_pairs_from_rows", &bf16_pairs_from_rows,
+        "the row count from which linear_blocks_bf16 reads decoded pairs");
   m.def("linear_int8", &linear_int8, "row-stable product in 8-bit integers over 4/8-bit blocks");
   bind_llama_layers(m);
 }

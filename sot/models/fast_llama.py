@@ -68,6 +68,14 @@ def _product_kind(lin: PackedLinear) -> str:
     return "blocks" if isinstance(lin.packed, tuple) else "panels"
 
 
+def _packed_tensors(lin: PackedLinear) -> list[torch.Tensor]:
+    """A product's packed tensors as ``LlamaLayers.add`` takes them (bfloat16 blocks: their
+    decoded pairs fourth, where the product keeps them)."""
+    if not isinstance(lin.packed, tuple):
+        return [lin.packed]
+    return list(lin.packed) + ([lin.pairs] if lin.bf16_blocks and lin.pairs is not None else [])
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor
@@ -140,7 +148,7 @@ class FastLlama:
         for lay in self.layers:
             products = (lay.qkv, lay.o, lay.gate_up, lay.down)
             call.add(lay.ln1, lay.ln2,
-                     [list(lin.packed) if isinstance(lin.packed, tuple) else [lin.packed] for lin in products],
+                     [_packed_tensors(lin) for lin in products],
                      [lin.weight.shape[0] for lin in products], [lin.bias for lin in products],
                      [_product_kind(lin) for lin in products],
                      [lin.partial_ok for lin in products], all(lin.fused for lin in products), ROW_UNIT,
