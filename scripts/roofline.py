@@ -136,7 +136,8 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
     kinds = sorted({"int8" if lin.int8 else "bf16 blocks" if lin.bf16_blocks
                     else "blocks" if isinstance(lin.packed, tuple) else lin.kind for lin in linears})
     if "bf16 blocks" in kinds:
-        name += ", 4-bit blocks"  # (read as bfloat16 weights decoded in registers)
+        # (read as bfloat16 weights decoded in registers; from 8 rows on, decoded once ahead)
+        name += ", 4-bit blocks" if "blocks only" not in name else ""
     nbytes = sum(weight_bytes(lin) for lin in linears)
     params = sum(lin.weight.numel() for lin in linears)
 
@@ -244,7 +245,9 @@ def report(data: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/roofline", help="folder for <machine>.json and <machine>.md")
-    ap.add_argument("--paths", default="blocks,panels,bf16,int8", help="paths to measure (blocks, panels, bf16, int8)")
+    ap.add_argument("--paths", default=None,
+                    help="paths to measure (blocks, panels, bf16, bf16-blocks, int8; default: all but bf16-blocks, "
+                         "which joins where bfloat16 reads the blocks)")
     args = ap.parse_args()
 
     from sot.machine import machine_info
@@ -257,9 +260,13 @@ def main() -> None:
     known = {"blocks": ("float32, 4-bit blocks", torch.float32, {}),
              "panels": ("float32, panels", torch.float32, {"SOT_NO_BLOCKS": "1"}),
              "bf16": ("bfloat16", torch.bfloat16, {}),
+             "bf16-blocks": ("bfloat16, blocks only", torch.bfloat16, {"SOT_NO_BF16_PAIRS": "1"}),
              "int8": ("int8 products, 4-bit blocks", torch.float32, {})}
+    from sot.kernels.linear import bf16_blocks_supported
+
     paths = []
-    for key in args.paths.split(","):
+    keys = args.paths or ("blocks,panels,bf16,bf16-blocks,int8" if bf16_blocks_supported() else "blocks,panels,bf16,int8")
+    for key in keys.split(","):
         name, dtype, env = known[key.strip()]
         paths.append(measure_path(name, dtype, env, timer, int8=key.strip() == "int8"))
         print(f"{name}: one row {paths[-1]['rows1']['pass_ms']:.2f} ms, 16 rows {paths[-1]['rows16']['pass_ms']:.2f} ms",
@@ -267,7 +274,6 @@ def main() -> None:
     data = {"machine": machine, "peaks": peaks, "paths": paths}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from sot.kernels.linear import bf16_blocks_supported
 
     # (machines of one name and vector width differ in their bfloat16 instructions)
     bf16 = "-bf16" if bf16_blocks_supported() else ""
