@@ -479,7 +479,8 @@ def test_bf16_decoded_pairs_give_the_blocks_bits(monkeypatch: pytest.MonkeyPatch
 def test_speculative_equals_plain_on_bf16_blocks(arch: str) -> None:
     """bfloat16 over the GGUF blocks (a float32 model of exact blocks cast as ``load_model``
     casts a GGUF file's conversion): speculative output equals plain decoding, alone and in a
-    batch, and every logits row behind a committed token has the same bits."""
+    batch, and every logits row behind a committed token has the same bits, wide passes
+    reading the decoded pairs and narrow ones the blocks."""
     _needs_bf16_blocks()
     import copy
 
@@ -492,6 +493,8 @@ def test_speculative_equals_plain_on_bf16_blocks(arch: str) -> None:
     linears = [target.fast.lm_head] + [lin for lay in target.fast.layers for lin in (lay.qkv, lay.o, lay.gate_up,
                                                                                         lay.down)]
     assert all(lin.bf16_blocks for lin in linears) and target.fast.layer_call is not None
+    # (wide passes, from bf16_pairs_from_rows() rows, read the decoded pairs; narrow ones the blocks)
+    assert all(lin.pairs is not None for lin in linears)
     prompts = random_prompts(LENGTHS, seed=1)
     plain = run(target, NoDrafter(), prompts)
     assert [run(target, NoDrafter(), [p])[0] for p in prompts] == plain
