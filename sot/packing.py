@@ -58,16 +58,13 @@ def pack_trees(trees: list[DraftTree], cache: KVCache, target: RowTarget) -> Ver
     unit = target.row_multiple
     rows = round_up(max(t.size for t in trees), unit)
     width = max(t.max_depth for t in trees) + 1
-    ids = torch.zeros(len(trees), rows, dtype=torch.long)
-    pos = torch.zeros(len(trees), rows, dtype=torch.long)
-    ancestors = []
     lengths = cache.lengths[: len(trees)]
-    for b, tree in enumerate(trees):
-        ids[b] = tree.tokens[0]
-        ids[b, : tree.size] = torch.tensor(tree.tokens)
-        pos[b] = lengths[b]
-        pos[b, : tree.size] = torch.tensor(tree.depths) + lengths[b]
-        ancestors.append(ancestor_table(tree, width))
+    # (built as lists, then one tensor each: per-tree tensor writes cost more than the pass's
+    # bookkeeping is worth at batch 16)
+    ids = torch.tensor([[*t.tokens, *[t.tokens[0]] * (rows - t.size)] for t in trees], dtype=torch.long)
+    pos = torch.tensor([[*(n + d for d in t.depths), *[n] * (rows - t.size)] for t, n in zip(trees, lengths)],
+                       dtype=torch.long)
+    ancestors = [ancestor_table(tree, width) for tree in trees]
     view = cache.narrow(len(trees))
     layout = build_tree_layout(lengths, ancestors, rows, view)
     if target.packs_flat(view):  # the products run over the trees' real rows only
