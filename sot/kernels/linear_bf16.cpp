@@ -33,6 +33,9 @@ namespace {
 
 constexpr int64_t kCols = 16;
 constexpr int kTileRows = 8;
+// tiles of up to this many rows (two panels a tile) fetch the next tile's block into L2 while
+// they multiply; from 5 rows (one panel) the fetch cost more than it saved
+constexpr int kFetchRows = 4;
 // from this many rows on, a product reads the decoded pairs where it has them (linear_blocks_bf16)
 constexpr int64_t kPairsFromRows = 8;
 
@@ -88,7 +91,7 @@ struct Blocks {
 
 // MR rows x NP panels, the accumulators in registers over all of K, each pair decoded right
 // before its multiplies. For calls of at most kTileRows rows (plain decoding, small trees).
-// With 1-2 rows, block kb of the next tile's panels (`next`, `next_np` of them; none when
+// With 1-4 rows (kFetchRows), block kb of the next tile's panels (`next`, `next_np` of them; none when
 // next_np is 0) is fetched into L2 while block kb of these is multiplied, as the float32 block
 // kernel does it (linear.cpp): otherwise the core waits on memory, then computes.
 template <int MR, int NP, bool Q4>
@@ -107,7 +110,7 @@ SOT_BF16 void tile_rows(const c10::BFloat16* x, const Blocks& w, int64_t p, int6
       if (Q4) spread(w.mins + (p + j) * w.per() + kb * kCols, m_lo[j], m_hi[j]);
       else m_lo[j] = m_hi[j] = _mm512_setzero_ps();
     }
-    if (MR <= 2) {
+    if (MR <= kFetchRows) {
       for (int j = 0; j < next_np; ++j) {
         const char* block = reinterpret_cast<const char*>(w.pair_bytes(next + j, kb, 0));
         for (int64_t o = 0; o < 16 * (Q4 ? 16 : 32); o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
