@@ -33,11 +33,8 @@ namespace {
 
 constexpr int64_t kCols = 16;
 constexpr int kTileRows = 8;
-// tiles of up to this many rows (two panels a tile) fetch the next tile's block into L2 while
-// they multiply; from 5 rows (one panel) the fetch cost more than it saved
-constexpr int kFetchRows = 4;
 // from this many rows on, a product reads the decoded pairs where it has them (linear_blocks_bf16)
-constexpr int64_t kPairsFromRows = 8;
+constexpr int64_t kPairsFromRows = 6;
 
 #if defined(__AVX512F__)
 #define SOT_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -91,9 +88,9 @@ struct Blocks {
 
 // MR rows x NP panels, the accumulators in registers over all of K, each pair decoded right
 // before its multiplies. For calls of at most kTileRows rows (plain decoding, small trees).
-// With 1-4 rows (kFetchRows), block kb of the next tile's panels (`next`, `next_np` of them; none when
-// next_np is 0) is fetched into L2 while block kb of these is multiplied, as the float32 block
-// kernel does it (linear.cpp): otherwise the core waits on memory, then computes.
+// Block kb of the next tile's panels (`next`, `next_np` of them; none when next_np is 0) is
+// fetched into L2 while block kb of these is multiplied, as the float32 block kernel does it
+// (linear.cpp): otherwise the core waits on memory, then computes.
 template <int MR, int NP, bool Q4>
 SOT_BF16 void tile_rows(const c10::BFloat16* x, const Blocks& w, int64_t p, int64_t next, int next_np, float* out) {
   __m512 acc[MR][NP];
@@ -110,13 +107,11 @@ SOT_BF16 void tile_rows(const c10::BFloat16* x, const Blocks& w, int64_t p, int6
       if (Q4) spread(w.mins + (p + j) * w.per() + kb * kCols, m_lo[j], m_hi[j]);
       else m_lo[j] = m_hi[j] = _mm512_setzero_ps();
     }
-    if (MR <= kFetchRows) {
-      for (int j = 0; j < next_np; ++j) {
-        const char* block = reinterpret_cast<const char*>(w.pair_bytes(next + j, kb, 0));
-        for (int64_t o = 0; o < 16 * (Q4 ? 16 : 32); o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(w.scale + (next + j) * w.per() + kb * kCols), _MM_HINT_T1);
-        if (Q4) _mm_prefetch(reinterpret_cast<const char*>(w.mins + (next + j) * w.per() + kb * kCols), _MM_HINT_T1);
-      }
+    for (int j = 0; j < next_np; ++j) {
+      const char* block = reinterpret_cast<const char*>(w.pair_bytes(next + j, kb, 0));
+      for (int64_t o = 0; o < 16 * (Q4 ? 16 : 32); o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w.scale + (next + j) * w.per() + kb * kCols), _MM_HINT_T1);
+      if (Q4) _mm_prefetch(reinterpret_cast<const char*>(w.mins + (next + j) * w.per() + kb * kCols), _MM_HINT_T1);
     }
     for (int64_t t = 0; t < 16; ++t) {
       __m512bh wv[NP];
@@ -320,8 +315,9 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
   const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
                  q4 ? mins.data_ptr<float>() : nullptr, K, P, N};
   if (M <= kTileRows) {
-    // 1-4 rows take two panels a tile (more independent chains), 5-8 rows one
-    const int64_t np = M <= 4 ? 2 : 1;
+    // two panels a tile (more independent chains; whole verify passes of 5-7 rows ran 1.03-1.08x
+    // faster so than with one panel and no fetch ahead, 1-4 rows level)
+    const int64_t np = 2;
     at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float tile[kTileRows * 2 * kCols];
       for (int64_t t = begin; t < end; ++t) {
@@ -336,10 +332,10 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
           case 2: SOT_TILE(2); break;
           case 3: SOT_TILE(3); break;
           case 4: SOT_TILE(4); break;
-          case 5: SOT_ONE(5, 1); break;
-          case 6: SOT_ONE(6, 1); break;
-          case 7: SOT_ONE(7, 1); break;
-          default: SOT_ONE(8, 1); break;
+          case 5: SOT_TILE(5); break;
+          case 6: SOT_TILE(6); break;
+          case 7: SOT_TILE(7); break;
+          default: SOT_TILE(8); break;
         }
 #undef SOT_TILE
 #undef SOT_ONE
