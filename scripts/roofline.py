@@ -136,7 +136,7 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
     kinds = sorted({"int8" if lin.int8 else "bf16 blocks" if lin.bf16_blocks
                     else "blocks" if isinstance(lin.packed, tuple) else lin.kind for lin in linears})
     if "bf16 blocks" in kinds:
-        # (read as bfloat16 weights decoded in registers; from 8 rows on, decoded once ahead)
+        # (read as bfloat16 weights decoded in registers; wide calls: decoded once ahead)
         name += ", 4-bit blocks" if "blocks only" not in name else ""
     nbytes = sum(weight_bytes(lin) for lin in linears)
     params = sum(lin.weight.numel() for lin in linears)

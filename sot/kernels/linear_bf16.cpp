@@ -2,6 +2,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <type_traits>
+
 // Row-stable bfloat16 products over 4-bit or 8-bit blocks (GGUF Q4_1 / Q8_0), with the
 // AVX512-BF16 pair dot product (VDPBF16PS): y[m, n] = bf16(sum_k x[m, k] * bf16(w[n, k]) + bias[n]).
 //
@@ -35,6 +37,22 @@ constexpr int64_t kCols = 16;
 constexpr int kTileRows = 8;
 // from this many rows on, a product reads the decoded pairs where it has them (linear_blocks_bf16)
 constexpr int64_t kPairsFromRows = 6;
+
+// f(std::integral_constant<int, R>{}) for R = rows, 1..kTileRows (more rows: kTileRows): the
+// row count as a template argument, for the kernels whose accumulators sit in registers
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, kTileRows>{}); break;
+  }
+}
 
 #if defined(__AVX512F__)
 #define SOT_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -123,7 +141,7 @@ SOT_BF16 void tile_rows(const c10::BFloat16* x, const Blocks& w, int64_t p, int6
       for (int i = 0; i < MR; ++i) {
         const __m512bh xi = pair_of(x + i * K, k);
 #pragma GCC unroll 2
-        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xi);
+        for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xi, wv[j]);
       }
     }
   }
@@ -145,7 +163,7 @@ SOT_BF16 void chunk_rows(const c10::BFloat16* x, int64_t K, int64_t kb, const __
   for (int64_t t = 0; t < 16; ++t) {
     const int64_t k = kb * 32 + 2 * t;
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) a[i] = _mm512_dpbf16_ps(a[i], pairs[t], pair_of(x + i * K, k));
+    for (int i = 0; i < MR; ++i) a[i] = _mm512_dpbf16_ps(a[i], pair_of(x + i * K, k), pairs[t]);
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(acc + i * kCols, a[i]);
@@ -168,7 +186,7 @@ template <int MR, int NP>
 SOT_BF16 void tile_pairs(const c10::BFloat16* x, int64_t K, const __m512bh* pairs, const __m512bh* next, int next_np,
                          float* out) {
   __m512 acc[MR][NP];
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -178,14 +196,14 @@ SOT_BF16 void tile_pairs(const c10::BFloat16* x, int64_t K, const __m512bh* pair
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j) wv[j] = pairs[j * stride + s];
     for (int j = 0; j < next_np; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride + s), _MM_HINT_T1);
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512bh xi = pair_of(x + i * K, 2 * s);
 #pragma GCC unroll 2
-      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xi);
+      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xi, wv[j]);
     }
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(out + (i * NP + j) * kCols, acc[i][j]);
@@ -292,19 +310,10 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
           const int64_t rows = base + (g < extra ? 1 : 0);
           const c10::BFloat16* xg = xp + m0 * K;
           const int ahead = g == 0 ? next_np : 0;
-#define SOT_PAIRS(R) (two ? tile_pairs<R, 2>(xg, K, wp, wp + K, ahead, tile) \
-                          : tile_pairs<R, 1>(xg, K, wp, wp + K, ahead, tile))
-          switch (rows) {
-            case 1: SOT_PAIRS(1); break;
-            case 2: SOT_PAIRS(2); break;
-            case 3: SOT_PAIRS(3); break;
-            case 4: SOT_PAIRS(4); break;
-            case 5: SOT_PAIRS(5); break;
-            case 6: SOT_PAIRS(6); break;
-            case 7: SOT_PAIRS(7); break;
-            default: SOT_PAIRS(8); break;
-          }
-#undef SOT_PAIRS
+          with_rows(rows, [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            two ? tile_pairs<R, 2>(xg, K, wp, wp + K, ahead, tile) : tile_pairs<R, 1>(xg, K, wp, wp + K, ahead, tile);
+          });
           store_bf16(tile, static_cast<int>(rows), two ? 2 : 1, p, N, bp, yp + m0 * N);
           m0 += rows;
         }
@@ -315,8 +324,8 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
   const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
                  q4 ? mins.data_ptr<float>() : nullptr, K, P, N};
   if (M <= kTileRows) {
-    // two panels a tile (more independent chains; whole verify passes of 5-7 rows ran 1.03-1.08x
-    // faster so than with one panel and no fetch ahead, 1-4 rows level)
+    // two panels a tile (more independent chains), each fetching the next tile ahead: whole
+    // verify passes of 5-7 rows ran 1.03-1.08x faster than with one panel and no fetch, 1-4 level
     const int64_t np = 2;
     at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float tile[kTileRows * 2 * kCols];
@@ -324,21 +333,13 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
         const int64_t p = t * np, q = p + np;
         const int pn = static_cast<int>(std::min<int64_t>(np, P - p));
         const int qn = t + 1 < end ? static_cast<int>(std::min<int64_t>(np, P - q)) : 0;  // (this thread's next)
-#define SOT_ONE(R, NPANELS) \
-  (q4 ? tile_rows<R, NPANELS, true>(xp, w, p, q, qn, tile) : tile_rows<R, NPANELS, false>(xp, w, p, q, qn, tile))
-#define SOT_TILE(R) (pn == 2 ? SOT_ONE(R, 2) : SOT_ONE(R, 1))
-        switch (M) {
-          case 1: SOT_TILE(1); break;
-          case 2: SOT_TILE(2); break;
-          case 3: SOT_TILE(3); break;
-          case 4: SOT_TILE(4); break;
-          case 5: SOT_TILE(5); break;
-          case 6: SOT_TILE(6); break;
-          case 7: SOT_TILE(7); break;
-          default: SOT_TILE(8); break;
-        }
-#undef SOT_TILE
-#undef SOT_ONE
+        with_rows(M, [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          if (pn == 2)
+            q4 ? tile_rows<R, 2, true>(xp, w, p, q, qn, tile) : tile_rows<R, 2, false>(xp, w, p, q, qn, tile);
+          else
+            q4 ? tile_rows<R, 1, true>(xp, w, p, q, qn, tile) : tile_rows<R, 1, false>(xp, w, p, q, qn, tile);
+        });
         store_bf16(tile, static_cast<int>(M), pn, p, N, bp, yp);
       }
     });
@@ -356,16 +357,7 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
           const int64_t rows = base + (g < extra ? 1 : 0);
           const c10::BFloat16* xg = xp + m0 * K;
           float* ag = acc.data() + m0 * kCols;
-          switch (rows) {
-            case 1: chunk_rows<1>(xg, K, kb, pairs, ag); break;
-            case 2: chunk_rows<2>(xg, K, kb, pairs, ag); break;
-            case 3: chunk_rows<3>(xg, K, kb, pairs, ag); break;
-            case 4: chunk_rows<4>(xg, K, kb, pairs, ag); break;
-            case 5: chunk_rows<5>(xg, K, kb, pairs, ag); break;
-            case 6: chunk_rows<6>(xg, K, kb, pairs, ag); break;
-            case 7: chunk_rows<7>(xg, K, kb, pairs, ag); break;
-            default: chunk_rows<8>(xg, K, kb, pairs, ag); break;
-          }
+          with_rows(rows, [&](auto r) { chunk_rows<decltype(r)::value>(xg, K, kb, pairs, ag); });
           m0 += rows;
         }
       }
