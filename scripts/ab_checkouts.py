@@ -26,8 +26,11 @@ import sys
 WORKER = r"""
 import json, sys, time
 from sot.api import SoT
-from sot.bench.conversations import MULTITURN_SETS, load_conversations, render
 from sot.bench.prompts import load_prompt_set
+try:
+    from sot.bench.conversations import MULTITURN_SETS, load_conversations, render
+except ImportError:  # a checkout from before the multi-turn sets
+    MULTITURN_SETS = ()
 args = json.loads(sys.argv[1])
 engines = {m: SoT.load(drafter=m, dtype=args["dtype"]) for m in args["methods"]}
 turns = None

@@ -1,7 +1,7 @@
 """Drafting settings side by side in one process: tree budgets and lookup n-gram sizes.
 
 Each variant is its own engine (its own suffix store and prefix cache) over one shared
-model file, all in bfloat16, greedy. With ``--batch 1`` every record is run as a conversation
+model file, all in one mode (``--dtype``, bfloat16 by default), greedy. With ``--batch 1`` every record is run as a conversation
 turn by turn (multi-turn sets) or as one prompt, the variants taking turns in an order that
 alternates per record; with ``--batch B`` the prompts of each round form one
 ``generate_ids`` call at batch ``B`` and the variants take turns per round. Prints tokens/s,
@@ -51,7 +51,7 @@ def kernel_env(variant: str):
             os.environ.pop(name, None)
 
 
-def make(variant: str):
+def make(variant: str, dtype: str = "bfloat16"):
     from sot import SoT
 
     spec = variant.split("@")[0].replace("+loops", "").replace("+blocks", "")
@@ -60,10 +60,10 @@ def make(variant: str):
     spec, held = spec.removesuffix("+held"), spec.endswith("+held")
     spec, open_ = spec.removesuffix("+open"), spec.endswith("+open")
     if spec == "plain":
-        sot = SoT.load("default", drafter="none", dtype="bfloat16")
+        sot = SoT.load("default", drafter="none", dtype=dtype)
     else:
         drafter, nodes, depth, *ngram = spec.split(":")
-        sot = SoT.load("default", drafter=drafter, dtype="bfloat16", max_nodes=int(nodes), max_depth=int(depth))
+        sot = SoT.load("default", drafter=drafter, dtype=dtype, max_nodes=int(nodes), max_depth=int(depth))
         if ngram:
             sot.engine.drafter.free.lookup.max_ngram = int(ngram[0])
     if eager:  # every row's logits computed with the pass
@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="with --batch > 1: calls per variant, each its own prompts")
     ap.add_argument("--variants", default="plain,auto:16:8,auto:32:24")
+    ap.add_argument("--dtype", default="bfloat16", help="the mode every variant loads in (auto: --dtype auto's choice)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if len(set(variants)) != len(variants):
@@ -145,7 +146,7 @@ def main() -> None:
     sots = {}
     for v in variants:
         with kernel_env(v):
-            sots[v] = make(v)
+            sots[v] = make(v, args.dtype)
             sot = sots[v]  # untimed: kernels, the cost curve
             sot.generate_ids([sot.encode("Hello")] * 2, sot.params(max_new_tokens=16), batch_size=2)
     if args.set in MULTITURN_SETS:
