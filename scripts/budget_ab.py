@@ -1,12 +1,13 @@
 """Drafting settings side by side in one process: tree budgets and lookup n-gram sizes.
 
 Each variant is its own engine (its own suffix store and prefix cache) over one shared
-model file, all in one mode (``--dtype``, bfloat16 by default), greedy. With ``--batch 1`` every record is run as a conversation
-turn by turn (multi-turn sets) or as one prompt, the variants taking turns in an order that
-alternates per record; with ``--batch B`` the prompts of each round form one
-``generate_ids`` call at batch ``B`` and the variants take turns per round. Prints tokens/s,
-tau and the ratio to the first variant per turn (or per batch), and how many answers equal
-the first variant's.
+model file, all in one mode (``--dtype``, bfloat16 by default), greedy. With ``--batch 1``
+every record is run as a conversation turn by turn (multi-turn sets) or as one prompt, the
+variants taking turns in an order that alternates per record; with ``--batch B`` the prompts
+of each round form one ``generate_ids`` call at batch ``B`` and the variants take turns per
+round. Prints tokens/s, tau, rows verified and time per step (per sequence-step in a batch),
+and the ratio to the first variant per turn (or per batch), and how many answers equal the
+first variant's.
 
 A variant is ``plain`` or ``DRAFTER:MAX_NODES:MAX_DEPTH[:NGRAM]`` (``NGRAM``: the longest
 n-gram prompt lookup tries), optionally followed by ``+eager`` (every row's logits computed
@@ -83,7 +84,7 @@ def conversations(sots: dict, records: list[dict], max_new: int) -> dict:
     from sot.bench.conversations import turn_messages
 
     variants = list(sots)
-    stat = defaultdict(lambda: [0, 0.0, 0, []])  # (variant, turn) -> tokens, seconds, steps, answers
+    stat = defaultdict(lambda: [0, 0.0, 0, [], 0])  # (variant, turn) -> tokens, seconds, steps, answers, rows
     for i, record in enumerate(records):
         turns = record.get("turns") or [None]
         order = variants if i % 2 == 0 else variants[::-1]
@@ -101,6 +102,7 @@ def conversations(sots: dict, records: list[dict], max_new: int) -> dict:
                 st[1] += time.perf_counter() - t0
                 st[2] += out.steps
                 st[3].append(out.token_ids)
+                st[4] += sum(out.tree_sizes)
                 answers[v].append(sot.tokenizer.decode(out.token_ids, skip_special_tokens=True))
         print(f"record {i + 1}/{len(records)}", file=sys.stderr, flush=True)
     return stat
@@ -110,7 +112,7 @@ def batches(sots: dict, records: list[dict], max_new: int, batch: int, rounds: i
     variants = list(sots)
     first = sots[variants[0]]
     prompts = [first.encode(r["turns"][0] if r.get("turns") else r["prompt"]) for r in records]
-    stat = defaultdict(lambda: [0, 0.0, 0, []])
+    stat = defaultdict(lambda: [0, 0.0, 0, [], 0])
     for r in range(rounds):
         part = prompts[r * len(prompts) // rounds:(r + 1) * len(prompts) // rounds]
         for v in (variants if r % 2 == 0 else variants[::-1]):
@@ -124,6 +126,7 @@ def batches(sots: dict, records: list[dict], max_new: int, batch: int, rounds: i
                 st[0] += len(out.token_ids)
                 st[2] += out.steps
                 st[3].append(out.token_ids)
+                st[4] += sum(out.tree_sizes)
     return stat
 
 
@@ -162,9 +165,10 @@ def main() -> None:
         base = stat[(variants[0], t)]
         cells = []
         for v in variants:
-            tokens, seconds, steps, _ = stat[(v, t)]
+            tokens, seconds, steps, _, rows = stat[(v, t)]
             ratio = (tokens / seconds) / (base[0] / base[1])
-            cells.append(f"{v} {tokens / seconds:6.1f} tok/s (tau {tokens / max(steps, 1):.2f}, x{ratio:.3f})")
+            cells.append(f"{v} {tokens / seconds:6.1f} tok/s (tau {tokens / max(steps, 1):.2f}, "
+                         f"{rows / max(steps, 1):.1f} rows, {1000 * seconds / max(steps, 1):.1f} ms a step, x{ratio:.3f})")
         where = f"batch {args.batch}" if args.batch > 1 else f"turn {t + 1}"
         print(f"{args.set} {where}: " + "  ".join(cells))
     same = {v: sum(a == b for t in turns for a, b in zip(stat[(v, t)][3], stat[(variants[0], t)][3]))
