@@ -167,8 +167,9 @@ def main() -> None:
         for v in variants:
             tokens, seconds, steps, _, rows = stat[(v, t)]
             ratio = (tokens / seconds) / (base[0] / base[1])
-            cells.append(f"{v} {tokens / seconds:6.1f} tok/s (tau {tokens / max(steps, 1):.2f}, "
-                         f"{rows / max(steps, 1):.1f} rows, {1000 * seconds / max(steps, 1):.1f} ms a step, x{ratio:.3f})")
+            per_step = max(steps, 1)
+            cells.append(f"{v} {tokens / seconds:6.1f} tok/s (tau {tokens / per_step:.2f}, {rows / per_step:.1f} rows, "
+                         f"{1000 * seconds / per_step:.1f} ms a step, x{ratio:.3f})")
         where = f"batch {args.batch}" if args.batch > 1 else f"turn {t + 1}"
         print(f"{args.set} {where}: " + "  ".join(cells))
     same = {v: sum(a == b for t in turns for a, b in zip(stat[(v, t)][3], stat[(variants[0], t)][3]))
