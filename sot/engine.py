@@ -198,6 +198,7 @@ class Engine:
             needs_cost = self.drafter.kind is not DrafterKind.NONE and self.policy_config.kind is not PolicyKind.STATIC
             self._policy = CommitPolicy(self.policy_config, self.cost_model() if needs_cost else None,
                                         self.acceptance_model, record=self.record_policy, rl=self.rl_model)
+            self._policy.model_drafts = self.drafter.runs_model
         return self._policy
 
     @property

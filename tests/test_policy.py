@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import VOCAB, clone, random_prompts, tiny_model
-from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.drafters import LookupDrafter, NoDrafter, PromptLookupDrafter, SuffixDrafter, TreeBudget
 from sot.drafters.base import DraftInput, Drafter, DrafterKind
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
@@ -167,6 +167,26 @@ def test_fallback_is_per_sequence_and_lossless() -> None:
     assert bad.plain_steps > 0 and bad.tree_sizes.count(1) >= bad.plain_steps
     # exponential back-off: later fallbacks last longer, so plain steps outnumber probe steps
     assert bad.plain_steps > sum(1 for n in bad.tree_sizes if n > 1)
+
+
+@pytest.mark.parametrize("make", [LookupDrafter, SuffixDrafter], ids=["pld", "suffix"])
+def test_a_drafter_without_a_model_offers_free_drafts_and_never_falls_back(make) -> None:
+    """Prompt lookup and suffix trees cost no model pass: the policy takes their trees as free
+    drafts, priced by their calibrated estimates, and never sends a sequence to fallback for
+    them, however eager the fallback settings (before, a few losing steps put them on plain
+    steps for back-offs that doubled, and they learned nothing meanwhile)."""
+    target, prompts, params, plain = _plain_run((12, 20), 60)
+    drafter = make()
+    assert drafter.runs_model is False
+    engine = Engine(target, drafter, TreeBudget(8, 6), policy=PolicyConfig(fallback_threshold=1.2, window=3,
+                                                                           first_backoff=2))
+    res = engine.generate(prompts, params)
+    assert [r.token_ids for r in res] == plain
+    assert engine.policy.model_drafts is False
+    assert all(r.fallbacks == 0 for r in res)
+    assert sum(sum(r.accept_lengths) - r.steps for r in res) > 0, "some free drafts should be accepted"
+    # a drafter that runs a model keeps the fallback (test_fallback_is_per_sequence_and_lossless)
+    assert Engine(target, _Mixed(plain, [12, 20])).policy.model_drafts is True
 
 
 def test_static_policy_verifies_the_whole_tree_and_warmup_is_plain() -> None:

@@ -6,14 +6,15 @@ from pathlib import Path
 import torch
 
 from sot.drafters.base import DRAFT_TOP_K, DraftInput, Drafter, DrafterKind, DraftRules, NoDrafter, TreeBudget
-from sot.drafters.free import FreeDrafts, SuffixDrafter
+from sot.drafters.free import FreeDrafts, LookupDrafter, SuffixDrafter
 from sot.drafters.pld import PromptLookupDrafter
 from sot.drafters.suffix import SuffixConfig, SuffixStore, SuffixStores
 from sot.errors import ConfigError
 
-__all__ = ["DRAFT_TOP_K", "DraftInput", "Drafter", "DrafterKind", "DraftRules", "FreeDrafts", "NoDrafter",
-           "PromptLookupDrafter", "SuffixConfig", "SuffixDrafter", "SuffixStore", "SuffixStores", "TreeBudget",
-           "auto_drafter_kind", "default_predictor_path", "make_drafter"]
+__all__ = ["DRAFT_TOP_K", "DraftInput", "Drafter", "DrafterKind", "DraftRules", "FreeDrafts",
+           "LookupDrafter", "NoDrafter", "PromptLookupDrafter", "SuffixConfig", "SuffixDrafter",
+           "SuffixStore", "SuffixStores", "TreeBudget", "auto_drafter_kind", "default_predictor_path",
+           "make_drafter"]
 
 #: the trained state predictor shipped for the default model (SmolLM2-135M-Instruct)
 DEFAULT_PREDICTOR = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-instruct.state.safetensors"
@@ -72,7 +73,7 @@ def make_drafter(
     if kind is DrafterKind.NONE:
         return NoDrafter()
     if kind is DrafterKind.PLD:
-        return PromptLookupDrafter()
+        return LookupDrafter()
     if kind is DrafterKind.SUFFIX:
         return SuffixDrafter(suffix, lookup=lookup)
     from sot.drafters.state import StateDrafter, load_predictor

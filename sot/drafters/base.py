@@ -157,6 +157,12 @@ class Drafter(ABC):
     #: model passes run by :meth:`propose` so far (drafters without a model leave it at 0);
     #: the commit policy times drafting per pass from it
     passes: int = 0
+    #: whether :meth:`propose` costs a model pass. A drafter whose trees cost none (prompt
+    #: lookup, suffix trees) sets it False and gives the same trees from :meth:`propose_free`:
+    #: an adaptive policy then takes them as free drafts every step, priced by their own
+    #: calibrated ``draft_probs``, and never sends a sequence to fallback for them (falling
+    #: back would save no model pass, and while it lasts nothing is learned)
+    runs_model: bool = True
     #: keep the predicted state of each proposed node for :meth:`predicted_states` (set by
     #: the engine while it records step traces)
     record_states: bool = False

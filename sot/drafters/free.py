@@ -179,6 +179,7 @@ class SuffixDrafter(Drafter):
     """
 
     kind = DrafterKind.SUFFIX
+    runs_model = False
 
     def __init__(self, stores: SuffixStores | None = None, lookup: bool = True) -> None:
         self.stores = stores if stores is not None else SuffixStores()
@@ -199,3 +200,37 @@ class SuffixDrafter(Drafter):
 
     def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
         return [self.free.free_tree(x, budget) for x in inputs]
+
+    def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        """The same trees as :meth:`propose`: they cost no model pass, so the commit policy
+        takes them as free drafts (calibrated ``draft_probs``) every step."""
+        return self.propose(inputs, budget)
+
+
+class LookupDrafter(Drafter):
+    """Prompt lookup alone (``pld``): each step, the continuation of the most recent earlier
+    occurrence of the context's longest matching n-gram, as a chain whose node at depth ``d``
+    carries the measured chance that the chain's first ``d`` tokens match (by the length of
+    the match behind it, :class:`~sot.drafters.pld.MatchRates`). Those rates are learned from
+    the tokens the target commits, whether or not the policy verified the chain, so a run of
+    rejected chains lowers them without ever stopping the learning."""
+
+    kind = DrafterKind.PLD
+    runs_model = False
+
+    def __init__(self) -> None:
+        self.free = FreeDrafts(lookup=True, lookup_confidence=None, suffix=None)
+
+    def reset(self, batch_size: int = 0) -> None:
+        self.free.reset()
+
+    def release(self, sequence: int) -> None:
+        self.free.release(sequence)
+
+    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        return [self.free.free_tree(x, budget) for x in inputs]
+
+    def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        """The same trees as :meth:`propose`: they cost no model pass, so the commit policy
+        takes them as free drafts (calibrated ``draft_probs``) every step."""
+        return self.propose(inputs, budget)

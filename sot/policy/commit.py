@@ -85,6 +85,10 @@ class CommitPolicy:
         self.expected_tokens: dict[int, float] = {}
         #: share of the live sequences that drafted, over recent steps
         self.drafting_share = 1.0
+        #: whether the drafter runs a model; without one (prompt lookup, suffix trees) an adaptive
+        #: policy takes its trees as free drafts every step, priced by their own calibrated
+        #: estimates and never put in fallback (falling back saves no model pass); the engine sets it
+        self.model_drafts = True
         #: speculative against plain steps on the wall clock, per batch size (see :mod:`sot.policy.guard`)
         self.guard = BatchGuard(config.fallback_threshold)
 
@@ -125,7 +129,9 @@ class CommitPolicy:
             self._record_free = dict(free)
         if self.holds_plain(len(generated)):  # the fixed rule, or the guard: all plain
             return StepPlan((), tuple(generated), {}, budget, len(generated))
-        drafting = [b for b, n in generated.items() if self.wants_draft(b, n)]
+        # (a drafter without a model offers its trees as free drafts instead, when the policy adapts)
+        model = self.model_drafts or not self.adaptive
+        drafting = [b for b, n in generated.items() if model and self.wants_draft(b, n)]
         taken = [b for b in drafting if b in free and self.prefers_free(b, free[b])]
         drafting = [b for b in drafting if b not in taken]
         if left is not None and self.plans_for_the_end(len(generated)):
