@@ -170,7 +170,31 @@ def _best_path(tree: DraftTree) -> list[int]:
     return path
 
 
-class SuffixDrafter(Drafter):
+class _ModelFreeDrafter(Drafter):
+    """A drafter whose trees cost no model pass (:attr:`~sot.drafters.base.Drafter.runs_model`
+    False): each step, :meth:`FreeDrafts.free_tree` of every sequence, offered as free drafts
+    (their ``draft_probs`` calibrated by how often such drafts matched the committed tokens,
+    learned whether or not the policy verified them)."""
+
+    runs_model = False
+    free: FreeDrafts
+
+    def reset(self, batch_size: int = 0) -> None:
+        self.free.reset()
+
+    def release(self, sequence: int) -> None:
+        self.free.release(sequence)
+
+    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        return [self.free.free_tree(x, budget) for x in inputs]
+
+    def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
+        """The same trees as :meth:`propose`: an adaptive commit policy takes them as free
+        drafts every step."""
+        return self.propose(inputs, budget)
+
+
+class SuffixDrafter(_ModelFreeDrafter):
     """Drafts from suffix trees and prompt lookup alone: no model, so every step drafts.
 
     Args:
@@ -179,7 +203,6 @@ class SuffixDrafter(Drafter):
     """
 
     kind = DrafterKind.SUFFIX
-    runs_model = False
 
     def __init__(self, stores: SuffixStores | None = None, lookup: bool = True) -> None:
         self.stores = stores if stores is not None else SuffixStores()
@@ -189,25 +212,11 @@ class SuffixDrafter(Drafter):
     def suffix_stores(self) -> SuffixStores | None:
         return self.free.suffix if self.free is not None else None
 
-    def reset(self, batch_size: int = 0) -> None:
-        self.free.reset()
-
-    def release(self, sequence: int) -> None:
-        self.free.release(sequence)
-
     def remember(self, prompt: list[int], answer: list[int], tenant: str | None = None) -> None:
         self.free.remember(prompt, answer, tenant)
 
-    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
-        return [self.free.free_tree(x, budget) for x in inputs]
 
-    def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
-        """The same trees as :meth:`propose`: they cost no model pass, so the commit policy
-        takes them as free drafts (calibrated ``draft_probs``) every step."""
-        return self.propose(inputs, budget)
-
-
-class LookupDrafter(Drafter):
+class LookupDrafter(_ModelFreeDrafter):
     """Prompt lookup alone (``pld``): each step, the continuation of the most recent earlier
     occurrence of the context's longest matching n-gram, as a chain whose node at depth ``d``
     carries the measured chance that the chain's first ``d`` tokens match (by the length of
@@ -216,21 +225,6 @@ class LookupDrafter(Drafter):
     rejected chains lowers them without ever stopping the learning."""
 
     kind = DrafterKind.PLD
-    runs_model = False
 
     def __init__(self) -> None:
         self.free = FreeDrafts(lookup=True, lookup_confidence=None, suffix=None)
-
-    def reset(self, batch_size: int = 0) -> None:
-        self.free.reset()
-
-    def release(self, sequence: int) -> None:
-        self.free.release(sequence)
-
-    def propose(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
-        return [self.free.free_tree(x, budget) for x in inputs]
-
-    def propose_free(self, inputs: list[DraftInput], budget: TreeBudget) -> list[DraftTree]:
-        """The same trees as :meth:`propose`: they cost no model pass, so the commit policy
-        takes them as free drafts (calibrated ``draft_probs``) every step."""
-        return self.propose(inputs, budget)
