@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import clone, random_prompts, tiny_model
-from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.drafters import LookupDrafter, NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.drafters.state import StateDrafter, new_predictor
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError
@@ -66,7 +66,7 @@ def test_coupled_sampling_does_not_depend_on_the_batch() -> None:
     params = GenerationParams(max_new_tokens=20, sampling=sp)
     together = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
     for width in (1, 2):
-        for drafter in (NoDrafter(), PromptLookupDrafter()):
+        for drafter in (NoDrafter(), PromptLookupDrafter(), LookupDrafter()):
             got = Engine(target, drafter, TreeBudget(8, 4)).generate(prompts, params, batch_size=width)
             assert [r.token_ids for r in got] == together
 

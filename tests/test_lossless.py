@@ -7,7 +7,7 @@ import torch
 
 from helpers import (ARCHS, VOCAB, RandomTreeDrafter, blockify, clone, hf_greedy, random_blocks, random_prompts,
                      tiny_model)
-from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
+from sot.drafters import LookupDrafter, NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.kernels import cpu_kernels
 from sot.models.adapter import TargetModel
@@ -41,6 +41,9 @@ def test_speculative_equals_plain(arch: str, dtype: torch.dtype) -> None:
 
     pld_batch = run(target, PromptLookupDrafter(), prompts)
     assert pld_batch == plain_batch
+    # the shipped pld drafter: no model, so its chains go through the free drafts' path
+    assert run(target, LookupDrafter(), prompts) == plain_batch
+    assert [run(target, LookupDrafter(), [p])[0] for p in prompts] == plain_batch
     rnd = RandomTreeDrafter(plain_batch, [len(p) for p in prompts], hit=0.7, seed=3)
     rnd_batch = run(target, rnd, prompts)
     assert rnd_batch == plain_batch
