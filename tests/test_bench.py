@@ -138,6 +138,22 @@ def test_sweep(setup, name) -> None:
     assert (root / f"sweep-{name}" / "sweep.png").is_file()
 
 
+@pytest.mark.parametrize("sizes", [(1, 3), (2,)], ids=["with-batch-1", "without-batch-1"])
+def test_batch_size_sweep_checks_every_sequence_against_alone(setup, sizes) -> None:
+    """Each size of ``--sweep batch-size`` counts, for plain and the method, the sequences equal
+    to their prompt decoded alone: batch 1's plain answers where 1 is swept, else plain
+    decoding of each prompt alone."""
+    model, prompts, root = setup
+    out = root / f"sweep-batch-{'-'.join(map(str, sizes))}"
+    res = run_bench(_config(model, prompts, out, methods=("plain", "pld"), max_new_tokens=16,
+                            sweep=("batch-size", sizes)))
+    rows = res["sweep"]["rows"]
+    assert [r["value"] for r in rows] == list(sizes)
+    for r in rows:
+        assert (r["identical_to_plain"], r["plain_identical_to_alone"], r["identical_to_alone"]) == ("3/3",) * 3
+    assert "| identical to alone (plain / method) |" in (out / "report.md").read_text()
+
+
 def test_batched_bench_checks_each_sequence_against_alone(setup) -> None:
     model, prompts, root = setup
     out = root / "batch"

@@ -285,10 +285,11 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
             lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {r['plain_vs_first']:.2f}x | "
                       f"{r['spec_vs_first']:.2f}x |" for r in sw["rows"]]
         if sw["name"] == "batch-size":
-            lines += ["", "| batch | plain tok/s | drafting share of sequence steps | draft time share |",
-                      "|---|---|---|---|"]
+            lines += ["", "| batch | plain tok/s | drafting share of sequence steps | draft time share "
+                          "| identical to alone (plain / method) |", "|---|---|---|---|---|"]
             lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {100 * r['drafting_share']:.0f}% | "
-                      f"{100 * r['draft_time_share']:.0f}% |" for r in sw["rows"]]
+                      f"{100 * r['draft_time_share']:.0f}% | {r.get('plain_identical_to_alone', '-')} / "
+                      f"{r.get('identical_to_alone', '-')} |" for r in sw["rows"]]
         if sw["name"] == "policy":
             lines += ["", "| policy | sequence steps without a drafted tree |", "|---|---|"]
             lines += [f"| {r['value']} | {100 * (r.get('plain_step_share') or 0):.0f}% |" for r in sw["rows"]]

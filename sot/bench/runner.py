@@ -335,12 +335,9 @@ def _run_lockstep(methods: list[BenchMethod], prompts: list[list[int]], params: 
     return runs
 
 
-def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel, prompts: list[list[int]],
-                   params: GenerationParams) -> None:
-    """Greedy batches: does every sequence equal plain decoding of its prompt alone (batch 1)?
-    Adds ``identical_to_alone`` ("k/n") to each engine method. Each prompt runs alone under
-    the index it had in the batch, which keys coupled sampling's noise, so a seeded sample
-    compares with the same draws."""
+def _alone_outputs(target: TargetModel, prompts: list[list[int]], params: GenerationParams) -> list[list[int]]:
+    """Each prompt decoded plainly alone (batch 1), under its index in the batch (which keys
+    coupled sampling's noise): the token ids of each answer."""
     engine = EngineMethod("alone", target, make_drafter(DrafterKind.NONE), TreeBudget()).engine
 
     def alone(ids: list[int], index: int) -> list[int]:
@@ -351,7 +348,16 @@ def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel,
                     return ev.result.token_ids
         raise RuntimeError("the request ended without a result")
 
-    reference = [alone(ids, j) for j, ids in enumerate(tqdm(prompts, desc="alone", unit="run"))]
+    return [alone(ids, j) for j, ids in enumerate(tqdm(prompts, desc="alone", unit="run"))]
+
+
+def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel, prompts: list[list[int]],
+                   params: GenerationParams) -> None:
+    """Greedy batches: does every sequence equal plain decoding of its prompt alone (batch 1)?
+    Adds ``identical_to_alone`` ("k/n") to each engine method. Each prompt runs alone under
+    the index it had in the batch, which keys coupled sampling's noise, so a seeded sample
+    compares with the same draws."""
+    reference = _alone_outputs(target, prompts, params)
     for name, entry in aggregates.items():
         recs = [r for r in runs if r.method == name]
         same = sum(1 for r in recs if r.token_ids == reference[r.prompt_index])
@@ -566,12 +572,17 @@ def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: Targe
                  params: GenerationParams, values: tuple[int, ...], out: Path) -> dict:
     """Plain and the speculative method on all prompts as continuous batches of each size,
     alternating per size; per size: tokens/s against plain, tau, the verified rows per
-    sequence and step, the share of sequence steps that drafted, the drafting time's share."""
+    sequence and step, the share of sequence steps that drafted, the drafting time's share,
+    and, where outputs are exact, how many sequences of each method equal their prompt
+    decoded alone (batch size 1's plain answers, or plain decoding alone where 1 is not swept)."""
     method = EngineMethod(spec, target, _drafter(cfg, spec, target.model), _budget(cfg), cfg.policy)
     rows = []
+    answers: dict[int, tuple[list[list[int]], list[list[int]]]] = {}  # size -> (plain's, the method's)
     for v in tqdm(values, desc="sweep batch-size", unit="size"):
         got = _run_lockstep([plain, method], prompts, params, [str(i) for i in range(len(prompts))], v)
         base, runs = [r for r in got if r.method == "plain"], [r for r in got if r.method == spec]
+        answers[v] = ([r.token_ids for r in sorted(base, key=lambda r: r.prompt_index)],
+                      [r.token_ids for r in sorted(runs, key=lambda r: r.prompt_index)])
         agg = aggregate(runs + base, [spec, "plain"], 0, {spec} if _exact(cfg) else set())
         a, p = agg[spec], agg["plain"]
         rows.append({"value": v, "tokens_per_s": a["tokens_per_s"], "plain_tokens_per_s": p["tokens_per_s"],
@@ -580,5 +591,10 @@ def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: Targe
                      "mean_tree_size": a["mean_tree_size"],
                      "drafting_share": 1.0 - (a["plain_step_share"] or 0.0),
                      "draft_time_share": a["phase_share"].get("draft", 0.0)})
+    if _exact(cfg):
+        alone = answers[1][0] if 1 in answers else _alone_outputs(target, prompts, params)
+        for row in rows:
+            for key, got in zip(("plain_identical_to_alone", "identical_to_alone"), answers[row["value"]]):
+                row[key] = f"{sum(a == b for a, b in zip(got, alone))}/{len(alone)}"
     sweep_plot("batch size", rows, out)
     return {"name": "batch-size", "method": spec, "rows": rows}
