@@ -330,7 +330,9 @@ class Engine:
         need = max(s.length + min(s.params.max_new_tokens, self.GROW_STEP) for s in self._running + admitted)
         self._ensure_cache(len(self._running) + len(admitted), need + self._headroom())
         since = time.perf_counter()  # the clocks of a step's admissions start together
-        read_now = self.policy.expects_drafting(len(self._running))
+        # (an offline call wants throughput, not even steps: its prompts reach the drafter on
+        # their first drafting step, so a batch that never drafts never reads them)
+        read_now = not self._offline and self.policy.expects_drafting(len(self._running))
         return [self._admit(seq, since, read_now) for seq in admitted]
 
     def _read_so_far(self, seq: LiveRequest) -> int:
@@ -546,13 +548,14 @@ class Engine:
         given = {s.id: self._draft_input(s, None) for s in seqs}  # (free drafts read contexts only)
         # What the drafter offers for free (prompt-lookup matches) lets the policy keep its
         # model idle for a step; sequences that skip the model keep their states until it runs.
-        offers = (policy.adaptive or policy.record) and not policy.holds_plain(len(seqs))
-        budget = self.budget.for_batch(len(seqs))
-        free = self.drafter.propose_free(list(given.values()), budget) if offers else None
         # An offline call with nothing left to admit is a closed batch: its caller waits for the
         # last sequence, and no request takes a freed slot (the policy plans for the batch's end)
         left = ({s.id: s.params.max_new_tokens - len(s.result.token_ids) for s in seqs}
                 if self._offline and not self._waiting else None)
+        offers = ((policy.adaptive or policy.record) and not policy.holds_plain(len(seqs))
+                  and policy.asks_offers(len(seqs), left is not None))
+        budget = self.budget.for_batch(len(seqs))
+        free = self.drafter.propose_free(list(given.values()), budget) if offers else None
         plan = policy.plan({s.id: len(s.result.token_ids) for s in seqs}, dict(zip(given, free or [])), budget,
                            left)
         proposed: dict[int, DraftTree] = {}

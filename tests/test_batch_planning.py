@@ -327,6 +327,43 @@ def test_a_closed_plan_takes_free_drafts_only_on_the_critical_path() -> None:
     assert plan.plain == (0, 1, 2, 3)
 
 
+def test_a_closed_batch_pauses_the_offers_its_planning_keeps_turning_down() -> None:
+    """Four sequences tied at 40 tokens left, rows dear, weak free drafts: the closed batch's
+    planning turns every offer down, so after OFFER_PATIENCE such steps the offers pause, one
+    step asks again after each pause, and the pauses double; a step that speculates, another
+    batch size or an open batch asks at once."""
+    policy = _closed_policy([2.0, 2.0, 2.0, 2.0])
+    policy.cost = CostModel([1, 4, 8, 16], [0.010, 0.010, 0.016, 0.028])  # rows dear: planned for the end
+    policy.model_drafts = False  # (free drafts only)
+    weak = tree_from_parents([1, 2], [-1, 0], draft_probs=[1.0, 0.05])
+    left = {b: 40 for b in range(4)}
+
+    def step(batch: int = 4, closed: bool = True, tree: DraftTree = weak) -> bool:
+        ask = policy.asks_offers(batch, closed)
+        free = {b: tree for b in range(batch)} if ask else {}
+        plan = policy.plan({b: 10 for b in range(batch)}, free, TreeBudget(8, 4),
+                           left={b: left[b] for b in range(batch)} if closed else None)
+        if closed and batch == 4 and tree is weak:
+            assert plan.drafting == () and not plan.free
+        return ask
+
+    asked = [step() for _ in range(120)]
+    patience, first = CommitPolicy.OFFER_PATIENCE, CommitPolicy.OFFER_PAUSE
+    assert all(asked[:patience]) and not any(asked[patience:patience + first])
+    assert asked[patience + first] and not any(asked[patience + first + 1:patience + 3 * first + 1])
+    assert sum(asked) == patience + 2, "after the first pause one step asks before each longer one"
+    assert step(batch=3), "a sequence left: ask again"
+    assert step(closed=False), "an open batch always asks"
+    for _ in range(patience):
+        step()
+    assert not step()
+    policy.reset(4)
+    assert step(), "a new batch asks"
+    # offers the planning takes keep being asked for
+    sure = tree_from_parents([1, 2, 3], [-1, 0, 1], draft_probs=[1.0, 0.99, 0.98])
+    assert all(step(tree=sure) for _ in range(3 * patience))
+
+
 def test_the_engine_tells_the_policy_when_its_batch_is_closed() -> None:
     """An offline call's batch is closed once nothing waits to take a freed slot; requests added
     one by one (as a server adds them) never make a closed batch."""

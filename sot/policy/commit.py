@@ -91,6 +91,14 @@ class CommitPolicy:
         self.model_drafts = True
         #: speculative against plain steps on the wall clock, per batch size (see :mod:`sot.policy.guard`)
         self.guard = BatchGuard(config.fallback_threshold)
+        #: closed batches planned for their end: the batch size these counts are for, steps in a
+        #: row whose planning took nothing speculative, steps still to plan without asking the
+        #: drafter for free drafts, and the last such pause (0: none yet); see :meth:`asks_offers`
+        self._offers_batch = 0
+        self._declined = 0
+        self._offers_paused = 0
+        self._offers_pause = 0
+        self._asked = True
 
     @property
     def adaptive(self) -> bool:
@@ -99,6 +107,7 @@ class CommitPolicy:
     def reset(self, batch_size: int, temperature: float = 0.0) -> None:
         """Forget every sequence and start ``batch_size`` new ones, keyed ``0 .. batch_size - 1``."""
         self.seqs = {}
+        self._offers_batch = 0  # (the offers' pause starts over)
         for b in range(batch_size):
             self.add_sequence(b, temperature)
 
@@ -137,6 +146,7 @@ class CommitPolicy:
         if left is not None and self.plans_for_the_end(len(generated)):
             offered = {b: free[b] for b in generated if b in free and b not in drafting}
             allowed = self.critical_path(left, drafting, offered)
+            self._note_closed_plan(bool(allowed))
             drafting = [b for b in drafting if b in allowed]
             free = {b: t for b, t in offered.items() if b in allowed}
         else:
@@ -151,6 +161,44 @@ class CommitPolicy:
             budget=self.draft_budget(budget, drafting, len(generated)),
             batch_rows=len(generated),
         )
+
+    #: closed batches: steps whose planning takes nothing before the drafter's free drafts are
+    #: paused, and the first and the longest pause (each pause after the first doubles; one
+    #: step that takes nothing after a pause starts the next)
+    OFFER_PATIENCE = 16
+    OFFER_PAUSE = 16
+    OFFER_PAUSE_MAX = 128
+
+    def asks_offers(self, batch: int, closed: bool) -> bool:
+        """Whether this step of ``batch`` live sequences asks the drafter for its free drafts.
+        In a closed batch planned for its end (:meth:`critical_path`), the planning may turn
+        every offer down step after step (16 sequences tied at 128 tokens left finish no sooner
+        unless all of them gain), while finding the offers costs about 30 us a sequence each
+        step. After :attr:`OFFER_PATIENCE` such steps in a row the offers pause for
+        :attr:`OFFER_PAUSE` steps, then one step asks again, and the pause doubles while the
+        offers keep being turned down. Any step that speculates, another batch size (a
+        sequence left), an open batch or a new batch starts over. Offers only ever add
+        speculation, so pausing them changes no output."""
+        if not closed or batch != self._offers_batch or self.record:
+            self._offers_batch, self._declined, self._offers_paused, self._offers_pause = batch, 0, 0, 0
+        self._asked = self._offers_paused == 0
+        if not self._asked:
+            self._offers_paused -= 1
+        return self._asked
+
+    def _note_closed_plan(self, speculates: bool) -> None:
+        """A closed batch's step planned by :meth:`critical_path` took something speculative or
+        nothing (see :meth:`asks_offers`)."""
+        if speculates:
+            self._declined, self._offers_pause = 0, 0
+            return
+        if not self._asked:
+            return
+        self._declined += 1
+        if self._declined >= (self.OFFER_PATIENCE if self._offers_pause == 0 else 1):
+            self._offers_pause = (self.OFFER_PAUSE if self._offers_pause == 0
+                                  else min(2 * self._offers_pause, self.OFFER_PAUSE_MAX))
+            self._offers_paused, self._declined = self._offers_pause, 0
 
     def holds_plain(self, batch: int) -> bool:
         """Whether a step of ``batch`` live sequences decodes plainly (nothing drafted or
