@@ -317,6 +317,12 @@ def test_a_closed_plan_takes_free_drafts_only_on_the_critical_path() -> None:
     assert not policy.plans_for_the_end(4), "8 rows cost 1.2x 4 rows: tokens per second plans"
     policy.cost = CostModel([1, 4, 8, 16], [0.010, 0.010, 0.016, 0.028])  # rows now dear
     assert policy.plans_for_the_end(4) and not policy.plans_for_the_end(1)
+    timed = policy.pass_seconds
+    policy.pass_seconds = timed[:1]
+    assert not policy.plans_for_the_end(4), "one drafting call timed: not yet"
+    policy.pass_seconds = [0.020, timed[0]]  # (a first call that also read a prompt, then a plain one)
+    assert policy.plans_for_the_end(4) and policy._pass_time() == timed[0]
+    policy.pass_seconds = timed
     sure = tree_from_parents([1, 2, 3], [-1, 0, 1], draft_probs=[1.0, 0.9, 0.8])
     free = {0: sure, 3: sure}
     open_plan = policy.plan({b: 10 for b in range(4)}, free, TreeBudget(8, 4))

@@ -300,8 +300,10 @@ class CommitPolicy:
         sequences, 1.8x and 1.6x; 4 sequences 1.26x). There every row a draft adds is dear and
         the sequences that finish early leave a tail of small passes, so only the critical
         path's drafts pay; where rows are nearly free, drafts on any sequence cost little and
-        tokens per second (:meth:`worth_drafting`) plans better."""
-        if batch < 2 or not self.adaptive or len(self.pass_seconds) < 3:
+        tokens per second (:meth:`worth_drafting`) plans better. It needs two drafting calls
+        timed (a warm-up's are enough: a closed batch's first step, which drafts for every
+        sequence otherwise, reads every prompt into the predictor)."""
+        if batch < 2 or not self.adaptive or len(self.pass_seconds) < 2:
             return False
         return self.cost.verify(2 * batch) >= self.ARITHMETIC_BOUND * self.cost.verify(batch)
 
@@ -328,7 +330,7 @@ class CommitPolicy:
         20 steps saved); the second's drafts would only add rows."""
         if not drafting and not free:
             return set()
-        draft_time = statistics.median(self.pass_seconds) * self.passes_per_call
+        draft_time = self._pass_time() * self.passes_per_call
         speed: dict[int, tuple[float, int, bool]] = {}  # key -> tokens per step, extra rows, model pass
         for b in drafting:
             s = self.seqs[b]
@@ -424,6 +426,12 @@ class CommitPolicy:
             plain_token = self.cost.verify(batch_rows) / batch_rows
             out = replace(out, min_confidence=min(0.5, max(0.01, per_sequence / plain_token)))
         return out
+
+    def _pass_time(self) -> float:
+        """A predictor pass's time: the median of the recent calls' (from three), else the
+        fastest (a first call also reads a prompt, which the median or the minimum discounts)."""
+        ps = self.pass_seconds
+        return statistics.median(ps) if len(ps) >= 3 else min(ps)
 
     def observe_draft(self, seconds: float, passes: int) -> None:
         """Time of one drafting call that ran ``passes`` predictor passes (for the floor of
