@@ -79,6 +79,40 @@ def test_planner_drafts_nothing_when_a_root_only_step_is_fastest() -> None:
     assert cheap.worth_drafting([0], 1) == [0], "alone as in a batch"
 
 
+def test_an_offline_call_reads_prompts_into_the_predictor_only_when_they_draft() -> None:
+    """A server reads a joining prompt into the predictor at admission while others draft (so
+    the next drafting step does not pay for it); an offline call never does: a prompt reaches
+    the predictor on its sequence's first drafting step, so a batch that never drafts never
+    reads it. Outputs are plain decoding's either way."""
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.float32), state_layers=LAYERS)
+    prompts = random_prompts((8, 12, 17), seed=4)
+    params = GenerationParams(max_new_tokens=16)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+
+    def engine_counting() -> tuple[Engine, list[int]]:
+        drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+        read: list[int] = []
+        prepare = drafter.prepare
+        drafter.prepare = lambda inputs: read.append(len(inputs)) or prepare(inputs)
+        return Engine(target, drafter, TreeBudget(8, 4), policy=PolicyConfig(warmup=100)), read
+
+    engine, read = engine_counting()  # (no step drafts: warm-up)
+    assert [r.token_ids for r in engine.generate(prompts, params, batch_size=2)] == plain
+    assert read == [], "the third prompt joined while others decoded, and nothing drafted"
+    engine, read = engine_counting()
+    ids = [engine.add_request(p, params) for p in prompts[:2]]
+    engine.step()
+    ids.append(engine.add_request(prompts[2], params))
+    done = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.finished:
+                done[ev.request_id] = ev.result.token_ids
+    assert [done[i] for i in ids] == plain
+    assert read == [1], "a request joining a running batch is read at admission"
+
+
 def test_flat_selection_ranks_the_nodes_of_all_trees_together() -> None:
     policy = _policy([0.010, 0.011, 0.014, 0.030], tau=2.0)
     sure = tree_from_parents([1, 2, 3, 4], [-1, 0, 1, 2], draft_probs=[1.0, 0.95, 0.9, 0.85])
