@@ -210,3 +210,30 @@ def test_longrope_models_decode_within_their_short_factors() -> None:
     alone = [Engine(target, NoDrafter()).generate([p], params)[0].token_ids for p in prompts]
     together = Engine(target, PromptLookupDrafter(), TreeBudget(16, 8)).generate(prompts, params)
     assert [r.token_ids for r in together] == alone
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_table_gives_the_modules_bits(arch: str, dtype: torch.dtype) -> None:
+    """The lean forward looks cos and sin up in a table the model's rotary module filled; at
+    any positions, in any batch shape, across the table's growth, the bits are the module's."""
+    from sot.models.fast_llama import RopeTable
+
+    rotary = tiny_model(arch, seed=3, dtype=dtype).model.rotary_emb
+    table = RopeTable(rotary)
+    assert table.static
+    h = torch.zeros(2, 64, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for top in (7, 300, 1100):  # the table grows twice
+            for shape in ((1, 1), (3, 5), (16, 4)):
+                positions = torch.randint(0, top, shape, generator=gen)
+                cos, sin = table(h, positions)
+                want_cos, want_sin = rotary(h, positions)
+                assert cos.dtype == want_cos.dtype == dtype
+                assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        assert table._tables[dtype][0].shape[0] >= 1100
+    longrope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8,
+                    long_factor=[float(4 + i) for i in range(8)], original_max_position_embeddings=64)
+    dynamic = tiny_model("phi3", seed=5, rope_parameters=longrope, original_max_position_embeddings=64)
+    assert not RopeTable(dynamic.model.rotary_emb).static  # (frequencies follow the length: the module runs)

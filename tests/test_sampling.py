@@ -393,3 +393,35 @@ def test_extreme_settings_sample_without_failing_the_batch(mode: SamplingMode) -
             assert [r.token_ids for r in drafted] == plain, settings
         if "top_p" in settings or settings["temperature"] < GREEDY_BELOW:
             assert plain == greedy, settings  # (one token left, or argmax)
+
+
+def test_the_compiled_row_argmax_is_torchs() -> None:
+    """Greedy decoding's argmax (``row_argmax_f32``): torch.argmax's index on every row
+    without NaNs (ties to the first, infinities, signed zeros, all -inf, short and odd
+    vocabularies), and the first NaN of a row that has some."""
+    from sot.kernels import cpu_kernels
+    from sot.sampling import row_argmax
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("SoT's CPU kernels are not built here (row_argmax is torch.argmax)")
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        rows = int(torch.randint(1, 12, (1,), generator=gen))
+        vocab = 49152 if trial % 10 == 0 else int(torch.randint(1, 70, (1,), generator=gen))
+        x = (torch.randint(-3, 4, (rows, vocab), generator=gen).float() if trial % 2  # many ties
+             else torch.randn(rows, vocab, generator=gen))
+        if trial % 3 == 0:
+            x[torch.rand(rows, vocab, generator=gen) < 0.1] = float("inf")
+        if trial % 7 == 0:
+            x[0] = float("-inf")
+        x[x == 0] = -0.0 if trial % 4 == 0 else 0.0
+        assert torch.equal(kernels.row_argmax_f32(x), x.argmax(-1)), trial
+        assert torch.equal(row_argmax(x), x.argmax(-1)), trial
+        nan = torch.rand(rows, vocab, generator=gen) < 0.05
+        x[nan] = float("nan")
+        first = [int(r.nonzero()[0]) if r.any() else int(v.argmax()) for r, v in zip(nan, x)]
+        assert kernels.row_argmax_f32(x).tolist() == first, trial
+    logits = torch.randn(2, 3, 50, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    # any leading shape; bfloat16 compared in float32
+    assert torch.equal(row_argmax(logits), logits.float().argmax(-1))

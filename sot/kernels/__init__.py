@@ -2,8 +2,8 @@
 attention (``attention.cpp``), row-stable float32 products on packed and 4/8-bit block
 weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), bfloat16 products
 over the same blocks where the CPU has AVX512-BF16 (``linear_bf16.cpp``), the int8 mode's
-8-bit integer products (``linear_int8.cpp``), and RMSNorm and
-rope with the KV-cache write (``norm_rope.cpp``), and a Llama-family model's decoder layers
+8-bit integer products (``linear_int8.cpp``), and RMSNorm,
+rope with the KV-cache write and the row argmax (``norm_rope.cpp``), and a Llama-family model's decoder layers
 in one call over those kernels (``layers.cpp``), bound into one module (``module.cpp``).
 
 If the build fails (no compiler, no ninja), SoT falls back to its pure-PyTorch path; both

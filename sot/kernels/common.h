@@ -75,3 +75,5 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
                               std::optional<at::Tensor> bias, std::optional<at::Tensor> pairs);
 at::Tensor decode_blocks_bf16(at::Tensor data, at::Tensor scale, at::Tensor mins);
 int64_t bf16_pairs_from_rows();
+// x [M, V] float32 -> [M] int64, each row's argmax as torch.argmax gives it (norm_rope.cpp)
+at::Tensor row_argmax_f32(at::Tensor x);

@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_blocks_bf16", &decode_blocks_bf16, "linear_blocks_bf16's weights decoded once, for wide products");
   m.def("bf16_pairs_from_rows", &bf16_pairs_from_rows,
         "the row count from which linear_blocks_bf16 reads decoded pairs");
+  m.def("row_argmax_f32", &row_argmax_f32, "each row's argmax, the first on ties (or the first NaN)");
   m.def("linear_int8", &linear_int8, "row-stable product in 8-bit integers over 4/8-bit blocks");
   bind_llama_layers(m);
 }
