@@ -370,13 +370,14 @@ def test_a_closed_plan_takes_free_drafts_only_on_the_critical_path() -> None:
 def test_a_closed_batch_pauses_the_offers_its_planning_keeps_turning_down() -> None:
     """Four sequences tied at 40 tokens left, rows dear, weak free drafts: the closed batch's
     planning turns every offer down, so after OFFER_PATIENCE such steps the offers pause, one
-    step asks again after each pause, and the pauses double; a step that speculates, another
-    batch size or an open batch asks at once."""
+    step asks again after each pause, and the pauses double; a step that speculates, an open
+    batch, a larger batch or one shrunk to where it is no longer planned for its end asks at
+    once, while a batch that shrinks and is still planned for its end stays paused."""
     policy = _closed_policy([2.0, 2.0, 2.0, 2.0])
     policy.cost = CostModel([1, 4, 8, 16], [0.010, 0.010, 0.016, 0.028])  # rows dear: planned for the end
     policy.model_drafts = False  # (free drafts only)
     weak = tree_from_parents([1, 2], [-1, 0], draft_probs=[1.0, 0.05])
-    left = {b: 40 for b in range(4)}
+    left = {b: 40 for b in range(8)}
 
     def step(batch: int = 4, closed: bool = True, tree: DraftTree = weak) -> bool:
         ask = policy.asks_offers(batch, closed)
@@ -392,7 +393,12 @@ def test_a_closed_batch_pauses_the_offers_its_planning_keeps_turning_down() -> N
     assert all(asked[:patience]) and not any(asked[patience:patience + first])
     assert asked[patience + first] and not any(asked[patience + first + 1:patience + 3 * first + 1])
     assert sum(asked) == patience + 2, "after the first pause one step asks before each longer one"
-    assert step(batch=3), "a sequence left: ask again"
+    assert policy.plans_for_the_end(4) and not policy.plans_for_the_end(3)
+    assert step(batch=3), "shrunk to where rows are cheap: ask again"
+    assert step(batch=8), "a larger batch asks"
+    for _ in range(patience):
+        step(batch=8)
+    assert policy.plans_for_the_end(6) and not step(batch=6), "sequences left a batch still planned for its end"
     assert step(closed=False), "an open batch always asks"
     for _ in range(patience):
         step()

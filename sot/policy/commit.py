@@ -176,11 +176,17 @@ class CommitPolicy:
         unless all of them gain), while finding the offers costs about 30 us a sequence each
         step. After :attr:`OFFER_PATIENCE` such steps in a row the offers pause for
         :attr:`OFFER_PAUSE` steps, then one step asks again, and the pause doubles while the
-        offers keep being turned down. Any step that speculates, another batch size (a
-        sequence left), an open batch or a new batch starts over. Offers only ever add
-        speculation, so pausing them changes no output."""
-        if not closed or batch != self._offers_batch or self.record:
-            self._offers_batch, self._declined, self._offers_paused, self._offers_pause = batch, 0, 0, 0
+        offers keep being turned down. Any step that speculates, an open batch, a new batch,
+        or a batch that has shrunk to where it is no longer planned for its end (its rows grew
+        cheap, so tokens per second plans it and the tail's offers may pay) starts over. A
+        sequence leaving a batch still planned for its end does not: those that leave early are
+        off the critical path, whose offers were the ones turned down (on ShareGPT answers at
+        batch 16, restarting there kept the offers asked for on about 2 steps in 5).
+        Offers only ever add speculation, so pausing them changes no output."""
+        if (not closed or self.record or batch > self._offers_batch
+                or (batch < self._offers_batch and not self.plans_for_the_end(batch))):
+            self._declined, self._offers_paused, self._offers_pause = 0, 0, 0
+        self._offers_batch = batch
         self._asked = self._offers_paused == 0
         if not self._asked:
             self._offers_paused -= 1
