@@ -167,7 +167,8 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     argmax gives its first NaN, PyTorch's one of them);
     bfloat16 rows are compared in float32 (exact), where PyTorch's CPU argmax is vectorized
     (about 4x faster at a 49k vocabulary). On a CPU with SoT's kernels, float32 rows take
-    their compiled argmax (``row_argmax_f32``: 60 -> 10 us a row at 49k on an AVX2 EPYC)."""
+    their compiled argmax (``row_argmax_f32``; on an AVX2 EPYC one 49k row 53 -> 18 us,
+    16 rows 0.47 -> 0.05 ms)."""
     rows = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() > 0 and rows.shape[-1] > 0:
         from sot.kernels import cpu_kernels

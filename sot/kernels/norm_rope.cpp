@@ -182,8 +182,8 @@ at::Tensor rope_write_checked_once(at::Tensor qkv, at::Tensor cos, at::Tensor si
 // x [M, V] float32 -> [M] int64: the index of each row's largest value, the first on ties (as
 // torch.argmax), or the row's first NaN where it has one (torch.argmax gives one of its NaNs,
 // which one depending on its vector lanes). Two passes over the row (it stays in
-// L2): its maximum, then the first index holding it; PyTorch's CPU argmax keeps an index
-// beside every lane and runs about 6x slower on a 49k vocabulary.
+// L2): its maximum, then the first index holding it. PyTorch's CPU argmax keeps an index
+// beside every lane: on an AVX2 EPYC, one 49k row took 53 us against 18, 16 rows 0.47 ms against 0.05.
 namespace {
 
 inline int64_t first_nan(const float* x, int64_t n) {
