@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sot.kernels import cpu_kernels
+
 
 class SamplingMode(str, enum.Enum):
     """How tokens are drawn when ``temperature > 0``. Both draw exactly from the target's
@@ -163,16 +165,13 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits [..., V]`` -> ``[...]`` the index of each row's largest value (the first on
-    ties), the same as ``argmax`` on the logits' own dtype (a row with NaNs: the compiled
-    argmax gives its first NaN, PyTorch's one of them);
-    bfloat16 rows are compared in float32 (exact), where PyTorch's CPU argmax is vectorized
-    (about 4x faster at a 49k vocabulary). On a CPU with SoT's kernels, float32 rows take
-    their compiled argmax (``row_argmax_f32``; on an AVX2 EPYC one 49k row 53 -> 18 us,
-    16 rows 0.47 -> 0.05 ms)."""
+    ties), the same as ``argmax`` on the logits' own dtype. bfloat16 rows are compared in
+    float32 (exact), where PyTorch's CPU argmax is vectorized (about 4x faster at a 49k
+    vocabulary). On a CPU with SoT's kernels, float32 rows take their compiled argmax
+    (``row_argmax_f32``; on an AVX2 EPYC one 49k row 53 -> 18 us, 16 rows 0.47 -> 0.05 ms),
+    which gives a row's first NaN where it has NaNs (PyTorch gives one of them)."""
     rows = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() > 0 and rows.shape[-1] > 0:
-        from sot.kernels import cpu_kernels
-
         kernels = cpu_kernels()
         if kernels is not None:
             return kernels.row_argmax_f32(rows.reshape(-1, rows.shape[-1])).view(rows.shape[:-1])
