@@ -96,19 +96,21 @@ def _kernel_attention(q, keys, values, length, paths, window=0):
                                               torch.tensor([len(paths)]), 0.125, window, 0.0)
 
 
+@pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize("length,window", [(100, 0), (703, 0), (703, 300), (1000, 0)])
-def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length: int, window: int) -> None:
+def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length: int, window: int, dim: int) -> None:
     """Rows with many keys are attended in two halves split where their position says (so
     one-row passes spread over the threads): a tree row still gives the bits plain decoding
-    gives its token, and the merged halves are the attention computed in float64."""
+    gives its token, and the merged halves are the attention computed in float64. (A head dim
+    of 64 also takes a one-row pass through the loops that read two chunks of a key a pass.)"""
     from sot.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the compiled CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(1)
-    keys = torch.randn(1, 2, 16, 1040, generator=gen)  # [B, Hkv, D, S'] transposed
-    values = torch.randn(1, 2, 1024, 16, generator=gen)
-    q = torch.randn(1, 6, 4, 16, generator=gen) * 3  # 3 query heads per KV head, 4 tree rows
+    keys = torch.randn(1, 2, dim, 1040, generator=gen)  # [B, Hkv, D, S'] transposed
+    values = torch.randn(1, 2, 1024, dim, generator=gen)
+    q = torch.randn(1, 6, 4, dim, generator=gen) * 3  # 3 query heads per KV head, 4 tree rows
     paths = [[length], [length, length + 1], [length, length + 2], [length, length + 1, length + 3]]
     tree = _kernel_attention(q, keys, values, length, paths, window)
     for r, path in enumerate(paths):
@@ -127,21 +129,24 @@ def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length
         assert torch.allclose(tree[0, r].double(), expected, atol=1e-5, rtol=1e-4), f"row {r}"
 
 
+@pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dtype: torch.dtype,
+def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dtype: torch.dtype, dim: int,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel takes a tree's rows several at a time (each key loaded once for all of
     them): every row of a 13-row tree, in a pass with a second sequence and padding rows,
     equals the row attended alone, bit for bit, for 1-6 query heads per KV head, with rows
     whose halves split at different keys (lengths around 256) and under a sliding window; a
-    bfloat16 cache gives what a float32 one holding the same values gives."""
+    bfloat16 cache gives what a float32 one holding the same values gives. A row alone with
+    up to 3 query heads per KV head takes other loops (two chunks of a key a pass; with a
+    head dim of 64, also for the values): the same operations in the same order."""
     from sot.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the compiled CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(group)
-    kv, dim, slots, rows = 2, 16, 640, 13
+    kv, slots, rows = 2, 640, 13
     keys = torch.randn(2, kv, dim, slots + 16, generator=gen)
     values = torch.randn(2, kv, slots, dim, generator=gen)
     q = (torch.randn(2, kv * group, rows + 2, dim, generator=gen) * 3).to(dtype)

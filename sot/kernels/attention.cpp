@@ -201,6 +201,41 @@ inline void broadcast_sums(int64_t n, const float* scalars, int64_t step, const 
 }
 #endif
 
+#if defined(__AVX2__)
+// broadcast_sums over two 16-lane chunks at once (the vectors at vecs and vecs + 16): the same
+// operations for each lane in the same order, reading each key's two chunks (128 bytes) in one
+// pass instead of two. lo/hi[s * 2 + c]: chunk c of pair s.
+template <int P, bool PREFETCH, typename C>
+inline void broadcast_sums2(int64_t n, const float* scalars, int64_t step, const C* vecs, int64_t stride, __m256* lo,
+                            __m256* hi) {
+  __m256 l[P][2], h[P][2];
+#pragma GCC unroll 12
+  for (int s = 0; s < P; ++s) l[s][0] = l[s][1] = h[s][0] = h[s][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const C* v = vecs + i * stride;
+    if (PREFETCH) {
+      _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchKeys), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchKeys + kLanes), _MM_HINT_T0);
+    }
+#pragma GCC unroll 12
+    for (int s = 0; s < P; ++s) {
+      const __m256 x = _mm256_set1_ps(scalars[s * step + i]);
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        l[s][c] = _mm256_add_ps(l[s][c], _mm256_mul_ps(x, load8(v + c * kLanes)));
+        h[s][c] = _mm256_add_ps(h[s][c], _mm256_mul_ps(x, load8(v + c * kLanes + 8)));
+      }
+    }
+  }
+#pragma GCC unroll 12
+  for (int s = 0; s < P; ++s)
+    for (int c = 0; c < 2; ++c) {
+      lo[s * 2 + c] = l[s][c];
+      hi[s * 2 + c] = h[s][c];
+    }
+}
+#endif
+
 #if defined(__AVX512F__)
 // Scores over a bfloat16 cache with the AVX512-BF16 pair dot product (VDPBF16PS), where the CPU
 // has it: q and the keys are both bfloat16 then, so one instruction takes two head dimensions
@@ -503,7 +538,24 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
     pair_scores_n<kTileSlots>(nr * static_cast<int>(group), blocks, qp, D, reinterpret_cast<const uint16_t*>(kt), S,
                               scale, scores.data(), stride);
   } else {
-    for (int64_t k0 = 0; k0 < blocks; k0 += kLanes)
+    int64_t k0 = 0;
+#if defined(__AVX2__)
+    if constexpr (G > 0 && G <= 3) {
+      if (nr == 1) {  // two blocks of 16 keys a pass over the head dimension: two lines of each row
+        const __m256 sc = _mm256_set1_ps(scale);
+        for (; k0 + 2 * kLanes <= blocks; k0 += 2 * kLanes) {
+          __m256 lo[G * 2], hi[G * 2];
+          broadcast_sums2<G, true, C>(D, qrows, D, kt + k0, S, lo, hi);
+          for (int j = 0; j < G; ++j)
+            for (int c = 0; c < 2; ++c) {
+              _mm256_storeu_ps(scores.data() + j * stride + k0 + c * kLanes, _mm256_mul_ps(lo[j * 2 + c], sc));
+              _mm256_storeu_ps(scores.data() + j * stride + k0 + c * kLanes + 8, _mm256_mul_ps(hi[j * 2 + c], sc));
+            }
+        }
+      }
+    }
+#endif
+    for (; k0 < blocks; k0 += kLanes)
       score_rows<G, max_tile_rows<G>(), C>(nr, group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
   }
   for (int i = 0; i < nr; ++i) {
@@ -614,6 +666,31 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
     return;
   }
   vec16* slice[kTileSlots];
+#if defined(__AVX2__)
+  // A one-row tile with up to three query heads per KV head takes two chunks of each value row
+  // a pass (12 accumulators), reading 128 contiguous bytes a key instead of 64 in four passes.
+  constexpr int kPair = G > 0 && G <= 3 ? G : 0;
+  if constexpr (kPair > 0) {
+    if (nr == 1 && nv % 2 == 0) {
+      const std::vector<int64_t>& own = slots[0];
+      for (int64_t v = 0; v < nv; v += 2) {
+        __m256 lo[kPair * 2], hi[kPair * 2];
+        broadcast_sums2<kPair, false, C>(committed, scores.data(), stride, vbase + v * kLanes, D, lo, hi);
+        const float* w = scores.data() + committed;
+        for (int64_t j = 0; j < group; ++j)
+          for (int c = 0; c < 2; ++c) {
+            vec16 a;
+            std::memcpy(&a, &lo[j * 2 + c], 32);
+            std::memcpy(reinterpret_cast<float*>(&a) + 8, &hi[j * 2 + c], 32);
+            for (size_t k = 0; k < own.size(); ++k)
+              a += w[j * stride + k] * load16(vbase + own[k] * D + (v + c) * kLanes);
+            acc[0][j * nv + v + c] = a;
+          }
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t v = 0; v < nv; ++v) {
     for (int i = 0; i < nr; ++i) slice[i] = acc[i] + v;
     // the shared committed keys for every row at once, then each row's ancestors in order
