@@ -789,7 +789,9 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   const int64_t ntiles = static_cast<int64_t>(tiles.size());
 
   // One task is one half of one (tile, KV head); a tile that is not split is all in its
-  // first half's task.
+  // first half's task. The tasks of one (KV head, half) follow each other, tile after tile, so
+  // a tree's later tiles find that part of the cache in this core's L2, where the first one
+  // left it, instead of reading it from memory again.
   at::parallel_for(0, ntiles * Hkv * 2, 1, [&](int64_t begin, int64_t end) {
     constexpr int NR = max_tile_rows<G>();
     std::vector<float> scores, qrows(NR * group * D);
@@ -799,8 +801,8 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
     vec16* acc[NR];
     float tops[NR * kMaxGroup], sums[NR * kMaxGroup];
     for (int64_t task = begin; task < end; ++task) {
-      const Tile& tile = tiles[task / (Hkv * 2)];
-      const int64_t kvh = (task / 2) % Hkv, half = task % 2, b = tile.b;
+      const Tile& tile = tiles[task % ntiles];
+      const int64_t kvh = task / (ntiles * 2), half = (task / ntiles) % 2, b = tile.b;
       const Geometry& g = geometry(b, tile.r0);
       if (half == 1 && g.split == 0) continue;
       const int64_t from = g.lo + (half == 1 ? g.split : 0);  // this part's first slot
