@@ -502,6 +502,12 @@ inline void weighted_rows(int nr, int64_t group, const float* weights, int64_t s
 // merged by a fixed formula: a one-row pass then spreads its KV heads' halves over the threads
 // instead of leaving a thread with one head more than another.
 constexpr int64_t kSplitKeys = 256;
+// Merging a split row's halves is a few hundred multiply-adds: below this many (sequence, KV
+// head, row) units the merge runs on the calling thread, so a pass of a few rows (one row: 3
+// units with 3 KV heads) opens no second parallel region. (One layer, one row, 9 query and 3
+// KV heads of 64 dims, best of 2000 calls on two cores of an AVX2 EPYC: 1-4 us less a call
+// at 16 and 128 keys.)
+constexpr int64_t kMergeGrain = 64;
 
 // The attention of nr rows (a tile) over their keys from slot `lo`: the `committed` slots from
 // there, shared by the tile, then each row's own ancestors at slots[i] (relative to `lo`).
@@ -848,7 +854,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
     }
   });
   // Split rows: each half's weights are scaled to the larger of the two maxima, then summed.
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, units, kMergeGrain, [&](int64_t begin, int64_t end) {
     for (int64_t unit = begin; unit < end; ++unit) {
       if (!split_rows[unit]) continue;
       const int64_t b = unit / (Hkv * R), kvh = (unit / R) % Hkv, r = unit % R;
