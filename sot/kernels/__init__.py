@@ -2,9 +2,9 @@
 attention (``attention.cpp``), row-stable float32 products on packed and 4/8-bit block
 weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), bfloat16 products
 over the same blocks where the CPU has AVX512-BF16 (``linear_bf16.cpp``), the int8 mode's
-8-bit integer products (``linear_int8.cpp``), and RMSNorm,
-rope with the KV-cache write and the row argmax (``norm_rope.cpp``), and a Llama-family model's decoder layers
-in one call over those kernels (``layers.cpp``), bound into one module (``module.cpp``).
+8-bit integer products (``linear_int8.cpp``), RMSNorm, rope with the KV-cache write and the
+greedy row argmax (``norm_rope.cpp``), and a Llama-family model's decoder layers in one call
+over those kernels (``layers.cpp``), bound into one module (``module.cpp``).
 
 If the build fails (no compiler, no ninja), SoT falls back to its pure-PyTorch path; both
 are exact, each consistent with itself. ``SOT_NO_KERNELS=1`` forces the fallback.
@@ -90,7 +90,8 @@ def kernels_key() -> dict:
 @lru_cache(maxsize=1)
 def cpu_kernels() -> ModuleType | None:
     """The compiled CPU kernels (``tree_attention_exact``, ``linear_f32``,
-    ``linear_blocks_f32``, ``rms_norm_bf16``, ``rms_norm_f32``, ``rope_write``), or ``None``
+    ``linear_blocks_f32``, ``rms_norm_bf16``, ``rms_norm_f32``, ``rope_write``,
+    ``row_argmax_f32``, ...), or ``None``
     when they cannot be built here."""
     if os.environ.get("SOT_NO_KERNELS"):
         return None
