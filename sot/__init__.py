@@ -1,8 +1,8 @@
 """SoT (State over Tokens): lossless tree-speculative decoding for causal language models.
 
 The names below load on first use (``from sot import SoT`` works as ever), so that ``import
-sot.cli`` does not import torch first: the command line answers ``--help`` at once, and a
-Ctrl-C while torch loads reaches the command's own handler."""
+sot`` does not import torch: the ``sot`` command's entry point (:mod:`sot._entry`) loads the
+command line, which does, inside its own Ctrl-C handler."""
 from __future__ import annotations
 
 import importlib
