@@ -169,9 +169,17 @@ def encode(tokenizer: Any, item: PromptItem, chat: bool, generation_prompt: bool
 
     ``generation_prompt`` ends the prompt where the assistant's answer begins;
     ``continue_final`` leaves the last (assistant) message open so that the answer continues
-    it; ``template_kwargs`` go to the template (``enable_thinking``, ...). A template that
-    cannot render the messages is a :class:`ConfigError` with its reason."""
+    it; ``template_kwargs`` go to the template (``enable_thinking``, ...) and, as vLLM's
+    ``chat_template_kwargs`` do, override those two where they hold ``add_generation_prompt``
+    or ``continue_final_message``. A template that cannot render the messages is a
+    :class:`ConfigError` with its reason."""
     check_record(item)
+    template_kwargs = dict(template_kwargs or {})
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if name in template_kwargs and not isinstance(template_kwargs[name], bool):
+            raise ConfigError(f"chat_template_kwargs.{name} must be true or false, got {template_kwargs[name]!r}")
+    generation_prompt = template_kwargs.pop("add_generation_prompt", generation_prompt)
+    continue_final = template_kwargs.pop("continue_final_message", continue_final)
     if not chat:
         return list(tokenizer(check_utf8(to_text(item)))["input_ids"])
     messages, extra = to_messages(item), {}
@@ -184,7 +192,7 @@ def encode(tokenizer: Any, item: PromptItem, chat: bool, generation_prompt: bool
         raise ConfigError("continue_final_message needs the last message to be the assistant's")
     if continue_final and generation_prompt:
         raise ConfigError("continue_final_message and add_generation_prompt cannot both be true")
-    kwargs = dict(template_kwargs or {}, add_generation_prompt=generation_prompt, tokenize=True)
+    kwargs = dict(template_kwargs, add_generation_prompt=generation_prompt, tokenize=True)
     if continue_final:
         kwargs["continue_final_message"] = True
     attempts = [True, False] if tools else [True]  # (a template may refuse a system message)

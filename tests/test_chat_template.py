@@ -49,6 +49,13 @@ def test_generation_prompt_continuation_and_template_variables(tok) -> None:
         encode(tok, {"messages": chat["messages"][:1]}, chat=True, generation_prompt=False, continue_final=True)
     with pytest.raises(ConfigError, match="cannot both be true"):
         encode(tok, chat, chat=True, continue_final=True)
+    # chat_template_kwargs set the two flags too, over the arguments, as vLLM applies them
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    assert text_of(tok, chat, template_kwargs=flags) == "<user>hi</user><assistant>Hel"
+    assert text_of(tok, chat, template_kwargs={"add_generation_prompt": False}) == text_of(tok, chat,
+                                                                                          generation_prompt=False)
+    with pytest.raises(ConfigError, match="add_generation_prompt must be true or false"):
+        encode(tok, chat, chat=True, template_kwargs={"add_generation_prompt": "no"})
 
 
 def test_a_template_that_refuses_a_system_message(tok) -> None:

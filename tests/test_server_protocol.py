@@ -372,3 +372,20 @@ def test_no_user_and_an_empty_one_are_one_tenant() -> None:
 
     assert tenant_key(None) is None and tenant_key("") is None
     assert tenant_key("alice") == tenant_key("alice") != tenant_key("bob") and len(tenant_key("x" * 10**6)) == 32
+
+
+def test_a_text_part_without_text_is_named_as_such() -> None:
+    """A content part of type text with no text is a 400 saying so (not that text parts are
+    unsupported); another type is refused by its type; text parts join."""
+    from sot.server.protocol import ChatMessage
+
+    joined = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]})
+    assert joined.text() == "ab"
+    for part, needle in (({"type": "text"}, "content part 1 of type 'text' has no text"),
+                         ({"type": "text", "text": None}, "content part 1 of type 'text' has no text"),
+                         ({"type": "image_url", "image_url": {"url": "x"}}, "type 'image_url' are not supported")):
+        msg = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "a"}, part]})
+        with pytest.raises(APIError) as err:
+            msg.text()
+        assert err.value.status == 400 and needle in str(err.value), str(err.value)

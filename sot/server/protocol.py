@@ -295,10 +295,12 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
+        for i, part in enumerate(self.content):
+            if part.type != "text":
                 raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)",
                                param="messages")
+            if part.text is None:
+                raise APIError(400, f"content part {i} of type 'text' has no text", param="messages")
             parts.append(part.text)
         return "".join(parts)
 
