@@ -107,10 +107,12 @@ class Engine:
         prefix_cache: the rows of earlier prompts and answers, reused by prompts that start
             with the same tokens (:mod:`sot.prefix_cache`; exact, so the output is the same
             without it).
-        prompt_budget: while sequences are decoding, the prompt tokens a step reads at most
-            (``None``: every admitted prompt whole). A longer prompt is read over several steps
-            into a cache of its own, so the running sequences keep getting tokens meanwhile;
-            the output is the same either way (a prompt's rows do not depend on its split).
+        prompt_budget: the prompt tokens a step reads at most (``None``: every admitted prompt
+            whole). A longer prompt is read over several steps into a cache of its own, so the
+            running sequences keep getting tokens meanwhile, and between those steps a caller
+            can abort it or add requests (a server stays responsive while a long prompt is
+            read, even with nothing else decoding); the output is the same either way (a
+            prompt's rows do not depend on its split).
     """
 
     def __init__(
@@ -311,7 +313,7 @@ class Engine:
 
     def _admit_waiting(self) -> list[TokenEvent]:
         room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self._running)
-        budget = self.prompt_budget if self._running and self.prompt_budget is not None else None
+        budget = self.prompt_budget
         count = 0
         while count < min(room, len(self._waiting)):  # the queue's head first, as far as the budget goes
             if budget is not None:

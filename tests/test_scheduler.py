@@ -173,6 +173,33 @@ def test_a_prompt_read_in_part_can_be_aborted() -> None:
     while engine.has_unfinished():
         tokens += [t for ev in engine.step() if ev.request_id == kept for t in ev.token_ids]
     assert tokens == _alone(target, short, params)
+    # with nothing else decoding the budget holds too: the long prompt alone is read a part
+    # per step (a server takes aborts and new requests between them), and its answer is the same
+    idle = Engine(target, NoDrafter(), prompt_budget=16)
+    read: list[int] = []
+    prefill = target.prefill
+
+    def counted(cache, b, ids, start=0, **kw):
+        read[-1] += len(ids)
+        return prefill(cache, b, ids, start, **kw)
+
+    target.prefill = counted
+    try:
+        gone = idle.add_request(long_, params)
+        read.append(0)
+        assert idle.step() == [] and idle.num_waiting == 1 and idle.num_running == 0
+        assert 0 < read[-1] <= 16, read
+        assert idle.abort(gone) and not idle.has_unfinished()
+        kept = idle.add_request(long_, params)
+        tokens, steps = [], 0
+        while idle.has_unfinished():
+            read.append(0)
+            tokens += [t for ev in idle.step() if ev.request_id == kept for t in ev.token_ids]
+            steps += 1
+            assert read[-1] <= 16, f"a step read {read[-1]} prompt tokens, past its budget"
+    finally:
+        target.prefill = prefill
+    assert steps >= len(long_) // 16 and tokens == _alone(target, long_, params)
 
 
 def test_a_request_that_ends_on_its_first_token_gets_no_more() -> None:

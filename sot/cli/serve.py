@@ -38,9 +38,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=positive_int, default=ServerConfig.max_queue,
                    help="requests that may wait for a slot; beyond that the server answers 429")
     p.add_argument("--prompt-budget", type=non_negative_int, default=ServerConfig.prompt_budget,
-                   help="prompt tokens a step reads at most while other requests decode; a longer prompt is read "
-                        "over several steps, so running streams keep going (0: read each prompt whole; the output "
-                        "is the same either way)")
+                   help="prompt tokens a step reads at most; a longer prompt is read over several steps, so running "
+                        "streams keep going and a client that leaves is dropped between them (0: read each prompt "
+                        "whole; the output is the same either way)")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=ServerConfig.shutdown_timeout,
                    help="seconds running requests get to finish after SIGTERM or Ctrl-C before they are ended "
                         "(default %(default)s; a second signal ends them at once, a third exits)")

@@ -18,8 +18,9 @@ class ServerConfig:
         api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
         max_batch: sequences decoded together.
         max_queue: requests waiting for a slot beyond ``max_batch``; more are answered 429.
-        prompt_budget: prompt tokens a step reads at most while others decode (0: whole
-            prompts), so a long prompt does not stall the running streams for its whole read.
+        prompt_budget: prompt tokens a step reads at most (0: whole prompts), so a long prompt
+            does not stall the running streams for its whole read, and a client that leaves,
+            or a shutdown, is acted on between its parts.
         shutdown_timeout: seconds running requests get to finish after SIGTERM.
         trace: finished requests whose step traces are kept for ``/trace/{id}`` (0: off).
         allowed_origins: browser origins allowed to call the API (CORS; ``("*",)``: any;
