@@ -190,3 +190,37 @@ def test_a_damaged_or_refused_gguf_file_is_named_before_anything_is_written(tmp_
     with pytest.raises(UnsupportedModelError, match="cannot decode BloomForCausalLM exactly .*ALiBi"):
         load_model(str(tmp_path / "bloom.gguf"))
     assert not list((tmp_path / "cache" / "models").glob("bloom-*")), "nothing was converted"
+
+
+def test_bench_runs_llamacpp_alone_on_the_files_tokenizer(tmp_path: Path, monkeypatch) -> None:
+    """``sot bench --methods llamacpp`` alone loads no engine, yet its prompts are token ids of
+    the GGUF file's own tokenizer (llama.cpp is stood in for here: it is an optional extra)."""
+    from sot.bench import runner
+    from sot.bench.methods import BenchMethod, RunRecord
+    from sot.models.loading import load_model
+    from sot.prompts import encode
+
+    monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_model("gemma2", seed=3, tie_word_embeddings=True, query_pre_attn_scalar=16), path)
+    seen: list[list[int]] = []
+
+    class StandIn(BenchMethod):
+        def __init__(self, gguf_path: str) -> None:
+            assert gguf_path == str(path)
+            self.name = "llamacpp"
+
+        def run(self, prompt, params) -> RunRecord:
+            seen.append(list(prompt))
+            return RunRecord(method=self.name, prompt_index=-1, prompt_id="", prompt_tokens=len(prompt),
+                             new_tokens=2, wall_time=0.01, ttft=0.005, token_ids=[7, 8])
+
+    monkeypatch.setattr(runner, "LlamaCppMethod", StandIn)
+    texts = ["abc", "de fg"]
+    (tmp_path / "p.jsonl").write_text("\n".join('{"prompt": "%s"}' % t for t in texts))
+    cfg = runner.BenchConfig(prompts=str(tmp_path / "p.jsonl"), methods=("llamacpp",), model=str(path),
+                             max_new_tokens=2, chat=False, warmup_tokens=1, out=str(tmp_path / "out"), notes=[])
+    res = runner.run_bench(cfg)
+    assert res["methods"]["llamacpp"]["new_tokens"] == 4
+    tokenizer = load_model(str(path)).tokenizer
+    assert seen[1:] == [encode(tokenizer, t, chat=False) for t in texts]  # (after the warm-up run)

@@ -43,7 +43,8 @@ from sot.models.adapter import TargetModel
 from sot.machine import machine_info
 from sot.dtype_choice import resolve as resolve_choice
 from sot.models.loading import (
-    DEFAULT_DEVICE, DEFAULT_MODEL, DTYPE_CHOICES, DTYPES, default_gguf_path, load_model, resolve_device,
+    DEFAULT_DEVICE, DEFAULT_MODEL, DTYPE_CHOICES, DTYPES, default_gguf_path, load_model, load_tokenizer,
+    resolve_device,
 )
 from sot.prompts import encode, has_chat_template
 from sot.requests import check_request
@@ -307,6 +308,8 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
         else:
             methods.append(EngineMethod(method_label(name), target, drafters[name], _budget(cfg), cfg.policy,
                                         cfg.prefix_cache_mb))
+    if tokenizer is None and methods:  # (llama.cpp alone: the prompts still need the model's tokenizer)
+        tokenizer = load_tokenizer(cfg.model)
     return methods, tokenizer, target
 
 

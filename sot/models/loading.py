@@ -379,6 +379,18 @@ def _blocks_for_bf16(path: Path, dtype: torch.dtype, device: str | torch.device)
     return bf16_blocks_supported()
 
 
+def load_tokenizer(spec: str) -> object:
+    """The tokenizer of a ``--model`` value, without its weights (for a method that runs the
+    model itself, as llama.cpp does in ``sot bench``)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(spec)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {_short_error(exc)}") from exc
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                lora: str | None = None, int8: bool = False) -> LoadedModel:
     """Load a target model and tokenizer from a ``--model`` value.
