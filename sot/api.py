@@ -241,6 +241,8 @@ class SoT:
             raise ConfigError(f"policy must be a PolicyConfig or a policy name, got {type(policy).__name__}")
         if suffix_store is not None and drafter not in ("auto", DrafterKind.SUFFIX.value):
             raise ConfigError("suffix_store needs a drafter that drafts from earlier answers (auto or suffix)")
+        if predictor is not None and drafter not in ("auto", DrafterKind.STATE.value):
+            raise ConfigError(f"predictor is read by the auto and state drafters only, not by {drafter}")
         dev = resolve_device("cpu" if dtype == "int8" and device == "auto" else device)  # (int8 runs on the CPU)
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
         loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)

@@ -14,8 +14,11 @@ def replace_file(path: str | Path, write: Callable[[Path], None], mode: int | No
     previous file. ``mode``: the file's permissions
     (``None``: its owner's alone, for files that hold users' data)."""
     path = Path(os.path.realpath(path))  # (through a symbolic link: the file it names is replaced, the link kept)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    except OSError as exc:  # (named by the file asked for, not by the temporary one)
+        raise OSError(exc.errno, f"cannot write there: {exc.strerror or exc}", str(path)) from None
     os.close(fd)
     part = Path(name)
     try:

@@ -189,13 +189,26 @@ def test_wrong_types_are_clear_errors_and_leave_the_engine_usable(model_dir: Pat
         SoT.load(str(model_dir), drafter="pld", dtype="float32", policy="fast")
     with pytest.raises(ConfigError, match="suffix_store needs a drafter"):  # (before the missing model is read)
         SoT.load("/no/such/model", drafter="none", suffix_store="s.store")
+    with pytest.raises(ConfigError, match="predictor is read by the auto and state drafters only, not by pld"):
+        SoT.load("/no/such/model", drafter="pld", predictor="p.safetensors")
 
 
 def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tmp_path: Path, capsys,
                                                             monkeypatch) -> None:
     """Caught before any model loads where it can be; exit 2 with one line naming the file."""
     base = ["generate", "abc", "--model", "/no/such/model"]  # (a load would fail with another message)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"type": "object", "description": "caf\xe9"}')
+    (tmp_path / "broken.json").write_text('{"type": "object",')
     for extra, message in ((["--trace", str(tmp_path / "no" / "t.jsonl")], "does not exist"),
+                           # (a folder that takes no new file, whatever its permission bits say to root)
+                           (["--trace", "/proc/sot-trace.jsonl"], "cannot write in /proc"),
+                           (["--json-schema", str(latin)], "not UTF-8 text"),
+                           (["--tools", str(latin)], "not UTF-8 text"),
+                           (["--grammar", str(latin)], "not UTF-8 text"),
+                           (["--json-schema", str(tmp_path / "broken.json")], "not JSON"),
+                           (["--drafter", "pld", "--predictor", str(model_dir / "config.json")],
+                            "--predictor is read by --drafter auto and state only, not by pld"),
                            (["--trace", str(tmp_path)], "is a folder"),
                            (["--suffix-store", str(tmp_path / "no" / "s.store")], "does not exist"),
                            (["--suffix-store", "/dev/null"], "not a regular file"),
@@ -211,6 +224,11 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
         assert main([*base, *extra]) == 2, extra
         err = capsys.readouterr().err
         assert message in err and "model path" not in err and "Traceback" not in err, (extra, err)
+    from sot.files import replace_file
+
+    with pytest.raises(OSError) as failed:  # (a write that fails anyway names the file asked for)
+        replace_file("/proc/sot-store.bin", lambda part: part.write_text("x"))
+    assert failed.value.filename == "/proc/sot-store.bin" and ".part" not in str(failed.value), str(failed.value)
     assert main(["trace", "abc", "--model", "/no/such/model", "--out", str(tmp_path / "no" / "x.html")]) == 2
     assert "does not exist" in capsys.readouterr().err
     saved = tmp_path / "saved.jsonl"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -233,6 +234,8 @@ def check_load_args(args: argparse.Namespace) -> None:
     if store and getattr(args, "drafter", "auto") not in ("auto", DrafterKind.SUFFIX.value):
         raise SoTError(f"--suffix-store needs a drafter that drafts from earlier answers (--drafter auto or suffix), "
                        f"not {args.drafter}")
+    if getattr(args, "predictor", None) and getattr(args, "drafter", "auto") not in ("auto", DrafterKind.STATE.value):
+        raise SoTError(f"--predictor is read by --drafter auto and state only, not by {args.drafter}")
     resolve_device(args.device)
     if getattr(args, "chat_template", None):
         read_chat_template(args.chat_template)
@@ -273,7 +276,10 @@ def load_sot(args: argparse.Namespace) -> SoT:
 
 def check_output_path(path: str | None, flag: str) -> None:
     """Stop now, before a model loads, when the file ``path`` (``None``: not asked for) could
-    not be written later: it names a folder, or its folder does not exist or is not writable."""
+    not be written later: it names a folder, or its folder does not exist or takes no new file
+    (tried with a file of our own, removed at once: permission bits say nothing of a read-only
+    file system, or of what root may do). A device or pipe (``/dev/stdout``) is written as it
+    is, so it needs only to be writable itself."""
     if path is None:
         return
     if not path:
@@ -281,11 +287,19 @@ def check_output_path(path: str | None, flag: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise SoTError(f"{flag} {path}: is a folder; give a file path")
-    folder = target.parent
+    if target.exists() and not target.is_file():
+        if not os.access(target, os.W_OK):
+            raise SoTError(f"{flag} {path}: not writable")
+        return
+    folder = Path(os.path.realpath(target)).parent  # (where replace_file writes: beside the file a link names)
     if not folder.is_dir():
         raise SoTError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise SoTError(f"{flag} {path}: the folder {folder} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".check", dir=folder)
+    except OSError as exc:
+        raise SoTError(f"{flag} {path}: cannot write in {folder} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 #: files a command may read: (flag, args attribute)

@@ -182,7 +182,10 @@ def _tool_use(args: argparse.Namespace):
     if not text.lstrip().startswith(("[", "{")):  # (not JSON: a file)
         if not Path(text).is_file():
             raise SoTError(f"--tools {text}: no such file, and not a JSON list of tools")
-        text = Path(text).read_text()
+        try:
+            text = Path(text).read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise SoTError(f"--tools {args.tools}: not UTF-8 text") from None
     try:
         tools = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -221,13 +224,20 @@ def _structured(args: argparse.Namespace):
             raise SoTError(f"--json-schema {value}: no such file, and not a JSON schema (an object)")
         if flag == "--grammar" or (not value.lstrip().startswith("{") and path.is_file()):
             try:
-                return path.read_text()
+                return path.read_bytes().decode("utf-8-sig")
             except OSError as exc:
                 raise SoTError(f"{flag}: cannot read {value}: {exc.strerror}") from None
+            except UnicodeDecodeError:
+                raise SoTError(f"{flag} {value}: not UTF-8 text") from None
         return value
 
     if args.json_schema is not None:
-        return StructuredOutput(OutputFormat.JSON_SCHEMA, text_or_file(args.json_schema, "--json-schema"))
+        schema = text_or_file(args.json_schema, "--json-schema")
+        try:  # (what the schema asks is checked with the tokenizer, once the model is loaded)
+            json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise SoTError(f"--json-schema {args.json_schema}: not JSON ({exc.msg}, line {exc.lineno})") from None
+        return StructuredOutput(OutputFormat.JSON_SCHEMA, schema)
     if args.json_object:
         return StructuredOutput(OutputFormat.JSON)
     if args.regex is not None:
