@@ -432,6 +432,17 @@ def test_bad_flag_value_is_a_clean_error() -> None:
     assert res.returncode == 2 and "invalid choice" in res.stderr
 
 
+def test_an_unknown_flag_is_named_by_the_subcommand_that_refused_it(capsys) -> None:
+    """Its --help is the one that lists what the (sub)command takes."""
+    for argv, prog in ((["generate", "hi", "--max-tokens", "8"], "sot generate"), (["chat", "hello"], "sot chat"),
+                       (["train", "fit", "--data", "d", "--out", "o", "--bogus"], "sot train fit")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and err.startswith(f"{prog}: error: unrecognized arguments: "), err
+        assert err.endswith(f"(see '{prog} --help')"), err
+
+
 @pytest.mark.parametrize("flag,value,message", [("--logprobs", "25", "must be 0 to 20"),
                                                 ("--frequency-penalty", "3", "must be -2 to 2"),
                                                 ("--repetition-penalty", "0", "must be > 0"),

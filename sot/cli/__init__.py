@@ -39,6 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost parser of the (sub)commands ``args`` chose (``sot train fit``'s, say)."""
+    while True:
+        chosen = [action.choices[getattr(args, action.dest)] for action in parser._actions
+                  if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None)
+                  in action.choices]
+        if not chosen:
+            return parser
+        parser = chosen[0]
+
+
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: Any = None, line: str | None = None) -> None:
     """Warnings as one line for a command's user (a library's paragraph cut to its first line;
@@ -55,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sot`` console script."""
     warnings.showwarning = _show_warning
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # (named by the subcommand that refused them, whose --help lists what it takes)
+        _subparser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return HANDLERS[args.command](args)
     except SoTError as exc:
