@@ -85,8 +85,11 @@ def check_record(record: Any, where: str = "prompt") -> None:
     if isinstance(record, str):
         return
     if not isinstance(record, dict):
-        hint = (" (token ids go to SoT.generate_ids; AsyncSoT takes one prompt a call)"
-                if isinstance(record, (list, tuple)) else "")
+        hint = ""
+        if isinstance(record, (list, tuple)) and record and all(isinstance(m, dict) for m in record):
+            hint = ' (a chat goes as {"messages": [...]})'
+        elif isinstance(record, (list, tuple)) and where == "prompt":  # (the library's caller, not a file's line)
+            hint = " (token ids go to SoT.generate_ids; AsyncSoT takes one prompt a call)"
         raise ConfigError(f"{where}: expected a string or a JSON object, got {type(record).__name__}{hint}")
     if isinstance(record.get("prompt"), str):
         return

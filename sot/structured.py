@@ -77,7 +77,24 @@ class StructuredOutput:
                 return grammar_from("choice", self.spec)
             return grammar_from("grammar", self.spec)
         except ValueError as exc:
-            raise ConfigError(f"the {self.format.value} is not valid: {exc}") from None
+            raise ConfigError(f"the {self.format.value} is not valid: {one_line(str(exc))}") from None
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError`, with the reason, unless the spec compiles (no tokenizer
+        needed: the command line checks it before a model loads)."""
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(self.grammar())
+        if error:
+            raise ConfigError(f"the {self.format.value} is not valid: {one_line(error)}")
+
+
+def one_line(error: str) -> str:
+    """llguidance's error, whose later lines draw carets under the spec, as one line: its
+    first line and the cause it names (``error: ...``)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    cause = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
+    return " ".join(part for part in (lines[0] if lines else "unknown error", cause) if part)
 
 
 def grammar_error(matcher: Any) -> str:
@@ -140,7 +157,7 @@ class Grammars:
             table = self._lltokenizer()
         compiled = LLMatcher(table, spec.grammar(), log_level=0)  # (compiling drops the GIL)
         if compiled.is_error():
-            raise ConfigError(f"the {spec.format.value} is not valid: {compiled.get_error().strip()}")
+            raise ConfigError(f"the {spec.format.value} is not valid: {one_line(compiled.get_error())}")
         with self._lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > self.CACHED:

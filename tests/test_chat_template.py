@@ -102,3 +102,18 @@ def test_a_conversation_as_raw_text_reads_its_text_parts() -> None:
     assert to_text(parts) == "Hi!\n\nagain"
     with pytest.raises(ConfigError, match="list of text parts"):
         to_text({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+
+
+def test_a_list_prompt_gets_the_hint_that_fits_it() -> None:
+    """A list of messages is told the chat's form; a list of token ids from the library is sent
+    to generate_ids; a file's line gets no library hint."""
+    from sot.prompts import check_record
+
+    for record, where, hint in (([{"role": "user", "content": "Hi"}], "prompt", 'a chat goes as {"messages"'),
+                                ([1, 2], "prompt", "token ids go to SoT.generate_ids"),
+                                ([1, 2], "p.jsonl:3", None)):
+        with pytest.raises(ConfigError) as refused:
+            check_record(record, where)
+        text = str(refused.value)
+        assert text.startswith(f"{where}: expected a string or a JSON object, got list"), text
+        assert (hint in text) if hint else "(" not in text, text

@@ -207,6 +207,8 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
                            (["--tools", str(latin)], "not UTF-8 text"),
                            (["--grammar", str(latin)], "not UTF-8 text"),
                            (["--json-schema", str(tmp_path / "broken.json")], "not JSON"),
+                           (["--regex", "([a-z"], "the regex is not valid: at 1(8): invalid regex \"([a-z\" (in "
+                                                  "regex): regex parse error: unclosed character class\n"),
                            (["--drafter", "pld", "--predictor", str(model_dir / "config.json")],
                             "--predictor is read by --drafter auto and state only, not by pld"),
                            (["--trace", str(tmp_path)], "is a folder"),
@@ -741,6 +743,28 @@ def test_the_parser_needs_no_web_framework() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "cpu"
+
+
+def test_a_prompt_from_standard_input_and_empty_inputs(model_dir: Path, capsys, monkeypatch) -> None:
+    """PROMPT (and score's TEXT) '-' is read from standard input, and answers as the prompt
+    given inline; an empty stop string and an empty TEXT to score are refused before a load."""
+    import io
+
+    base = ["--model", str(model_dir), "--no-chat", "--max-new-tokens", "6", "--ignore-eos", "--json",
+            "--drafter", "pld"]
+    assert main(["generate", "ab ab ab", *base]) == 0
+    inline = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("ab ab ab".encode())))
+    assert main(["generate", "-", *base]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == inline["token_ids"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab \xff")))
+    assert main(["generate", "-", *base]) == 2
+    assert "PROMPT from standard input: not UTF-8 text" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "hi", "--model", "/no/such/model", "--stop", ""])
+    assert exc.value.code == 2 and "argument --stop: a stop string cannot be empty" in capsys.readouterr().err
+    assert main(["score", "", "--model", "/no/such/model"]) == 2
+    assert "TEXT is empty" in capsys.readouterr().err
 
 
 def test_generate_prints_each_answer_as_it_finishes_and_keeps_them_on_ctrl_c(model_dir: Path, tmp_path: Path,

@@ -65,10 +65,14 @@ def test_lora_errors_name_the_problem(adapted, tmp_path: Path, capsys) -> None:
     deeper = tiny_model_dir(tmp_path / "deeper", num_hidden_layers=4)
     with pytest.raises(ModelLoadError, match="does not fit this model: .* adapted modules get no weights"):
         SoT.load(str(deeper), drafter="none", dtype="float32", lora=str(adapter))
+    with pytest.raises(ConfigError, match="no such folder"):
+        SoT.load(str(model_dir), drafter="none", dtype="float32", lora=str(tmp_path / "none"))
     assert main(["generate", "hi", "--model", str(model_dir), "--lora", str(tmp_path / "none")]) == 2
+    assert f"--lora {tmp_path / 'none'}: no such folder" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", str(model_dir), "--lora", str(tmp_path)]) == 2
     assert "not a LoRA adapter folder" in capsys.readouterr().err
     assert main(["serve", "--model", str(model_dir), "--lora", str(tmp_path / "none")]) == 2  # before it starts
-    assert "not a LoRA adapter folder" in capsys.readouterr().err
+    assert "no such folder" in capsys.readouterr().err
 
 
 def test_an_adapter_of_tied_embeddings_changes_only_what_it_adapts(tmp_path: Path) -> None:

@@ -75,8 +75,12 @@ def test_answers_take_the_form_and_speculation_stays_exact(tiny: SoT, name: str,
 
 
 def test_invalid_specs_are_refused_with_the_reason(tiny: SoT) -> None:
-    with pytest.raises(ConfigError, match="regex is not valid"):
+    with pytest.raises(ConfigError, match="regex is not valid") as refused:
         tiny.params(structured=StructuredOutput(OutputFormat.REGEX, "[a-"))
+    assert "\n" not in str(refused.value) and "unclosed character class" in str(refused.value), str(refused.value)
+    with pytest.raises(ConfigError, match="regex is not valid: .* unclosed character class$"):  # (no model needed)
+        StructuredOutput(OutputFormat.REGEX, "[a-").check()
+    StructuredOutput(OutputFormat.REGEX, "[a-d]+").check()
     with pytest.raises(ConfigError, match="json_schema is not valid"):
         tiny.params(structured=StructuredOutput(OutputFormat.JSON_SCHEMA, "{not json"))
     with pytest.raises(ConfigError, match="grammar is not valid"):

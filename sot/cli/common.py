@@ -239,6 +239,8 @@ def check_load_args(args: argparse.Namespace) -> None:
     resolve_device(args.device)
     if getattr(args, "chat_template", None):
         read_chat_template(args.chat_template)
+    if getattr(args, "lora", None) and not Path(args.lora).is_dir():
+        raise SoTError(f"--lora {args.lora}: no such folder")
     for flag, path in (("--predictor", getattr(args, "predictor", None)),  # (a file, or an EAGLE-3 folder)
                        ("--policy-model", getattr(args, "policy_model", None))):
         if path and not Path(path).exists():
@@ -272,6 +274,23 @@ def load_sot(args: argparse.Namespace) -> SoT:
                    chat_template=args.chat_template, lora=args.lora, device=str(device))
     sot.dtype_choice = choice
     return sot
+
+
+def stop_string(text: str) -> str:
+    """An argparse type: a stop string, which cannot be empty (it would end every answer at once)."""
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string cannot be empty")
+    return text
+
+
+def stdin_or(text: str, name: str) -> str:
+    """``text``, or standard input's text when it is ``-``; not UTF-8 is a :class:`SoTError`."""
+    if text != "-":
+        return text
+    try:
+        return sys.stdin.buffer.read().decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise SoTError(f"{name} from standard input: not UTF-8 text") from None
 
 
 def check_output_path(path: str | None, flag: str) -> None:

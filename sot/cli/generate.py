@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from sot.cli.common import (
     add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, check_distinct_files,
-    check_output_path, load_sot, positive_int, save_suffix_store, sampling_kwargs, top_logprobs,
+    check_output_path, load_sot, positive_int, save_suffix_store, sampling_kwargs, stdin_or, stop_string, top_logprobs,
 )
 from sot.errors import SoTError
 
@@ -20,13 +20,13 @@ if TYPE_CHECKING:
 def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     """``generate``, ``trace`` and ``chat``."""
     gen = sub.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
-    gen.add_argument("prompt", nargs="?", help="the prompt text")
+    gen.add_argument("prompt", nargs="?", help="the prompt text ('-': read it from standard input)")
     gen.add_argument("--prompts",
                      help="JSONL file ('-': standard input): {'prompt'}, {'messages'} or {'turns'} per line")
     add_drafter_args(gen)
     gen.add_argument("--batch-size", type=positive_int, default=1,
                      help="sequences decoded together; a finished one's place goes to the next prompt")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", default=[], type=stop_string, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--logprobs", type=top_logprobs, default=None, metavar="K",
                      help="with --json: each token's log probability under the model, with the K most likely "
@@ -65,7 +65,7 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     add_chat_flag(tr)
 
     sc = sub.add_parser("score", help="log probabilities and perplexity of texts under the model")
-    sc.add_argument("text", nargs="?", help="the text to score")
+    sc.add_argument("text", nargs="?", help="the text to score ('-': read it from standard input)")
     sc.add_argument("--prompts", help="JSONL file: {'prompt'} (or {'messages'} with --chat) per line")
     sc.add_argument("--batch-size", type=positive_int, default=1, help="texts read together")
     sc.add_argument("--json", action="store_true", help="print one JSON object per text, with every token's figures")
@@ -88,11 +88,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.prompts is None):
         raise SoTError("give either a PROMPT or --prompts FILE.jsonl")
-    items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
+    items = read_jsonl(args.prompts) if args.prompts else [stdin_or(args.prompt, "PROMPT")]
     if args.logprobs is not None and not args.json:
         raise SoTError("--logprobs needs --json (the figures are printed in each prompt's JSON object)")
     use = _tool_use(args)
     structured = _structured(args)
+    if structured is not None:
+        structured.check()  # (a spec that does not compile is refused before the model loads)
     check_output_path(args.trace, "--trace")
     check_distinct_files(args)
     if use is not None:
@@ -258,7 +260,10 @@ def cmd_score(args: argparse.Namespace) -> int:
         raise SoTError("give either a TEXT or --prompts FILE.jsonl")
     if args.top_logprobs and not args.json:
         raise SoTError("--top-logprobs needs --json (the alternatives are printed in each text's JSON object)")
-    items = read_jsonl(args.prompts) if args.prompts else [args.text]
+    text = None if args.prompts else stdin_or(args.text, "TEXT")
+    if text == "" and not args.chat:
+        raise SoTError("TEXT is empty: there is nothing to score")
+    items = read_jsonl(args.prompts) if args.prompts else [text]
     sot = load_sot(args)
     scores = sot.score(items, chat=args.chat, top_logprobs=args.top_logprobs, batch_size=args.batch_size)
     for i, sc in enumerate(scores):

@@ -470,6 +470,8 @@ def merge_lora(model: torch.nn.Module, adapter: str) -> torch.nn.Module:
     """``model`` with the LoRA adapter in folder ``adapter`` merged into its weights (by
     PEFT, so every adapter kind PEFT reads is handled as PEFT handles it)."""
     folder = Path(adapter)
+    if not folder.is_dir():
+        raise ConfigError(f"lora: {adapter}: no such folder")
     if not (folder / "adapter_config.json").is_file():
         raise ConfigError(f"lora: {adapter} is not a LoRA adapter folder (no adapter_config.json)")
     if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
