@@ -389,3 +389,19 @@ def test_a_text_part_without_text_is_named_as_such() -> None:
         with pytest.raises(APIError) as err:
             msg.text()
         assert err.value.status == 400 and needle in str(err.value), str(err.value)
+
+
+def test_only_an_assistant_message_may_come_without_content() -> None:
+    """OpenAI's rule: a user, system or tool message needs content (an empty string is some);
+    an assistant's that made tool calls may have none. The 400 names the message."""
+    from pydantic import ValidationError
+
+    from sot.server.protocol import ChatMessage
+
+    assert ChatMessage.model_validate({"role": "user", "content": ""}).text() == ""
+    assert ChatMessage.model_validate({"role": "assistant", "tool_calls": []}).text() == ""
+    for role in ("user", "system", "tool"):
+        with pytest.raises(ValidationError) as refused:
+            ChatMessage.model_validate({"role": role, "content": None})
+        errors = [{**e, "loc": ("body", "messages", 2, *e["loc"])} for e in refused.value.errors()]
+        assert validation_message(errors) == (f"messages.2: a {role} message needs content", "messages.2")

@@ -278,6 +278,13 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> "ChatMessage":
+        # (only an assistant's message may leave it out: one that made tool calls, say)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def to_dict(self) -> dict:
         """The message as the chat template reads it (text content; calls and ids where given)."""
         out: dict = {"role": self.role, "content": self.text()}
@@ -417,7 +424,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     # client's field is "stop", "prompt")
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p))]
     param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # (a validator's own words)
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     if first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
