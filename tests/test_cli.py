@@ -12,7 +12,7 @@ import torch
 
 from helpers import tiny_model_dir
 from sot import SoT
-from sot.cli import main
+from sot.cli import build_parser, main
 from sot.errors import ConfigError, ModelLoadError, PromptTooLongError, UnsupportedModelError
 
 
@@ -765,6 +765,26 @@ def test_a_prompt_from_standard_input_and_empty_inputs(model_dir: Path, capsys, 
     assert exc.value.code == 2 and "argument --stop: a stop string cannot be empty" in capsys.readouterr().err
     assert main(["score", "", "--model", "/no/such/model"]) == 2
     assert "TEXT is empty" in capsys.readouterr().err
+
+
+def test_threads_sets_the_passes_threads(model_dir: Path, capsys) -> None:
+    """``--threads N`` runs the passes on N threads (PyTorch's own count without it); the
+    answer does not depend on it (each row's sums keep their order whatever splits the work)."""
+    import torch
+
+    base = ["generate", "ab ab ab", "--model", str(model_dir), "--no-chat", "--max-new-tokens", "6", "--ignore-eos",
+            "--json", "--drafter", "pld", "--dtype", "float32"]
+    before = torch.get_num_threads()
+    try:
+        assert main(base) == 0
+        assert torch.get_num_threads() == before
+        default = json.loads(capsys.readouterr().out)["token_ids"]
+        assert main([*base, "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+        assert json.loads(capsys.readouterr().out)["token_ids"] == default
+    finally:
+        torch.set_num_threads(before)
+    assert build_parser().parse_args(["bench", "--threads", "3"]).threads == 3
 
 
 def test_generate_prints_each_answer_as_it_finishes_and_keeps_them_on_ctrl_c(model_dir: Path, tmp_path: Path,

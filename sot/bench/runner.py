@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from sot.bench.conversations import MULTITURN_SETS, load_conversations, per_turn, render, run_conversations
@@ -286,7 +287,7 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
                 gguf = str(default_gguf_path()) if cfg.model == DEFAULT_MODEL else cfg.model
                 if not gguf.endswith(".gguf"):
                     raise ConfigError("llamacpp needs a .gguf model")
-                methods.append(LlamaCppMethod(gguf))
+                methods.append(LlamaCppMethod(gguf, threads=torch.get_num_threads()))  # (--threads, as SoT's)
             except ImportError:
                 cfg.notes.append("llamacpp skipped: llama-cpp-python is not installed (pip install 'sot[llamacpp]')")
         elif swept_modes and _is_engine(name):

@@ -6,8 +6,8 @@ import sys
 
 from sot.bench.runner import BenchConfig
 from sot.cli.common import (
-    DTYPE_CHOICES, add_chat_flag, add_device_arg, add_policy_args, add_tree_args, non_negative_float, non_negative_int,
-    policy_from_args, positive_int,
+    DTYPE_CHOICES, add_chat_flag, add_device_arg, add_policy_args, add_threads_arg, add_tree_args, apply_threads,
+    non_negative_float, non_negative_int, policy_from_args, positive_int,
 )
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.sampling import SamplingMode
@@ -38,6 +38,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="engine dtype (auto: the faster of float32 and bfloat16 here; int8: 8-bit integer "
                             "products, see sot generate --help)")
     add_device_arg(bench)
+    add_threads_arg(bench)
     bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
     bench.add_argument("--max-new-tokens", type=positive_int, default=BenchConfig.max_new_tokens)
     bench.add_argument("--temperature", type=non_negative_float, default=BenchConfig.temperature)
@@ -77,6 +78,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from sot.models.loading import resolve_device
 
     device = resolve_device(args.device)
+    apply_threads(args)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     drafter, predictor = dtype_drafter(methods, args.predictor)
     sweep = parse_sweep(args.sweep) if args.sweep else None

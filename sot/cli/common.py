@@ -82,6 +82,21 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
                         "cuda or cuda:N")
 
 
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads of the model's passes (default: PyTorch's, one a core); where other work "
+                        "shares the machine, give the cores left free: each pass waits for its slowest thread")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """``--threads``, set for every pass of this process (and the --dtype auto timings, which
+    are kept per thread count)."""
+    if getattr(args, "threads", None) is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def add_model_args(p: argparse.ArgumentParser, drafting: bool = True) -> None:
     """The model's flags; with ``drafting``, also the draft tree's, the predictor's and the
     commit policy's (a command that drafts nothing, like ``score``, leaves them out of its help
@@ -94,6 +109,7 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True) -> None:
                         "GGUF model's blocks (other weights rounded to 8-bit blocks), as llama.cpp computes them "
                         "(faster on CPUs; answers differ slightly from float32's, and speculation stays exact)")
     add_device_arg(p)
+    add_threads_arg(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print how --dtype was chosen, with the timings")
     if drafting:
         add_tree_args(p)
@@ -259,6 +275,7 @@ def load_sot(args: argparse.Namespace) -> SoT:
     from sot.models.loading import resolve_device
 
     check_load_args(args)
+    apply_threads(args)
     # (the int8 mode runs on the CPU: with a GPU visible, auto still means the CPU for it)
     device = resolve_device("cpu" if args.dtype == "int8" and args.device == "auto" else args.device)
     choice = resolve(args.dtype, args.model, args.drafter, args.predictor, device=str(device))
