@@ -206,8 +206,8 @@ def test_bench_runs_llamacpp_alone_on_the_files_tokenizer(tmp_path: Path, monkey
     seen: list[list[int]] = []
 
     class StandIn(BenchMethod):
-        def __init__(self, gguf_path: str) -> None:
-            assert gguf_path == str(path)
+        def __init__(self, gguf_path: str, threads: int) -> None:
+            assert gguf_path == str(path) and threads == torch.get_num_threads()
             self.name = "llamacpp"
 
         def run(self, prompt, params) -> RunRecord:
