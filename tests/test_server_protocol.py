@@ -405,3 +405,18 @@ def test_only_an_assistant_message_may_come_without_content() -> None:
             ChatMessage.model_validate({"role": role, "content": None})
         errors = [{**e, "loc": ("body", "messages", 2, *e["loc"])} for e in refused.value.errors()]
         assert validation_message(errors) == (f"messages.2: a {role} message needs content", "messages.2")
+
+
+def test_a_seed_is_a_64_bit_integer() -> None:
+    from pydantic import ValidationError
+
+    from sot.server.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for seed in (-(2**63), 0, 2**63 - 1):
+        assert ChatCompletionRequest.model_validate({**body, "seed": seed}).seed == seed
+    for seed in (2**63, -(2**63) - 1, 2**70):
+        with pytest.raises(ValidationError) as refused:
+            ChatCompletionRequest.model_validate({**body, "seed": seed})
+        message, param = validation_message(refused.value.errors())
+        assert param == "seed" and message.startswith("seed: Input should be"), message

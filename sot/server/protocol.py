@@ -90,7 +90,8 @@ class _GenerationRequest(NullMeansDefault):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(SamplingParams.min_p, ge=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = None
+    #: a 64-bit signed integer, as vLLM bounds it
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
