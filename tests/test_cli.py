@@ -432,6 +432,9 @@ def test_bad_flag_value_is_a_clean_error() -> None:
     assert "must be >= 0" in res.stderr and "Traceback" not in res.stderr
     res = run_cli("generate", "hi", "--drafter", "magic")
     assert res.returncode == 2 and "invalid choice" in res.stderr
+    with pytest.raises(SystemExit) as exc:  # (before anything loads)
+        build_parser().parse_args(["train", "gen-data", "--out", "x.jsonl", "--temperature", "nan"])
+    assert exc.value.code == 2
 
 
 def test_an_unknown_flag_is_named_by_the_subcommand_that_refused_it(capsys) -> None:

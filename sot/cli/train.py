@@ -47,7 +47,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                           "earlier one stopped)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=256)
     gen.add_argument("--batch-size", type=positive_int, default=8)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-prompt-tokens", type=positive_int, default=512, help="skip longer first turns")
     gen.add_argument("--match", default=None, metavar="REGEX",
