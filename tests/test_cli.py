@@ -555,18 +555,31 @@ def test_chat_session(model_dir: Path, tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir), "--max-new-tokens", "8",
          "--ignore-eos", "--suffix-store", str(store)],
-        input="hello\n" + "x" * 200 + "\n/help\nagain\n/reset\nhello\n/reset\n" + "y" * 138 + "\n/exit\nnever sent\n",
+        input="hello\n" + "x" * 200 + "\n/help\nagain\n/reset\nhello\n/reste\n/reset\n" + "y" * 138
+              + "\n/exit\nnever sent\n",
         capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("bot> ") == 5 and res.stderr.count("tok/s") == 4 and "bot> " not in res.stdout
     assert "exceeds the model's context of 160 tokens; /reset starts a new conversation" in res.stderr
     assert "/reset   start a new conversation" in res.stderr and "[new conversation]" in res.stderr
+    assert "unknown command /reste (/help lists them; //reste sends it as a message)" in res.stderr
     # a turn with less room left than --max-new-tokens answers up to the context's end
     assert re.search(r"\[[1-7] tokens, .* tok/s, the context is full: /reset starts", res.stderr), res.stderr
     answers = res.stdout.splitlines()
     assert len(answers) == 4 and answers[0] == answers[2], "after /reset the first turn is asked again afresh"
     assert store.is_file() and "Traceback" not in res.stderr
+
+
+def test_chat_lines_commands_and_messages() -> None:
+    from sot.cli.generate import chat_line
+
+    assert [chat_line(x)[0] for x in ("", "  ", "/exit", "/QUIT", "/help", " /reset ")] == \
+        ["exit", "exit", "exit", "exit", "help", "reset"]
+    assert chat_line("/reste") == ("unknown", "/reste")
+    assert chat_line("//reste") == ("message", "/reste")
+    assert chat_line("/usr/bin holds what?") == ("message", "/usr/bin holds what?")
+    assert chat_line("what is 2/3?") == ("message", "what is 2/3?")
 
 
 def test_chat_writes_its_store_when_terminated(model_dir: Path, tmp_path: Path) -> None:

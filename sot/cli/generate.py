@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -356,7 +357,25 @@ CHAT_HELP = """commands:
   /reset   start a new conversation (the system message stays)
   /exit    end the session (also /quit, an empty line or Ctrl-D)
   /help    this list
-Ctrl-C while the model answers stops the answer; the part written stays in the conversation."""
+A line that is one other /word is taken for a mistyped command, not sent (begin it with // to
+send it, as /word). Ctrl-C while the model answers stops the answer; the part written stays in
+the conversation."""
+
+
+def chat_line(line: str) -> tuple[str, str]:
+    """What a line typed in ``sot chat`` asks: ``("exit" | "help" | "reset", "")``, ``("unknown",
+    "/word")`` for a line that is one other /word (a mistyped command, not sent), or
+    ``("message", text)``; a line beginning with // is sent without its first /."""
+    command = line.strip().lower()
+    if command in ("", "/exit", "/quit"):
+        return "exit", ""
+    if command in ("/help", "/reset"):
+        return command[1:], ""
+    if re.fullmatch(r"/\w+", command):
+        return "unknown", line.strip()
+    if line.lstrip().startswith("//"):
+        return "message", line.replace("/", "", 1)
+    return "message", line
 
 
 def _fit_context(sot: SoT, messages: list[dict], kwargs: dict) -> bool:
@@ -412,15 +431,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print(file=label)
                 code = 130
                 break
-            command = user.strip().lower()
-            if command in ("", "/exit", "/quit"):
+            kind, user = chat_line(user)
+            if kind == "exit":
                 break
-            if command == "/help":
+            if kind == "help":
                 print(CHAT_HELP, file=sys.stderr)
                 continue
-            if command == "/reset":
+            if kind == "reset":
                 messages = list(system)
                 print("[new conversation]", file=sys.stderr)
+                continue
+            if kind == "unknown":
+                print(f"unknown command {user} (/help lists them; /{user} sends it as a message)", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": user})
             stop = {"asked": False}
