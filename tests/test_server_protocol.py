@@ -308,10 +308,14 @@ def test_vllm_structured_outputs_and_fields_this_server_would_ignore() -> None:
                             "prompt_logprobs"),
                            # another API's name for the token limit: ignored, the answer would fill the context
                            (chat(max_output_tokens=2), "max_output_tokens"),
-                           (chat(max_new_tokens=2), "max_new_tokens")):
+                           (chat(max_new_tokens=2), "max_new_tokens"),
+                           # output other than text: refused, not answered with text alone
+                           (chat(modalities=["text", "audio"]), "modalities"),
+                           (chat(audio={"voice": "alloy", "format": "wav"}), "audio")):
         with pytest.raises(APIError) as err:
             request.check_supported()
         assert err.value.param == field
+    chat(modalities=["text"], prediction={"type": "content", "content": "x"}).check_supported()  # (text: fine)
 
 
 def test_the_caches_sizes_are_read_when_scraped() -> None:

@@ -246,6 +246,8 @@ _UNSUPPORTED = {
     # token limits by other APIs' names: ignored, the answer would run to the end of the context
     "max_output_tokens": "max_output_tokens outside /v1/responses (send max_tokens)",
     "max_new_tokens": "max_new_tokens (send max_tokens)",
+    # output this server cannot make: refused, not answered with text alone
+    "modalities": "output modalities other than text", "audio": "audio output",
 }
 
 
@@ -258,6 +260,8 @@ def asks_for(name: str, value: Any) -> bool:
         return value != 1
     if name in ("tool_choice", "function_call"):
         return value not in ("none", "auto")
+    if name == "modalities":
+        return value != ["text"]
     return True
 
 
