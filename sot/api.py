@@ -32,7 +32,7 @@ from sot.models.loading import DEFAULT_DEVICE, load_model, resolve_device
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig, PolicyKind
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
-from sot.prompts import PromptItem, encode, has_chat_template, use_chat_template, with_tools
+from sot.prompts import PromptItem, check_utf8, encode, has_chat_template, use_chat_template, with_tools
 from sot.requests import SequenceResult, check_number, check_params
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.structured import Grammars, StructuredOutput
@@ -335,6 +335,7 @@ class SoT:
         structured: StructuredOutput | None = None,
         skip_special_tokens: bool = GenerationParams.skip_special_tokens,
         cache_salt: str | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> GenerationParams:
         """Validated :class:`GenerationParams`.
 
@@ -371,6 +372,10 @@ class SoT:
                 as transformers' ``decode`` and vLLM); stop strings are found in that text.
             cache_salt: share the prefix cache's stored prompt chunks only with requests of
                 this salt (vLLM's ``cache_salt``; ``None``: with every request without one).
+            prediction: text (or token ids) the answer is expected to repeat in large part,
+                such as a file the prompt asks to edit (OpenAI's Predicted Outputs): the
+                drafters copy from it, so a good prediction makes the answer faster; the
+                answer is the same with any prediction or none.
         """
         if seed is None:  # (as OpenAI and vLLM: no seed, a fresh one)
             seed = random.getrandbits(63)
@@ -399,10 +404,13 @@ class SoT:
         sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, mode=mode,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, logit_bias=tuple(sorted(bias)))
+        if isinstance(prediction, str):
+            prediction = self.tokenizer.encode(check_utf8(prediction, "prediction"), add_special_tokens=False)
         params = GenerationParams(max_new_tokens=max_new_tokens, sampling=sp, stop=tuple(stop),
                                   eos_token_ids=() if ignore_eos else self.eos_ids(), logprobs=logprobs,
                                   min_tokens=min_tokens, structured=structured,
-                                  skip_special_tokens=skip_special_tokens, cache_salt=cache_salt)
+                                  skip_special_tokens=skip_special_tokens, cache_salt=cache_salt,
+                                  prediction=tuple(prediction or ()))
         check_params(params, self.target.vocab_size)
         if structured is not None:
             self.engine.grammars.matcher(structured)  # a ConfigError now, not at the first step

@@ -52,6 +52,10 @@ class GenerationParams:
     #: (vLLM's ``cache_salt``): a user's own salt keeps others from learning, by the prompt
     #: tokens reused or the time to the first token, whether their prompt began like this one
     cache_salt: str | None = None
+    #: token ids the answer is expected to repeat in large part (OpenAI's Predicted Outputs: a
+    #: file the request asks to edit); the drafters copy from them as from the context, so
+    #: they change the speed, never the answer
+    prediction: tuple[int, ...] = ()
 
 
 @dataclass
@@ -263,6 +267,10 @@ def check_params(params: GenerationParams, vocab_size: int | None = None) -> Non
         if getattr(params, name) is not None:
             check_number(name, getattr(params, name), integer=True, low=0, high=MAX_TOP_LOGPROBS)
     check_number("min_tokens", params.min_tokens, integer=True, low=0)
+    if not isinstance(params.prediction, (tuple, list)) or not all(
+            isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 and (not vocab_size or t < vocab_size)
+            for t in params.prediction):
+        raise ConfigError(f"prediction must be a list of token ids in the vocabulary, got {params.prediction!r:.80}")
     if not isinstance(params.skip_special_tokens, bool):
         raise ConfigError(f"skip_special_tokens must be True or False, got {params.skip_special_tokens!r}")
     for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):

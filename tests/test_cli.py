@@ -206,6 +206,8 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
                            (["--json-schema", str(latin)], "not UTF-8 text"),
                            (["--tools", str(latin)], "not UTF-8 text"),
                            (["--grammar", str(latin)], "not UTF-8 text"),
+                           (["--prediction", str(latin)], "not UTF-8 text"),
+                           (["--prediction", str(tmp_path / "none.py")], "No such file"),
                            (["--json-schema", str(tmp_path / "broken.json")], "not JSON"),
                            (["--regex", "([a-z"], "the regex is not valid: at 1(8): invalid regex \"([a-z\" (in "
                                                   "regex): regex parse error: unclosed character class\n"),

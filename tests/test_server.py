@@ -563,6 +563,27 @@ def test_logit_rules_and_stop_tokens(tiny_server) -> None:
                                      repetition_penalty=1.3)["token_ids"] == penalised
 
 
+def test_a_prediction_speeds_the_answer_and_never_changes_it(tiny_server) -> None:
+    """OpenAI's Predicted Outputs: a prediction, as text or content parts, leaves the answer as
+    it is (that it is drafted from is test_suffix's: here the server's store of earlier answers
+    drafts the repeated request anyway); a bad one is a 400 naming it."""
+    def ask(**kw) -> dict:
+        body = _chat("qwe rty", max_tokens=40, temperature=0, ignore_eos=True, **kw)
+        resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=AUTH, timeout=60, json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    plain = ask()
+    answer = plain["choices"][0]["message"]["content"]
+    predicted = ask(prediction={"type": "content", "content": answer})
+    assert predicted["choices"][0]["message"]["content"] == answer
+    parts = ask(prediction={"type": "content", "content": [{"type": "text", "text": "zzzz"}]})
+    assert parts["choices"][0]["message"]["content"] == answer
+    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                      json=_chat("qwe", max_tokens=4, prediction={"type": "audio", "content": "x"}))
+    assert resp.status_code == 400 and resp.json()["error"]["param"].startswith("prediction"), resp.text
+
+
 def test_structured_output_fields(tiny_server) -> None:
     """vLLM's guided_regex and guided_choice hold the answer to their form; a bad one is a
     400 naming its field."""

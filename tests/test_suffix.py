@@ -432,3 +432,27 @@ def test_lookup_measures_its_match_and_new_sequences_start_from_learned_rates() 
     free.release(0)
     later = free.free_tree(DraftInput(1, [9] + text + [3] + text[:40]), budget)
     assert later.size > 8 and later.draft_probs[8] > 0.6, "a new sequence prices a copy as copies went"
+
+
+def test_a_prediction_is_drafted_from_and_never_changes_the_answer() -> None:
+    """Predicted Outputs: the tokens a request expects its answer to repeat are copied from
+    as the context is, by every drafter with free drafts (here prompt lookup alone, which keeps
+    no store of earlier answers), so the same answer takes far fewer steps; a prediction with
+    nothing of the answer, or one that is not token ids, changes nothing or is refused."""
+    from sot.drafters import make_drafter
+
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.float32))
+    prompt = random_prompts((12,), seed=9)[0]
+    params = GenerationParams(max_new_tokens=48)
+    alone = Engine(target, NoDrafter()).generate([prompt], params)[0]
+    no_fallback = PolicyConfig(kind=PolicyKind.HEURISTIC, fallback_threshold=0.0)
+    runs = {}
+    for name, prediction in (("none", ()), ("answer", tuple(alone.token_ids)), ("other", tuple(range(40, 80)))):
+        engine = Engine(target, make_drafter("pld", None), TreeBudget(32, 24), policy=no_fallback)
+        res = engine.generate([prompt], GenerationParams(max_new_tokens=48, prediction=prediction))[0]
+        assert res.token_ids == alone.token_ids, name
+        runs[name] = res.steps
+    assert runs["answer"] * 3 <= runs["none"], runs
+    with pytest.raises(ConfigError, match="prediction must be a list of token ids"):
+        Engine(target, NoDrafter()).generate([prompt], GenerationParams(max_new_tokens=4, prediction=("a",)))

@@ -5,6 +5,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sot.cli.common import (
@@ -28,6 +29,9 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--batch-size", type=positive_int, default=1,
                      help="sequences decoded together; a finished one's place goes to the next prompt")
     gen.add_argument("--stop", action="append", default=[], type=stop_string, help="stop string (repeatable)")
+    gen.add_argument("--prediction", metavar="FILE", default=None,
+                     help="a file whose text the answer is expected to repeat in large part (the file a prompt asks "
+                          "to edit): drafted from, so the answer comes faster, and is the same with it or without")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--logprobs", type=top_logprobs, default=None, metavar="K",
                      help="with --json: each token's log probability under the model, with the K most likely "
@@ -94,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SoTError("--logprobs needs --json (the figures are printed in each prompt's JSON object)")
     use = _tool_use(args)
     structured = _structured(args)
+    prediction = _prediction(args.prediction)
     if structured is not None:
         structured.check()  # (a spec that does not compile is refused before the model loads)
     check_output_path(args.trace, "--trace")
@@ -107,10 +112,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         items = [with_tools(item, use.offered()) for item in items]
     sot = load_sot(args)
     ids = [sot.encode(item, args.chat) for item in items]
-    params = sot.params(stop=args.stop, logprobs=args.logprobs, structured=structured, **sampling_kwargs(args))
+    params = sot.params(stop=args.stop, logprobs=args.logprobs, structured=structured, prediction=prediction,
+                        **sampling_kwargs(args))
     stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty() and not args.trace
     if stream_one:
-        for event in sot.stream(items, chat=args.chat, stop=args.stop, structured=structured,
+        for event in sot.stream(items, chat=args.chat, stop=args.stop, structured=structured, prediction=prediction,
                                 **sampling_kwargs(args)):
             print(event.text, end="", flush=True)
         print()
@@ -172,7 +178,6 @@ def _print_answer(args: argparse.Namespace, sot: SoT, use: ToolUse | None, i: in
 
 def _tool_use(args: argparse.Namespace):
     """The tools ``--tools`` offers and ``--tool-choice``, or ``None``."""
-    from pathlib import Path
 
     from sot.errors import ConfigError
     from sot.tools import ToolUse
@@ -204,6 +209,18 @@ def _tool_use(args: argparse.Namespace):
         raise SoTError(flag + msg.replace("tool_choice", "tool-choice", 1)) from None
 
 
+def _prediction(path: str | None) -> str | None:
+    """The text of ``--prediction FILE`` (``None``: not given), read before the model loads."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes().decode("utf-8-sig")
+    except OSError as exc:
+        raise SoTError(f"--prediction {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise SoTError(f"--prediction {path}: not UTF-8 text") from None
+
+
 def _print_calls(use, text: str) -> None:
     """The calls read from an answer, one line each (nothing without tools)."""
     for call in use.read(text).calls if use is not None else ():
@@ -217,7 +234,6 @@ def _print_calls(use, text: str) -> None:
 def _structured(args: argparse.Namespace):
     """The form ``--json-schema``, ``--json-object``, ``--regex``, ``--choice`` or
     ``--grammar`` asks for, or ``None``."""
-    from pathlib import Path
 
     from sot.structured import OutputFormat, StructuredOutput
 

@@ -131,6 +131,8 @@ class DraftInput:
             earlier requests generated apart per tenant; ``None``: anonymous.
         rules: the request's penalties and bias, for drafters that follow them; ``None``:
             it asks for none.
+        prediction: token ids the request expects the answer to repeat (Predicted Outputs),
+            copied from as the context is; empty: none.
     """
 
     sequence: int
@@ -139,6 +141,7 @@ class DraftInput:
     index: int = 0
     tenant: str | None = None
     rules: DraftRules | None = None
+    prediction: tuple[int, ...] = ()
 
 
 class Drafter(ABC):

@@ -91,7 +91,12 @@ class FreeDrafts:
             best, match = known[1][:depth], known[3]
         else:
             index = self.index(x.sequence)
-            best, match = index.best(x.context, depth), index.match
+            if x.prediction:  # (a match in the prediction copies from it; -1, no token, keeps the two apart)
+                best = index.best([*x.prediction, -1, *x.context], depth)
+                best = best[:best.index(-1)] if -1 in best else best
+            else:
+                best = index.best(x.context, depth)
+            match = index.match
             # a continuation shorter than asked for ends at the context's end: it is complete
             self._found[x.sequence] = (len(x.context), best, len(best) < depth, match)
         if best:

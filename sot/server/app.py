@@ -557,10 +557,13 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     k = body.logprob_count()
     asked = body.structured_output()
     structured = asked[1] if asked else None
+    predicted = getattr(body, "prediction", None)
+    prediction = (tuple(state.sot.tokenizer.encode(predicted.text(), add_special_tokens=False))
+                  if predicted is not None else ())
     params = GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
                               logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens,
                               structured=structured, skip_special_tokens=body.skip_special_tokens,
-                              cache_salt=body.cache_salt)
+                              cache_salt=body.cache_salt, prediction=prediction)
     try:  # every setting, so that a bad one fails this request alone and not the batch it would join
         check_params(params, state.sot.target.vocab_size)
     except ConfigError as exc:

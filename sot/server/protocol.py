@@ -326,11 +326,25 @@ def checked_tools(tools: list[Any] | None, tool_choice: str | dict | None, paral
         raise APIError(400, str(exc), param=field) from None
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat in large part."""
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return ChatMessage(role="user", content=self.content).text()
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """The body of ``POST /v1/chat/completions``."""
 
     prompt_field: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
+    #: text the answer is expected to repeat (a file to edit): drafted from, so it changes the
+    #: speed, never the answer
+    prediction: Prediction | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
