@@ -202,6 +202,9 @@ def check_request(prompt: list[int], params: GenerationParams, max_positions: in
     if vocab_size and not all(0 <= t < vocab_size for t in prompt):
         raise ConfigError(f"the prompt's token ids must be in [0, {vocab_size})")
     check_params(params, vocab_size)
+    if max_positions and len(params.prediction) > max_positions:  # (no answer could repeat more)
+        raise ConfigError(f"the prediction has {len(params.prediction)} tokens, more than the model's context of "
+                          f"{max_positions}")
     if max_positions and len(prompt) + params.max_new_tokens > max_positions:
         raise PromptTooLongError(
             f"the prompt has {len(prompt)} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "

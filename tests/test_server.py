@@ -579,9 +579,10 @@ def test_a_prediction_speeds_the_answer_and_never_changes_it(tiny_server) -> Non
     assert predicted["choices"][0]["message"]["content"] == answer
     parts = ask(prediction={"type": "content", "content": [{"type": "text", "text": "zzzz"}]})
     assert parts["choices"][0]["message"]["content"] == answer
-    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=AUTH, timeout=60,
-                      json=_chat("qwe", max_tokens=4, prediction={"type": "audio", "content": "x"}))
-    assert resp.status_code == 400 and resp.json()["error"]["param"].startswith("prediction"), resp.text
+    for prediction in ({"type": "audio", "content": "x"}, {"type": "content", "content": "ab" * 600}):
+        resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                          json=_chat("qwe", max_tokens=4, prediction=prediction))
+        assert resp.status_code == 400 and resp.json()["error"]["param"].startswith("prediction"), resp.text
 
 
 def test_structured_output_fields(tiny_server) -> None:

@@ -456,3 +456,5 @@ def test_a_prediction_is_drafted_from_and_never_changes_the_answer() -> None:
     assert runs["answer"] * 3 <= runs["none"], runs
     with pytest.raises(ConfigError, match="prediction must be a list of token ids"):
         Engine(target, NoDrafter()).generate([prompt], GenerationParams(max_new_tokens=4, prediction=("a",)))
+    with pytest.raises(ConfigError, match="more than the model's context"):
+        Engine(target, NoDrafter()).generate([prompt], GenerationParams(max_new_tokens=4, prediction=(5,) * 10**5))

@@ -560,6 +560,9 @@ def _params(state: ServerState, body: _GenerationRequest, prompt: list[int]) -> 
     predicted = getattr(body, "prediction", None)
     prediction = (tuple(state.sot.tokenizer.encode(predicted.text(), add_special_tokens=False))
                   if predicted is not None else ())
+    if context and len(prediction) > context:
+        raise APIError(400, f"the prediction's {len(prediction)} tokens exceed this model's context of {context} "
+                       "tokens", param="prediction")
     params = GenerationParams(max_new_tokens=limit, sampling=sampling, stop=body.stop_strings(), eos_token_ids=eos,
                               logprobs=k, prompt_logprobs=k if echo else None, min_tokens=body.min_tokens,
                               structured=structured, skip_special_tokens=body.skip_special_tokens,
