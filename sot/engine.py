@@ -541,7 +541,7 @@ class Engine:
 
     def _draft_input(self, seq: LiveRequest, states: torch.Tensor | None) -> DraftInput:
         return DraftInput(seq.id, seq.context, states, seq.result.index, seq.tenant,
-                          DraftRules.of(seq.params.sampling, len(seq.prompt)), tuple(seq.params.prediction))
+                          DraftRules.of(seq.params.sampling, len(seq.prompt)), seq.params.prediction)
 
     def _plan_and_draft(self, seqs: list[LiveRequest]) -> tuple[StepPlan, list[DraftTree]]:
         """The policy plans the step, the drafter proposes, the policy selects what to

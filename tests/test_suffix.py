@@ -454,6 +454,14 @@ def test_a_prediction_is_drafted_from_and_never_changes_the_answer() -> None:
         assert res.token_ids == alone.token_ids, name
         runs[name] = res.steps
     assert runs["answer"] * 3 <= runs["none"], runs
+    # in a batch too, each answer is the one it has alone, the prediction drafted from as it grows
+    other = random_prompts((15,), seed=4)[0]
+    both = [r.token_ids for r in Engine(target, NoDrafter()).generate([prompt, other], params)]
+    engine = Engine(target, make_drafter("pld", None), TreeBudget(32, 24), policy=no_fallback)
+    batch = engine.generate([prompt, other], GenerationParams(max_new_tokens=48, prediction=tuple(alone.token_ids)),
+                            batch_size=2)
+    assert [r.token_ids for r in batch] == both
+    assert batch[0].steps * 3 <= runs["none"], (batch[0].steps, runs)
     with pytest.raises(ConfigError, match="prediction must be a list of token ids"):
         Engine(target, NoDrafter()).generate([prompt], GenerationParams(max_new_tokens=4, prediction=("a",)))
     with pytest.raises(ConfigError, match="more than the model's context"):

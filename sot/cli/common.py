@@ -300,6 +300,17 @@ def stop_string(text: str) -> str:
     return text
 
 
+def read_text_file(path: str, flag: str) -> str:
+    """The text of the file ``path`` that ``flag`` names (a leading byte-order mark dropped); a
+    file that cannot be read, or is not UTF-8, is a :class:`SoTError` naming both."""
+    try:
+        return Path(path).read_bytes().decode("utf-8-sig")
+    except OSError as exc:
+        raise SoTError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise SoTError(f"{flag} {path}: not UTF-8 text") from None
+
+
 def stdin_or(text: str, name: str) -> str:
     """``text``, or standard input's text when it is ``-``; not UTF-8 is a :class:`SoTError`."""
     if text != "-":

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from sot.cli.common import (
     add_adapt_args, add_chat_flag, add_drafter_args, add_model_args, add_sampling_args, check_distinct_files,
-    check_output_path, load_sot, positive_int, save_suffix_store, sampling_kwargs, stdin_or, stop_string, top_logprobs,
+    check_output_path, load_sot, positive_int, read_text_file, save_suffix_store, sampling_kwargs, stdin_or,
+    stop_string, top_logprobs,
 )
 from sot.errors import SoTError
 
@@ -98,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SoTError("--logprobs needs --json (the figures are printed in each prompt's JSON object)")
     use = _tool_use(args)
     structured = _structured(args)
-    prediction = _prediction(args.prediction)
+    prediction = read_text_file(args.prediction, "--prediction") if args.prediction is not None else None
     if structured is not None:
         structured.check()  # (a spec that does not compile is refused before the model loads)
     check_output_path(args.trace, "--trace")
@@ -190,10 +191,7 @@ def _tool_use(args: argparse.Namespace):
     if not text.lstrip().startswith(("[", "{")):  # (not JSON: a file)
         if not Path(text).is_file():
             raise SoTError(f"--tools {text}: no such file, and not a JSON list of tools")
-        try:
-            text = Path(text).read_bytes().decode("utf-8-sig")
-        except UnicodeDecodeError:
-            raise SoTError(f"--tools {args.tools}: not UTF-8 text") from None
+        text = read_text_file(text, "--tools")
     try:
         tools = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -207,18 +205,6 @@ def _tool_use(args: argparse.Namespace):
         msg = str(exc)
         flag = "--tools " if msg.startswith("tools[") else "--"
         raise SoTError(flag + msg.replace("tool_choice", "tool-choice", 1)) from None
-
-
-def _prediction(path: str | None) -> str | None:
-    """The text of ``--prediction FILE`` (``None``: not given), read before the model loads."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes().decode("utf-8-sig")
-    except OSError as exc:
-        raise SoTError(f"--prediction {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise SoTError(f"--prediction {path}: not UTF-8 text") from None
 
 
 def _print_calls(use, text: str) -> None:
@@ -242,12 +228,7 @@ def _structured(args: argparse.Namespace):
         if flag == "--json-schema" and not value.lstrip().startswith("{") and not path.is_file():
             raise SoTError(f"--json-schema {value}: no such file, and not a JSON schema (an object)")
         if flag == "--grammar" or (not value.lstrip().startswith("{") and path.is_file()):
-            try:
-                return path.read_bytes().decode("utf-8-sig")
-            except OSError as exc:
-                raise SoTError(f"{flag}: cannot read {value}: {exc.strerror}") from None
-            except UnicodeDecodeError:
-                raise SoTError(f"{flag} {value}: not UTF-8 text") from None
+            return read_text_file(value, flag)
         return value
 
     if args.json_schema is not None:

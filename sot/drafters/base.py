@@ -5,7 +5,7 @@ import dataclasses
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -141,7 +141,7 @@ class DraftInput:
     index: int = 0
     tenant: str | None = None
     rules: DraftRules | None = None
-    prediction: tuple[int, ...] = ()
+    prediction: Sequence[int] = ()
 
 
 class Drafter(ABC):

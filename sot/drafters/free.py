@@ -48,17 +48,21 @@ class FreeDrafts:
         # per sequence: (context length, best lookup continuation, whether it reached the
         # context's end, the match behind it) of this step's search
         self._found: dict[int, tuple[int, list[int], bool, int]] = {}
+        # per sequence with a prediction: its tokens, -1, then the context (the lookup's text)
+        self._joined: dict[int, list[int]] = {}
         self.matchers: dict[int, SuffixMatcher] = {}
         self.suffix_rates: dict[int, LookupRate] = {}
         # per sequence: ((context length, max nodes, depth), tree) of this step's suffix search
         self._suffix_found: dict[int, tuple[tuple[int, int, int], DraftTree | None]] = {}
 
     def reset(self) -> None:
-        for table in (self.rates, self.indexes, self._found, self.matchers, self.suffix_rates, self._suffix_found):
+        for table in (self.rates, self.indexes, self._found, self._joined, self.matchers, self.suffix_rates,
+                      self._suffix_found):
             table.clear()
 
     def release(self, sequence: int) -> None:
-        for table in (self.rates, self.indexes, self._found, self.matchers, self.suffix_rates, self._suffix_found):
+        for table in (self.rates, self.indexes, self._found, self._joined, self.matchers, self.suffix_rates,
+                      self._suffix_found):
             table.pop(sequence, None)
 
     def remember(self, prompt: list[int], answer: list[int], tenant: str | None) -> None:
@@ -92,7 +96,9 @@ class FreeDrafts:
         else:
             index = self.index(x.sequence)
             if x.prediction:  # (a match in the prediction copies from it; -1, no token, keeps the two apart)
-                best = index.best([*x.prediction, -1, *x.context], depth)
+                joined = self._joined.setdefault(x.sequence, [*x.prediction, -1])
+                joined.extend(x.context[len(joined) - len(x.prediction) - 1:])  # (what the context added)
+                best = index.best(joined, depth)
                 best = best[:best.index(-1)] if -1 in best else best
             else:
                 best = index.best(x.context, depth)

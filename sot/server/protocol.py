@@ -306,15 +306,20 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for i, part in enumerate(self.content):
-            if part.type != "text":
-                raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)",
-                               param="messages")
-            if part.text is None:
-                raise APIError(400, f"content part {i} of type 'text' has no text", param="messages")
-            parts.append(part.text)
-        return "".join(parts)
+        return parts_text(self.content, "messages")
+
+
+def parts_text(parts: list[ContentPart], param: str) -> str:
+    """The text of a content list: its text parts joined; another kind of part, or a text part
+    without text, is a 400 naming ``param``."""
+    out = []
+    for i, part in enumerate(parts):
+        if part.type != "text":
+            raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)", param=param)
+        if part.text is None:
+            raise APIError(400, f"content part {i} of type 'text' has no text", param=param)
+        out.append(part.text)
+    return "".join(out)
 
 
 def checked_tools(tools: list[Any] | None, tool_choice: str | dict | None, parallel: bool = True) -> ToolUse:
@@ -332,9 +337,7 @@ class Prediction(BaseModel):
     content: str | list[ContentPart]
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return ChatMessage(role="user", content=self.content).text()
+        return self.content if isinstance(self.content, str) else parts_text(self.content, "prediction")
 
 
 class ChatCompletionRequest(_GenerationRequest):
