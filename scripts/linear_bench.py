@@ -55,7 +55,7 @@ def main() -> None:
         assert all(b is not None for b in blocks)
         kernels["sot 4/8-bit blocks"] = lambda m: [sot.linear_blocks_f32(x[m][w.shape[1]], *b, w.shape[0], None, True)
                                                    for w, b in zip(weights, blocks)]
-        kernels["sot blocks, panel copy"] = lambda m: [sot.linear_blocks_f32(x[m][w.shape[1]], *b, w.shape[0], None,
+        kernels["sot blocks, L1 blocks only"] = lambda m: [sot.linear_blocks_f32(x[m][w.shape[1]], *b, w.shape[0], None,
                                                                              False) for w, b in zip(weights, blocks)]
     if torch.backends.mkldnn.is_available():
         dnn = [torch.ops.mkldnn._reorder_linear_weight(w, ROW_UNIT) for w in weights]

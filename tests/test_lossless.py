@@ -347,13 +347,39 @@ def test_compiled_float32_rms_norm_is_row_stable() -> None:
         norm(x, w[:-1], 1e-5, None)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "panel-copy"])
-def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypatch) -> None:
+def _blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None,
+                      bias: torch.Tensor) -> torch.Tensor:
+    """The block product's formula one float32 operation at a time (linear.cpp): per block of
+    32 inputs, ``s = fma(x, q, s)`` over its inputs from zero, then ``acc = fma(d, s, acc)``
+    and, with minimums, ``acc = fma(m, xs, acc)`` (``xs``: the block's inputs summed in
+    order), the bias added last. ``x [M, K]``, ``q [N, K/32, 32]``, ``scale``/``low [N, K/32, 1]``.
+    A fused multiply-add is taken in float64, where these products are exact, then rounded."""
+    def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (a.double() * b.double() + c.double()).float()
+
+    rows, blocks = x.shape[0], q.shape[1]
+    acc = torch.zeros(rows, q.shape[0])
+    for kb in range(blocks):
+        s = torch.zeros(rows, q.shape[0])
+        xs = torch.zeros(rows)
+        for k in range(32):
+            column = x[:, kb * 32 + k]
+            s = fma(column[:, None], q[None, :, kb, k], s)
+            xs = xs + column
+        acc = fma(scale[None, :, kb, 0], s, acc)
+        if low is not None:
+            acc = fma(low[None, :, kb, 0], xs[:, None], acc)
+    return acc + bias
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "l1-block"])
+def test_weights_stored_as_exact_blocks_are_multiplied_block_by_block(fused: bool, monkeypatch) -> None:
     """Float32 weights that are exactly GGUF Q4_1 or Q8_0 blocks (as in a model dequantized
-    from a GGUF file) are kept in 4 or 8 bits and decoded on the fly (in registers for 1-6
-    rows, 32 inputs at a time into an L1 block for more, or, with the fused paths off, into a
-    float32 panel copy); the product has the bits of the float32 kernel's, for any rows.
-    Other weights are refused."""
+    from a GGUF file) are kept in 4 or 8 bits and multiplied as the format factors them
+    (``d * sum(x * q) + m * sum(x)`` per block: in registers for 1-6 rows, 32 inputs at a time
+    from an L1 block for more, or always from the L1 block with the fused paths off). Every
+    row has the bits of that formula taken one operation at a time, for any rows, and the
+    product is the float32 product's up to rounding. Other weights are refused."""
     from sot.kernels import cpu_kernels
     from sot.kernels.linear import PackedLinear, pack_blocks, pack_panels
 
@@ -371,14 +397,17 @@ def test_weights_stored_as_exact_blocks_give_the_same_bits(fused: bool, monkeypa
     q8[..., 0] = 127
     x = torch.randn(21, k, generator=gen)
     bias = torch.randn(n, generator=gen)
-    for w, dtype in (((scale * q4 + low).reshape(n, k), torch.uint8), ((scale * q8).reshape(n, k), torch.int8)):
+    for q, mins, dtype in ((q4, low, torch.uint8), (q8, None, torch.int8)):
+        w = (scale * q + (0 if mins is None else mins)).reshape(n, k)
         blocks = pack_blocks(w)
         assert blocks is not None and blocks[0].dtype == dtype
-        full = kernel.linear_f32(x, pack_panels(w), n, bias)
+        full = _blocks_reference(x, q, scale, mins, bias)
         assert torch.equal(kernel.linear_blocks_f32(x, *blocks, n, bias, fused), full)
+        torch.testing.assert_close(full, kernel.linear_f32(x, pack_panels(w), n, bias), rtol=1e-5, atol=1e-5)
         slices = ((0, 1), (4, 6), (3, 6), (5, 9), (1, 6), (0, 6), (2, 9), (0, 8), (1, 11), (0, 12), (4, 17), (0, 20))
         for lo, hi in slices:
             assert torch.equal(kernel.linear_blocks_f32(x[lo:hi], *blocks, n, bias, fused), full[lo:hi])
+        assert kernel.linear_blocks_f32(x[:0], *blocks, n, bias, fused).shape == (0, n)
         lin = PackedLinear(w, bias)
         assert isinstance(lin.packed, tuple) and lin.fused is fused
         assert torch.equal(lin(x[:3], stable=True), full[:3])

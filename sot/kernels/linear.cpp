@@ -188,73 +188,78 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<
 }
 
 // Float32 weights stored exactly as 4-bit or 8-bit blocks of 32 inputs (the GGUF Q4_1 and
-// Q8_0 layouts, whose float32 dequantization is w = d * q + m, resp. w = d * q, rounded after
-// each operation). A panel is decoded into float32 right before use, so the products are
-// bit-identical to linear_f32 on the float32 weights, with a quarter to an eighth of the
-// memory traffic. Layouts per panel p and block kb (K / 32 blocks):
+// Q8_0 layouts: w = d * q + m, resp. w = d * q, with d and m per block and column). The product
+// is taken block by block, as the format factors it:
+//   y[n] = sum over blocks b of  d[b, n] * s[b, n]  (+ m[b, n] * xs[b]  for Q4_1)
+//   s[b, n] = sum over the block's 32 inputs k of x[k] * q[k, n]   (q an integer, exact in float32)
+//   xs[b] = sum over the block's 32 inputs of x[k]
+// with a fixed order of float32 operations for every output, whatever the row count: s is one
+// FMA chain over k from zero, then acc = fma(d, s, acc) and acc = fma(m, xs, acc) block after
+// block from zero, the bias added last; xs is a sum in input order, once per row. So a row's
+// bits never depend on the other rows of the call. The weights are only converted to float
+// (no scale applied per weight), which halves the vector work of a one-row product against
+// decoding each weight to float32 first: about 1.3-1.4x faster on one Zen 3 core
+// (docs/NOTEBOOK.md). Layouts per panel p and block kb (K / 32 blocks):
 //   q4: data [P, K/32, 32, 8] uint8, byte j of input k = column j (low nibble) and column
 //       j + 8 (high nibble); scale, min [P, K/32, 16] float32;
 //   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float32; min empty.
+namespace {
+
+// xs [M, K/32]: each row's sum of the inputs of each block, in input order from zero (the
+// blocks' sums advance together, input by input, so that the adds are independent).
+std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
+  const int64_t KB = K / 32;
+  std::vector<float> xs(M * KB, 0.0f);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* s = xs.data() + i * KB;
+      const float* row = x + i * K;
+      for (int64_t k = 0; k < 32; ++k)
+        for (int64_t kb = 0; kb < KB; ++kb) s[kb] += row[kb * 32 + k];
+    }
+  });
+  return xs;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
-// The 16 weights of input k of one panel (``q``: its bytes; ``d``, ``m``: its block's 16
-// scales and mins) as w[0] (columns 0-7) and w[1] (columns 8-15). For 4-bit blocks d * q is
-// exact in float32 (d is a float16 value, 11 significant bits, and q < 16), so one fused
-// multiply-add rounds exactly as the multiply, then add, of the format.
+// The 16 integers of input k of one panel (``q``: its bytes) as floats: w[0] columns 0-7,
+// w[1] columns 8-15.
 template <bool Q4>
-__attribute__((always_inline)) inline void decode16(const uint8_t* q, const float* d, const float* m, __m256 (&w)[2]) {
+__attribute__((always_inline)) inline void unpack16(const uint8_t* q, __m256 (&w)[2]) {
   if (Q4) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-    w[0] = _mm256_fmadd_ps(_mm256_loadu_ps(d), lo, _mm256_loadu_ps(m));
-    w[1] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), hi, _mm256_loadu_ps(m + 8));
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    w[0] = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-    w[1] = _mm256_mul_ps(_mm256_loadu_ps(d + 8), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
-  }
-}
-#endif
-
-inline void decode_panel(int bits, const uint8_t* data, const float* scale, const float* mins, int64_t K,
-                         float* out) {
-  const int64_t blocks = K / 32;
-  for (int64_t kb = 0; kb < blocks; ++kb) {
-    const float* d = scale + kb * kPanel;
-    const float* m = mins ? mins + kb * kPanel : nullptr;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
-      __m256 w[2];
-      if (bits == 4) {
-        decode16<true>(data + k * 8, d, m, w);
-      } else {
-        decode16<false>(data + k * 16, d, m, w);
-      }
-      _mm256_storeu_ps(out + k * kPanel, w[0]);
-      _mm256_storeu_ps(out + k * kPanel + 8, w[1]);
-    }
-#else
-    for (int64_t k = 0; k < 32; ++k) {
-      float* o = out + (kb * 32 + k) * kPanel;
-      for (int64_t c = 0; c < kPanel; ++c) {
-        if (bits == 4) {
-          const uint8_t byte = data[(kb * 32 + k) * 8 + c % 8];
-          const float q = static_cast<float>(c < 8 ? byte & 15 : byte >> 4);
-          o[c] = d[c] * q + m[c];
-        } else {
-          o[c] = d[c] * static_cast<float>(reinterpret_cast<const int8_t*>(data)[(kb * 32 + k) * 16 + c]);
-        }
-      }
-    }
-#endif
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// MR rows over NP panels of blocks, each weight decoded in registers right before its
-// multiply-add (no float32 copy of the panel): the decode (decode16) and the FMA chain over k
-// are those of decode_panel + linear_tile, so the bits are the same. For the 1-6 row
-// products of plain decoding and small trees, where decoding, not arithmetic, bounds the time.
+// The end of block kb for MR rows and NP panels: acc (in memory, [MR][NP][16]) = fma(d, s,
+// acc), then fma(m, xs, acc) for Q4_1. d, m: the block's scales of the first panel (the next
+// panels `per` floats on); xs: the rows' block sums ([MR, KB], this block's column).
+template <int MR, int NP, bool Q4>
+__attribute__((always_inline)) inline void scale_step(const __m256 (&s)[MR][NP][2], const float* d, const float* m,
+                                                      int64_t per, const float* xs, int64_t KB, float* acc) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m256 xsum = Q4 ? _mm256_broadcast_ss(xs + i * KB) : _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        float* a = acc + (i * NP + j) * kPanel + 8 * h;
+        __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(d + j * per + 8 * h), s[i][j][h], _mm256_loadu_ps(a));
+        if (Q4) v = _mm256_fmadd_ps(_mm256_loadu_ps(m + j * per + 8 * h), xsum, v);
+        _mm256_storeu_ps(a, v);
+      }
+  }
+}
+
+// MR rows over NP panels of blocks, the integers converted in registers right before their
+// multiply-add. For the 1-6 row products of plain decoding and small trees.
 //
 // `next` (or null) is the tile that follows on this thread: block kb of its panels is fetched
 // into L2 while block kb of these is multiplied. The hardware's own prefetch does not run that
@@ -269,11 +274,10 @@ struct NextTile {
 };
 
 template <int MR, int NP, bool Q4>
-inline void fused_block_tile(const float* x, int64_t K, const uint8_t* data, int64_t bytes, const float* scale,
-                             const float* mins, int64_t per, float* out, const NextTile& next) {
+inline void fused_block_tile(const float* x, const float* xs, int64_t K, const uint8_t* data, int64_t bytes,
+                             const float* scale, const float* mins, int64_t per, float* out, const NextTile& next) {
   constexpr int64_t kBytes = Q4 ? 8 : 16;  // per input of a panel
-  __m256 acc[MR][NP][2];
-  zero_tile<MR, NP>(acc);
+  std::fill(out, out + MR * NP * kPanel, 0.0f);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
     if (MR <= 2 && next.data != nullptr) {  // (with more rows the products bound the time)
       for (int j = 0; j < next.np; ++j) {
@@ -283,26 +287,27 @@ inline void fused_block_tile(const float* x, int64_t K, const uint8_t* data, int
         if (Q4) _mm_prefetch(reinterpret_cast<const char*>(next.mins + j * per + kb * kPanel), _MM_HINT_T1);
       }
     }
+    __m256 s[MR][NP][2];
+    zero_tile<MR, NP>(s);
     for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
       __m256 w[NP][2];
 #pragma GCC unroll 2
-      for (int j = 0; j < NP; ++j)
-        decode16<Q4>(data + j * bytes + k * kBytes, scale + j * per + kb * kPanel,
-                     Q4 ? mins + j * per + kb * kPanel : nullptr, w[j]);
-      fma_step<MR, NP>(acc, w, x, K, k);
+      for (int j = 0; j < NP; ++j) unpack16<Q4>(data + j * bytes + k * kBytes, w[j]);
+      fma_step<MR, NP>(s, w, x, K, k);
     }
+    scale_step<MR, NP, Q4>(s, scale + kb * kPanel, Q4 ? mins + kb * kPanel : nullptr, per, xs + kb, K / 32, out);
   }
-  store_acc<MR, NP>(acc, out);
 }
 
 // All M = MR rows over every panel: pairs of panels (32 columns, more independent FMA chains)
-// for 1-2 rows, single panels for 3-6 rows (their accumulators fill the registers).
+// for 1-2 rows, single panels for 3-6 rows (their sums fill the registers).
 template <int MR, bool Q4>
-void fused_block_rows(const float* x, int64_t K, int64_t P, int64_t N, const uint8_t* data, int64_t bytes,
-                      const float* scale, const float* mins, int64_t per, const float* bias, float* y) {
+void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int64_t N, const uint8_t* data,
+                      int64_t bytes, const float* scale, const float* mins, int64_t per, const float* bias,
+                      float* y) {
   constexpr int64_t NP = MR <= 2 ? 2 : 1;
   at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t begin, int64_t end) {
-    float tile[MR * 2 * kPanel];
+    alignas(32) float tile[MR * 2 * kPanel];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = NP * t;
       const uint8_t* dp = data + p * bytes;
@@ -315,65 +320,69 @@ void fused_block_rows(const float* x, int64_t K, int64_t P, int64_t N, const uin
                 static_cast<int>(std::min<int64_t>(NP, P - q))};
       }
       if (NP == 2 && p + 1 < P) {
-        fused_block_tile<MR, 2, Q4>(x, K, dp, bytes, sp, mp, per, tile, next);
+        fused_block_tile<MR, 2, Q4>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
         store_tile<MR, 2>(tile, p, N, bias, y);
       } else {
-        fused_block_tile<MR, 1, Q4>(x, K, dp, bytes, sp, mp, per, tile, next);
+        fused_block_tile<MR, 1, Q4>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
         store_tile<MR, 1>(tile, p, N, bias, y);
       }
     }
   });
 }
 
-// More than kMaxRows rows: each panel is decoded once, 32 inputs at a time, into a float32
-// block that stays in L1, and the rows, in near-equal groups of at most kMaxRows (8 rows as
-// 4 + 4), take their multiply-adds from it; a group's accumulators go back to memory between
-// blocks (exact: float32 stores). Each output is still one FMA chain over k in order, so the
-// bits equal linear_f32's.
+// More than kMaxRows rows (or every row count, with fused = false): each panel's integers are
+// converted once, 32 inputs at a time, into a float block that stays in L1, and the rows, in
+// near-equal groups of at most kMaxRows (8 rows as 4 + 4), take their multiply-adds from it.
+// The same operations in the same order as fused_block_tile, so the same bits.
 
-// acc [MR][16] (in memory) += x [MR rows, 32 inputs from x] times w [32][16] (decoded, in L1).
-template <int MR>
-inline void chunk_tile(const float* x, int64_t K, const float* w, float* acc) {
-  __m256 a[MR][1][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-    a[i][0][0] = _mm256_loadu_ps(acc + i * kPanel);
-    a[i][0][1] = _mm256_loadu_ps(acc + i * kPanel + 8);
-  }
+// acc [MR][16] (in memory) gets block kb of MR rows: x [MR rows, this block's 32 inputs] times
+// q [32][16] (floats, in L1), scaled by d (and m, xs) as scale_step does.
+template <int MR, bool Q4>
+inline void chunk_tile(const float* x, int64_t K, const float* q, const float* d, const float* m, const float* xs,
+                       int64_t KB, float* acc) {
+  __m256 s[MR][1][2];
+  zero_tile<MR, 1>(s);
   for (int64_t k = 0; k < 32; ++k) {
-    const __m256 wv[1][2] = {{_mm256_loadu_ps(w + k * kPanel), _mm256_loadu_ps(w + k * kPanel + 8)}};
-    fma_step<MR, 1>(a, wv, x, K, k);
+    const __m256 wv[1][2] = {{_mm256_loadu_ps(q + k * kPanel), _mm256_loadu_ps(q + k * kPanel + 8)}};
+    fma_step<MR, 1>(s, wv, x, K, k);
   }
-  store_acc<MR, 1>(a, acc);
+  scale_step<MR, 1, Q4>(s, d, m, 0, xs, KB, acc);
 }
 
 template <bool Q4>
-void chunked_block_rows(const float* x, int64_t M, int64_t K, int64_t P, int64_t N, const uint8_t* data,
-                        int64_t bytes, const float* scale, const float* mins, int64_t per, const float* bias,
-                        float* y) {
-  const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups;
+void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
+                        const uint8_t* data, int64_t bytes, const float* scale, const float* mins, int64_t per,
+                        const float* bias, float* y) {
+  const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups, KB = K / 32;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kPanel);
-    alignas(32) float w[32 * kPanel];
+    alignas(32) float q[32 * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* dp = data + p * bytes;
       const float* sp = scale + p * per;
       const float* mp = Q4 ? mins + p * per : nullptr;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t kb = 0; kb < K / 32; ++kb) {
-        decode_panel(Q4 ? 4 : 8, dp + kb * 32 * (Q4 ? 8 : 16), sp + kb * kPanel, Q4 ? mp + kb * kPanel : nullptr,
-                     32, w);  // this block of 32 inputs
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        for (int64_t k = 0; k < 32; ++k) {  // this block of 32 inputs
+          __m256 w[2];
+          unpack16<Q4>(dp + (kb * 32 + k) * (Q4 ? 8 : 16), w);
+          _mm256_storeu_ps(q + k * kPanel, w[0]);
+          _mm256_storeu_ps(q + k * kPanel + 8, w[1]);
+        }
+        const float* d = sp + kb * kPanel;
+        const float* m = Q4 ? mp + kb * kPanel : nullptr;
         for (int64_t g = 0, m0 = 0; g < groups; ++g) {
           const int64_t rows = base + (g < extra ? 1 : 0);
           const float* xg = x + m0 * K + kb * 32;
+          const float* sg = xs + m0 * KB + kb;
           float* ag = acc.data() + m0 * kPanel;
           switch (rows) {
-            case 1: chunk_tile<1>(xg, K, w, ag); break;
-            case 2: chunk_tile<2>(xg, K, w, ag); break;
-            case 3: chunk_tile<3>(xg, K, w, ag); break;
-            case 4: chunk_tile<4>(xg, K, w, ag); break;
-            case 5: chunk_tile<5>(xg, K, w, ag); break;
-            default: chunk_tile<kMaxRows>(xg, K, w, ag); break;
+            case 1: chunk_tile<1, Q4>(xg, K, q, d, m, sg, KB, ag); break;
+            case 2: chunk_tile<2, Q4>(xg, K, q, d, m, sg, KB, ag); break;
+            case 3: chunk_tile<3, Q4>(xg, K, q, d, m, sg, KB, ag); break;
+            case 4: chunk_tile<4, Q4>(xg, K, q, d, m, sg, KB, ag); break;
+            case 5: chunk_tile<5, Q4>(xg, K, q, d, m, sg, KB, ag); break;
+            default: chunk_tile<kMaxRows, Q4>(xg, K, q, d, m, sg, KB, ag); break;
           }
           m0 += rows;
         }
@@ -383,9 +392,45 @@ void chunked_block_rows(const float* x, int64_t M, int64_t K, int64_t P, int64_t
   });
 }
 
+#else
+// Without AVX2: the same operations one output at a time (std::fma rounds as the vector FMA).
+template <bool Q4>
+void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
+                       const uint8_t* data, int64_t bytes, const float* scale, const float* mins, int64_t per,
+                       const float* bias, float* y) {
+  const int64_t KB = K / 32;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t i = 0; i < M; ++i) {
+        float tile[kPanel];
+        for (int64_t c = 0; c < kPanel; ++c) {
+          float acc = 0.0f;
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            float s = 0.0f;
+            for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
+              float q;
+              if (Q4) {
+                const uint8_t byte = data[p * bytes + k * 8 + c % 8];
+                q = static_cast<float>(c < 8 ? byte & 15 : byte >> 4);
+              } else {
+                q = static_cast<float>(reinterpret_cast<const int8_t*>(data)[p * bytes + k * 16 + c]);
+              }
+              s = std::fma(x[i * K + k], q, s);
+            }
+            acc = std::fma(scale[p * per + kb * kPanel + c], s, acc);
+            if (Q4) acc = std::fma(mins[p * per + kb * kPanel + c], xs[i * KB + kb], acc);
+          }
+          tile[c] = acc;
+        }
+        store_tile<1, 1>(tile, p, N, bias, y + i * N);
+      }
+  });
+}
 #endif
 
-// fused = false decodes every product through a float32 panel copy (for comparison).
+}  // namespace
+
+// fused = false takes every product through the L1 float block of the wide path (for comparison).
 at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins,
                              int64_t N, std::optional<at::Tensor> bias, bool fused) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
@@ -403,38 +448,36 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
   const float* sp = scale.data_ptr<float>();
   const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
   const int64_t bytes = K * (q4 ? 8 : 16), per = (K / 32) * kPanel;
+  LinearIO io(x, N, bias);
+  const int64_t M = io.x.size(0);
+  if (M == 0) return io.y;
+  const float *xp = io.xp, *bp = io.bp;
+  float* yp = io.yp;
+  const std::vector<float> sums = q4 ? block_sums(xp, M, K) : std::vector<float>(M * (K / 32));
+  const float* xs = sums.data();
 #if defined(__AVX2__) && defined(__FMA__)
-  // (Measured, scripts/linear_bench.py, against a float32 copy of each decoded panel shared by
-  // the row tiles: 1.4x faster at 1 and at 8 rows, 1.1x at 16 and at 32 rows.)
-  if (fused) {
-    LinearIO io(x, N, bias);
-    const float *xp = io.xp, *bp = io.bp;
-    float* yp = io.yp;
-#define SOT_FUSED(R) (q4 ? fused_block_rows<R, true>(xp, K, P, N, dp, bytes, sp, mp, per, bp, yp) \
-                         : fused_block_rows<R, false>(xp, K, P, N, dp, bytes, sp, mp, per, bp, yp))
-    switch (io.x.size(0)) {
+  if (fused && M <= kMaxRows) {
+#define SOT_FUSED(R) (q4 ? fused_block_rows<R, true>(xp, xs, K, P, N, dp, bytes, sp, mp, per, bp, yp) \
+                         : fused_block_rows<R, false>(xp, xs, K, P, N, dp, bytes, sp, mp, per, bp, yp))
+    switch (M) {
       case 1: SOT_FUSED(1); break;
       case 2: SOT_FUSED(2); break;
       case 3: SOT_FUSED(3); break;
       case 4: SOT_FUSED(4); break;
       case 5: SOT_FUSED(5); break;
-      case 6: SOT_FUSED(6); break;
-      case 0: break;
-      default:
-        q4 ? chunked_block_rows<true>(xp, io.x.size(0), K, P, N, dp, bytes, sp, mp, per, bp, yp)
-           : chunked_block_rows<false>(xp, io.x.size(0), K, P, N, dp, bytes, sp, mp, per, bp, yp);
+      default: SOT_FUSED(6); break;
     }
 #undef SOT_FUSED
-    return io.y;
+  } else {
+    q4 ? chunked_block_rows<true>(xp, xs, M, K, P, N, dp, bytes, sp, mp, per, bp, yp)
+       : chunked_block_rows<false>(xp, xs, M, K, P, N, dp, bytes, sp, mp, per, bp, yp);
   }
+#else
+  (void)fused;
+  q4 ? scalar_block_rows<true>(xp, xs, M, K, P, N, dp, bytes, sp, mp, per, bp, yp)
+     : scalar_block_rows<false>(xp, xs, M, K, P, N, dp, bytes, sp, mp, per, bp, yp);
 #endif
-  return linear_panels(x, P, N, bias, [&](int64_t p, int64_t count, std::vector<float>& scratch) {
-    scratch.resize(2 * K * kPanel);
-    for (int64_t j = 0; j < count; ++j)
-      decode_panel(q4 ? 4 : 8, dp + (p + j) * bytes, sp + (p + j) * per, mp ? mp + (p + j) * per : nullptr, K,
-                   scratch.data() + j * K * kPanel);
-    return static_cast<const float*>(scratch.data());
-  });
+  return io.y;
 }
 
 // ---------------------------------------------------------------------------- finding the blocks

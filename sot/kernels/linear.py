@@ -105,8 +105,10 @@ def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`) in the
     panel layout of the compiled ``linear_blocks_f32``: ``(data, scale, mins)`` (``mins`` empty
-    for 8-bit), or ``None`` when the weight is not such a grid. A product over the blocks
-    equals ``linear_f32``'s on the float32 weight.
+    for 8-bit), or ``None`` when the weight is not such a grid. A product over the blocks is
+    taken as the format factors it, ``d * sum(x * q) + m * sum(x)`` per block of 32 inputs in a
+    fixed order (``linear.cpp``): the float32 product's value up to rounding, each row's bits
+    independent of the other rows.
 
     A model dequantized from a GGUF file (the default model) has such weights: it then reads
     an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
@@ -319,9 +321,11 @@ class PackedLinear:
 
     With SoT's kernel, a float32 weight that is exactly a grid of GGUF Q4_1 or Q8_0 blocks (a
     model dequantized from a GGUF file) is kept in that form and decoded on the fly
-    (:func:`pack_blocks`; same bits, a sixth of the memory traffic). ``compress=False`` or the
+    (:func:`pack_blocks`: a sixth of the memory traffic, each block's scale applied once to
+    its sum, so the bits differ from the panels' by rounding only). ``compress=False`` or the
     environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels; ``SOT_NO_FUSED_BLOCKS=1``
-    decodes every block product through a float32 panel copy instead of in registers.
+    takes every block product through the L1 float block of wide products instead of
+    registers.
 
     A bfloat16 weight whose float32 original was such a grid (a GGUF file's model loaded in
     bfloat16: :func:`cast_keeping_blocks`) is read from its blocks by ``linear_blocks_bf16``
@@ -353,7 +357,7 @@ class PackedLinear:
         self.bf16_blocks = False
         #: the bfloat16 blocks decoded once (``[P, K/32, 16, 32]``), read by wide calls; or ``None``
         self.pairs: torch.Tensor | None = None
-        #: block products decode in registers or small L1 blocks (else through a float32 panel copy)
+        #: block products of 1-6 rows convert the integers in registers (else in small L1 blocks)
         self.fused = os.environ.get("SOT_NO_FUSED_BLOCKS", "0") != "1"
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach()
