@@ -145,26 +145,27 @@ struct LinearIO {
   }
 };
 
-// The product over every panel, two threads or more splitting the panels. `panel_at(p, np,
-// scratch)` returns np consecutive panels starting at panel p, [np][K][16] floats, either in
-// place or decoded into `scratch` (room for two panels).
-template <typename PanelAt>
-at::Tensor linear_panels(at::Tensor x, int64_t P, int64_t N, const std::optional<at::Tensor>& bias,
-                         PanelAt panel_at) {
+// x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N; bias: [N] or None. Returns [M, N].
+// Two threads or more split the panels.
+at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
+              packed.scalar_type() == at::kFloat && packed.is_contiguous(), "packed weight mismatch");
+  TORCH_CHECK(packed.size(0) * kPanel >= N, "N exceeds the packed weight");
+  const float* pp = packed.data_ptr<float>();
+  const int64_t P = packed.size(0);
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0), K = io.x.size(1);
   const float *xp = io.xp, *bp = io.bp;
   float* yp = io.yp;
   const int64_t np = M <= 2 ? 2 : 1;
   at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t * np;
-      const bool pair = np == 2 && p + 1 < P;
-      const float* panel = panel_at(p, pair ? 2 : 1, scratch);
+      const float* panel = pp + p * K * kPanel;
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
-        if (pair) {
+        if (np == 2 && p + 1 < P) {
           linear_rows<2>(rows, xp + m0 * K, K, panel, p, N, bp, yp + m0 * N);
         } else {
           linear_rows<1>(rows, xp + m0 * K, K, panel, p, N, bp, yp + m0 * N);
@@ -173,18 +174,6 @@ at::Tensor linear_panels(at::Tensor x, int64_t P, int64_t N, const std::optional
     }
   });
   return io.y;
-}
-
-// x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N; bias: [N] or None. Returns [M, N].
-at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
-              packed.scalar_type() == at::kFloat && packed.is_contiguous(), "packed weight mismatch");
-  TORCH_CHECK(packed.size(0) * kPanel >= N, "N exceeds the packed weight");
-  const float* pp = packed.data_ptr<float>();
-  const int64_t K = x.size(1);
-  return linear_panels(x, packed.size(0), N, bias,
-                       [&](int64_t p, int64_t, std::vector<float>&) { return pp + p * K * kPanel; });
 }
 
 // Float32 weights stored exactly as 4-bit or 8-bit blocks of 32 inputs (the GGUF Q4_1 and
