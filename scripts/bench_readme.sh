@@ -4,8 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-8}
-.venv/bin/sot bench --prompts sharegpt-heldout --limit "$N" --methods hf,plain,pld,state,llamacpp --max-new-tokens 256 --out docs/bench/sharegpt-heldout
-.venv/bin/sot bench --prompts humaneval --limit "$N" --methods hf,plain,pld,state,llamacpp --max-new-tokens 256 --out docs/bench/humaneval
+.venv/bin/sot bench --prompts sharegpt-heldout --limit "$N" --methods hf,plain,pld,state,auto,llamacpp --max-new-tokens 256 --dtype float32 --out docs/bench/sharegpt-heldout
+.venv/bin/sot bench --prompts humaneval --limit "$N" --methods hf,plain,pld,state,auto,llamacpp --max-new-tokens 256 --dtype float32 --out docs/bench/humaneval
 .venv/bin/sot bench --prompts sharegpt-heldout --limit 8 --methods plain,state --temperature 1.0 --max-new-tokens 256 --out docs/bench/sharegpt-t1
 .venv/bin/sot bench --prompts adversarial --limit 8 --methods plain,pld,state --max-new-tokens 128 --out docs/bench/adversarial
 # the state predictor's head: its reduced draft vocabulary (default) against the full vocabulary
