@@ -400,7 +400,7 @@ def test_weights_stored_as_exact_blocks_are_multiplied_block_by_block(fused: boo
     for q, mins, dtype in ((q4, low, torch.uint8), (q8, None, torch.int8)):
         w = (scale * q + (0 if mins is None else mins)).reshape(n, k)
         blocks = pack_blocks(w)
-        assert blocks is not None and blocks[0].dtype == dtype
+        assert blocks is not None and blocks[0].dtype == dtype and blocks[1].dtype == torch.float16
         full = _blocks_reference(x, q, scale, mins, bias)
         assert torch.equal(kernel.linear_blocks_f32(x, *blocks, n, bias, fused), full)
         torch.testing.assert_close(full, kernel.linear_f32(x, pack_panels(w), n, bias), rtol=1e-5, atol=1e-5)

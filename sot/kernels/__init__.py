@@ -57,9 +57,9 @@ def _build() -> tuple[list[str], str]:
     # Vector width of the build machine (the kernel is built where it runs).
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX512", "AVX512_BF16", "AMX"):
-        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"]
     elif capability == "AVX2":
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma", "-mf16c"]
     # One build folder per (source, flags, torch and where it is installed): clones of the same
     # code in one environment share a build, two environments never rebuild over each other's
     # (the build records torch's include paths), and an edited kernel never collides with an

@@ -104,8 +104,8 @@ def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`) in the
-    panel layout of the compiled ``linear_blocks_f32``: ``(data, scale, mins)`` (``mins`` empty
-    for 8-bit), or ``None`` when the weight is not such a grid. A product over the blocks is
+    panel layout of the compiled ``linear_blocks_f32``: ``(data, scale, mins)`` (``scale`` and
+    ``mins`` float16, ``mins`` empty for 8-bit), or ``None`` when the weight is not such a grid. A product over the blocks is
     taken as the format factors it, ``d * sum(x * q) + m * sum(x)`` per block of 32 inputs in a
     fixed order (``linear.cpp``): the float32 product's value up to rounding, each row's bits
     independent of the other rows.
@@ -118,8 +118,9 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     q, scale, low = grid
     panels, k = q.shape[0] // 16, weight.shape[1]
 
-    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16]
-        return t.reshape(panels, 16, k // 32).transpose(1, 2).contiguous()
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16] float16
+        # (the grid's scales and minimums are float16 values, as the format stores them: exact)
+        return t.reshape(panels, 16, k // 32).transpose(1, 2).to(torch.float16).contiguous()
 
     if low is not None:  # 4-bit: byte j holds column j (low nibble) and column j + 8 (high nibble)
         q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
