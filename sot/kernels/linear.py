@@ -105,10 +105,10 @@ def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`) in the
     panel layout of the compiled ``linear_blocks_f32``: ``(data, scale, mins)`` (``scale`` and
-    ``mins`` float16, ``mins`` empty for 8-bit), or ``None`` when the weight is not such a grid. A product over the blocks is
-    taken as the format factors it, ``d * sum(x * q) + m * sum(x)`` per block of 32 inputs in a
-    fixed order (``linear.cpp``): the float32 product's value up to rounding, each row's bits
-    independent of the other rows.
+    ``mins`` float16, ``mins`` empty for 8-bit), or ``None`` when the weight is not such a
+    grid. A product over the blocks is taken as the format factors it, ``d * sum(x * q) + m *
+    sum(x)`` per block of 32 inputs in a fixed order (``linear.cpp``): the float32 product's
+    value up to rounding, each row's bits independent of the other rows.
 
     A model dequantized from a GGUF file (the default model) has such weights: it then reads
     an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
