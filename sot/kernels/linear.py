@@ -297,8 +297,8 @@ def pack_int8(weight: torch.Tensor, quantize: bool = False) -> tuple[torch.Tenso
     # [panels, 8 columns, nb, 32 inputs] -> [panels, nb, groups of 4 inputs, 8 columns, 4]
     q = q.reshape(panels, 8, nb, 8, 4).permute(0, 2, 3, 1, 4)
 
-    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 8, nb] -> [panels, nb, 8]
-        return t.reshape(panels, 8, nb).transpose(1, 2).contiguous()
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 8, nb] -> [panels, nb, 8] float16 (exact)
+        return t.reshape(panels, 8, nb).transpose(1, 2).to(torch.float16).contiguous()
 
     if low is not None:  # 4-bit: group 2j in the low nibbles, group 2j + 1 in the high ones
         q = q.to(torch.uint8)

@@ -13,8 +13,11 @@
 //   4-bit: data [P, K/32, 128] uint8: byte 32 j + 4 c + t holds q[c][8 j + t] (low nibble) and
 //          q[c][8 j + 4 + t] (high nibble), so a 32-byte load gives 4 inputs of 8 columns;
 //   8-bit: data [P, K/32, 256] int8: byte 32 g + 4 c + t holds q[c][4 g + t];
-//   scale (and, 4-bit, mins): [P, K/32, 8] float32.
+//   scale (and, 4-bit, mins): [P, K/32, 8] float16 (the format's own values: exact, and half the
+//   bytes that a one-row product streams beside the data).
 namespace {
+
+using half_t = uint16_t;  // a float16 value's bits
 
 constexpr int64_t kCols = 8;
 constexpr int kGroupRows = 4;
@@ -81,14 +84,14 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // MR rows (qa: the first row's quantized inputs, rows K apart) times one panel: out [MR][8],
 // rows `ldo` apart, plus the panel's 8 biases when `bias` is given (added last). With one or
 // two rows, block kb of the panel that follows (`next`, or null) is fetched into L2 meanwhile,
 // as in the float32 block kernel (linear.cpp, fused_block_tile): memory and arithmetic overlap.
 template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
-                      const float* scale, const float* mins, float* out, int64_t ldo, const float* bias,
+                      const half_t* scale, const half_t* mins, float* out, int64_t ldo, const float* bias,
                       const uint8_t* next) {
   const int64_t nb = K / 32;
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -100,7 +103,7 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
     if (MR <= 2 && next != nullptr) {
       const char* block = reinterpret_cast<const char*>(next + kb * (Q4 ? 128 : 256));
       for (int o = 0; o < (Q4 ? 128 : 256); o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
-      if (kb % 2 == 0) {  // (two blocks' 8 scales to a cache line)
+      if (kb % 4 == 0) {  // (four blocks' 8 scales to a cache line)
         _mm_prefetch(reinterpret_cast<const char*>(scale + per + kb * kCols), _MM_HINT_T1);
         if (Q4) _mm_prefetch(reinterpret_cast<const char*>(mins + per + kb * kCols), _MM_HINT_T1);
       }
@@ -135,12 +138,14 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
         }
       }
     }
-    const __m256 dw = _mm256_loadu_ps(scale + kb * kCols);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + kb * kCols)));
+    const __m256 mw = Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + kb * kCols)))
+                         : _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256i dot = Q4 ? _mm256_madd_epi16(s[i], ones) : s[i];
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(da[i * nb + kb])), acc[i]);
-      if (Q4) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mins + kb * kCols), _mm256_set1_ps(sa[i * nb + kb]), acc[i]);
+      if (Q4) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[i * nb + kb]), acc[i]);
     }
   }
 #pragma GCC unroll 8
@@ -150,8 +155,9 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
 #else
 template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
-                      const float* scale, const float* mins, float* out, int64_t ldo, const float* bias,
+                      const half_t* scale, const half_t* mins, float* out, int64_t ldo, const float* bias,
                       const uint8_t*) {
+  const auto value = [](half_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); };
   const int64_t nb = K / 32;
   for (int i = 0; i < MR; ++i)
     for (int64_t c = 0; c < kCols; ++c) {
@@ -168,8 +174,8 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
           }
           dot += w * qa[i * K + kb * 32 + t];
         }
-        acc = std::fma(static_cast<float>(dot), scale[kb * kCols + c] * da[i * nb + kb], acc);
-        if (Q4) acc = std::fma(mins[kb * kCols + c], sa[i * nb + kb], acc);
+        acc = std::fma(static_cast<float>(dot), value(scale[kb * kCols + c]) * da[i * nb + kb], acc);
+        if (Q4) acc = std::fma(value(mins[kb * kCols + c]), sa[i * nb + kb], acc);
       }
       out[i * ldo + c] = bias ? acc + bias[c] : acc;
     }
@@ -178,7 +184,7 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
 
 template <bool Q4>
 inline void int8_rows(int64_t rows, const int8_t* qa, const float* da, const float* sa, int64_t K,
-                      const uint8_t* data, const float* scale, const float* mins, float* out, int64_t ldo,
+                      const uint8_t* data, const half_t* scale, const half_t* mins, float* out, int64_t ldo,
                       const float* bias, const uint8_t* next) {
   switch (rows) {
     case 1: int8_tile<1, Q4>(qa, da, sa, K, data, scale, mins, out, ldo, bias, next); break;
@@ -199,10 +205,10 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tens
   const bool q4 = data.scalar_type() == at::kByte;
   TORCH_CHECK(K % 32 == 0 && data.dim() == 3 && data.size(1) == nb && data.size(2) == (q4 ? 128 : 256) &&
               (q4 || data.scalar_type() == at::kChar) && data.is_contiguous(), "packed weight mismatch");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * nb * kCols,
-              "packed weight mismatch");
-  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scale.numel()),
-              "packed weight mismatch");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == P * nb * kCols,
+              "packed weight mismatch (float16 scales)");
+  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.numel() == scale.numel()),
+              "packed weight mismatch (float16 mins)");
   TORCH_CHECK(P * kCols >= N, "N exceeds the packed weight");
   at::Tensor xc = x.contiguous(), y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -212,8 +218,8 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tens
   std::vector<float> da(M * nb), sa(M * nb);
   quantize_rows(xc.data_ptr<float>(), M * nb, qa.data(), da.data(), sa.data());
   const uint8_t* dp = reinterpret_cast<const uint8_t*>(data.data_ptr());
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = q4 ? mins.data_ptr<float>() : nullptr;
+  const half_t* sp = reinterpret_cast<const half_t*>(scale.data_ptr());
+  const half_t* mp = q4 ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t bytes = nb * (q4 ? 128 : 256), per = nb * kCols;
   // rows in near-equal groups of at most kGroupRows (6 rows as 3 + 3)
@@ -223,7 +229,7 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tens
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kCols, cols = std::min<int64_t>(kCols, N - n0);
       const uint8_t* dpp = dp + p * bytes;
-      const float *spp = sp + p * per, *mpp = q4 ? mp + p * per : nullptr;
+      const half_t *spp = sp + p * per, *mpp = q4 ? mp + p * per : nullptr;
       for (int64_t g = 0, m0 = 0; g < groups; ++g) {
         const int64_t rows = base + (g < extra ? 1 : 0);
         const int8_t* qg = qa.data() + m0 * K;
