@@ -79,7 +79,7 @@ class LlamaLayers {
 
   // One layer's weights, in order: the two norm weights, then each product as (packed
   // tensors: 1 for panels or a oneDNN weight, 3 for blocks; output size; bias or None; its
-  // kind: "panels", "blocks" (decoded to float32), "int8" (8-bit integer products), "bf16blocks"
+  // kind: "panels", "blocks" (float32 products scaled per block), "int8" (8-bit integer products), "bf16blocks"
   // (bfloat16 rows over blocks decoded to bfloat16; a fourth tensor: the blocks decoded once,
   // read by wide products) or "onednn";
   // short blocks exact), whether blocks decode in

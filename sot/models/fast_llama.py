@@ -58,7 +58,8 @@ def _stacked(parts: list[torch.Tensor], bias: torch.Tensor | None, int8: bool) -
 
 def _product_kind(lin: PackedLinear) -> str:
     """How the compiled layer call runs a product (``layers.cpp``): on SoT's float32 panels,
-    4/8-bit blocks decoded to float32 or to bfloat16, 8-bit integer products, or oneDNN."""
+    4/8-bit blocks (float32 products scaled per block, or weights decoded to bfloat16), 8-bit
+    integer products, or oneDNN."""
     if lin.kind == "mkldnn":
         return "onednn"
     if lin.int8:
