@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <optional>
 #include <algorithm>
 #include <cmath>
@@ -45,6 +46,18 @@ inline const float* float_bias(const std::optional<at::Tensor>& bias, int64_t N,
   TORCH_CHECK(keep.numel() == N, "bias size mismatch");
   return keep.data_ptr<float>();
 }
+
+// The GGUF blocks' scales and minimums, kept as the format stores them (float16; exact).
+using half_t = uint16_t;  // a float16 value's bits
+
+inline float half_value(half_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+#if defined(__AVX2__) && defined(__F16C__)
+// 8 float16 values as float32 (exact)
+__attribute__((always_inline)) inline __m256 load8h(const half_t* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+#endif
 
 }  // namespace
 

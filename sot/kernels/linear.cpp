@@ -196,16 +196,9 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<
 //   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float16; min empty.
 namespace {
 
-using half_t = uint16_t;  // a float16 value's bits
-
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SOT_BLOCKS_AVX2 1
-// 8 float16 values as float32 (exact)
-__attribute__((always_inline)) inline __m256 load8h(const half_t* h) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-}
 #endif
-
 
 // xs [M, K/32]: each row's sum of the inputs of each block, in input order from zero (the
 // blocks' sums advance together, input by input, so that the adds are independent).
@@ -241,7 +234,7 @@ __attribute__((always_inline)) inline void unpack16(const uint8_t* q, __m256 (&w
 
 // The end of block kb for MR rows and NP panels: acc (in memory, [MR][NP][16]) = fma(d, s,
 // acc), then fma(m, xs, acc) for Q4_1. d, m: the block's scales of the first panel (the next
-// panels `per` floats on); xs: the rows' block sums ([MR, KB], this block's column).
+// panels `per` values on); xs: the rows' block sums ([MR, KB], this block's column; Q4_1 only).
 template <int MR, int NP, bool Q4>
 __attribute__((always_inline)) inline void scale_step(const __m256 (&s)[MR][NP][2], const half_t* d, const half_t* m,
                                                       int64_t per, const float* xs, int64_t KB, float* acc) {
@@ -297,7 +290,8 @@ inline void fused_block_tile(const float* x, const float* xs, int64_t K, const u
       for (int j = 0; j < NP; ++j) unpack16<Q4>(data + j * bytes + k * kBytes, w[j]);
       fma_step<MR, NP>(s, w, x, K, k);
     }
-    scale_step<MR, NP, Q4>(s, scale + kb * kPanel, Q4 ? mins + kb * kPanel : nullptr, per, xs + kb, K / 32, out);
+    scale_step<MR, NP, Q4>(s, scale + kb * kPanel, Q4 ? mins + kb * kPanel : nullptr, per, Q4 ? xs + kb : nullptr,
+                           K / 32, out);
   }
 }
 
@@ -376,7 +370,7 @@ void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, i
         for (int64_t g = 0, m0 = 0; g < groups; ++g) {
           const int64_t rows = base + (g < extra ? 1 : 0);
           const float* xg = x + m0 * K + kb * 32;
-          const float* sg = xs + m0 * KB + kb;
+          const float* sg = Q4 ? xs + m0 * KB + kb : nullptr;
           float* ag = acc.data() + m0 * kPanel;
           switch (rows) {
             case 1: chunk_tile<1, Q4>(xg, K, q, d, m, sg, KB, ag); break;
@@ -395,8 +389,6 @@ void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, i
 }
 
 #else
-inline float half_value(half_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-
 // Without AVX2: the same operations one output at a time (std::fma rounds as the vector FMA).
 template <bool Q4>
 void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
@@ -457,8 +449,8 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
   if (M == 0) return io.y;
   const float *xp = io.xp, *bp = io.bp;
   float* yp = io.yp;
-  const std::vector<float> sums = q4 ? block_sums(xp, M, K) : std::vector<float>(M * (K / 32));
-  const float* xs = sums.data();
+  const std::vector<float> sums = q4 ? block_sums(xp, M, K) : std::vector<float>();  // (8-bit blocks: none)
+  const float* xs = q4 ? sums.data() : nullptr;
 #if SOT_BLOCKS_AVX2
   if (fused && M <= kMaxRows) {
 #define SOT_FUSED(R) (q4 ? fused_block_rows<R, true>(xp, xs, K, P, N, dp, bytes, sp, mp, per, bp, yp) \

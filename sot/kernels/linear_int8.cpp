@@ -17,8 +17,6 @@
 //   bytes that a one-row product streams beside the data).
 namespace {
 
-using half_t = uint16_t;  // a float16 value's bits
-
 constexpr int64_t kCols = 8;
 constexpr int kGroupRows = 4;
 
@@ -138,9 +136,8 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
         }
       }
     }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + kb * kCols)));
-    const __m256 mw = Q4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + kb * kCols)))
-                         : _mm256_setzero_ps();
+    const __m256 dw = load8h(scale + kb * kCols);
+    const __m256 mw = Q4 ? load8h(mins + kb * kCols) : _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256i dot = Q4 ? _mm256_madd_epi16(s[i], ones) : s[i];
@@ -157,7 +154,6 @@ template <int MR, bool Q4>
 inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_t K, const uint8_t* data,
                       const half_t* scale, const half_t* mins, float* out, int64_t ldo, const float* bias,
                       const uint8_t*) {
-  const auto value = [](half_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); };
   const int64_t nb = K / 32;
   for (int i = 0; i < MR; ++i)
     for (int64_t c = 0; c < kCols; ++c) {
@@ -174,8 +170,8 @@ inline void int8_tile(const int8_t* qa, const float* da, const float* sa, int64_
           }
           dot += w * qa[i * K + kb * 32 + t];
         }
-        acc = std::fma(static_cast<float>(dot), value(scale[kb * kCols + c]) * da[i * nb + kb], acc);
-        if (Q4) acc = std::fma(value(mins[kb * kCols + c]), sa[i * nb + kb], acc);
+        acc = std::fma(static_cast<float>(dot), half_value(scale[kb * kCols + c]) * da[i * nb + kb], acc);
+        if (Q4) acc = std::fma(half_value(mins[kb * kCols + c]), sa[i * nb + kb], acc);
       }
       out[i * ldo + c] = bias ? acc + bias[c] : acc;
     }
