@@ -3,8 +3,9 @@
 Each checkout runs in a worker process of its own (its ``sot`` on ``PYTHONPATH``); both stay
 loaded for the whole run and take turns prompt by prompt (A then B, then B then A), so a busy
 moment on the machine slows both alike. Reports whether the outputs are token-identical and
-each method's tokens/s ratio B/A with tau, and the median time to the first token (the prompt's
-reading) of each.
+each method's tokens/s ratio B/A with tau, the same for decoding alone (the tokens after the
+first over the time after it: with long prompts, reading them is most of a request's time), and
+the median time to the first token (the prompt's reading) of each.
 
     python scripts/ab_checkouts.py --a /tmp/base --b . --set sharegpt-heldout --limit 8
 
@@ -103,24 +104,28 @@ def main() -> None:
                 turn = t + 1 if turns else 0
                 identical[turn] = identical.get(turn, 0) + (got["a"]["ids"] == got["b"]["ids"])
                 for k in "ab":
-                    acc = tot.setdefault((turn, k), [0, 0.0, [], []])
+                    acc = tot.setdefault((turn, k), [0, 0.0, [], [], 0.0])
                     acc[0] += len(got[k]["ids"])
                     acc[1] += got[k]["seconds"]
                     acc[2].append(got[k]["tau"])
                     acc[3].append(got[k]["ttft"])
+                    acc[4] += got[k]["seconds"] - got[k]["ttft"]
         for turn in sorted(identical):
             speed = {k: tot[turn, k][0] / tot[turn, k][1] for k in "ab"}
+            count = len(tot[turn, "a"][2])
+            decode = {k: (tot[turn, k][0] - count) / max(tot[turn, k][4], 1e-9) for k in "ab"}
             tau = {k: sum(tot[turn, k][2]) / len(tot[turn, k][2]) for k in "ab"}
             ttft = {k: statistics.median(tot[turn, k][3]) for k in "ab"}
-            count = len(tot[turn, "a"][2])
             rows.append(f"| {method}{f' turn {turn}' if turn else ''} | {identical[turn]}/{count} | "
                         f"{speed['a']:.1f} | {speed['b']:.1f} | {speed['b'] / speed['a']:.3f} | "
+                        f"{decode['a']:.1f} | {decode['b']:.1f} | {decode['b'] / decode['a']:.3f} | "
                         f"{tau['a']:.2f} | {tau['b']:.2f} | {ttft['a']:.3f} | {ttft['b']:.3f} |")
     for p in procs.values():
         p.stdin.close()
         p.wait()
-    print("| method | identical | A tok/s | B tok/s | B/A | A tau | B tau | A first token s | B first token s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | identical | A tok/s | B tok/s | B/A | A decode tok/s | B decode tok/s | decode B/A | A tau | B tau "
+          "| A first token s | B first token s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

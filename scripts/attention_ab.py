@@ -2,7 +2,9 @@
 built side by side in one process: the same inputs (30 layers of random K/V, SmolLM2-135M's
 9 query and 3 KV heads, head dim 64), a chain of R rows after L committed keys, alternating,
 best of N. Prints the time of each and whether every output has the same bits (a kernel that
-changes its arithmetic gives other bits; the tests check that each is exact by itself).
+changes its arithmetic gives other bits; the tests check that each is exact by itself). Each
+kernel gets the keys in its own layout: tiles of 16 slots ``[B, Hkv, S / 16, D, 16]``, or, for
+revisions before them, rows of slots per dimension ``[B, Hkv, D, S']``.
 
     python scripts/attention_ab.py --base be56857 [--dtype bfloat16]
 """
@@ -21,7 +23,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sot.cache import key_stride  # noqa: E402
 from sot.kernels import cpu_kernels  # noqa: E402
 
 BINDING = ('#include "common.h"\n#include <torch/csrc/utils/pybind.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) '
@@ -45,6 +46,28 @@ def build_base(rev: str, where: Path):
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
 
 
+def row_stride(capacity: int) -> int:
+    """The padded slot stride of the rows layout (an odd number of 64-byte lines per row)."""
+    return capacity + 16 if (capacity // 16) % 2 == 0 else capacity
+
+
+def as_tiles(rows: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Keys ``[B, Hkv, D, S']`` (rows of slots) as tiles ``[B, Hkv, capacity / 16, D, 16]``."""
+    batch, heads, dim, _ = rows.shape
+    return rows[..., :capacity].reshape(batch, heads, dim, -1, 16).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def takes_tiles(mod) -> bool:
+    """Whether a built kernel reads tiled keys (a 5-dimensional key tensor)."""
+    q, values = torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 16, 16)
+    args = (torch.tensor([0]), torch.zeros(1, 1, 1, dtype=torch.long), torch.tensor([1]), 1.0, 0, 0.0)
+    try:
+        mod.tree_attention_exact(q, torch.zeros(1, 1, 1, 16, 16), values, *args)
+        return True
+    except RuntimeError:
+        return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git revision whose kernel is compared")
@@ -64,9 +87,11 @@ def main() -> int:
         gen = torch.Generator().manual_seed(0)
         print(f"| keys | capacity | rows | {args.base} ms | this checkout ms | speed-up | same bits |")
         print("|---|---|---|---|---|---|---|")
-        for length, capacity in ((256, 384), (900, 1024), (1500, 1536)):
-            keys = [torch.randn(1, kv_heads, dim, key_stride(capacity), generator=gen).to(dtype)
-                    for _ in range(layers)]
+        layouts = {id(mod): takes_tiles(mod) for mod in (base, new)}
+        for length, capacity in ((256, 384), (900, 1024), (1500, 1536), (3000, 3072)):
+            rows_keys = [torch.randn(1, kv_heads, dim, row_stride(capacity), generator=gen).to(dtype)
+                         for _ in range(layers)]
+            tiled_keys = [as_tiles(k, capacity) for k in rows_keys]
             values = [torch.randn(1, kv_heads, capacity, dim, generator=gen).to(dtype) for _ in range(layers)]
             for rows in (int(r) for r in args.rows.split(",")):
                 q = torch.randn(1, heads, rows, dim, generator=gen).to(dtype)
@@ -75,18 +100,19 @@ def main() -> int:
                     anc[0, r, : r + 1] = torch.arange(length, length + r + 1)
                 lengths, real = torch.tensor([length]), torch.tensor([rows])
 
-                def run(mod, ks):
+                def run(mod):
+                    ks = tiled_keys if layouts[id(mod)] else rows_keys
                     return [mod.tree_attention_exact(q, ks[i], values[i], lengths, anc, real, 0.125, 0, 0.0)
                             for i in range(layers)]
 
-                same = all(torch.equal(a, b) for a, b in zip(run(base, keys), run(new, keys)))
+                same = all(torch.equal(a, b) for a, b in zip(run(base), run(new)))
                 old_t, new_t = [], []
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
-                    run(base, keys)
+                    run(base)
                     old_t.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
-                    run(new, keys)
+                    run(new)
                     new_t.append(time.perf_counter() - t0)
                 ratio = statistics.median(a / b for a, b in zip(old_t, new_t))
                 print(f"| {length} | {capacity} | {rows} | {min(old_t) * 1e3:.2f} | {min(new_t) * 1e3:.2f} "

@@ -49,7 +49,7 @@ ROW_ALIGN = 4
 
 def use_kernel(cache: KVCache) -> bool:
     """Whether tree attention runs through the compiled CPU kernel for this cache."""
-    return cache.transposed_keys and cpu_kernels() is not None
+    return cache.tiled_keys and cpu_kernels() is not None
 
 
 def use_gpu_kernel(cache: KVCache) -> bool:
@@ -254,7 +254,7 @@ def tree_attention(
     if layout.kernel is not None:
         k = layout.kernel
         keys, values = cache.layer(layer)
-        if not cache.transposed_keys:  # the GPU kernel's layout (the CPU kernel's keys are transposed)
+        if not cache.tiled_keys:  # the GPU kernel's layout (the CPU kernel's keys are in tiles)
             from sot.kernels.triton_attention import tree_attention as gpu_tree_attention
 
             return gpu_tree_attention(query, keys, values, k.lengths, k.ancestors, k.rows, scaling, window or 0,
@@ -266,8 +266,8 @@ def tree_attention(
     n = layout.rows
     keys, values = cache.layer(layer)  # [B, Hkv, S, D]
     kv_heads = keys.shape[1]
-    if cache.transposed_keys:
-        raise RuntimeError("the PyTorch attention path needs a cache without transposed keys")
+    if cache.tiled_keys:
+        raise RuntimeError("the PyTorch attention path needs a cache without tiled keys")
     group = heads // kv_heads
     q = query[:, :, :n].float().view(batch, kv_heads, group, n, dim)
 

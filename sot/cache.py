@@ -2,9 +2,11 @@
 receive its tensors).
 
 Values are stored as ``[L, B, Hkv, S, D]`` (layers, batch, KV heads, slots, head dim). Keys
-use the same layout, or ``[L, B, Hkv, D, S']`` when ``transposed_keys`` is set (the layout of
-the compiled CPU kernel, which scores 16 keys per vector instruction; ``S' >= S`` pads the
-row stride, see :func:`key_stride`). Sequence ``b`` holds
+use the same layout, or ``[L, B, Hkv, S / 16, D, 16]`` when ``tiled_keys`` is set: the layout
+of the compiled CPU kernel, in tiles of 16 slots, each holding its 16 keys' dimensions in
+turn. The kernel scores 16 keys per vector instruction, and a block of 16 keys is then one
+contiguous read: a single stream the hardware prefetcher follows, where 64 rows of slots (one
+per dimension) were more streams than it tracks. Sequence ``b`` holds
 its committed tokens in slots ``[0, lengths[b])``, the token at position ``p`` always in slot
 ``p``. A forward writes its rows into *scratch* slots starting at ``lengths[b]``;
 :meth:`KVCache.keep_rows` then moves the accepted rows into place.
@@ -16,15 +18,8 @@ import torch
 from sot.models.rows import round_up
 
 SLOT_ALIGN = 64
-
-
-def key_stride(capacity: int) -> int:
-    """Slots allocated per (layer, sequence, head, dim) row of transposed keys: ``capacity``
-    plus 16 when ``capacity / 16`` is even, so the row stride in 64-byte lines is odd. The
-    attention kernel reads one line of each of the head dim's rows per 16 keys; with an even
-    stride those lines share a few cache sets and evict each other (a capacity of 1024 slots
-    put all 64 rows of a head in one set: 1.3x slower attention than 1040)."""
-    return capacity + 16 if (capacity // 16) % 2 == 0 else capacity
+#: slots per tile of tiled keys (the CPU kernel's 16 lanes); SLOT_ALIGN is a multiple of it
+KEY_TILE = 16
 
 
 class KVCache:
@@ -39,17 +34,16 @@ class KVCache:
         capacity: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        transposed_keys: bool = False,
+        tiled_keys: bool = False,
     ) -> None:
         capacity = round_up(capacity, SLOT_ALIGN)
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        # transposed keys carry padding slots past the capacity (key_stride); never read
-        key_shape = ((num_layers, batch_size, num_kv_heads, head_dim, key_stride(capacity)) if transposed_keys
+        key_shape = ((num_layers, batch_size, num_kv_heads, capacity // KEY_TILE, head_dim, KEY_TILE) if tiled_keys
                      else shape)
         # Zeros, not empty: masked slots still enter matmuls (with weight 0) and must be finite.
         self.keys = torch.zeros(key_shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.transposed_keys = transposed_keys
+        self.tiled_keys = tiled_keys
         self.lengths: list[int] = [0] * batch_size
 
     @property
@@ -61,14 +55,21 @@ class KVCache:
         return self.values.shape[1]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw K and V storage of one layer: ``[B, Hkv, S, D]`` each, or K ``[B, Hkv, D, S]``
-        with ``transposed_keys``."""
+        """Raw K and V storage of one layer: ``[B, Hkv, S, D]`` each, or K ``[B, Hkv, S / 16, D,
+        16]`` with ``tiled_keys``."""
         return self.keys[layer], self.values[layer]
 
-    def layer_sd(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as ``[B, Hkv, S, D]`` (a view when keys are transposed)."""
-        keys = self.keys[layer]
-        return (keys.transpose(-1, -2) if self.transposed_keys else keys), self.values[layer]
+    def _key_rows(self, b: int, t0: int, t1: int) -> torch.Tensor:
+        """A copy of sequence ``b``'s tiled keys in tiles ``[t0, t1)`` as rows: ``[L, Hkv, (t1 -
+        t0) * 16, D]`` (slot ``16 * t0`` first)."""
+        tiles = self.keys[:, b, :, t0:t1]  # [L, Hkv, t, D, 16]
+        return tiles.transpose(-1, -2).reshape(*tiles.shape[:2], -1, tiles.shape[3])
+
+    def _put_key_rows(self, b: int, t0: int, rows: torch.Tensor) -> None:
+        """Write ``rows [L, Hkv, 16 * t, D]`` into sequence ``b``'s tiles ``[t0, t0 + t)``."""
+        layers, heads, n, dim = rows.shape
+        tiles = rows.view(layers, heads, n // KEY_TILE, KEY_TILE, dim).transpose(-1, -2)
+        self.keys[:, b, :, t0:t0 + n // KEY_TILE] = tiles
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               rows: torch.Tensor | None = None) -> None:
@@ -79,25 +80,29 @@ class KVCache:
             keys, values: ``[B, Hkv, T, D]`` the new rows.
             rows: the same places as :meth:`write_rows` gives them, on the cache's device: two
                 scatters that read nothing on the host (what a CUDA graph replays); keys not
-                transposed only.
+                tiled only.
         """
-        if rows is not None and not self.transposed_keys:
-            k_store, v_store = self.layer(layer)
+        k_store, v_store = self.layer(layer)
+        if rows is not None and not self.tiled_keys:
             dim = v_store.shape[-1]
             k_store.view(-1, dim).index_copy_(0, rows, keys.reshape(-1, dim))
             v_store.view(-1, dim).index_copy_(0, rows, values.reshape(-1, dim))
             return
-        k_store, v_store = self.layer_sd(layer)
+        if self.tiled_keys:  # slot s: lane s % 16 of tile s // 16; [B, T, Hkv, D] in that order
+            batch = torch.arange(slots.shape[0])[:, None]
+            k_store[batch, :, slots // KEY_TILE, :, slots % KEY_TILE] = keys.transpose(1, 2).to(k_store.dtype)
         if slots.shape[0] == 1:  # one sequence: its slots are a contiguous run
             start = int(slots[0, 0])
             end = start + slots.shape[1]
-            k_store[:, :, start:end] = keys
+            if not self.tiled_keys:
+                k_store[:, :, start:end] = keys
             v_store[:, :, start:end] = values
             return
         for b in range(slots.shape[0]):
             start = int(slots[b, 0])
             end = start + slots.shape[1]
-            k_store[b, :, start:end] = keys[b]
+            if not self.tiled_keys:
+                k_store[b, :, start:end] = keys[b]
             v_store[b, :, start:end] = values[b]
 
     def write_rows(self, slots: torch.Tensor) -> torch.Tensor:
@@ -111,16 +116,24 @@ class KVCache:
         return (base[:, :, None] + slots[:, None, :]).reshape(-1).to(self.values.device)
 
     def read_span(self, b: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of sequence ``b``'s rows in slots ``[start, end)`` of every layer: keys
-        ``[L, Hkv, n, D]`` (``[L, Hkv, D, n]`` when transposed) and values ``[L, Hkv, n, D]``."""
-        keys = self.keys[:, b, :, :, start:end] if self.transposed_keys else self.keys[:, b, :, start:end]
+        """Copies of sequence ``b``'s rows in slots ``[start, end)`` of every layer: keys and
+        values ``[L, Hkv, n, D]``, in either key layout."""
+        if self.tiled_keys:
+            t0 = start // KEY_TILE
+            keys = self._key_rows(b, t0, -(-end // KEY_TILE))[:, :, start - t0 * KEY_TILE:end - t0 * KEY_TILE]
+        else:
+            keys = self.keys[:, b, :, start:end]
         return keys.clone(), self.values[:, b, :, start:end].clone()
 
     def write_span(self, b: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Put rows read by :meth:`read_span` into sequence ``b``'s slots from ``start``."""
+        """Put rows read by :meth:`read_span` (``[L, Hkv, n, D]`` each) into sequence ``b``'s
+        slots from ``start``."""
         n = values.shape[2]
-        if self.transposed_keys:
-            self.keys[:, b, :, :, start:start + n] = keys
+        if self.tiled_keys:  # the tiles the span touches, as rows: the span's keys put in, then back
+            t0 = start // KEY_TILE
+            rows = self._key_rows(b, t0, -(-(start + n) // KEY_TILE))
+            rows[:, :, start - t0 * KEY_TILE:start - t0 * KEY_TILE + n] = keys
+            self._put_key_rows(b, t0, rows)
         else:
             self.keys[:, b, :, start:start + n] = keys
         self.values[:, b, :, start:start + n] = values
@@ -141,9 +154,12 @@ class KVCache:
             if moved:  # rows already in place (plain decoding, a main branch) need no move
                 src = torch.tensor([m[0] for m in moved], device=self.values.device)
                 dst = torch.tensor([m[1] for m in moved], device=self.values.device)
-                k_dim = 4 if self.transposed_keys else 3
-                # [L, Hkv, *, *] views of sequence b; gather first, then scatter.
-                self.keys[:, b].index_copy_(k_dim - 1, dst, self.keys[:, b].index_select(k_dim - 1, src))
+                # views of sequence b; gather first, then scatter
+                if self.tiled_keys:  # slot s: lane s % 16 of tile s // 16
+                    keys = self.keys[:, b]  # [L, Hkv, S / 16, D, 16]
+                    keys[:, :, dst // KEY_TILE, :, dst % KEY_TILE] = keys[:, :, src // KEY_TILE, :, src % KEY_TILE]
+                else:
+                    self.keys[:, b].index_copy_(2, dst, self.keys[:, b].index_select(2, src))
                 self.values[:, b].index_copy_(2, dst, self.values[:, b].index_select(2, src))
             self.lengths[b] += len(slots)
 
@@ -167,7 +183,7 @@ class KVCache:
             raise ValueError(f"cannot narrow a cache of {self.batch_size} sequences to {n}")
         view = KVCache.__new__(KVCache)
         view.keys, view.values = self.keys[:, :n], self.values[:, :n]
-        view.transposed_keys = self.transposed_keys
+        view.tiled_keys = self.tiled_keys
         view.lengths = self.lengths
         return view
 
@@ -178,7 +194,7 @@ class KVCache:
             raise ValueError(f"no sequence {b} in a cache of {self.batch_size}")
         view = KVCache.__new__(KVCache)
         view.keys, view.values = self.keys[:, b:b + 1], self.values[:, b:b + 1]
-        view.transposed_keys = self.transposed_keys
+        view.tiled_keys = self.tiled_keys
         view.lengths = [self.lengths[b]]
         return view
 
@@ -188,8 +204,9 @@ class KVCache:
         n = self.lengths[src]
         if src != dst and n:
             self.values[:, dst, :, :n] = self.values[:, src, :, :n]
-            if self.transposed_keys:
-                self.keys[:, dst, :, :, :n] = self.keys[:, src, :, :, :n]
+            if self.tiled_keys:  # whole tiles: slots past n are scratch
+                tiles = -(-n // KEY_TILE)
+                self.keys[:, dst, :, :tiles] = self.keys[:, src, :, :tiles]
             else:
                 self.keys[:, dst, :, :n] = self.keys[:, src, :, :n]
         self.lengths[dst] = n
@@ -201,11 +218,11 @@ class KVCache:
             raise ValueError("a resized cache must not be smaller than the original")
         num_layers, _, kv_heads, _, head_dim = self.values.shape
         out = KVCache(num_layers, batch_size, kv_heads, head_dim, capacity, self.values.device, self.values.dtype,
-                      self.transposed_keys)
+                      self.tiled_keys)
         old_b, old_s = self.batch_size, self.capacity
         out.values[:, :old_b, :, :old_s] = self.values
-        if self.transposed_keys:
-            out.keys[:, :old_b, :, :, :old_s] = self.keys[..., :old_s]
+        if self.tiled_keys:
+            out.keys[:, :old_b, :, :old_s // KEY_TILE] = self.keys
         else:
             out.keys[:, :old_b, :, :old_s] = self.keys
         out.lengths[:old_b] = self.lengths[:old_b]

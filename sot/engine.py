@@ -466,8 +466,7 @@ class Engine:
         size = self.prefix_cache.chunk if self.prefix_cache is not None else 0
         for j, chunk in enumerate(hit.chunks):  # the last chunk may be taken in part
             n = min(len(chunk.tokens), hit.tokens - j * size)
-            keys = chunk.keys[..., :n] if cache.transposed_keys else chunk.keys[:, :, :n]
-            cache.write_span(b, j * size, keys, chunk.values[:, :, :n])
+            cache.write_span(b, j * size, chunk.keys[:, :, :n], chunk.values[:, :, :n])
             states.append(chunk.states[:n] if chunk.states is not None else None)
         return states
 

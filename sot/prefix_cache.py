@@ -39,7 +39,7 @@ class PrefixChunk:
     drafter reads."""
 
     tokens: tuple[int, ...]
-    keys: torch.Tensor  # [L, Hkv, C, D], or [L, Hkv, D, C] for a cache with transposed keys
+    keys: torch.Tensor  # [L, Hkv, C, D] (KVCache.read_span, in either key layout)
     values: torch.Tensor  # [L, Hkv, C, D]
     states: torch.Tensor | None  # [C, S, D]
     parent: bytes = b""  # the key of the chunk before it (the root key for a first chunk)

@@ -276,6 +276,19 @@ def test_code_edit_set_asks_to_refactor_humaneval_solutions() -> None:
         assert "Refactor" in it["turns"][0] and p["canonical_solution"] in it["turns"][0]
 
 
+def test_long_context_set_reviews_modules_of_three_sizes_in_turn() -> None:
+    from sot.bench.prompts import load_prompt_set
+    from sot.data.humaneval import LONG_CONTEXT_CHARS, problems
+
+    items = load_prompt_set("long-context", limit=4)
+    assert [it["id"] for it in items] == [f"long-context-{i}" for i in range(4)]
+    sizes = [len(it["turns"][0]) for it in items]
+    assert all(size >= LONG_CONTEXT_CHARS[i % 3] for i, size in enumerate(sizes)) and sizes[0] < sizes[1] < sizes[2]
+    pool = problems()
+    assert pool[0]["canonical_solution"] in items[0]["turns"][0]  # consecutive solutions, none repeated
+    assert not any(pool[0]["prompt"] in it["turns"][0] for it in items[1:])
+
+
 def test_lockstep_batches_take_turns_by_step_and_time_each_method_on_its_own_steps() -> None:
     """Batched methods advance a step at a time in rotating order; each method's records add
     up to its own steps' time, and its outputs equal its engine decoding alone."""

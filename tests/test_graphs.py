@@ -87,7 +87,7 @@ class RecordedGraphs(VerifyGraphs):
 @pytest.fixture
 def gpu_layout(monkeypatch):
     """Passes laid out as on a GPU, with the reference attention as the kernel."""
-    monkeypatch.setattr(sot.attention, "use_gpu_kernel", lambda cache: not cache.transposed_keys)
+    monkeypatch.setattr(sot.attention, "use_gpu_kernel", lambda cache: not cache.tiled_keys)
     monkeypatch.setitem(sys.modules, "sot.kernels.triton_attention",
                         SimpleNamespace(tree_attention=reference_attention))
 

@@ -215,7 +215,7 @@ def test_pytorch_attention_path_is_lossless(arch: str, monkeypatch) -> None:
     model = tiny_model(arch, seed=21)
     prompts = random_prompts(LENGTHS, seed=6)
     target = TargetModel(clone(model, torch.bfloat16))
-    assert not target.new_cache(1, 64).transposed_keys
+    assert not target.new_cache(1, 64).tiled_keys
     plain = [traced(target, NoDrafter(), [p])[0] for p in prompts]
     tokens = [t.argmax(-1).tolist() for t in plain]
     spec = traced(target, RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.8, seed=2), prompts)
@@ -232,7 +232,7 @@ def test_head_dim_outside_the_kernel_uses_the_pytorch_path() -> None:
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(config).eval()
     target = TargetModel(clone(model, torch.bfloat16))
-    assert not target.new_cache(1, 64).transposed_keys
+    assert not target.new_cache(1, 64).tiled_keys
     prompts = random_prompts((9, 40), seed=3)
     plain = run(target, NoDrafter(), prompts)
     assert run(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8), prompts) == plain
@@ -252,7 +252,7 @@ def test_kernel_query_head_groups_are_lossless(heads: int, kv_heads: int, dtype:
                                       max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(config).eval()
     target = TargetModel(clone(model, dtype))
-    assert target.new_cache(1, 64).transposed_keys == (cpu_kernels() is not None)
+    assert target.new_cache(1, 64).tiled_keys == (cpu_kernels() is not None)
     prompts = random_prompts((9, 40), seed=4)
     plain = traced(target, NoDrafter(), prompts)
     tokens = [t.argmax(-1).tolist() for t in plain]

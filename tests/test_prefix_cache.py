@@ -88,7 +88,7 @@ def test_a_prompt_passs_rows_equal_decodings_rows_however_it_is_split(arch: str)
     decoded.generate([prompt], PARAMS)  # stores the prompt's rows and the answer's decoded ones
     hit = store.lookup(text + [0])
     assert hit.tokens == len(text)
-    keys = torch.cat([c.keys for c in hit.chunks], dim=-1 if target.new_cache(1, 1).transposed_keys else 2)
+    keys = torch.cat([c.keys for c in hit.chunks], dim=2)
     whole = rows[()]
     assert torch.equal(keys, whole[0]) and torch.equal(torch.cat([c.values for c in hit.chunks], dim=2), whole[1])
     assert torch.equal(torch.cat([c.states for c in hit.chunks]), whole[2])

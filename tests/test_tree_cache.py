@@ -84,16 +84,29 @@ def test_ngram_index_finds_what_a_full_scan_ranks_first() -> None:
             assert index.best(context, 5) == (found[0] if found else [])
 
 
-def _kernel_attention(q, keys, values, length, paths, window=0):
-    """The compiled kernel over one sequence: rows whose ancestors (root first) are ``paths``."""
+def _tiles(keys: torch.Tensor) -> torch.Tensor:
+    """Keys written ``[B, Hkv, D, S]`` (dimension-major, easy to index by slot) in the kernel's
+    layout, tiles of 16 slots: ``[B, Hkv, S' / 16, D, 16]``, ``S'`` the next multiple of 16,
+    zeros past ``S``."""
+    batch, heads, dim, slots = keys.shape
+    padded = torch.nn.functional.pad(keys, (0, -slots % 16))
+    return padded.view(batch, heads, dim, -1, 16).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def _attend(q, keys, values, *args):
+    """The compiled kernel on keys given ``[B, Hkv, D, S]`` (see :func:`_tiles`)."""
     from sot.kernels import cpu_kernels
 
+    return cpu_kernels().tree_attention_exact(q, _tiles(keys), values, *args)
+
+
+def _kernel_attention(q, keys, values, length, paths, window=0):
+    """The compiled kernel over one sequence: rows whose ancestors (root first) are ``paths``."""
     width = max(len(p) for p in paths)
     anc = torch.full((1, len(paths), width), -1, dtype=torch.long)
     for r, path in enumerate(paths):
         anc[0, r, : len(path)] = torch.tensor(path)
-    return cpu_kernels().tree_attention_exact(q, keys, values, torch.tensor([length]), anc,
-                                              torch.tensor([len(paths)]), 0.125, window, 0.0)
+    return _attend(q, keys, values, torch.tensor([length]), anc, torch.tensor([len(paths)]), 0.125, window, 0.0)
 
 
 @pytest.mark.parametrize("dim", [16, 64])
@@ -108,7 +121,7 @@ def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length
     if cpu_kernels() is None:
         pytest.skip("the compiled CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(1)
-    keys = torch.randn(1, 2, dim, 1040, generator=gen)  # [B, Hkv, D, S'] transposed
+    keys = torch.randn(1, 2, dim, 1040, generator=gen)  # [B, Hkv, D, S] (tiled by _attend)
     values = torch.randn(1, 2, 1024, dim, generator=gen)
     q = torch.randn(1, 6, 4, dim, generator=gen) * 3  # 3 query heads per KV head, 4 tree rows
     paths = [[length], [length, length + 1], [length, length + 2], [length, length + 1, length + 3]]
@@ -161,52 +174,53 @@ def test_rows_attended_as_one_tile_keep_the_bits_they_have_alone(group: int, dty
                     path.append(lengths[b] + node)
                     node = parents[node]
                 anc[b, r, :len(path)] = torch.tensor(path[::-1])
-        whole = cpu_kernels().tree_attention_exact(q, keys, values, torch.tensor(lengths), anc, real, 0.125,
+        whole = _attend(q, keys, values, torch.tensor(lengths), anc, real, 0.125,
                                                    window, 0.0)
         assert whole.dtype == dtype and not whole[1, 5:].any(), "padding rows must be zeros"
         for b in range(2):
             for r in range(int(real[b])):
-                alone = cpu_kernels().tree_attention_exact(
+                alone = _attend(
                     q[b:b + 1, :, r:r + 1].contiguous(), keys[b:b + 1], values[b:b + 1],
                     torch.tensor([lengths[b]]), anc[b:b + 1, r:r + 1], torch.tensor([1]), 0.125, window, 0.0)
                 assert torch.equal(alone[0, 0], whole[b, r]), (lengths, window, b, r)
         if dtype == torch.bfloat16:  # a bfloat16 cache: rows keep their bits there too
             half_k, half_v = keys.bfloat16(), values.bfloat16()
             args = (torch.tensor(lengths), anc, real, 0.125, window, 0.0)
-            half = cpu_kernels().tree_attention_exact(q, half_k, half_v, *args)
+            half = _attend(q, half_k, half_v, *args)
             for b in range(2):
                 for r in range(int(real[b])):
-                    alone = cpu_kernels().tree_attention_exact(
+                    alone = _attend(
                         q[b:b + 1, :, r:r + 1].contiguous(), half_k[b:b + 1], half_v[b:b + 1],
                         torch.tensor([lengths[b]]), anc[b:b + 1, r:r + 1], torch.tensor([1]), 0.125, window, 0.0)
                     assert torch.equal(alone[0, 0], half[b, r]), ("bf16 cache", lengths, window, b, r)
-            wide = cpu_kernels().tree_attention_exact(q, half_k.float(), half_v.float(), *args)
+            wide = _attend(q, half_k.float(), half_v.float(), *args)
             if cpu_kernels().attention_pairs_bf16():  # scores by pair dot products: other rounding
                 assert torch.allclose(half.float(), wide.float(), atol=0.02, rtol=0.02)
                 # SOT_NO_BF16_ATTENTION (read at each call) turns them off: the float32 loops
                 monkeypatch.setenv("SOT_NO_BF16_ATTENTION", "1")
                 assert not cpu_kernels().attention_pairs_bf16()
-                half = cpu_kernels().tree_attention_exact(q, half_k, half_v, *args)
+                half = _attend(q, half_k, half_v, *args)
                 monkeypatch.delenv("SOT_NO_BF16_ATTENTION")
             assert torch.equal(half, wide)  # the float32 loops on the widened values: the same bits
 
 
-def test_a_bfloat16_cache_keeps_plain_decodings_bits_where_the_blocks_stop_short() -> None:
+def test_a_bfloat16_cache_keeps_plain_decodings_bits_at_the_cache_end() -> None:
     """With a bfloat16 cache (scored by bfloat16 pair dot products where the CPU has them),
     tree rows equal plain decoding of their tokens bit for bit, also where the cache ends right
-    after the tree, so that keys are scored one at a time, and they are the attention of the
-    bfloat16 values computed in float64, within bfloat16's rounding."""
+    after the tree under a sliding window (a row's keys then start inside a tile of the cache's
+    last ones), and they are the attention of the bfloat16 values computed in float64, within
+    bfloat16's rounding."""
     from sot.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the compiled CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(3)
-    length, dim = 1000, 64
-    paths = [[length], [length, length + 1], [length, length + 2], [length, length + 1, length + 3]]
+    dim = 64
     q = (torch.randn(1, 6, 4, dim, generator=gen) * 16).bfloat16()  # (large scores: a last-bit change shows)
     # room for whole blocks past the tree, or none; a sliding window of 301 keys (each row's
     # first key, where its pairs start, then depends on its depth)
-    for slots, window in ((1040, 0), (1004, 0), (1040, 301)):
+    for slots, length, window in ((1040, 1000, 0), (1008, 1004, 301), (1040, 1000, 301)):
+        paths = [[length], [length, length + 1], [length, length + 2], [length, length + 1, length + 3]]
         keys = torch.randn(1, 2, dim, slots, generator=gen).bfloat16()
         values = torch.randn(1, 2, slots, dim, generator=gen).bfloat16()
         tree = _kernel_attention(q, keys, values, length, paths, window)
@@ -223,9 +237,9 @@ def test_a_bfloat16_cache_keeps_plain_decodings_bits_where_the_blocks_stop_short
             weights = torch.softmax(torch.einsum("hd,hdn->hn", q[0, :, r].double(), kk) * 0.125, dim=-1)
             expected = torch.einsum("hn,hnd->hd", weights, vv)
             assert torch.allclose(tree[0, r].double(), expected, atol=0.02, rtol=0.02), (slots, window, r)
-    # Short contexts in a cache that ends after the tree (every key scored alone) against the
-    # same in a roomy one (every key in blocks): many sequences, so that a key scored alone by
-    # other arithmetic than the blocks' would change some bfloat16 output.
+    # Short contexts in a cache whose values end after the tree (its keys' last tile padded)
+    # against the same in a roomy one: many sequences, so that any change of arithmetic at the
+    # cache's end would change some bfloat16 output.
     batch, rows, length = 128, 4, 10
     q = (torch.randn(batch, 12, rows, dim, generator=gen) * 3).bfloat16()
     keys = torch.randn(batch, 4, dim, 32, generator=gen).bfloat16()
@@ -234,9 +248,9 @@ def test_a_bfloat16_cache_keeps_plain_decodings_bits_where_the_blocks_stop_short
     for r in range(rows):
         anc[:, r, :r + 1] = torch.arange(length, length + r + 1)
     args = (torch.full((batch,), length), anc, torch.full((batch,), rows), 0.125, 0, 0.0)
-    roomy = cpu_kernels().tree_attention_exact(q, keys, values, *args)
+    roomy = _attend(q, keys, values, *args)
     end = length + rows
-    short = cpu_kernels().tree_attention_exact(q, keys[..., :end].contiguous(), values[:, :, :end].contiguous(), *args)
+    short = _attend(q, keys[..., :end].contiguous(), values[:, :, :end].contiguous(), *args)
     assert torch.equal(short, roomy)
     # Tree rows after an odd number of committed keys (a pair of keys straddles the committed
     # ones and the row's ancestors) against plain decoding of each row's token.
@@ -244,10 +258,10 @@ def test_a_bfloat16_cache_keeps_plain_decodings_bits_where_the_blocks_stop_short
     anc = torch.full((batch, rows, rows), -1, dtype=torch.long)
     for r in range(rows):
         anc[:, r, :r + 1] = torch.arange(length, length + r + 1)
-    tree = cpu_kernels().tree_attention_exact(q, keys, values, torch.full((batch,), length), anc,
+    tree = _attend(q, keys, values, torch.full((batch,), length), anc,
                                               torch.full((batch,), rows), 0.125, 0, 0.0)
     for r in range(rows):
-        plain = cpu_kernels().tree_attention_exact(q[:, :, r:r + 1].contiguous(), keys, values,
+        plain = _attend(q[:, :, r:r + 1].contiguous(), keys, values,
                                                    torch.full((batch,), length + r),
                                                    anc[:, r:r + 1, r:r + 1].contiguous(),
                                                    torch.ones(batch, dtype=torch.long), 0.125, 0, 0.0)
@@ -259,41 +273,73 @@ def test_a_bfloat16_cache_keeps_plain_decodings_bits_where_the_blocks_stop_short
         assert torch.allclose(tree[:, r].double(), expected, atol=0.03, rtol=0.02), r
 
 
-def test_transposed_keys_pad_their_stride_and_attention_ignores_it() -> None:
-    """Transposed keys get an odd stride in cache lines (1024 slots -> 1040) without changing
-    the capacity, what resizing keeps, or one bit of attention; a tree row's scores, taken in
-    vector blocks, equal the scalar ones taken where the blocks would pass the cache's end."""
-    from sot.cache import key_stride
+def test_tiled_keys_hold_what_plain_keys_hold_through_every_cache_operation() -> None:
+    """The kernel's tiled keys (``[L, B, Hkv, S / 16, D, 16]``) against keys stored by slot,
+    through the same operations: writes of tree rows, spans read and written across tile
+    borders (the prefix cache), accepted rows moved down, a sequence moved to another and the
+    cache grown. Every slot's key is the same in both, read back by ``read_span``."""
+    gen = torch.Generator().manual_seed(0)
+    caches = [KVCache(num_layers=2, batch_size=3, num_kv_heads=2, head_dim=16, capacity=64, tiled_keys=tiled)
+              for tiled in (False, True)]
+    assert caches[1].keys.shape == (2, 3, 2, 4, 16, 16) and caches[1].capacity == 64
+
+    def same(cache_a: KVCache, cache_b: KVCache, batch: int, slots: int) -> bool:
+        return all(torch.equal(cache_a.read_span(b, 0, slots)[0], cache_b.read_span(b, 0, slots)[0]) and
+                   torch.equal(cache_a.read_span(b, 0, slots)[1], cache_b.read_span(b, 0, slots)[1])
+                   for b in range(batch))
+
+    for layer in range(2):  # three sequences' rows at slots 0-20 (one tile and part of the next)
+        slots = torch.arange(21).repeat(3, 1)
+        k, v = torch.randn(3, 2, 21, 16, generator=gen), torch.randn(3, 2, 21, 16, generator=gen)
+        for cache in caches:
+            cache.write(layer, slots, k, v)
+    for cache in caches:
+        cache.lengths = [13, 13, 13]
+    assert same(*caches, 3, 64)
+    span = caches[0].read_span(1, 5, 19)  # slots 5-18, across a tile border
+    assert torch.equal(caches[1].read_span(1, 5, 19)[0], span[0])
+    for cache in caches:
+        cache.write_span(2, 27, *span)  # into the middle of tiles 1 and 2
+        cache.keep_rows([[13, 15], [14, 18, 20], []])  # moves 15 -> 14; 14 -> 13, 18 -> 14, 20 -> 15
+        cache.move(1, 0)
+    assert caches[0].lengths == caches[1].lengths == [16, 16, 13]
+    assert same(*caches, 3, 64)
+    grown = [cache.resized(4, 200) for cache in caches]
+    assert grown[1].keys.shape[3] == grown[1].capacity // 16
+    assert same(*grown, 3, 64) and not grown[1].keys[:, 3].any()
+
+
+def test_float32_rows_keep_their_bits_when_their_keys_start_inside_a_tile() -> None:
+    """A float32 cache that ends right after a tree, under a sliding window: each row's keys
+    start inside a tile (scored from the tile's first key, the ones before the window dropped),
+    at a different lane for each depth, up to the cache's last tile. Every row equals the same
+    row alone and plain decoding of its token, bit for bit, and the attention computed in
+    float64 over its window."""
     from sot.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the compiled CPU kernels cannot be built here")
-    assert key_stride(1024) == 1040 and key_stride(1040) == 1040
-    cache = KVCache(num_layers=1, batch_size=1, num_kv_heads=2, head_dim=16, capacity=1024, transposed_keys=True)
-    assert cache.capacity == 1024 and cache.keys.shape[-1] == 1040
-    gen = torch.Generator().manual_seed(0)
-    keys, values = cache.layer(0)
-    keys[..., :1024] = torch.randn(keys[..., :1024].shape, generator=gen)
-    values.copy_(torch.randn(values.shape, generator=gen))
-    q = torch.randn(1, 6, 4, 16, generator=gen)  # 3 query heads per KV head, 4 tree rows
-    length = 1000
-    paths = [[1000], [1000, 1001], [1000, 1002], [1000, 1001, 1003]]  # root, two children, a grandchild
-    padded = _kernel_attention(q, keys, values, length, paths)
-    plain = _kernel_attention(q, keys[..., :1024].contiguous(), values, length, paths)
-    assert torch.equal(padded, plain)
-    for r, path in enumerate(paths):  # each row alone: the same bits as in the tree
-        assert torch.equal(_kernel_attention(q[:, :, r:r + 1].contiguous(), keys, values, length, [path])[0, 0],
-                           padded[0, r])
-    # A cache that ends right after the tree: the blocks stop short of the last committed
-    # keys and of the tree's, and the scalar loops score those, with the same bits.
-    short = _kernel_attention(q, keys[..., :1004].contiguous(), values[:, :, :1004].contiguous(), length, paths)
-    assert torch.equal(short, padded)
-    for r, path in enumerate(paths):  # each row alone there too (fewer tasks than threads' share)
-        alone = _kernel_attention(q[:, :, r:r + 1].contiguous(), keys[..., :1004].contiguous(),
-                                  values[:, :, :1004].contiguous(), length, [path])
-        assert torch.equal(alone[0, 0], padded[0, r])
-    bigger = cache.resized(1, 2048)
-    assert bigger.keys.shape[-1] == key_stride(2048) and torch.equal(bigger.keys[..., :1024], keys[None, ..., :1024])
+    gen = torch.Generator().manual_seed(4)
+    length, window, dim = 1004, 301, 64
+    keys = torch.randn(1, 2, dim, 1008, generator=gen)
+    values = torch.randn(1, 2, 1008, dim, generator=gen)
+    q = torch.randn(1, 6, 4, dim, generator=gen) * 3
+    paths = [[length], [length, length + 1], [length, length + 2], [length, length + 1, length + 3]]
+    tree = _kernel_attention(q, keys, values, length, paths, window)
+    for r, path in enumerate(paths):
+        alone = _kernel_attention(q[:, :, r:r + 1].contiguous(), keys, values, length, [path], window)
+        assert torch.equal(alone[0, 0], tree[0, r]), r
+        pos = length + len(path) - 1
+        k2, v2 = keys.clone(), values.clone()
+        k2[..., length:pos + 1] = keys[..., path]
+        v2[:, :, length:pos + 1] = values[:, :, path]
+        plain = _kernel_attention(q[:, :, r:r + 1].contiguous(), k2, v2, pos, [[pos]], window)
+        assert torch.equal(plain[0, 0], tree[0, r]), r
+        first = pos - window + 1
+        kk = k2[0, :, :, first:pos + 1].double().repeat_interleave(3, dim=0)  # [H, D, n]
+        vv = v2[0, :, first:pos + 1].double().repeat_interleave(3, dim=0)  # [H, n, D]
+        weights = torch.softmax(torch.einsum("hd,hdn->hn", q[0, :, r].double(), kk) * 0.125, dim=-1)
+        assert torch.allclose(tree[0, r].double(), torch.einsum("hn,hnd->hd", weights, vv), atol=1e-4), r
 
 
 def test_kernel_sources_are_staged_once_so_a_build_outlives_new_file_times(tmp_path) -> None:

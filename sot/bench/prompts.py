@@ -41,7 +41,7 @@ def adversarial_prompts(n: int = 20, seed: int = 0) -> list[dict]:
     return out
 
 
-BUILTIN = ("sharegpt-heldout", "humaneval", "code-edit", "long", "adversarial", "mix")
+BUILTIN = ("sharegpt-heldout", "humaneval", "code-edit", "long", "long-context", "adversarial", "mix")
 
 
 def load_prompt_set(name: str, limit: int | None = None, chat: bool = True) -> list[dict]:
@@ -58,6 +58,10 @@ def load_prompt_set(name: str, limit: int | None = None, chat: bool = True) -> l
         from sot.data.humaneval import code_edit_prompts
 
         records = code_edit_prompts(limit)
+    elif name == "long-context":  # long prompts: attention over them bounds each step
+        from sot.data.humaneval import long_context_prompts
+
+        records = long_context_prompts(limit)
     elif name == "long":
         records = [{"id": f"long-{i}", "turns": [t]} for i, t in enumerate(LONG_PROMPTS)]
     elif name == "adversarial":

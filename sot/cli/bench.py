@@ -18,8 +18,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark decoding methods side by side")
     bench.add_argument("--prompts", default="humaneval",
                        help="a JSONL file or a built-in set: sharegpt-heldout, humaneval, code-edit (refactors of "
-                            "HumanEval's solutions), long, adversarial, mix (sharegpt-heldout and adversarial "
-                            "prompts, alternating); multi-turn: "
+                            "HumanEval's solutions), long, long-context (reviews of 1,000-3,000-token modules), "
+                            "adversarial, mix (sharegpt-heldout and adversarial prompts, alternating); multi-turn: "
                             "sharegpt-multiturn, code-edit-multiturn, agent-loop")
     bench.add_argument("--multiturn", action="store_true",
                        help="run each record's 'turns' as a conversation: every turn is answered and appended before "

@@ -37,6 +37,27 @@ EDIT_INSTRUCTION = ("Refactor the following Python function: give its variables 
                     "\n\n```python\n{code}```")
 
 
+REVIEW_INSTRUCTION = ("Review the following Python module: say in a sentence what each function does and suggest one "
+                      "improvement to it.\n\n```python\n{code}```")
+#: characters of code per long-context prompt, in turn: about 1,000, 2,000 and 3,000 tokens
+#: with the default model's tokenizer
+LONG_CONTEXT_CHARS = (3000, 6000, 9000)
+
+
+def long_context_prompts(limit: int | None = None) -> list[dict]:
+    """Long-context requests: reviews of modules made of consecutive HumanEval solutions, of
+    about 1,000, 2,000 and 3,000 tokens in turn, so that attention over the prompt is a large
+    part of every decoding step."""
+    pool, out, i = problems(), [], 0
+    for n in range(limit or len(pool) // 8):
+        parts: list[str] = []
+        while sum(len(part) for part in parts) < LONG_CONTEXT_CHARS[n % len(LONG_CONTEXT_CHARS)]:
+            parts.append(pool[i % len(pool)]["prompt"] + pool[i % len(pool)]["canonical_solution"])
+            i += 1
+        out.append({"id": f"long-context-{n}", "turns": [REVIEW_INSTRUCTION.format(code="\n\n".join(parts))]})
+    return out
+
+
 def code_edit_prompts(limit: int | None = None) -> list[dict]:
     """Code-edit requests: each HumanEval problem's reference solution, to be refactored (the
     answer mostly restates code that is in the prompt)."""

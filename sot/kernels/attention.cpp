@@ -64,8 +64,6 @@ constexpr int64_t kMaxGroup = 16;
 // The cache holds float32 or bfloat16 values (bfloat16 models write bfloat16 keys and values,
 // so a float32 cache would only hold them widened). Loads widen exactly, so the arithmetic
 // below is the same float32 arithmetic on the same values either way.
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
 
 inline vec16 load16(const float* p) {
   vec16 v;
@@ -91,17 +89,26 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 #endif
 
-// The cache layout this kernel reads: keys [B, Hkv, D, S] (transposed, so that 16 keys fit
-// one vector), values [B, Hkv, S, D], both float32. One task is one (sequence, KV head) and a
-// tile of that sequence's rows: the query heads sharing that KV head, in each of those rows,
-// are processed together so each key is loaded once, but every (row, head) keeps its own
-// accumulators and its own fixed order of operations.
-// Keys ahead of the block being scored whose lines are prefetched (8 blocks of 16).
-constexpr int64_t kPrefetchKeys = 128;
+// The cache layout this kernel reads: keys [B, Hkv, S / 16, D, 16] (tiles of 16 slots, each
+// tile the 16 keys' dimensions in turn, so that 16 keys of one dimension fill one vector and a
+// block of 16 keys is one contiguous read: one stream for the hardware prefetcher, where rows of
+// S slots per dimension were D streams), values [B, Hkv, S, D]. One task is one (sequence, KV
+// head) and a tile of that sequence's rows: the query heads sharing that KV head, in each of
+// those rows, are processed together so each key is loaded once, but every (row, head) keeps
+// its own accumulators and its own fixed order of operations.
+// Tiles ahead of the block being scored whose lines are prefetched.
+constexpr int64_t kPrefetchTiles = 2;
+
+// Key k's dimension d in one head's tiled keys (kt: the head's first tile).
+template <typename C>
+inline const C& key_at(const C* kt, int64_t D, int64_t d, int64_t k) {
+  return kt[(k / kLanes) * kLanes * D + d * kLanes + k % kLanes];
+}
 
 // One 16-key block of scores for the query heads of one KV head, in plain lane-wise
 // arithmetic (score_tile's vector registers do the same): each lane sums q[d] * k[d] over d
-// in order. G > 0 fixes the head count at compile time; G == 0 takes it from `group`.
+// in order, dimension d of the 16 keys at kt + d * S (S = 16 in a tile). G > 0 fixes the head
+// count at compile time; G == 0 takes it from `group`.
 
 template <int G, typename C>
 inline void score_block(int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, float scale,
@@ -180,17 +187,17 @@ constexpr int max_tile_rows() { return G > 0 && kTileSlots / G > 1 ? kTileSlots 
 // For each of P (row, head) pairs s, 16 lanes lo[s] | hi[s] = sum over i < n, in order, of
 // scalars[s * step + i] * vecs[i * stride .. + 16], as one multiply and one add per lane and i
 // (score_tile: i is the head dimension, weighted_tile: the key). With PREFETCH, each vector's
-// line kPrefetchKeys entries ahead is asked for (the keys' rows are too many streams for the
-// hardware prefetcher; no effect on the arithmetic; past the cache's end it is a hint only).
+// line `ahead` entries on is asked for (the tiles of keys to come; no effect on the arithmetic;
+// past the cache's end it is a hint only).
 template <int P, bool PREFETCH, typename C>
 inline void broadcast_sums(int64_t n, const float* scalars, int64_t step, const C* vecs, int64_t stride, __m256* lo,
-                           __m256* hi) {
+                           __m256* hi, int64_t ahead = 0) {
 #pragma GCC unroll 12
   for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const C* v = vecs + i * stride;
     const __m256 v0 = load8(v), v1 = load8(v + 8);
-    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchKeys), _MM_HINT_T0);
+    if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(v + ahead), _MM_HINT_T0);
 #pragma GCC unroll 12
     for (int s = 0; s < P; ++s) {
       const __m256 x = _mm256_set1_ps(scalars[s * step + i]);
@@ -202,28 +209,29 @@ inline void broadcast_sums(int64_t n, const float* scalars, int64_t step, const 
 #endif
 
 #if defined(__AVX2__)
-// broadcast_sums over two 16-lane chunks at once (the vectors at vecs and vecs + 16): the same
-// operations for each lane in the same order, reading each key's two chunks (128 bytes) in one
-// pass instead of two. lo/hi[s * 2 + c]: chunk c of pair s.
+// broadcast_sums over two 16-lane chunks at once (the vectors at vecs and vecs + chunk: two
+// 16-dimension chunks of a value row, or two tiles of keys): the same operations for each lane
+// in the same order, reading both in one pass instead of two. lo/hi[s * 2 + c]: chunk c of
+// pair s.
 template <int P, bool PREFETCH, typename C>
-inline void broadcast_sums2(int64_t n, const float* scalars, int64_t step, const C* vecs, int64_t stride, __m256* lo,
-                            __m256* hi) {
+inline void broadcast_sums2(int64_t n, const float* scalars, int64_t step, const C* vecs, int64_t stride,
+                            int64_t chunk, __m256* lo, __m256* hi, int64_t ahead = 0) {
   __m256 l[P][2], h[P][2];
 #pragma GCC unroll 12
   for (int s = 0; s < P; ++s) l[s][0] = l[s][1] = h[s][0] = h[s][1] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const C* v = vecs + i * stride;
     if (PREFETCH) {
-      _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchKeys), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(v + kPrefetchKeys + kLanes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + chunk + ahead), _MM_HINT_T0);
     }
 #pragma GCC unroll 12
     for (int s = 0; s < P; ++s) {
       const __m256 x = _mm256_set1_ps(scalars[s * step + i]);
 #pragma GCC unroll 2
       for (int c = 0; c < 2; ++c) {
-        l[s][c] = _mm256_add_ps(l[s][c], _mm256_mul_ps(x, load8(v + c * kLanes)));
-        h[s][c] = _mm256_add_ps(h[s][c], _mm256_mul_ps(x, load8(v + c * kLanes + 8)));
+        l[s][c] = _mm256_add_ps(l[s][c], _mm256_mul_ps(x, load8(v + c * chunk)));
+        h[s][c] = _mm256_add_ps(h[s][c], _mm256_mul_ps(x, load8(v + c * chunk + 8)));
       }
     }
   }
@@ -241,9 +249,9 @@ inline void broadcast_sums2(int64_t n, const float* scalars, int64_t step, const
 // has it: q and the keys are both bfloat16 then, so one instruction takes two head dimensions
 // of 16 keys, twice the multiply-adds of the float32 loop. Each lane (one key) is one chain of
 // VDPBF16PS steps over the pairs (d, d + 1), d = 0, 2, ..., D - 2, in order, from zero, then
-// times the scale: the same instructions for every key, row and head, whether the key is
-// scored in a block of 16 or alone (pair_score_one), so a row's scores never depend on the
-// rows or the keys around it. (The float32 loops' bits differ; a machine uses one or the other.)
+// times the scale: the same instructions for every key, row and head, whatever lane of its
+// block the key takes, so a row's scores never depend on the rows or the keys around it. (The
+// float32 loops' bits differ; a machine uses one or the other.)
 #define SOT_DPBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // (SOT_NO_BF16_ATTENTION=1: the float32 loops, as on other CPUs; read at each call, so that a
@@ -277,11 +285,11 @@ SOT_DPBF16 __attribute__((always_inline)) inline __m512bh interleave(const uint1
 
 // NB blocks of 16 keys from k0 for P slots (see pair_scores): NB independent chains per slot,
 // so that few slots (a one-row pass) still keep the dot-product unit busy; each lane's chain is
-// the same whatever NB.
+// the same whatever NB. A block is one tile: dimension d of its 16 keys at tile + d * 16.
 template <int P, int NB>
 SOT_DPBF16 __attribute__((always_inline)) inline void pair_score_blocks(int64_t k0, const uint32_t* qp, int64_t D,
-                                                                        const uint16_t* kt, int64_t S, __m512 sc,
-                                                                        float* scores, int64_t stride) {
+                                                                        const uint16_t* kt, __m512 sc, float* scores,
+                                                                        int64_t stride) {
   const int64_t half = D / 2;
   __m512 acc[NB][P];
 #pragma GCC unroll 16
@@ -289,13 +297,12 @@ SOT_DPBF16 __attribute__((always_inline)) inline void pair_score_blocks(int64_t 
 #pragma GCC unroll 16
     for (int s = 0; s < P; ++s) acc[b][s] = _mm512_setzero_ps();
   for (int64_t p = 0; p < half; ++p) {
-    const uint16_t* r0 = kt + 2 * p * S + k0;
     __m512bh keys[NB];
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) {
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + b * kLanes + kPrefetchKeys), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + S + b * kLanes + kPrefetchKeys), _MM_HINT_T0);
-      keys[b] = interleave(r0 + b * kLanes, r0 + S + b * kLanes);
+      const uint16_t* r0 = kt + (k0 + b * kLanes) * D + 2 * p * kLanes;  // rows 2p and 2p + 1 of the tile
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + kPrefetchTiles * kLanes * D), _MM_HINT_T0);
+      keys[b] = interleave(r0, r0 + kLanes);
     }
 #pragma GCC unroll 16
     for (int s = 0; s < P; ++s) {
@@ -312,38 +319,28 @@ SOT_DPBF16 __attribute__((always_inline)) inline void pair_score_blocks(int64_t 
 
 // For P (row, head) slots s with pairs qp[s * D / 2 ...], the scores of the 16 keys of each
 // block k0 = 0, 16, ..., blocks - 16: scores[s * stride + k0 + l] for key k0 + l, whose
-// dimension d sits at kt[d * S + k0 + l]. (Few slots take blocks four or two at a time.)
+// dimension d sits at kt[k0 * D + d * 16 + l] (tiled keys). (Few slots take blocks four or two
+// at a time.)
 template <int P>
-SOT_DPBF16 void pair_scores(int64_t blocks, const uint32_t* qp, int64_t D, const uint16_t* kt, int64_t S, float scale,
+SOT_DPBF16 void pair_scores(int64_t blocks, const uint32_t* qp, int64_t D, const uint16_t* kt, float scale,
                             float* scores, int64_t stride) {
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t k0 = 0;
   if constexpr (P <= 3)
-    for (; k0 + 4 * kLanes <= blocks; k0 += 4 * kLanes) pair_score_blocks<P, 4>(k0, qp, D, kt, S, sc, scores, stride);
+    for (; k0 + 4 * kLanes <= blocks; k0 += 4 * kLanes) pair_score_blocks<P, 4>(k0, qp, D, kt, sc, scores, stride);
   if constexpr (P <= 6)
-    for (; k0 + 2 * kLanes <= blocks; k0 += 2 * kLanes) pair_score_blocks<P, 2>(k0, qp, D, kt, S, sc, scores, stride);
-  for (; k0 < blocks; k0 += kLanes) pair_score_blocks<P, 1>(k0, qp, D, kt, S, sc, scores, stride);
+    for (; k0 + 2 * kLanes <= blocks; k0 += 2 * kLanes) pair_score_blocks<P, 2>(k0, qp, D, kt, sc, scores, stride);
+  for (; k0 < blocks; k0 += kLanes) pair_score_blocks<P, 1>(k0, qp, D, kt, sc, scores, stride);
 }
 
 // pair_scores for n slots (any n), P at a time.
 template <int P>
-void pair_scores_n(int n, int64_t blocks, const uint32_t* qp, int64_t D, const uint16_t* kt, int64_t S, float scale,
+void pair_scores_n(int n, int64_t blocks, const uint32_t* qp, int64_t D, const uint16_t* kt, float scale,
                    float* scores, int64_t stride) {
   for (; n >= P; n -= P, qp += P * (D / 2), scores += P * stride)
-    pair_scores<P>(blocks, qp, D, kt, S, scale, scores, stride);
+    pair_scores<P>(blocks, qp, D, kt, scale, scores, stride);
   if constexpr (P > 1)
-    if (n > 0) pair_scores_n<P - 1>(n, blocks, qp, D, kt, S, scale, scores, stride);
-}
-
-// The score of one key (at kt[d * S]) for n slots, by the block code on a block whose lane 0 is
-// that key and whose other lanes are zeros: out[s] is what a block would give in that key's lane.
-inline void pair_score_one(int n, const uint32_t* qp, int64_t D, const at::BFloat16* kt, int64_t S, float scale,
-                           float* out) {
-  uint16_t column[kMaxD * kLanes] = {};
-  for (int64_t d = 0; d < D; ++d) std::memcpy(column + d * kLanes, kt + d * S, 2);
-  float lanes[kMaxGroup * kLanes];
-  pair_scores_n<kTileSlots>(n, kLanes, qp, D, column, kLanes, scale, lanes, kLanes);
-  for (int s = 0; s < n; ++s) out[s] = lanes[s * kLanes];
+    if (n > 0) pair_scores_n<P - 1>(n, blocks, qp, D, kt, scale, scores, stride);
 }
 
 // The weighted value sums by the same pair dot product, where the scores were taken by it: a
@@ -427,8 +424,7 @@ void pair_values_n(int n, int chunks, int64_t m0, int64_t m1, const uint32_t* co
 bool attention_pairs_bf16() { return false; }
 inline void q_pairs(const float*, int64_t, uint32_t*) {}
 template <int P>
-void pair_scores_n(int, int64_t, const uint32_t*, int64_t, const uint16_t*, int64_t, float, float*, int64_t) {}
-inline void pair_score_one(int, const uint32_t*, int64_t, const at::BFloat16*, int64_t, float, float*) {}
+void pair_scores_n(int, int64_t, const uint32_t*, int64_t, const uint16_t*, float, float*, int64_t) {}
 template <int P>
 void pair_values_n(int, int, int64_t, int64_t, const uint32_t* const*, const uint16_t* const*, int64_t,
                    const uint16_t*, int64_t, bool, float* const*) {}
@@ -443,7 +439,7 @@ inline void score_tile(int64_t group, const float* qrows, int64_t D, const C* kt
   if constexpr (G > 0) {
     constexpr int P = G * NR;
     __m256 lo[P], hi[P];
-    broadcast_sums<P, true>(D, qrows, D, kt, S, lo, hi);
+    broadcast_sums<P, true>(D, qrows, D, kt, S, lo, hi, kPrefetchTiles * kLanes * D);
     const __m256 sc = _mm256_set1_ps(scale);
 #pragma GCC unroll 12
     for (int s = 0; s < P; ++s) {
@@ -509,31 +505,32 @@ constexpr int64_t kSplitKeys = 256;
 // at 16 and 128 keys.)
 constexpr int64_t kMergeGrain = 64;
 
-// The attention of nr rows (a tile) over their keys from slot `lo`: the `committed` slots from
-// there, shared by the tile, then each row's own ancestors at slots[i] (relative to `lo`).
-// Leaves, for row i and query head j, the weighted value sums in acc[i][j * nv ...], the
+// The attention of nr rows (a tile) over their keys from slot `from`: the `committed` slots
+// from there, shared by the tile, then each row's own ancestors at slots[i] (relative to
+// `from`). khead: the head's tiled keys ([S / 16][D][16], S slots); vbase: its values from slot
+// `from`. Leaves, for row i and query head j, the weighted value sums in acc[i][j * nv ...], the
 // largest score in tops[i * group + j] and the sum of the weights in sums[i * group + j].
 template <int G, typename C>
-void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* kt, int64_t S, int64_t room,
+void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* khead, int64_t from, int64_t S,
                  const C* vbase, int64_t committed, const std::vector<int64_t>* slots, float scale,
                  float softcap, bool paired, std::vector<float>& scores, std::vector<uint32_t>& wpairs,
                  vec16* const* acc, float* tops, float* sums) {
   const int64_t nv = D / kLanes;
-  // Scores in whole 16-key blocks from slot lo: over the committed slots and on through the
-  // scratch slots up to the furthest row's own, whose ancestors' scores are then moved behind
-  // the committed ones. Each lane sums q[d] * k[d] over d in order, the same operations as the
-  // scalar loops, which take whatever the blocks cannot reach (the end of the cache).
+  // Scores in whole 16-key blocks, the tiles from the one that holds slot `from`: over the
+  // committed slots and on through the scratch slots up to the furthest row's own, whose
+  // ancestors' scores are then moved behind the committed ones. The cache holds whole tiles
+  // (S is a multiple of 16), so the blocks reach every key. A lane's score is its own key's
+  // alone, so the `skew` keys of the first tile before `from` (a sliding window's first key
+  // need not start a tile) are scored, then dropped, and no key's bits depend on where its
+  // tile starts.
+  const int64_t skew = from % kLanes;
+  const C* kt = khead + (from - skew) * D;
   int64_t reach = committed, most = committed;
   for (int i = 0; i < nr; ++i) {
     if (!slots[i].empty()) reach = std::max(reach, slots[i].back() + 1);
     most = std::max(most, committed + static_cast<int64_t>(slots[i].size()));
   }
-  int64_t blocks = (reach + kLanes - 1) / kLanes * kLanes;
-  const bool tail_in_blocks = blocks <= room;
-  if (!tail_in_blocks) {
-    blocks = (committed + kLanes - 1) / kLanes * kLanes;
-    if (blocks > room) blocks = committed / kLanes * kLanes;
-  }
+  const int64_t blocks = (skew + reach + kLanes - 1) / kLanes * kLanes;  // (at most S - (from - skew))
   const int64_t stride = (std::max(most, blocks) + kLanes - 1) / kLanes * kLanes;
   scores.resize(nr * group * stride);
   if (paired) wpairs.resize(nr * group * stride / 2);
@@ -541,17 +538,18 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
   uint32_t qp[kMaxGroup * kMaxD / 2];  // (nr * group <= kMaxGroup slots: tiles hold at most kTileSlots)
   if (paired) {
     for (int s = 0; s < nr * group; ++s) q_pairs(qrows + s * D, D, qp + s * (D / 2));
-    pair_scores_n<kTileSlots>(nr * static_cast<int>(group), blocks, qp, D, reinterpret_cast<const uint16_t*>(kt), S,
+    pair_scores_n<kTileSlots>(nr * static_cast<int>(group), blocks, qp, D, reinterpret_cast<const uint16_t*>(kt),
                               scale, scores.data(), stride);
   } else {
     int64_t k0 = 0;
 #if defined(__AVX2__)
     if constexpr (G > 0 && G <= 3) {
-      if (nr == 1) {  // two blocks of 16 keys a pass over the head dimension: two lines of each row
+      if (nr == 1) {  // two blocks of 16 keys (two tiles) a pass over the head dimension
         const __m256 sc = _mm256_set1_ps(scale);
         for (; k0 + 2 * kLanes <= blocks; k0 += 2 * kLanes) {
           __m256 lo[G * 2], hi[G * 2];
-          broadcast_sums2<G, true, C>(D, qrows, D, kt + k0, S, lo, hi);
+          broadcast_sums2<G, true, C>(D, qrows, D, kt + k0 * D, kLanes, kLanes * D, lo, hi,
+                                      kPrefetchTiles * kLanes * D);
           for (int j = 0; j < G; ++j)
             for (int c = 0; c < 2; ++c) {
               _mm256_storeu_ps(scores.data() + j * stride + k0 + c * kLanes, _mm256_mul_ps(lo[j * 2 + c], sc));
@@ -562,48 +560,20 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
     }
 #endif
     for (; k0 < blocks; k0 += kLanes)
-      score_rows<G, max_tile_rows<G>(), C>(nr, group, qrows, D, kt + k0, S, scale, scores.data() + k0, stride);
+      score_rows<G, max_tile_rows<G>(), C>(nr, group, qrows, D, kt + k0 * D, kLanes, scale, scores.data() + k0,
+                                           stride);
   }
+  if (skew > 0)  // the scores from slot `from` on
+    for (int64_t s = 0; s < nr * group; ++s)
+      std::memmove(scores.data() + s * stride, scores.data() + s * stride + skew, (blocks - skew) * sizeof(float));
   for (int i = 0; i < nr; ++i) {
     const std::vector<int64_t>& own = slots[i];
     const int64_t total = committed + static_cast<int64_t>(own.size());
     float* rs = scores.data() + i * group * stride;  // this row's scores, head j at j * stride
-    const float* q = qrows + i * group * D;
-    if (tail_in_blocks) {
-      // An ancestor's slot is at or past its place in the row's key order, and later
-      // ancestors sit at later slots: moving them in order overwrites nothing still needed.
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t k = committed; k < total; ++k) rs[j * stride + k] = rs[j * stride + own[k - committed]];
-    } else if (paired) {  // (the keys the blocks cannot reach, one at a time by the same code)
-      if constexpr (std::is_same_v<C, at::BFloat16>) {
-        float one[kMaxGroup];
-        const uint32_t* rq = qp + i * group * (D / 2);
-        for (int64_t k = committed; k < total; ++k) {
-          pair_score_one(static_cast<int>(group), rq, D, kt + own[k - committed], S, scale, one);
-          for (int64_t j = 0; j < group; ++j) rs[j * stride + k] = one[j];
-        }
-        for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
-          pair_score_one(static_cast<int>(group), rq, D, kt + k, S, scale, one);
-          for (int64_t j = 0; j < group; ++j) rs[j * stride + k] = one[j];
-        }
-      }
-    } else {
-      for (int64_t k = committed; k < total; ++k) {
-        const int64_t slot = own[k - committed];
-        for (int64_t j = 0; j < group; ++j) {
-          float sc = 0.f;
-          for (int64_t d = 0; d < D; ++d) sc += q[j * D + d] * widen(kt[d * S + slot]);
-          rs[j * stride + k] = sc * scale;
-        }
-      }
-      for (int64_t k = std::min(blocks, committed); k < committed; ++k) {  // committed tail
-        for (int64_t j = 0; j < group; ++j) {
-          float sc = 0.f;
-          for (int64_t d = 0; d < D; ++d) sc += q[j * D + d] * widen(kt[d * S + k]);
-          rs[j * stride + k] = sc * scale;
-        }
-      }
-    }
+    // An ancestor's slot is at or past its place in the row's key order, and later ancestors
+    // sit at later slots: moving them in order overwrites nothing still needed.
+    for (int64_t j = 0; j < group; ++j)
+      for (int64_t k = committed; k < total; ++k) rs[j * stride + k] = rs[j * stride + own[k - committed]];
     if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), before the softmax
       for (int64_t j = 0; j < group; ++j)
         for (int64_t k = 0; k < total; ++k) {
@@ -681,7 +651,7 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
       const std::vector<int64_t>& own = slots[0];
       for (int64_t v = 0; v < nv; v += 2) {
         __m256 lo[kPair * 2], hi[kPair * 2];
-        broadcast_sums2<kPair, false, C>(committed, scores.data(), stride, vbase + v * kLanes, D, lo, hi);
+        broadcast_sums2<kPair, false, C>(committed, scores.data(), stride, vbase + v * kLanes, D, kLanes, lo, hi);
         const float* w = scores.data() + committed;
         for (int64_t j = 0; j < group; ++j)
           for (int c = 0; c < 2; ++c) {
@@ -721,8 +691,8 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
          const at::Tensor& lengths, const at::Tensor& ancestors, const at::Tensor& rows,
          float scale, int64_t window, float softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
-  // S: the keys' slot stride (it may exceed the values' slots: padding, never read as a key)
-  const int64_t Hkv = keys.size(1), S = keys.size(3), Sv = values.size(2), W = ancestors.size(2);
+  // S: the keys' slots (tiles of 16; past the values' Sv, padding, never read as a key)
+  const int64_t Hkv = keys.size(1), S = keys.size(2) * kLanes, Sv = values.size(2), W = ancestors.size(2);
   const int64_t group = H / Hkv;
   TORCH_CHECK(group <= kMaxGroup, "too many query heads per KV head");
   TORCH_CHECK(D % kLanes == 0 && D <= kMaxD, "head dim must be a multiple of 16, at most 256");
@@ -830,10 +800,10 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
         const int64_t unit = (b * Hkv + kvh) * R + r;
         acc[i] = g.split == 0 ? accv.data() + i * group * nv : half_acc.data() + (unit * 2 + half) * group * nv;
       }
-      const C* kt = kp + (b * Hkv + kvh) * D * S + from;      // [D][S], from slot `from`
+      const C* khead = kp + (b * Hkv + kvh) * S * D;              // [S / 16][D][16]
       const C* vbase = vp + ((b * Hkv + kvh) * Sv + from) * D;  // [Sv][D], from slot `from`
-      attend_tile<G, C>(tile.nr, group, qrows.data(), D, kt, S, S - from, vbase, part_committed, slots, scale, softcap,
-                     paired, scores, wpairs, acc, tops, sums);
+      attend_tile<G, C>(tile.nr, group, qrows.data(), D, khead, from, S, vbase, part_committed, slots, scale, softcap,
+                        paired, scores, wpairs, acc, tops, sums);
       for (int i = 0; i < tile.nr; ++i) {
         const int64_t r = tile.r0 + i, unit = (b * Hkv + kvh) * R + r;
         if (g.split > 0) {
@@ -891,8 +861,9 @@ void run_by_group(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   }
 }
 
-// q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, D, S'] and
-// values: [B, Hkv, S, D], contiguous (S' >= S), float32, or bfloat16 with a bfloat16 q;
+// q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, S' / 16, D, 16]
+// (tiles of 16 slots, S' >= S) and values: [B, Hkv, S, D], contiguous, float32, or bfloat16
+// with a bfloat16 q;
 // lengths: [B] int64; ancestors: [B, R, W] int64
 // cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence; window:
 // keys per row under a sliding window (0: all); softcap: attention-logit soft cap (0: none).
@@ -900,7 +871,9 @@ void run_by_group(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values,
                                 at::Tensor lengths, at::Tensor ancestors,
                                 at::Tensor rows, double scaling, int64_t window, double softcap) {
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "rank mismatch");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 5 && values.dim() == 4, "rank mismatch");
+  TORCH_CHECK(keys.size(4) == kLanes && keys.size(3) == q.size(3) && keys.size(2) * kLanes >= values.size(2),
+              "keys must be [B, Hkv, S' / 16, D, 16] (S' >= S) for values [B, Hkv, S, D]");
   const bool half_cache = keys.scalar_type() == at::kBFloat16;
   TORCH_CHECK(keys.scalar_type() == values.scalar_type() && (half_cache || keys.scalar_type() == at::kFloat),
               "the cache must be float32 or bfloat16");

@@ -1,5 +1,5 @@
 // The decoder layers of a Llama-family model in one compiled call, for the verify passes on
-// the transposed-key cache: float32 rows with products on SoT's packed panels or 4/8-bit
+// the tiled-key cache: float32 rows with products on SoT's packed panels or 4/8-bit
 // blocks, or rows (bfloat16 on AVX-512 CPUs) with oneDNN's packed products. It calls the same
 // kernels, in the same order, with the same inputs as the Python loop in
 // sot/models/fast_llama.py, so every value has the same bits; what it removes is the
@@ -119,8 +119,8 @@ class LlamaLayers {
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
   // h: [M, D] float32 or bfloat16, the pass's rows after the embedding (M = B * T, or the R packed rows
-  // when `flat` is given); cos, sin: [B, T, hd]; keys: [L, B, Hkv, hd, S'] and values:
-  // [L, B, Hkv, S, hd], the cache; slots: [B, T] the rows' cache slots; lengths, ancestors,
+  // when `flat` is given); cos, sin: [B, T, hd]; keys: [L, B, Hkv, S / 16, hd, 16] (tiles of 16
+  // slots) and values: [L, B, Hkv, S, hd], the cache; slots: [B, T] the rows' cache slots; lengths, ancestors,
   // rows: the attention kernel's layout; flat: [R] the packed rows' places on the [B, T] grid
   // (real: how many of them are real), or None; state_layers: the layers (> 0) whose input
   // residual stream is returned. Returns [h, delta, states...]: the residual stream and the

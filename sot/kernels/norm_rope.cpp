@@ -98,9 +98,8 @@ inline T round_to(float v) { return static_cast<T>(v); }
 
 // Rotary embedding of q and k plus the KV-cache write, in one pass.
 // qkv: [B, T, Hq + 2 Hkv, D] (q heads, k heads, v heads); cos, sin: [B, T, D];
-// keys: [B, Hkv, D, S'], values: [B, Hkv, S, D] (one layer of the cache, float32, or bfloat16
-// for a bfloat16 model, whose keys and values are bfloat16 values; the keys' slot stride
-// S' >= S may carry padding);
+// keys: [B, Hkv, S' / 16, D, 16] (tiles of 16 slots, S' >= S), values: [B, Hkv, S, D] (one layer of the
+// cache, float32, or bfloat16 for a bfloat16 model, whose keys and values are bfloat16 values);
 // slots: [B, T] cache slot per row.
 // Returns q: [B, Hq, T, D]. Every operation rounds to the model dtype exactly as the
 // transformers formula q * cos + rotate_half(q) * sin does, so the bits are the same.
@@ -109,7 +108,7 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                      at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
                      int64_t hq, at::Tensor& q_out) {
   const int64_t B = qkv.size(0), Tn = qkv.size(1), Hall = qkv.size(2), D = qkv.size(3);
-  const int64_t hkv = (Hall - hq) / 2, S = keys.size(3), Sv = values.size(2), half = D / 2;
+  const int64_t hkv = (Hall - hq) / 2, Sk = keys.size(2) * kLanes, Sv = values.size(2), half = D / 2;
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
@@ -134,7 +133,9 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
           if (h < hq) {
             qp[((b * hq + h) * Tn + t) * D + d] = value;
           } else {
-            kp[((b * hkv + (h - hq)) * D + d) * S + where] = static_cast<C>(static_cast<float>(value));
+            // slot `where` is lane where % 16 of tile where / 16
+            kp[((b * hkv + (h - hq)) * Sk + where / kLanes * kLanes) * D + d * kLanes + where % kLanes] =
+                static_cast<C>(static_cast<float>(value));
           }
         }
       }
@@ -155,7 +156,9 @@ at::Tensor rope_write(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor
 
 at::Tensor rope_write_checked_once(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys,
                                    at::Tensor values, at::Tensor slots, int64_t hq) {
-  TORCH_CHECK(qkv.dim() == 4 && cos.dim() == 3 && keys.dim() == 4, "rank mismatch");
+  TORCH_CHECK(qkv.dim() == 4 && cos.dim() == 3 && keys.dim() == 5, "rank mismatch");
+  TORCH_CHECK(keys.size(4) == kLanes && keys.size(2) * kLanes >= values.size(2) && keys.size(3) == qkv.size(3),
+              "keys must be [B, Hkv, S' / 16, D, 16] (S' >= S) for values [B, Hkv, S, D]");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   qkv = qkv.contiguous();
   cos = cos.contiguous();

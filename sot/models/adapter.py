@@ -497,7 +497,7 @@ class TargetModel:
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
-        # With the compiled CPU kernel the cache has transposed keys (its layout) and holds
+        # With the compiled CPU kernel the cache has tiled keys (its layout) and holds
         # float32, or bfloat16 for a bfloat16 model (whose keys and values are bfloat16 values:
         # half the bytes to read, the same numbers); otherwise it holds the model dtype.
         # Attention accumulates in float32 either way.
@@ -511,7 +511,7 @@ class TargetModel:
         return KVCache(
             self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device,
             (torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32) if kernel else self.dtype,
-            transposed_keys=kernel,
+            tiled_keys=kernel,
         )
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,

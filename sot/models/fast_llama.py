@@ -227,7 +227,7 @@ class FastLlama:
 
     def flattens(self, layout: TreeLayout, cache: KVCache) -> bool:
         """Whether :meth:`forward` runs ``layout`` flat-packed (the compiled kernel's path)."""
-        return layout.flat_index is not None and cache.transposed_keys and self.kernel is not None
+        return layout.flat_index is not None and cache.tiled_keys and self.kernel is not None
 
     def forward(
         self,
@@ -254,7 +254,7 @@ class FastLlama:
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         states = [h] if 0 in state_layers else []
         delta = None  # the last residual branch, added to h lazily (fused with the next norm)
-        if self.layer_call is not None and cache.transposed_keys and layout.kernel is not None:
+        if self.layer_call is not None and cache.tiled_keys and layout.kernel is not None:
             h, delta, more = self._run_compiled(h.reshape(batch * rows, -1), cos3, sin3, cache, layout, None, 0,
                                                 state_layers)
             h, delta = h.view(batch, rows, -1), delta.view(batch, rows, -1)
@@ -265,7 +265,7 @@ class FastLlama:
                 states.append(h)
             x = x.reshape(batch * rows, -1)
             qkv = layer.qkv(x, True).view(batch, rows, nq + 2 * nkv, hd)
-            if cache.transposed_keys:  # the kernel's cache layout
+            if cache.tiled_keys:  # the kernel's cache layout
                 # One compiled call: rope on q and k, K/V into their cache slots.
                 keys, values = cache.layer(idx)
                 q = self.kernel.rope_write(qkv, cos3, sin3, keys, values, layout.write_slots, nq)
