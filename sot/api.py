@@ -181,6 +181,7 @@ class SoT:
         chat_template: str | None = None,
         lora: str | None = None,
         device: str = DEFAULT_DEVICE,
+        kv_cache_dtype: str = "auto",
     ) -> "SoT":
         """Load a target and build the engine.
 
@@ -220,6 +221,11 @@ class SoT:
                 (:func:`sot.models.loading.merge_lora`).
             device: ``auto`` (default: a CUDA GPU when one is visible, else the CPU), ``cpu``,
                 ``cuda`` or ``cuda:N``: where the target, its cache and the predictor live.
+            kv_cache_dtype: ``auto`` (the engine's: float32, or bfloat16 for a bfloat16 one),
+                ``float32``, ``bfloat16`` or ``float16``: with a float32 engine (``float32`` or
+                ``int8``) the last two halve the bytes attention reads, faster at long contexts,
+                and round the keys and values the cache holds, so answers may differ slightly
+                from float32's (speculation stays exact). SoT's CPU attention only.
         """
         if not isinstance(model, (str, os.PathLike)):
             raise ConfigError(f"model must be 'default', a model folder or a .gguf file path, got {model!r}")
@@ -255,7 +261,7 @@ class SoT:
         if suffix_store is not None and Path(suffix_store).is_file():  # (stores exist: the drafter was checked)
             stores.load(suffix_store)
         draft = make_drafter(kind, loaded.model, predictor, top_k=top_k, suffix=stores)
-        target = TargetModel(loaded.model, state_layers=draft.state_layers)
+        target = TargetModel(loaded.model, state_layers=draft.state_layers, kv_cache_dtype=kv_cache_dtype)
         tok = loaded.tokenizer
         if chat_template is not None:
             use_chat_template(tok, chat_template)

@@ -259,9 +259,10 @@ def tree_attention(
 
             return gpu_tree_attention(query, keys, values, k.lengths, k.ancestors, k.rows, scaling, window or 0,
                                       softcap or 0.0)
-        return cpu_kernels().tree_attention_exact(
-            query.to(keys.dtype), keys, values, k.lengths, k.ancestors, k.rows, scaling, window or 0, softcap or 0.0
-        )
+        # (a float32 query stays float32 over a smaller cache: the kernel widens what it reads)
+        q = query if query.dtype == torch.float32 else query.to(keys.dtype)
+        return cpu_kernels().tree_attention_exact(q, keys, values, k.lengths, k.ancestors, k.rows, scaling,
+                                                  window or 0, softcap or 0.0)
     batch, heads, rows, dim = query.shape
     n = layout.rows
     keys, values = cache.layer(layer)  # [B, Hkv, S, D]

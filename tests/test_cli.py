@@ -224,7 +224,9 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
                            (["--policy", "learned", "--policy-model", str(tmp_path)], "is a folder"),
                            # (a policy that reads no model file is not given one silently)
                            (["--policy", "heuristic", "--policy-model", str(model_dir / "config.json")],
-                            "the heuristic policy reads no model file")):
+                            "the heuristic policy reads no model file"),
+                           (["--dtype", "bfloat16", "--kv-cache-dtype", "float16"],
+                            "--kv-cache-dtype float16 takes a float32 engine")):
         assert main([*base, *extra]) == 2, extra
         err = capsys.readouterr().err
         assert message in err and "model path" not in err and "Traceback" not in err, (extra, err)

@@ -238,6 +238,40 @@ def test_head_dim_outside_the_kernel_uses_the_pytorch_path() -> None:
     assert run(target, RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.8), prompts) == plain
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_a_smaller_kv_cache_keeps_speculation_exact(arch: str, kv: str) -> None:
+    """A float32 model over a float16 or bfloat16 KV cache (``kv_cache_dtype``; the fast path,
+    a sliding window and the generic path): tree rows give plain decoding's logits bit for bit,
+    alone and in a batch, and the answers are close to the float32 cache's, not always equal."""
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    model = tiny_model(arch)
+    target = TargetModel(clone(model, torch.float32), kv_cache_dtype=kv)
+    assert target.new_cache(1, 64).keys.dtype == getattr(torch, kv)
+    prompts = random_prompts(LENGTHS, seed=2)
+    plain = traced(target, NoDrafter(), prompts)
+    tokens = [t.argmax(-1).tolist() for t in plain]
+    assert [t.argmax(-1).tolist() for t in traced(target, NoDrafter(), prompts[:1])] == tokens[:1]
+    spec = traced(target, RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.7, seed=5), prompts)
+    for a, b in zip(plain, spec):
+        assert torch.equal(a, b)
+    wide = traced(TargetModel(clone(model, torch.float32)), NoDrafter(), prompts)
+    first = [a[0] for a in plain], [b[0] for b in wide]  # the first token's logits: only the rounding apart
+    assert all(torch.allclose(a, b, atol=0.05) and not torch.equal(a, b) for a, b in zip(*first))
+
+
+def test_kv_cache_dtypes_a_model_cannot_take_are_refused_by_name() -> None:
+    from sot.errors import ConfigError
+
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="float16 takes a float32 engine"):
+        TargetModel(clone(model, torch.bfloat16), kv_cache_dtype="float16")
+    with pytest.raises(ConfigError, match="unknown KV cache dtype"):
+        TargetModel(clone(model, torch.float32), kv_cache_dtype="fp8")
+    assert TargetModel(clone(model, torch.bfloat16), kv_cache_dtype="float32").kv_dtype == torch.float32
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (5, 1)], ids=["group3", "group5"])
 def test_kernel_query_head_groups_are_lossless(heads: int, kv_heads: int, dtype: torch.dtype) -> None:

@@ -273,6 +273,36 @@ def test_a_bfloat16_cache_keeps_plain_decodings_bits_at_the_cache_end() -> None:
         assert torch.allclose(tree[:, r].double(), expected, atol=0.03, rtol=0.02), r
 
 
+@pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_float32_rows_over_a_smaller_cache_take_its_values_exactly(kv: torch.dtype) -> None:
+    """Float32 rows over a float16 or bfloat16 cache (``kv_cache_dtype``) give the bits of the
+    same rows over a float32 cache holding the same values: loads widen exactly and the
+    arithmetic is the float32 kernel's, for tree rows, under a window, with 1 and 3 query heads
+    per KV head. rope_write stores the rounding of what it stores in float32."""
+    from sot.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(6)
+    for group, window in ((3, 0), (3, 201), (1, 0)):
+        keys = torch.randn(1, 2, 64, 320, generator=gen).to(kv)
+        values = torch.randn(1, 2, 320, 64, generator=gen).to(kv)
+        q = torch.randn(1, 2 * group, 4, 64, generator=gen) * 3
+        paths = [[300], [300, 301], [300, 302], [300, 301, 303]]
+        small = _kernel_attention(q, keys, values, 300, paths, window)
+        assert small.dtype == torch.float32
+        assert torch.equal(small, _kernel_attention(q, keys.float(), values.float(), 300, paths, window))
+    qkv = torch.randn(1, 3, 6 + 2 * 2, 64, generator=gen)  # 6 query heads, 2 KV heads, 3 rows
+    cos, sin = torch.randn(1, 3, 64, generator=gen), torch.randn(1, 3, 64, generator=gen)
+    slots = torch.tensor([[17, 18, 40]])
+    caches = {dt: (torch.zeros(1, 2, 4, 64, 16, dtype=dt), torch.zeros(1, 2, 64, 64, dtype=dt))
+              for dt in (torch.float32, kv)}
+    qs = {dt: cpu_kernels().rope_write(qkv, cos, sin, *caches[dt], slots, 6) for dt in caches}
+    assert torch.equal(qs[kv], qs[torch.float32])  # q is float32 either way
+    assert torch.equal(caches[kv][0], caches[torch.float32][0].to(kv)) and caches[kv][0].any()
+    assert torch.equal(caches[kv][1], caches[torch.float32][1].to(kv))
+
+
 def test_tiled_keys_hold_what_plain_keys_hold_through_every_cache_operation() -> None:
     """The kernel's tiled keys (``[L, B, Hkv, S / 16, D, 16]``) against keys stored by slot,
     through the same operations: writes of tree rows, spans read and written across tile

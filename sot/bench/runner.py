@@ -67,6 +67,7 @@ class BenchConfig:
     methods: tuple[str, ...] = ("hf", "plain", "pld")
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # the engine methods' KV cache (TargetModel's kv_cache_dtype)
     device: str = DEFAULT_DEVICE
     hf_dtype: str = "float32"
     max_new_tokens: int = GenerationParams.max_new_tokens
@@ -274,7 +275,8 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
         tokenizer = loaded.tokenizer
         drafters = {m: _drafter(cfg, m, loaded.model) for m in engine_methods}
         layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))
-        engines[mode.dtype] = (TargetModel(loaded.model, state_layers=layers), drafters)
+        engines[mode.dtype] = (TargetModel(loaded.model, state_layers=layers, kv_cache_dtype=cfg.kv_cache_dtype),
+                               drafters)
     if engines:
         target, drafters = next(iter(engines.values()))
     for name in cfg.methods:

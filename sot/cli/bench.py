@@ -6,8 +6,8 @@ import sys
 
 from sot.bench.runner import BenchConfig
 from sot.cli.common import (
-    DTYPE_CHOICES, add_chat_flag, add_device_arg, add_policy_args, add_threads_arg, add_tree_args, apply_threads,
-    non_negative_float, non_negative_int, policy_from_args, positive_int,
+    DTYPE_CHOICES, add_chat_flag, add_device_arg, add_kv_cache_arg, add_policy_args, add_threads_arg, add_tree_args,
+    apply_threads, non_negative_float, non_negative_int, policy_from_args, positive_int,
 )
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.sampling import SamplingMode
@@ -37,6 +37,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="engine dtype (auto: the faster of float32 and bfloat16 here; int8: 8-bit integer "
                             "products, see sot generate --help)")
+    add_kv_cache_arg(bench)
     add_device_arg(bench)
     add_threads_arg(bench)
     bench.add_argument("--hf-dtype", choices=["bfloat16", "float32"], default="float32", help="dtype of the hf methods")
@@ -88,6 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         methods=methods,
         model=args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=str(device),
         hf_dtype=args.hf_dtype,
         max_new_tokens=args.max_new_tokens,

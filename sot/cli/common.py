@@ -97,6 +97,17 @@ def apply_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
+def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype``."""
+    from sot.models.loading import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                   help="KV cache dtype (default auto: the engine's, float32 or bfloat16); with --dtype float32 or "
+                        "int8, float16 or bfloat16 halves the bytes attention reads (faster at long contexts) and "
+                        "rounds the keys and values it stores, so answers may differ slightly from float32's; "
+                        "speculation stays exact. SoT's CPU attention only")
+
+
 def add_model_args(p: argparse.ArgumentParser, drafting: bool = True) -> None:
     """The model's flags; with ``drafting``, also the draft tree's, the predictor's and the
     commit policy's (a command that drafts nothing, like ``score``, leaves them out of its help
@@ -108,6 +119,7 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True) -> None:
                         "model and drafter and kept under ~/.cache/sot); int8: products in 8-bit integers over a "
                         "GGUF model's blocks (other weights rounded to 8-bit blocks), as llama.cpp computes them "
                         "(faster on CPUs; answers differ slightly from float32's, and speculation stays exact)")
+    add_kv_cache_arg(p)
     add_device_arg(p)
     add_threads_arg(p)
     p.add_argument("-v", "--verbose", action="store_true", help="print how --dtype was chosen, with the timings")
@@ -239,10 +251,13 @@ def check_load_args(args: argparse.Namespace) -> None:
     """Refuse, before any model loads, loading options that cannot work: a suffix store that
     could not be written, a device this machine lacks, a chat template that is neither Jinja
     nor a file, a predictor or policy file that does not exist, a policy model for a policy
-    that reads none."""
+    that reads none, a float16 KV cache for a bfloat16 engine."""
     from sot.models.loading import resolve_device
     from sot.prompts import read_chat_template
 
+    if getattr(args, "kv_cache_dtype", "auto") == "float16" and args.dtype == "bfloat16":
+        raise SoTError("--kv-cache-dtype float16 takes a float32 engine (--dtype float32 or int8); a bfloat16 "
+                       "engine's cache holds bfloat16 (auto) or float32")
     store = getattr(args, "suffix_store", None)
     check_output_path(store, "--suffix-store")
     if store and os.path.exists(store) and not os.path.isfile(store):  # (a pipe or a device: read, then replaced)
@@ -288,7 +303,8 @@ def load_sot(args: argparse.Namespace) -> SoT:
                    policy=policy_from_args(args), suffix_store=getattr(args, "suffix_store", None),
                    suffix_per_tenant=getattr(args, "suffix_tenants", "shared") == "user",
                    adapt=adapt_from_args(args), prefix_cache_mb=args.prefix_cache_mb,
-                   chat_template=args.chat_template, lora=args.lora, device=str(device))
+                   chat_template=args.chat_template, lora=args.lora, device=str(device),
+                   kv_cache_dtype=args.kv_cache_dtype)
     sot.dtype_choice = choice
     return sot
 

@@ -62,8 +62,9 @@ inline __m256 softmax_exp8(__m256 x) {
 constexpr int64_t kMaxGroup = 16;
 
 // The cache holds float32 or bfloat16 values (bfloat16 models write bfloat16 keys and values,
-// so a float32 cache would only hold them widened). Loads widen exactly, so the arithmetic
-// below is the same float32 arithmetic on the same values either way.
+// so a float32 cache would only hold them widened), or, for a float32 model whose cache was
+// asked to be smaller (--kv-cache-dtype), bfloat16 or float16 roundings of its values. Loads
+// widen exactly, so the arithmetic below is the same float32 arithmetic on the values held.
 
 inline vec16 load16(const float* p) {
   vec16 v;
@@ -81,11 +82,22 @@ inline vec16 load16(const at::BFloat16* p) {
   return v;
 }
 
+inline vec16 load16(const at::Half* p) {
+  float wide[kLanes];
+  for (int l = 0; l < kLanes; ++l) wide[l] = static_cast<float>(p[l]);
+  vec16 v;
+  std::memcpy(&v, wide, sizeof(v));
+  return v;
+}
+
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const at::Half* p) {  // (F16C: exact)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
 
@@ -705,7 +717,8 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   const int64_t* ap = ancestors.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const bool paired = std::is_same_v<C, at::BFloat16> && attention_pairs_bf16();  // (once a call)
+  // (once a call; a float32 q is never rounded to pairs)
+  const bool paired = std::is_same_v<C, at::BFloat16> && std::is_same_v<T, at::BFloat16> && attention_pairs_bf16();
   // the halves of split rows: weighted value sums, largest scores and weight sums per head
   const int64_t units = B * Hkv * R;
   std::vector<vec16> half_acc(units * 2 * group * nv);
@@ -862,8 +875,8 @@ void run_by_group(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 }
 
 // q: [B, H, R, D] (last dim contiguous), float32 or bfloat16; keys: [B, Hkv, S' / 16, D, 16]
-// (tiles of 16 slots, S' >= S) and values: [B, Hkv, S, D], contiguous, float32, or bfloat16
-// with a bfloat16 q;
+// (tiles of 16 slots, S' >= S) and values: [B, Hkv, S, D], contiguous, of one dtype: float32,
+// bfloat16, or float16 with a float32 q;
 // lengths: [B] int64; ancestors: [B, R, W] int64
 // cache slots (-1 past the row's depth); rows: [B] int64 real rows per sequence; window:
 // keys per row under a sliding window (0: all); softcap: attention-logit soft cap (0: none).
@@ -874,10 +887,10 @@ at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 5 && values.dim() == 4, "rank mismatch");
   TORCH_CHECK(keys.size(4) == kLanes && keys.size(3) == q.size(3) && keys.size(2) * kLanes >= values.size(2),
               "keys must be [B, Hkv, S' / 16, D, 16] (S' >= S) for values [B, Hkv, S, D]");
-  const bool half_cache = keys.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(keys.scalar_type() == values.scalar_type() && (half_cache || keys.scalar_type() == at::kFloat),
-              "the cache must be float32 or bfloat16");
-  TORCH_CHECK(!half_cache || q.scalar_type() == at::kBFloat16, "a bfloat16 cache takes a bfloat16 q");
+  const at::ScalarType cache = keys.scalar_type();
+  TORCH_CHECK(values.scalar_type() == cache && (cache == at::kFloat || cache == at::kBFloat16 || cache == at::kHalf),
+              "the cache must be float32, bfloat16 or float16, keys and values alike");
+  TORCH_CHECK(cache != at::kHalf || q.scalar_type() == at::kFloat, "a float16 cache takes a float32 q");
   TORCH_CHECK(q.stride(3) == 1, "q's last dim must be contiguous");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "cache must be contiguous");
   for (const at::Tensor* t : {&lengths, &ancestors, &rows})
@@ -886,9 +899,14 @@ at::Tensor tree_attention_exact(at::Tensor q, at::Tensor keys, at::Tensor values
   const float scale = static_cast<float>(scaling), cap = static_cast<float>(softcap);
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-  if (q.scalar_type() == at::kFloat)
+  const bool q32 = q.scalar_type() == at::kFloat;
+  if (q32 && cache == at::kFloat)
     run_by_group<float, float>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out);
-  else if (half_cache)
+  else if (q32 && cache == at::kBFloat16)
+    run_by_group<float, at::BFloat16>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out);
+  else if (q32)
+    run_by_group<float, at::Half>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out);
+  else if (cache == at::kBFloat16)
     run_by_group<at::BFloat16, at::BFloat16>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out);
   else
     run_by_group<at::BFloat16, float>(q, keys, values, lengths, ancestors, rows, scale, window, cap, out);

@@ -98,8 +98,10 @@ inline T round_to(float v) { return static_cast<T>(v); }
 
 // Rotary embedding of q and k plus the KV-cache write, in one pass.
 // qkv: [B, T, Hq + 2 Hkv, D] (q heads, k heads, v heads); cos, sin: [B, T, D];
-// keys: [B, Hkv, S' / 16, D, 16] (tiles of 16 slots, S' >= S), values: [B, Hkv, S, D] (one layer of the
-// cache, float32, or bfloat16 for a bfloat16 model, whose keys and values are bfloat16 values);
+// keys: [B, Hkv, S' / 16, D, 16] (tiles of 16 slots, S' >= S), values: [B, Hkv, S, D] (one
+// layer of the cache: float32, or bfloat16 for a bfloat16 model, whose keys and values are
+// bfloat16 values; for a float32 model, bfloat16 or float16 when its cache was asked to be
+// smaller, holding the roundings of what it would hold);
 // slots: [B, T] cache slot per row.
 // Returns q: [B, Hq, T, D]. Every operation rounds to the model dtype exactly as the
 // transformers formula q * cos + rotate_half(q) * sin does, so the bits are the same.
@@ -164,14 +166,19 @@ at::Tensor rope_write_checked_once(at::Tensor qkv, at::Tensor cos, at::Tensor si
   cos = cos.contiguous();
   sin = sin.contiguous();
   slots = slots.contiguous();
-  const bool half_cache = keys.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((keys.scalar_type() == at::kFloat || (half_cache && qkv.scalar_type() == at::kBFloat16)) &&
-                  values.scalar_type() == keys.scalar_type() && cos.scalar_type() == qkv.scalar_type(),
-              "dtype mismatch (a float32 cache, or a bfloat16 one for a bfloat16 model)");
+  const at::ScalarType cache = keys.scalar_type();
+  const bool q32 = qkv.scalar_type() == at::kFloat;
+  TORCH_CHECK((cache == at::kFloat || cache == at::kBFloat16 || (cache == at::kHalf && q32)) &&
+                  values.scalar_type() == cache && cos.scalar_type() == qkv.scalar_type(),
+              "dtype mismatch (a float32 or bfloat16 cache, or a float16 one for a float32 model)");
   auto q = at::empty({qkv.size(0), hq, qkv.size(1), qkv.size(3)}, qkv.options());
-  if (qkv.scalar_type() == at::kFloat) {
+  if (q32 && cache == at::kFloat) {
     rope_write_impl<float, float>(qkv, cos, sin, keys, values, slots, hq, q);
-  } else if (qkv.scalar_type() == at::kBFloat16 && half_cache) {
+  } else if (q32 && cache == at::kBFloat16) {
+    rope_write_impl<float, at::BFloat16>(qkv, cos, sin, keys, values, slots, hq, q);
+  } else if (q32) {
+    rope_write_impl<float, at::Half>(qkv, cos, sin, keys, values, slots, hq, q);
+  } else if (qkv.scalar_type() == at::kBFloat16 && cache == at::kBFloat16) {
     rope_write_impl<at::BFloat16, at::BFloat16>(qkv, cos, sin, keys, values, slots, hq, q);
   } else if (qkv.scalar_type() == at::kBFloat16) {
     rope_write_impl<at::BFloat16, float>(qkv, cos, sin, keys, values, slots, hq, q);

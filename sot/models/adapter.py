@@ -22,12 +22,12 @@ import torch
 
 from sot.attention import TreeLayout, tree_attention, use_kernel
 from sot.cache import KVCache
-from sot.errors import UnsupportedModelError
+from sot.errors import ConfigError, UnsupportedModelError
 from sot.kernels import cpu_kernels
 from sot.kernels.linear import PackedLinear, fused_rms_norm
 from sot.models.fast_llama import FAST_FAMILIES, FastLlama, fast_path_gap
 from sot.models.graphs import VerifyGraphs
-from sot.models.loading import INT8_ATTR
+from sot.models.loading import INT8_ATTR, KV_CACHE_DTYPES, dtype_name
 from sot.models.rows import ROW_UNIT
 from sot.models.support import unsupported_reason
 from sot.packing import pack_trees
@@ -419,10 +419,15 @@ class TargetModel:
         fast: run Llama-family models through :class:`FastLlama` (SoT's own forward).
         cuda_graphs: on a CUDA GPU, replay verify passes as CUDA graphs
             (:mod:`sot.models.graphs`; ``SOT_NO_CUDA_GRAPHS=1`` also turns them off).
+        kv_cache_dtype: the KV cache's dtype (:data:`~sot.models.loading.KV_CACHE_DTYPES`):
+            ``auto`` (float32, or bfloat16 for a bfloat16 model), or, where SoT's CPU attention
+            runs, ``bfloat16`` or ``float16`` for a float32 model (half the bytes attention reads;
+            the keys and values are rounded, so answers may differ from float32's, and
+            speculation stays exact) and ``float32`` for a bfloat16 one.
     """
 
     def __init__(self, model: torch.nn.Module, state_layers: tuple[int, ...] = (), fast: bool = True,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, kv_cache_dtype: str = "auto") -> None:
         config = model.config
         reason = unsupported_reason(model)
         if reason is not None:
@@ -458,6 +463,12 @@ class TargetModel:
             self.max_positions = limit
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        #: SoT's compiled CPU attention runs for this model here (its KV cache has tiled keys)
+        self.cpu_attention = (self.device.type == "cpu" and self.head_dim % 16 == 0  # the kernel's lanes and limits
+                              and self.head_dim <= 256 and self.num_heads // self.num_kv_heads <= 16
+                              and cpu_kernels() is not None)
+        #: the KV cache's dtype
+        self.kv_dtype = self._kv_dtype(kv_cache_dtype)
         if self.device.type == "cuda" and importlib.util.find_spec("triton") is None:
             warnings.warn("Triton is not installed: attention on the GPU runs through PyTorch, whose rows can round "
                           "differently by what shares a verify pass, so an answer may differ from plain decoding's "
@@ -495,24 +506,31 @@ class TargetModel:
         padded to the largest tree of the pass."""
         return self.fast is not None and use_kernel(cache)
 
+    def _kv_dtype(self, name: str) -> torch.dtype:
+        """The KV cache's dtype for ``kv_cache_dtype=name``. With the compiled CPU kernel the
+        cache holds float32, or bfloat16 for a bfloat16 model (whose keys and values are bfloat16
+        values: half the bytes to read, the same numbers), unless asked otherwise; elsewhere the
+        model's dtype. Attention accumulates in float32 either way."""
+        if name not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown KV cache dtype {name!r}; choose from {', '.join(KV_CACHE_DTYPES)}")
+        if not self.cpu_attention:
+            if name not in ("auto", dtype_name(self.dtype)):
+                raise ConfigError(f"--kv-cache-dtype {name} needs SoT's CPU attention (a head dim that is a multiple "
+                                  f"of 16, at most 256, on the CPU); here the cache holds the model's "
+                                  f"{dtype_name(self.dtype)}: use auto")
+            return self.dtype
+        own = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+        chosen = KV_CACHE_DTYPES[name] or own
+        if own == torch.bfloat16 and chosen == torch.float16:
+            raise ConfigError("--kv-cache-dtype float16 takes a float32 engine (--dtype float32 or int8); a bfloat16 "
+                              "engine's cache holds bfloat16 (auto) or float32")
+        return chosen
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots."""
-        # With the compiled CPU kernel the cache has tiled keys (its layout) and holds
-        # float32, or bfloat16 for a bfloat16 model (whose keys and values are bfloat16 values:
-        # half the bytes to read, the same numbers); otherwise it holds the model dtype.
-        # Attention accumulates in float32 either way.
-        kernel = (
-            self.device.type == "cpu"
-            and self.head_dim % 16 == 0  # the kernel's vector width and limits
-            and self.head_dim <= 256
-            and self.num_heads // self.num_kv_heads <= 16
-            and cpu_kernels() is not None
-        )
-        return KVCache(
-            self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device,
-            (torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32) if kernel else self.dtype,
-            tiled_keys=kernel,
-        )
+        """A KV cache for ``batch_size`` sequences of up to ``capacity`` slots (tiled keys and
+        :attr:`kv_dtype` where SoT's CPU attention runs)."""
+        return KVCache(self.num_layers, batch_size, self.num_kv_heads, self.head_dim, capacity, self.device,
+                       self.kv_dtype, tiled_keys=self.cpu_attention)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
              last_row: int | None = None) -> ForwardOutput:

@@ -36,6 +36,10 @@ INT8 = "int8"
 MODE_DTYPES = {**DTYPES, INT8: torch.float32}
 #: values of ``--dtype``: ``auto`` picks the faster float mode (:mod:`sot.dtype_choice`)
 DTYPE_CHOICES = ("auto", *MODE_DTYPES)
+#: values of ``--kv-cache-dtype``: ``auto`` keeps the engine's (float32, or bfloat16 for a bfloat16
+#: engine); bfloat16 and float16 halve what a float32 engine's attention reads, rounding the keys
+#: and values it stores (SoT's CPU attention only)
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: the attribute that marks a loaded model for 8-bit integer products (read by the adapter)
 INT8_ATTR = "_sot_int8"
 

@@ -2,7 +2,7 @@
 
 Measuring the curve takes about 15 seconds on the default model on a 2-core AVX2 machine
 (about 90 passes of up to 96 rows), so it is kept under ``$SOT_CACHE/costs/`` (default
-``~/.cache/sot``) per machine, target weights, dtype, compute path and kernel build, and later
+``~/.cache/sot``) per machine, target weights, dtype, KV cache dtype, compute path and kernel build, and later
 loads read it back; delete the folder to measure again. A running engine still rescales the curve to the passes it times
 (:meth:`CostModel.observe`), so a busier machine than at measurement is followed.
 """
@@ -167,6 +167,7 @@ def cost_cache_path(target: torch.nn.Module, max_rows: int) -> Path | None:
         "format": COST_FORMAT, "machine": machine_key(), "target": target_fingerprint(model),
         "layout": hashlib.sha256(repr(layout).encode()).hexdigest()[:16], "dtype": str(target.dtype),
         "fast": target.fast is not None, "int8": target.int8, "row_multiple": target.row_multiple, "rows": max_rows,
+        "kv": str(getattr(target, "kv_dtype", target.dtype)),  # (a smaller KV cache: cheaper attention)
         "kernels": kernels_key(),
     }, sort_keys=True, default=str)
     return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
