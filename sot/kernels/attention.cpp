@@ -111,12 +111,6 @@ inline __m256 load8(const at::Half* p) {  // (F16C: exact)
 // Tiles ahead of the block being scored whose lines are prefetched.
 constexpr int64_t kPrefetchTiles = 2;
 
-// Key k's dimension d in one head's tiled keys (kt: the head's first tile).
-template <typename C>
-inline const C& key_at(const C* kt, int64_t D, int64_t d, int64_t k) {
-  return kt[(k / kLanes) * kLanes * D + d * kLanes + k % kLanes];
-}
-
 // One 16-key block of scores for the query heads of one KV head, in plain lane-wise
 // arithmetic (score_tile's vector registers do the same): each lane sums q[d] * k[d] over d
 // in order, dimension d of the 16 keys at kt + d * S (S = 16 in a tile). G > 0 fixes the head
