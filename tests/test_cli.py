@@ -25,6 +25,29 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sot.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+def test_kv_cache_dtype_reaches_the_engine_from_generate_and_bench(model_dir: Path, tmp_path: Path) -> None:
+    """--kv-cache-dtype float16 gives the engine of sot generate (and serve, which loads the
+    same way) and of sot bench a float16 cache where SoT's CPU attention runs."""
+    import torch
+
+    from sot.bench.runner import BenchConfig, build_methods
+    from sot.cli.common import load_sot
+    from sot.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    args = build_parser().parse_args(["generate", "x", "--model", str(model_dir), "--dtype", "float32",
+                                      "--drafter", "pld", "--kv-cache-dtype", "float16"])
+    sot = load_sot(args)
+    assert sot.target.kv_dtype == torch.float16 and sot.target.new_cache(1, 64).keys.dtype == torch.float16
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    cfg = BenchConfig(prompts=str(prompts), methods=("plain",), model=str(model_dir), dtype="float32",
+                      kv_cache_dtype="float16", out=str(tmp_path / "out"), notes=[])
+    _, _, target = build_methods(cfg)
+    assert target.kv_dtype == torch.float16
+
+
 def test_generate_json_fields(model_dir: Path, capsys) -> None:
     rc = main(["generate", "hello there", "--model", str(model_dir), "--max-new-tokens", "12", "--json", "--ignore-eos"])
     assert rc == 0

@@ -256,8 +256,9 @@ def check_load_args(args: argparse.Namespace) -> None:
     from sot.prompts import read_chat_template
 
     if getattr(args, "kv_cache_dtype", "auto") == "float16" and args.dtype == "bfloat16":
-        raise SoTError("--kv-cache-dtype float16 takes a float32 engine (--dtype float32 or int8); a bfloat16 "
-                       "engine's cache holds bfloat16 (auto) or float32")
+        from sot.models.loading import KV_FLOAT16_NEEDS_FLOAT32
+
+        raise SoTError(KV_FLOAT16_NEEDS_FLOAT32)
     store = getattr(args, "suffix_store", None)
     check_output_path(store, "--suffix-store")
     if store and os.path.exists(store) and not os.path.isfile(store):  # (a pipe or a device: read, then replaced)

@@ -27,7 +27,7 @@ from sot.kernels import cpu_kernels
 from sot.kernels.linear import PackedLinear, fused_rms_norm
 from sot.models.fast_llama import FAST_FAMILIES, FastLlama, fast_path_gap
 from sot.models.graphs import VerifyGraphs
-from sot.models.loading import INT8_ATTR, KV_CACHE_DTYPES, dtype_name
+from sot.models.loading import INT8_ATTR, KV_CACHE_DTYPES, KV_FLOAT16_NEEDS_FLOAT32, dtype_name
 from sot.models.rows import ROW_UNIT
 from sot.models.support import unsupported_reason
 from sot.packing import pack_trees
@@ -522,8 +522,7 @@ class TargetModel:
         own = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
         chosen = KV_CACHE_DTYPES[name] or own
         if own == torch.bfloat16 and chosen == torch.float16:
-            raise ConfigError("--kv-cache-dtype float16 takes a float32 engine (--dtype float32 or int8); a bfloat16 "
-                              "engine's cache holds bfloat16 (auto) or float32")
+            raise ConfigError(KV_FLOAT16_NEEDS_FLOAT32)
         return chosen
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:

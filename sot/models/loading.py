@@ -40,6 +40,9 @@ DTYPE_CHOICES = ("auto", *MODE_DTYPES)
 #: engine); bfloat16 and float16 halve what a float32 engine's attention reads, rounding the keys
 #: and values it stores (SoT's CPU attention only)
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: why a bfloat16 engine refuses a float16 cache (the kernel widens a float16 cache for float32 rows only)
+KV_FLOAT16_NEEDS_FLOAT32 = ("--kv-cache-dtype float16 takes a float32 engine (--dtype float32 or int8); a bfloat16 "
+                            "engine's cache holds bfloat16 (auto) or float32")
 #: the attribute that marks a loaded model for 8-bit integer products (read by the adapter)
 INT8_ATTR = "_sot_int8"
 
