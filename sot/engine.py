@@ -40,7 +40,7 @@ from sot.requests import (
     GenerationParams, LiveRequest, PhaseTimes, SequenceResult, StagedPrompt, StepStats, TokenEvent, check_number,
     check_prompts, check_request, check_routing,
 )
-from sot.sampling import sequence_generator, token_logprobs
+from sot.sampling import CoupledDraw, sequence_generator, token_logprobs
 from sot.structured import Grammars
 from sot.trace import build_record, record_step, step_mode
 from sot.tree import DraftTree
@@ -540,7 +540,8 @@ class Engine:
 
     def _draft_input(self, seq: LiveRequest, states: torch.Tensor | None) -> DraftInput:
         return DraftInput(seq.id, seq.context, states, seq.result.index, seq.tenant,
-                          DraftRules.of(seq.params.sampling, len(seq.prompt)), seq.params.prediction)
+                          DraftRules.of(seq.params.sampling, len(seq.prompt)), seq.params.prediction,
+                          CoupledDraw.of(seq.params.sampling, seq.result.index, self.target.logits_width))
 
     def _plan_and_draft(self, seqs: list[LiveRequest]) -> tuple[StepPlan, list[DraftTree]]:
         """The policy plans the step, the drafter proposes, the policy selects what to

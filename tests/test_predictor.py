@@ -23,6 +23,7 @@ from sot.drafters.state import (
 )
 from sot.engine import Engine, GenerationParams
 from sot.errors import ConfigError, DrafterCompatibilityError
+from sot.sampling import SamplingMode
 from sot.models.adapter import TargetModel
 from sot.models.loading import load_model
 
@@ -95,6 +96,57 @@ def test_trained_drafter_is_lossless_and_accepts(tiny_run) -> None:
     res = Engine(target, drafter, TreeBudget(12, 6)).generate(prompts, params)
     assert [r.token_ids for r in res] == plain
     assert sum(sum(r.accept_lengths) - r.steps for r in res) > 0, "some drafted tokens should be accepted"
+
+
+def test_coupled_draws_are_drafted_by_their_noise() -> None:
+    """A coupled-sampled sequence's drafts are the tokens its draw gives under the predictor's
+    distribution: at tree depth d, ``argmax(log_softmax(processed(q)) + g)`` over the draft
+    vocabulary, ``g`` the noise of position root + d; with ``follow_draws`` off, the
+    predictor's likeliest tokens. Either way the sampled output is plain decoding's."""
+    from sot.drafters import DraftInput
+    from sot.sampling import CoupledDraw, SamplingParams, gumbel_noise, processed_logits
+
+    model = tiny_model("llama", seed=4)
+    vocab = model.config.vocab_size
+    draft_vocab = torch.arange(3, vocab, 2)  # (a part of the vocabulary: ids map back)
+    pred = new_predictor(model, LAYERS, draft_vocab, seed=2)
+    sampling = SamplingParams(temperature=0.6, top_k=6, seed=11)
+    (ctx, st), = chain_inputs(model, pred, [15], seed=3)
+    root = len(ctx) - 1
+
+    def chain(follow: bool) -> list[int]:
+        drafter = StateDrafter(pred, top_k=1, lookup=False, min_confidence=0.0)
+        drafter.follow_draws, drafter.record_states = follow, True
+        drafter.reset(1)
+        source = DraftInput(0, ctx, st, index=5, draw=CoupledDraw.of(sampling, 5, vocab))
+        tree = drafter.propose([source], TreeBudget(3, 2))[0]
+        assert tree.size == 3 and tree.parents == [-1, 0, 1]
+        states = drafter.predicted_states(0)
+        with torch.no_grad():  # the predictor's logits after the root and after the first token
+            rows = [pred._linear("head", states[path]) for path in ((), (tree.tokens[1],))]
+        for depth, row in enumerate(rows, start=1):
+            own = torch.log_softmax(row.float(), -1)[None]
+            scores = torch.log_softmax(processed_logits(own, sampling).double(), -1)
+            if follow:
+                scores = scores + gumbel_noise(sampling.seed, 5, root + depth, vocab)[draft_vocab]
+            assert tree.tokens[depth] == int(draft_vocab[int(scores.argmax())]), (follow, depth)
+            if follow and depth == 1:  # its confidence: the draw's chance under Gumbel errors of scale 1 / T
+                weight = torch.softmax(scores * sampling.temperature, -1).max().item()
+                assert tree.draft_probs[1] == pytest.approx(weight, rel=1e-4)
+        return tree.tokens
+
+    assert chain(True) != chain(False)
+    assert CoupledDraw.of(SamplingParams(), 5, vocab) is None  # greedy
+    assert CoupledDraw.of(dataclasses.replace(sampling, mode=SamplingMode.REJECTION), 5, vocab) is None
+
+    target = TargetModel(model, state_layers=LAYERS)
+    prompts = random_prompts((9, 40), seed=3)
+    params = GenerationParams(max_new_tokens=30, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=3))
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    for batch in (1, 3):
+        drafter = StateDrafter(new_predictor(model, LAYERS, draft_vocab, seed=1), top_k=3)
+        out = Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params, batch_size=batch)
+        assert [r.token_ids for r in out] == plain
 
 
 @pytest.mark.parametrize("rules", [dict(frequency_penalty=0.7), dict(repetition_penalty=1.4, presence_penalty=0.3),

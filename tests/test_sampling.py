@@ -21,6 +21,31 @@ def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
 
 
+def test_gumbel_noise_is_drawn_once_per_position_and_its_store_is_bounded() -> None:
+    """A position's noise is the same vector whether drawn or reused (a drafter and the verify
+    walk read it in turn), it depends on every part of its key, and the store keeps the most
+    recently used vectors within its byte cap."""
+    from sot.sampling import _key, _NoiseCache, gumbel_noise
+
+    gen = torch.Generator().manual_seed(_key(7, 2, 40))
+    fresh = -torch.log(-torch.log(torch.rand(300, generator=gen, dtype=torch.float64).clamp_(min=1e-300)))
+    first = gumbel_noise(7, 2, 40, 300)
+    assert torch.equal(first, fresh) and gumbel_noise(7, 2, 40, 300) is first
+    for other in ((8, 2, 40), (7, 3, 40), (7, 2, 41)):
+        assert not torch.equal(gumbel_noise(*other, 300), first), other
+
+    store = _NoiseCache(max_bytes=3 * 100 * 8)  # three vectors of 100 float64
+    vectors = {k: torch.full((100,), float(k), dtype=torch.float64) for k in range(5)}
+    for k in range(3):
+        store.put((0, 0, k, 100), vectors[k])
+    assert store.get((0, 0, 0, 100)) is vectors[0]  # (now the most recently used)
+    store.put((0, 0, 3, 100), vectors[3])  # drops key 1, the least recently used
+    assert store.get((0, 0, 1, 100)) is None and store.get((0, 0, 0, 100)) is vectors[0]
+    assert store.bytes == 3 * 100 * 8
+    store.put((0, 0, 4, 1000), torch.zeros(1000, dtype=torch.float64))  # larger than the cap: not kept
+    assert store.get((0, 0, 4, 1000)) is None and store.bytes == 3 * 100 * 8
+
+
 def test_greedy_keeps_exactly_the_argmax_prefix() -> None:
     logits = torch.full((4, 6), -5.0)
     logits[0, 3] = logits[2, 1] = logits[3, 4] = logits[1, 0] = 5.0

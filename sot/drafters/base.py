@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from sot.drafters.suffix import SuffixStores
+    from sot.sampling import CoupledDraw
 
 from sot.errors import ConfigError
 from sot.requests import check_number
@@ -133,6 +134,9 @@ class DraftInput:
             it asks for none.
         prediction: token ids the request expects the answer to repeat (Predicted Outputs),
             copied from as the context is; empty: none.
+        draw: how the sequence's tokens are drawn where coupled sampling draws them (its
+            noise at every position ahead is known), for drafters that draft with that
+            noise; ``None``: greedy decoding or rejection sampling.
     """
 
     sequence: int
@@ -142,6 +146,7 @@ class DraftInput:
     tenant: str | None = None
     rules: DraftRules | None = None
     prediction: Sequence[int] = ()
+    draw: CoupledDraw | None = None
 
 
 class Drafter(ABC):

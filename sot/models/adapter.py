@@ -481,6 +481,8 @@ class TargetModel:
                               "multiple of 32 inputs, so its products run in float32", RuntimeWarning, stacklevel=2)
         #: the LM head's module and its final-logit soft cap (Gemma 2), for logits computed on demand
         self._head = model.get_output_embeddings()
+        #: the width of a logits row (the head's outputs; some models pad it past the vocabulary)
+        self.logits_width = int(getattr(self._head, "out_features", 0) or self.vocab_size)
         self._softcap = getattr(text, "final_logit_softcapping", None)
         #: verify passes leave each row's logits to be computed when read (:class:`ForwardOutput`):
         #: on the CPU, through SoT's forward or a family whose head is a row-stable linear product

@@ -11,6 +11,7 @@ from sot.drafters.free import FreeDrafts
 from sot.drafters.state.model import StatePredictor
 from sot.drafters.suffix import SuffixStores
 from sot.errors import ConfigError
+from sot.sampling import processed_logits
 from sot.tree import DraftTree
 
 
@@ -126,10 +127,13 @@ class StateDrafter(Drafter):
         self.seqs: dict[int, _SeqState] = {}  # by DraftInput.sequence
         #: follow each request's penalties and bias in its drafts (:class:`DraftRules`)
         self.follow_rules = True
+        #: draft a coupled-sampled sequence by its draw's noise (:meth:`_child_logp`)
+        self.follow_draws = True
         self.dtype = next(predictor.parameters()).dtype
         #: where the predictor runs (the target's device: the states come from there)
         self.device = next(predictor.parameters()).device
         self._vocab = predictor.draft_vocab.tolist()
+        self._vocab_ids = predictor.draft_vocab.to(torch.long).cpu()  # [Vd] target ids (noise is drawn on the host)
         self._index = {t: i for i, t in enumerate(self._vocab)}  # token -> draft-vocabulary row
 
     @property
@@ -281,7 +285,7 @@ class StateDrafter(Drafter):
         # per growth, its request's rules over the committed context (None: no growth has rules)
         ruled = self.follow_rules and any(gr.source.rules is not None for gr in growths)
         bases: dict[int, tuple] | None = {} if ruled else None
-        logp = torch.log_softmax(self._with_rules(p.logits(last).float(), [(gr, -1) for gr in growths], bases), dim=-1)
+        logp = self._child_logp(p.logits(last), [(gr, -1) for gr in growths], bases, 1)
         val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
         for gr, vs, ids in zip(growths, val.tolist(), idx.tolist()):
             gr.frontier = gr.add(-1, 1, 0.0, vs, ids, self._vocab)
@@ -321,7 +325,7 @@ class StateDrafter(Drafter):
                 masks.append((gr.seq, base, mask.to(self.device)))
             g = self._layers(h, q, k, v, pos, masks)[0]  # [M, D]
             rows = [(gr, n) for gr in live for n in gr.frontier]
-            logp = torch.log_softmax(self._with_rules(p.logits(g).float(), rows, bases), dim=-1)
+            logp = self._child_logp(p.logits(g), rows, bases, depth + 1)
             val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
             vals, ids = val.tolist(), idx.tolist()
             at = 0
@@ -333,6 +337,38 @@ class StateDrafter(Drafter):
                     at += 1
                 cand.sort(key=lambda c: -gr.score[c])
                 gr.frontier = cand[:k_top]
+
+    def _child_logp(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict | None,
+                    depth: int) -> torch.Tensor:
+        """The drafted log-probabilities ``[M, Vd]`` (float32) of the children, at tree depth
+        ``depth``, of the nodes ``rows`` (``(growth, node)``, a growth's rows together) from
+        the predictor's ``logits [M, Vd]``, with each request's rules applied.
+
+        Greedy and rejection-sampled sequences draft by the predictor's distribution. A
+        sequence drawn by coupled sampling drafts by the draw it will take: the target picks
+        ``argmax(log p + g)`` at each position, ``g`` that position's noise, known now. Its
+        children are ranked by ``log q + g``, ``q`` the predictor's distribution under
+        the request's temperature ``T``, top-k, top-p and min-p: the first child is the token
+        the draw gives if the target's distribution is ``q``, and each child's weight,
+        ``softmax(T * (log q + g))``, is the chance that the draw picks it if the target's
+        logits differ from the predictor's by independent standard Gumbel errors (errors of
+        scale ``1 / T`` after the temperature). Those weights are calibrated confidences on
+        chat prompts at temperature 1 (``scripts/sampling_ab.py --chains``). Drafting by ``q``
+        alone proposes the likeliest token, which a draw at temperature 1 often passes
+        over."""
+        logp = torch.log_softmax(self._with_rules(logits.float(), rows, bases), dim=-1)
+        i = 0
+        while i < len(rows):
+            gr, j = rows[i][0], i + 1
+            while j < len(rows) and rows[j][0] is gr:
+                j += 1
+            draw = gr.source.draw if self.follow_draws else None
+            if draw is not None:
+                scores = torch.log_softmax(processed_logits(logp[i:j], draw.params).double(), dim=-1)
+                noise = draw.noise(gr.root_pos + depth)[self._vocab_ids].to(logp.device)
+                logp[i:j] = torch.log_softmax((scores + noise) * draw.params.temperature, dim=-1).float()
+            i = j
+        return logp
 
     def _with_rules(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict | None) -> torch.Tensor:
         """``logits [M, Vd]`` (float32, over the draft vocabulary) with each row's request
