@@ -40,8 +40,8 @@ def build_base(rev: str, where: Path):
     (where / "module.cpp").write_text(BINDING)
     flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
     capability = torch.backends.cpu.get_cpu_capability()
-    flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"] if capability.startswith(("AVX512", "AMX")) \
-        else (["-mavx2", "-mfma"] if capability == "AVX2" else [])
+    flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"] \
+        if capability.startswith(("AVX512", "AMX")) else (["-mavx2", "-mfma", "-mf16c"] if capability == "AVX2" else [])
     return load(name="sot_attention_base", sources=[str(where / "attention.cpp"), str(where / "module.cpp")],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
 
@@ -88,7 +88,9 @@ def main() -> int:
         print(f"| keys | capacity | rows | {args.base} ms | this checkout ms | speed-up | same bits |")
         print("|---|---|---|---|---|---|---|")
         layouts = {id(mod): takes_tiles(mod) for mod in (base, new)}
-        for length, capacity in ((256, 384), (900, 1024), (1500, 1536), (3000, 3072)):
+        most = max(int(r) for r in args.rows.split(","))
+        for length in (256, 900, 1500, 3000):
+            capacity = (length + most + 127) // 128 * 128  # (room for the longest chain's rows)
             rows_keys = [torch.randn(1, kv_heads, dim, row_stride(capacity), generator=gen).to(dtype)
                          for _ in range(layers)]
             tiled_keys = [as_tiles(k, capacity) for k in rows_keys]

@@ -142,6 +142,35 @@ def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length
         assert torch.allclose(tree[0, r].double(), expected, atol=1e-5, rtol=1e-4), f"row {r}"
 
 
+@pytest.mark.parametrize("dim", [48, 64])
+@pytest.mark.parametrize("group", [1, 3, 4, 6, 8])
+def test_a_prompts_chain_of_rows_gives_each_token_the_bits_of_plain_decoding(group: int, dim: int) -> None:
+    """A prompt is read in chains of up to 64 rows, each row seeing the ones before it as its
+    ancestors: every row equals plain decoding of its token (the ancestors committed), bit for
+    bit, for 1-8 query heads per KV head (the loops that add a row's ancestors take several
+    heads and chunks of the value rows a pass, or one chunk, or none), an even and an odd
+    number of 16-dimension chunks, across the halves a row of many keys splits into; and an
+    ancestor past the cache is refused."""
+    from sot.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(group * dim)
+    kv, rows = 2, 40
+    for length in (30, 240):  # (rows past 256 keys split into halves)
+        slots = length + rows + 16
+        keys = torch.randn(1, kv, dim, slots, generator=gen)
+        values = torch.randn(1, kv, slots, dim, generator=gen)
+        q = torch.randn(1, kv * group, rows, dim, generator=gen) * 3
+        paths = [list(range(length, length + r + 1)) for r in range(rows)]
+        chain = _kernel_attention(q, keys, values, length, paths)
+        for r in range(rows):
+            plain = _kernel_attention(q[:, :, r:r + 1].contiguous(), keys, values, length + r, [[length + r]])
+            assert torch.equal(plain[0, 0], chain[0, r]), (length, r)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        _kernel_attention(q[:, :, :1].contiguous(), keys, values, length, [[slots]])
+
+
 @pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -250,6 +250,76 @@ inline void broadcast_sums2(int64_t n, const float* scalars, int64_t step, const
 }
 #endif
 
+#if defined(__AVX2__)
+// A row's own keys (its ancestors, after the committed keys) added to its value sums, for P
+// query heads and NC 16-lane chunks of the value rows from `off`: acc[s * nv + c] += w[s *
+// stride + k] * v(k)[off + 16 c ...] for k = 0 .. n - 1 in order, v(k) the value row at slot
+// slots[k]; one multiply and one add per lane and key, the operations of a vec16 `a += w * v`
+// loop, with 2 P NC independent accumulators instead of one chain per (head, chunk).
+template <int P, int NC, typename C>
+inline void ancestor_sums(int64_t n, const float* w, int64_t stride, const C* vbase, const int64_t* slots, int64_t D,
+                          int64_t off, vec16* acc, int64_t nv) {
+  __m256 lo[P][NC], hi[P][NC];
+#pragma GCC unroll 8
+  for (int s = 0; s < P; ++s)
+#pragma GCC unroll 2
+    for (int c = 0; c < NC; ++c) {
+      const float* a = reinterpret_cast<const float*>(acc + s * nv + c);
+      lo[s][c] = _mm256_loadu_ps(a);
+      hi[s][c] = _mm256_loadu_ps(a + 8);
+    }
+  for (int64_t k = 0; k < n; ++k) {
+    const C* v = vbase + slots[k] * D + off;
+#pragma GCC unroll 8
+    for (int s = 0; s < P; ++s) {
+      const __m256 x = _mm256_set1_ps(w[s * stride + k]);
+#pragma GCC unroll 2
+      for (int c = 0; c < NC; ++c) {
+        lo[s][c] = _mm256_add_ps(lo[s][c], _mm256_mul_ps(x, load8(v + c * kLanes)));
+        hi[s][c] = _mm256_add_ps(hi[s][c], _mm256_mul_ps(x, load8(v + c * kLanes + 8)));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int s = 0; s < P; ++s)
+#pragma GCC unroll 2
+    for (int c = 0; c < NC; ++c) {
+      float* a = reinterpret_cast<float*>(acc + s * nv + c);
+      _mm256_storeu_ps(a, lo[s][c]);
+      _mm256_storeu_ps(a + 8, hi[s][c]);
+    }
+}
+#endif
+
+// Row i's ancestors (slots own, relative to the values' base) added to its value sums acc
+// (head j's chunk v at acc[j * nv + v], the committed keys' sums already there), w its
+// weights past the committed keys (head j's at w + j * stride): per head and chunk, in the
+// ancestors' order, `a += w * v` in lane-wise arithmetic, whichever loop runs it.
+template <int G, typename C>
+inline void add_ancestors(int64_t group, const std::vector<int64_t>& own, const float* w, int64_t stride,
+                          const C* vbase, int64_t D, vec16* acc, int64_t nv) {
+  if (own.empty()) return;
+  const int64_t n = static_cast<int64_t>(own.size());
+#if defined(__AVX2__)
+  if constexpr (G > 0 && G <= 3) {  // (two chunks a pass: 4 G accumulators)
+    int64_t v = 0;
+    for (; v + 2 <= nv; v += 2) ancestor_sums<G, 2, C>(n, w, stride, vbase, own.data(), D, v * kLanes, acc + v, nv);
+    if (v < nv) ancestor_sums<G, 1, C>(n, w, stride, vbase, own.data(), D, v * kLanes, acc + v, nv);
+    return;
+  }
+  if constexpr (G >= 4 && G <= 6) {
+    for (int64_t v = 0; v < nv; ++v) ancestor_sums<G, 1, C>(n, w, stride, vbase, own.data(), D, v * kLanes, acc + v, nv);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < group; ++j)
+    for (int64_t v = 0; v < nv; ++v) {
+      vec16 a = acc[j * nv + v];
+      for (int64_t k = 0; k < n; ++k) a += w[j * stride + k] * load16(vbase + own[k] * D + v * kLanes);
+      acc[j * nv + v] = a;
+    }
+}
+
 #if defined(__AVX512F__)
 // Scores over a bfloat16 cache with the AVX512-BF16 pair dot product (VDPBF16PS), where the CPU
 // has it: q and the keys are both bfloat16 then, so one instruction takes two head dimensions
@@ -654,42 +724,29 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
   constexpr int kPair = G > 0 && G <= 3 ? G : 0;
   if constexpr (kPair > 0) {
     if (nr == 1 && nv % 2 == 0) {
-      const std::vector<int64_t>& own = slots[0];
       for (int64_t v = 0; v < nv; v += 2) {
         __m256 lo[kPair * 2], hi[kPair * 2];
         broadcast_sums2<kPair, false, C>(committed, scores.data(), stride, vbase + v * kLanes, D, kLanes, lo, hi);
-        const float* w = scores.data() + committed;
         for (int64_t j = 0; j < group; ++j)
           for (int c = 0; c < 2; ++c) {
-            vec16 a;
-            std::memcpy(&a, &lo[j * 2 + c], 32);
-            std::memcpy(reinterpret_cast<float*>(&a) + 8, &hi[j * 2 + c], 32);
-            for (size_t k = 0; k < own.size(); ++k)
-              a += w[j * stride + k] * load16(vbase + own[k] * D + (v + c) * kLanes);
-            acc[0][j * nv + v + c] = a;
+            float* a = reinterpret_cast<float*>(acc[0] + j * nv + v + c);
+            _mm256_storeu_ps(a, lo[j * 2 + c]);
+            _mm256_storeu_ps(a + 8, hi[j * 2 + c]);
           }
       }
+      add_ancestors<G, C>(group, slots[0], scores.data() + committed, stride, vbase, D, acc[0], nv);
       return;
     }
   }
 #endif
+  // the shared committed keys for every row at once, then each row's ancestors in order
   for (int64_t v = 0; v < nv; ++v) {
     for (int i = 0; i < nr; ++i) slice[i] = acc[i] + v;
-    // the shared committed keys for every row at once, then each row's ancestors in order
     weighted_rows<G, max_tile_rows<G>(), C>(nr, group, scores.data(), stride, vbase + v * kLanes, D, committed, slice,
                                          nv);
-    for (int i = 0; i < nr; ++i) {
-      const std::vector<int64_t>& own = slots[i];
-      const float* w = scores.data() + i * group * stride + committed;
-      for (int64_t j = 0; j < group; ++j) {
-        vec16 a = slice[i][j * nv];
-        for (size_t k = 0; k < own.size(); ++k) {
-          a += w[j * stride + k] * load16(vbase + own[k] * D + v * kLanes);
-        }
-        slice[i][j * nv] = a;
-      }
-    }
   }
+  for (int i = 0; i < nr; ++i)
+    add_ancestors<G, C>(group, slots[i], scores.data() + i * group * stride + committed, stride, vbase, D, acc[i], nv);
 }
 
 template <typename T, int G, typename C>
@@ -731,6 +788,9 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
     const int64_t* anc = ap + (b * R + r) * W;
     int64_t depth = -1;
     while (depth + 1 < W && anc[depth + 1] >= 0) ++depth;
+    // (the blocks read every slot up to a row's furthest ancestor: it must be in the cache)
+    for (int64_t w = 0; w <= depth; ++w)
+      TORCH_CHECK(anc[w] < Sv, "ancestor slot ", anc[w], " is past the cache's ", Sv, " slots");
     const int64_t position = lp[b] + depth;
     const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
     const int64_t lo = std::min(first, lp[b]);  // first committed slot read
