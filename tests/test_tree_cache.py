@@ -149,15 +149,16 @@ def test_a_prompts_chain_of_rows_gives_each_token_the_bits_of_plain_decoding(gro
     ancestors: every row equals plain decoding of its token (the ancestors committed), bit for
     bit, for 1-8 query heads per KV head (the loops that add a row's ancestors take several
     heads and chunks of the value rows a pass, or one chunk, or none), an even and an odd
-    number of 16-dimension chunks, across the halves a row of many keys splits into; and an
-    ancestor past the cache is refused."""
+    number of 16-dimension chunks, across the halves a row of many keys splits into, and
+    where several register tiles of rows share a task and take its keys a block at a time;
+    and an ancestor past the cache is refused."""
     from sot.kernels import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("the compiled CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(group * dim)
     kv, rows = 2, 40
-    for length in (30, 240):  # (rows past 256 keys split into halves)
+    for length in (30, 240, 1100):  # (rows past 256 keys split into halves; past 1,024, 8 rows share a task)
         slots = length + rows + 16
         keys = torch.randn(1, kv, dim, slots, generator=gen)
         values = torch.randn(1, kv, slots, dim, generator=gen)

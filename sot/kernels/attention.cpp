@@ -133,13 +133,14 @@ inline void score_block(int64_t group, const float* qrows, int64_t D, const C* k
 }
 
 // 16 lanes of the weighted value sum for each query head: acc[j * nv] = sum of w[j][k] * v[k]
-// over the committed keys k in order (a row's ancestors are added after, by the caller).
+// over the committed keys k in order (a row's ancestors are added after, by the caller); with
+// `resume`, the sum goes on from acc (keys taken a block at a time: the same operations).
 template <int G, typename C>
 inline void weighted_values(int64_t group, const float* weights, int64_t stride, const C* vbase, int64_t D,
-                            int64_t committed, vec16* acc, int64_t nv) {
+                            int64_t committed, vec16* acc, int64_t nv, bool resume) {
   const int64_t g = G > 0 ? G : group;
   vec16 lane[G > 0 ? G : kMaxGroup];
-  for (int64_t j = 0; j < g; ++j) lane[j] = vec16{};
+  for (int64_t j = 0; j < g; ++j) lane[j] = resume ? acc[j * nv] : vec16{};
   for (int64_t k = 0; k < committed; ++k) {
     const vec16 vv = load16(vbase + k * D);
     for (int64_t j = 0; j < g; ++j) lane[j] += weights[j * stride + k] * vv;
@@ -189,17 +190,36 @@ constexpr int kTileSlots = 6;   // (16 registers)
 template <int G>
 constexpr int max_tile_rows() { return G > 0 && kTileSlots / G > 1 ? kTileSlots / G : 1; }
 
+// Keys a block: the scores and the value sums of a task's rows go through the keys a block at
+// a time, each block taken by every register tile of rows while it is in L1 (64 keys: 16 KB of
+// float32 keys or values at head dim 64).
+constexpr int64_t kKeyBlock = 64;
+// Rows of a task at most, in register tiles (as many as fill it), where the rows share many
+// committed keys (kWideKeys or more): their keys and values are read from memory once for all
+// of them (a prompt's chain of 64 rows after 3,000 keys read them 32 times, in tiles of 2). With
+// fewer keys, the cache holds them between tasks and one register tile a task keeps more tasks
+// to spread over the threads.
+constexpr int kWideRows = 8;
+constexpr int64_t kWideKeys = 1024;
+template <int G>
+constexpr int max_task_rows() {
+  return max_tile_rows<G>() >= kWideRows ? max_tile_rows<G>() : kWideRows / max_tile_rows<G>() * max_tile_rows<G>();
+}
+
 #if defined(__AVX2__)
 // For each of P (row, head) pairs s, 16 lanes lo[s] | hi[s] = sum over i < n, in order, of
 // scalars[s * step + i] * vecs[i * stride .. + 16], as one multiply and one add per lane and i
-// (score_tile: i is the head dimension, weighted_tile: the key). With PREFETCH, each vector's
+// (score_tile: i is the head dimension, weighted_tile: the key), from zero unless `zero` is
+// false (then from lo[s] | hi[s]). With PREFETCH, each vector's
 // line `ahead` entries on is asked for (the tiles of keys to come; no effect on the arithmetic;
 // past the cache's end it is a hint only).
 template <int P, bool PREFETCH, typename C>
 inline void broadcast_sums(int64_t n, const float* scalars, int64_t step, const C* vecs, int64_t stride, __m256* lo,
-                           __m256* hi, int64_t ahead = 0) {
+                           __m256* hi, int64_t ahead = 0, bool zero = true) {
+  if (zero) {  // (else the sums go on from lo and hi)
 #pragma GCC unroll 12
-  for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
+    for (int s = 0; s < P; ++s) lo[s] = hi[s] = _mm256_setzero_ps();
+  }
   for (int64_t i = 0; i < n; ++i) {
     const C* v = vecs + i * stride;
     const __m256 v0 = load8(v), v1 = load8(v + 8);
@@ -530,15 +550,23 @@ inline void score_tile(int64_t group, const float* qrows, int64_t D, const C* kt
 }
 
 // weighted_values over the committed keys 0 .. committed - 1 for NR rows: acc[i] is row i's
-// accumulators (head j's 16 lanes at acc[i][j * nv]).
+// accumulators (head j's 16 lanes at acc[i][j * nv]); with `resume`, going on from them.
 template <int G, int NR, typename C>
 inline void weighted_tile(int64_t group, const float* weights, int64_t stride, const C* vbase, int64_t D,
-                          int64_t committed, vec16* const* acc, int64_t nv) {
+                          int64_t committed, vec16* const* acc, int64_t nv, bool resume) {
 #if defined(__AVX2__)
   if constexpr (G > 0) {
     constexpr int P = G * NR;
     __m256 lo[P], hi[P];
-    broadcast_sums<P, false>(committed, weights, stride, vbase, D, lo, hi);
+    if (resume) {
+#pragma GCC unroll 12
+      for (int s = 0; s < P; ++s) {
+        const float* a = reinterpret_cast<const float*>(acc[s / G] + (s % G) * nv);
+        lo[s] = _mm256_loadu_ps(a);
+        hi[s] = _mm256_loadu_ps(a + 8);
+      }
+    }
+    broadcast_sums<P, false>(committed, weights, stride, vbase, D, lo, hi, 0, !resume);
 #pragma GCC unroll 12
     for (int s = 0; s < P; ++s) {
       float* a = reinterpret_cast<float*>(acc[s / G] + (s % G) * nv);
@@ -549,7 +577,7 @@ inline void weighted_tile(int64_t group, const float* weights, int64_t stride, c
   }
 #endif
   for (int i = 0; i < NR; ++i)
-    weighted_values<G, C>(group, weights + i * group * stride, stride, vbase, D, committed, acc[i], nv);
+    weighted_values<G, C>(group, weights + i * group * stride, stride, vbase, D, committed, acc[i], nv, resume);
 }
 
 // The tile functions for nr rows (1 <= nr <= NR), register tiles fixed at compile time.
@@ -563,10 +591,10 @@ inline void score_rows(int nr, int64_t group, const float* qrows, int64_t D, con
 
 template <int G, int NR, typename C>
 inline void weighted_rows(int nr, int64_t group, const float* weights, int64_t stride, const C* vbase, int64_t D,
-                          int64_t committed, vec16* const* acc, int64_t nv) {
+                          int64_t committed, vec16* const* acc, int64_t nv, bool resume) {
   if constexpr (NR > 1)
-    if (nr < NR) return weighted_rows<G, NR - 1, C>(nr, group, weights, stride, vbase, D, committed, acc, nv);
-  weighted_tile<G, NR, C>(group, weights, stride, vbase, D, committed, acc, nv);
+    if (nr < NR) return weighted_rows<G, NR - 1, C>(nr, group, weights, stride, vbase, D, committed, acc, nv, resume);
+  weighted_tile<G, NR, C>(group, weights, stride, vbase, D, committed, acc, nv, resume);
 }
 
 // A row with at least this many keys is attended as two halves, split at a point its own
@@ -635,9 +663,16 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
       }
     }
 #endif
-    for (; k0 < blocks; k0 += kLanes)
-      score_rows<G, max_tile_rows<G>(), C>(nr, group, qrows, D, kt + k0 * D, kLanes, scale, scores.data() + k0,
-                                           stride);
+    // Blocks of kKeyBlock keys outer, register tiles of rows inner: a block is read from
+    // memory once for all the tile's rows, then from L1 (each score is the same dot product).
+    constexpr int RT = max_tile_rows<G>();
+    for (; k0 < blocks; k0 += kKeyBlock) {
+      const int64_t k1 = std::min<int64_t>(blocks, k0 + kKeyBlock);
+      for (int t = 0; t < nr; t += RT)
+        for (int64_t k = k0; k < k1; k += kLanes)
+          score_rows<G, RT, C>(std::min(RT, nr - t), group, qrows + t * group * D, D, kt + k * D, kLanes, scale,
+                               scores.data() + t * group * stride + k, stride);
+    }
   }
   if (skew > 0)  // the scores from slot `from` on
     for (int64_t s = 0; s < nr * group; ++s)
@@ -739,12 +774,23 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
     }
   }
 #endif
-  // the shared committed keys for every row at once, then each row's ancestors in order
-  for (int64_t v = 0; v < nv; ++v) {
-    for (int i = 0; i < nr; ++i) slice[i] = acc[i] + v;
-    weighted_rows<G, max_tile_rows<G>(), C>(nr, group, scores.data(), stride, vbase + v * kLanes, D, committed, slice,
-                                         nv);
-  }
+  // The committed keys, shared by the rows, a block of kKeyBlock at a time (read once for every
+  // register tile of rows, each (row, head) going on with its sums in key order), then each
+  // row's ancestors in order.
+  constexpr int RT = max_tile_rows<G>();
+  int64_t c0 = 0;
+  do {
+    const int64_t c1 = std::min<int64_t>(committed, c0 + kKeyBlock);
+    for (int t = 0; t < nr; t += RT) {
+      const int n = std::min(RT, nr - t);
+      for (int64_t v = 0; v < nv; ++v) {
+        for (int i = 0; i < n; ++i) slice[i] = acc[t + i] + v;
+        weighted_rows<G, RT, C>(n, group, scores.data() + t * group * stride + c0, stride,
+                                vbase + c0 * D + v * kLanes, D, c1 - c0, slice, nv, c0 > 0);
+      }
+    }
+    c0 = c1;
+  } while (c0 < committed);
   for (int i = 0; i < nr; ++i)
     add_ancestors<G, C>(group, slots[i], scores.data() + i * group * stride + committed, stride, vbase, D, acc[i], nv);
 }
@@ -804,8 +850,9 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = 0; r < rp[b]; ++r) rows_at[b * R + r] = locate(b, r);
   auto geometry = [&](int64_t b, int64_t r) -> const Geometry& { return rows_at[b * R + r]; };
-  // Tiles: runs of up to max_tile_rows consecutive real rows of one sequence whose committed
-  // keys and split agree (a tree's rows, unless a window starts them at different keys).
+  // Tiles: runs of consecutive real rows of one sequence whose committed keys and split agree
+  // (a tree's rows, unless a window starts them at different keys): one register tile
+  // (max_tile_rows), or several (max_task_rows) where they share many keys.
   struct Tile {
     int64_t b, r0;
     int nr;
@@ -814,8 +861,10 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t r = 0; r < rp[b];) {
       const Geometry& g = geometry(b, r);
+      // (the pair dot products' loops take one register tile a task)
+      const int most = !paired && g.committed >= kWideKeys ? max_task_rows<G>() : max_tile_rows<G>();
       int n = 1;
-      while (n < max_tile_rows<G>() && r + n < rp[b]) {
+      while (n < most && r + n < rp[b]) {
         const Geometry& h = geometry(b, r + n);
         if (h.lo != g.lo || h.committed != g.committed || h.split != g.split) break;
         ++n;
@@ -836,7 +885,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   // a tree's later tiles find that part of the cache in this core's L2, where the first one
   // left it, instead of reading it from memory again.
   at::parallel_for(0, ntiles * Hkv * 2, 1, [&](int64_t begin, int64_t end) {
-    constexpr int NR = max_tile_rows<G>();
+    constexpr int NR = max_task_rows<G>();
     std::vector<float> scores, qrows(NR * group * D);
     std::vector<uint32_t> wpairs;
     std::vector<int64_t> slots[NR];
