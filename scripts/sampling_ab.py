@@ -10,6 +10,9 @@ Prints tokens/s, the ratio to plain decoding, tau and the answers equal to plain
 
     python scripts/sampling_ab.py --set sharegpt-heldout --limit 8 --tokens 128 --temperature 1.0
 
+``--no-fallback`` keeps the policy drafting on every step (its cost model still prunes the
+trees), for a machine where it would otherwise keep the predictor idle.
+
 Acceptance (``--chains D``): every step verifies a chain of ``D`` predictor tokens whole (the
 static policy, one child per depth, no free drafts), so each way of drafting is judged on
 every position. Prints tau, how often the first drafted token was accepted, its mean draft
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sot.api import SoT  # noqa: E402
 from sot.bench.prompts import load_prompt_set  # noqa: E402
+from sot.policy import PolicyConfig  # noqa: E402
 
 
 def first_tokens(outs: list) -> list[tuple[float, bool]]:
@@ -53,6 +57,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="passes over the prompts (seeds differ per round)")
     ap.add_argument("--chains", type=int, default=0, help="verify chains of this many predictor tokens whole")
+    ap.add_argument("--no-fallback", action="store_true",
+                    help="the default policy without its fallback to plain decoding (it drafts every step)")
     args = ap.parse_args()
     chains = args.chains > 0
     if chains:
@@ -62,7 +68,8 @@ def main() -> int:
         arms = ["own distribution", "coupled draw"]
     else:
         plain = SoT.load(drafter="none", dtype=args.dtype)
-        drafted = SoT.load(drafter=args.drafter, dtype=args.dtype)
+        policy = PolicyConfig(fallback_threshold=0.0) if args.no_fallback else None
+        drafted = SoT.load(drafter=args.drafter, dtype=args.dtype, policy=policy)
         arms = ["plain", "own distribution", "coupled draw"]
     prompts = load_prompt_set(args.set, limit=args.limit)
     got: dict[str, list] = {a: [] for a in arms}
@@ -83,7 +90,8 @@ def main() -> int:
             print(f"round {r + 1}, prompt {i + 1}/{len(prompts)}", file=sys.stderr)
     base = got[arms[0]]
     print(f"{args.set}, temperature {args.temperature}, top-p {args.top_p}, {args.tokens} tokens, "
-          + (f"chains of {args.chains} verified whole" if chains else f"drafter {args.drafter}, default policy"))
+          + (f"chains of {args.chains} verified whole" if chains else
+             f"drafter {args.drafter}, default policy{' without fallback' if args.no_fallback else ''}"))
     if chains:
         print(f"| drafts by | tau | first token accepted | its mean confidence | answers equal to {arms[0]}'s |")
         print("|---|---|---|---|---|")
