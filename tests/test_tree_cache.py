@@ -144,14 +144,16 @@ def test_tree_rows_over_many_keys_equal_plain_decoding_and_true_attention(length
 
 @pytest.mark.parametrize("dim", [48, 64])
 @pytest.mark.parametrize("group", [1, 3, 4, 6, 8])
-def test_a_prompts_chain_of_rows_gives_each_token_the_bits_of_plain_decoding(group: int, dim: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_prompts_chain_of_rows_gives_each_token_the_bits_of_plain_decoding(group: int, dim: int,
+                                                                              dtype: torch.dtype) -> None:
     """A prompt is read in chains of up to 64 rows, each row seeing the ones before it as its
     ancestors: every row equals plain decoding of its token (the ancestors committed), bit for
     bit, for 1-8 query heads per KV head (the loops that add a row's ancestors take several
     heads and chunks of the value rows a pass, or one chunk, or none), an even and an odd
     number of 16-dimension chunks, across the halves a row of many keys splits into, and
-    where several register tiles of rows share a task and take its keys a block at a time;
-    and an ancestor past the cache is refused."""
+    where several register tiles of rows share a task and take its keys a block at a time,
+    over a float32 and a bfloat16 cache; and an ancestor past the cache is refused."""
     from sot.kernels import cpu_kernels
 
     if cpu_kernels() is None:
@@ -160,9 +162,9 @@ def test_a_prompts_chain_of_rows_gives_each_token_the_bits_of_plain_decoding(gro
     kv, rows = 2, 40
     for length in (30, 240, 1100):  # (rows past 256 keys split into halves; past 1,024, 8 rows share a task)
         slots = length + rows + 16
-        keys = torch.randn(1, kv, dim, slots, generator=gen)
-        values = torch.randn(1, kv, slots, dim, generator=gen)
-        q = torch.randn(1, kv * group, rows, dim, generator=gen) * 3
+        keys = torch.randn(1, kv, dim, slots, generator=gen).to(dtype)
+        values = torch.randn(1, kv, slots, dim, generator=gen).to(dtype)
+        q = (torch.randn(1, kv * group, rows, dim, generator=gen) * 3).to(dtype)
         paths = [list(range(length, length + r + 1)) for r in range(rows)]
         chain = _kernel_attention(q, keys, values, length, paths)
         for r in range(rows):
