@@ -328,7 +328,8 @@ inline void add_ancestors(int64_t group, const std::vector<int64_t>& own, const 
     return;
   }
   if constexpr (G >= 4 && G <= 6) {
-    for (int64_t v = 0; v < nv; ++v) ancestor_sums<G, 1, C>(n, w, stride, vbase, own.data(), D, v * kLanes, acc + v, nv);
+    for (int64_t v = 0; v < nv; ++v)
+      ancestor_sums<G, 1, C>(n, w, stride, vbase, own.data(), D, v * kLanes, acc + v, nv);
     return;
   }
 #endif
