@@ -158,6 +158,12 @@ class _NoiseCache:
 _noise_cache = _NoiseCache(NOISE_CACHE_BYTES)
 
 
+def noise_capacity(vocab: int) -> int:
+    """How many positions' noise of a ``vocab``-wide vocabulary the store keeps (a drafter
+    that needs more each step would draw them again and again)."""
+    return _noise_cache.max_bytes // (8 * max(1, vocab))
+
+
 def gumbel_noise(seed: int, sequence: int, position: int, vocab: int) -> torch.Tensor:
     """Gumbel noise ``[V]`` (float64) determined only by ``(seed, sequence, position)``. The
     vector returned may be shared with later calls for the same key: do not write to it."""

@@ -98,12 +98,14 @@ def test_trained_drafter_is_lossless_and_accepts(tiny_run) -> None:
     assert sum(sum(r.accept_lengths) - r.steps for r in res) > 0, "some drafted tokens should be accepted"
 
 
-def test_coupled_draws_are_drafted_by_their_noise() -> None:
+def test_coupled_draws_are_drafted_by_their_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     """A coupled-sampled sequence's drafts are the tokens its draw gives under the predictor's
     distribution: at tree depth d, ``argmax(log_softmax(processed(q)) + g)`` over the draft
-    vocabulary, ``g`` the noise of position root + d; with ``follow_draws`` off, the
-    predictor's likeliest tokens. Either way the sampled output is plain decoding's."""
+    vocabulary, ``g`` the noise of position root + d, down to the depth whose noise the store
+    keeps; with ``follow_draws`` off, the predictor's likeliest tokens. Either way the sampled
+    output is plain decoding's."""
     from sot.drafters import DraftInput
+    import sot.sampling as sampling_module
     from sot.sampling import CoupledDraw, SamplingParams, gumbel_noise, processed_logits
 
     model = tiny_model("llama", seed=4)
@@ -114,7 +116,7 @@ def test_coupled_draws_are_drafted_by_their_noise() -> None:
     (ctx, st), = chain_inputs(model, pred, [15], seed=3)
     root = len(ctx) - 1
 
-    def chain(follow: bool) -> list[int]:
+    def chain(follow: bool, draw_depth: int = 2) -> list[int]:
         drafter = StateDrafter(pred, top_k=1, lookup=False, min_confidence=0.0)
         drafter.follow_draws, drafter.record_states = follow, True
         drafter.reset(1)
@@ -127,7 +129,7 @@ def test_coupled_draws_are_drafted_by_their_noise() -> None:
         for depth, row in enumerate(rows, start=1):
             own = torch.log_softmax(row.float(), -1)[None]
             scores = torch.log_softmax(processed_logits(own, sampling).double(), -1)
-            if follow:
+            if follow and depth <= draw_depth:
                 scores = scores + gumbel_noise(sampling.seed, 5, root + depth, vocab)[draft_vocab]
             assert tree.tokens[depth] == int(draft_vocab[int(scores.argmax())]), (follow, depth)
             if follow and depth == 1:  # its confidence: the draw's chance under Gumbel errors of scale 1 / T
@@ -136,6 +138,11 @@ def test_coupled_draws_are_drafted_by_their_noise() -> None:
         return tree.tokens
 
     assert chain(True) != chain(False)
+    # a store that keeps two positions' noise: the draw is drafted one deep (the verify walk
+    # reads one position past it), the predictor's distribution below
+    monkeypatch.setattr(sampling_module._noise_cache, "max_bytes", 2 * 8 * vocab)
+    chain(True, draw_depth=1)
+    monkeypatch.undo()
     assert CoupledDraw.of(SamplingParams(), 5, vocab) is None  # greedy
     assert CoupledDraw.of(dataclasses.replace(sampling, mode=SamplingMode.REJECTION), 5, vocab) is None
 

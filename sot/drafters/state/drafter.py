@@ -11,7 +11,7 @@ from sot.drafters.free import FreeDrafts
 from sot.drafters.state.model import StatePredictor
 from sot.drafters.suffix import SuffixStores
 from sot.errors import ConfigError
-from sot.sampling import processed_logits
+from sot.sampling import noise_capacity, processed_logits
 from sot.tree import DraftTree
 
 
@@ -129,6 +129,7 @@ class StateDrafter(Drafter):
         self.follow_rules = True
         #: draft a coupled-sampled sequence by its draw's noise (:meth:`_child_logp`)
         self.follow_draws = True
+        self._draw_depth = 0  # (the depth drafted by the draws this step, set by _grow)
         self.dtype = next(predictor.parameters()).dtype
         #: where the predictor runs (the target's device: the states come from there)
         self.device = next(predictor.parameters()).device
@@ -281,6 +282,12 @@ class StateDrafter(Drafter):
         least = self.min_confidence if budget.min_confidence is None else budget.min_confidence
         floor = math.log(least) if least > 0 and not fixed else -math.inf
         self.passes += 1
+        # Coupled draws are drafted to the depth whose noise the store keeps for every such
+        # sequence (drafting and the verify walk then draw each position once); deeper nodes
+        # draft by the predictor's distribution. (With a 262k vocabulary the store holds 32
+        # positions, and a position takes about 3 ms to draw here.)
+        draws = [gr.source.draw for gr in growths if gr.source.draw is not None]
+        self._draw_depth = noise_capacity(draws[0].vocab) // len(draws) - 1 if draws else 0
         last = torch.stack([gr.seq.last for gr in growths])  # [B, D]
         # per growth, its request's rules over the committed context (None: no growth has rules)
         ruled = self.follow_rules and any(gr.source.rules is not None for gr in growths)
@@ -362,7 +369,7 @@ class StateDrafter(Drafter):
             gr, j = rows[i][0], i + 1
             while j < len(rows) and rows[j][0] is gr:
                 j += 1
-            draw = gr.source.draw if self.follow_draws else None
+            draw = gr.source.draw if self.follow_draws and depth <= self._draw_depth else None
             if draw is not None:
                 scores = torch.log_softmax(processed_logits(logp[i:j], draw.params).double(), dim=-1)
                 noise = draw.noise(gr.root_pos + depth)[self._vocab_ids].to(logp.device)
