@@ -122,7 +122,7 @@ def _key(seed: int, sequence: int, position: int) -> int:
 
 #: bytes of Gumbel noise kept for reuse (:func:`gumbel_noise`): a position's noise is drawn
 #: once when a drafter that follows it drafts there and the verify walk then reads it (about
-#: 0.5 ms a position at a 49k vocabulary on a 2-core EPYC); 64 MB hold about 170 positions
+#: 0.7 ms a position at a 49k vocabulary on a 2-core EPYC); 64 MB hold about 170 positions
 #: of a 49k vocabulary, 16 sequences drafting 8 deep and the walks behind them
 NOISE_CACHE_BYTES = 64 << 20
 

@@ -775,13 +775,14 @@ void attend_tile(int nr, int64_t group, const float* qrows, int64_t D, const C* 
     }
   }
 #endif
-  // The committed keys, shared by the rows, a block of kKeyBlock at a time (read once for every
-  // register tile of rows, each (row, head) going on with its sums in key order), then each
-  // row's ancestors in order.
+  // The committed keys, shared by the rows, a block of kKeyBlock at a time where the task holds
+  // several register tiles of rows (read once for all of them, each (row, head) going on with
+  // its sums in key order; one tile takes them in one go), then each row's ancestors in order.
   constexpr int RT = max_tile_rows<G>();
+  const int64_t block = nr > RT ? kKeyBlock : std::max<int64_t>(committed, 1);
   int64_t c0 = 0;
   do {
-    const int64_t c1 = std::min<int64_t>(committed, c0 + kKeyBlock);
+    const int64_t c1 = std::min<int64_t>(committed, c0 + block);
     for (int t = 0; t < nr; t += RT) {
       const int n = std::min(RT, nr - t);
       for (int64_t v = 0; v < nv; ++v) {

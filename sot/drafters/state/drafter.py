@@ -129,7 +129,6 @@ class StateDrafter(Drafter):
         self.follow_rules = True
         #: draft a coupled-sampled sequence by its draw's noise (:meth:`_child_logp`)
         self.follow_draws = True
-        self._draw_depth = 0  # (the depth drafted by the draws this step, set by _grow)
         self.dtype = next(predictor.parameters()).dtype
         #: where the predictor runs (the target's device: the states come from there)
         self.device = next(predictor.parameters()).device
@@ -286,13 +285,13 @@ class StateDrafter(Drafter):
         # sequence (drafting and the verify walk then draw each position once); deeper nodes
         # draft by the predictor's distribution. (With a 262k vocabulary the store holds 32
         # positions, and a position takes about 3 ms to draw here.)
-        draws = [gr.source.draw for gr in growths if gr.source.draw is not None]
-        self._draw_depth = noise_capacity(draws[0].vocab) // len(draws) - 1 if draws else 0
+        draws = [gr.source.draw for gr in growths if gr.source.draw is not None] if self.follow_draws else []
+        draw_depth = noise_capacity(draws[0].vocab) // len(draws) - 1 if draws else 0
         last = torch.stack([gr.seq.last for gr in growths])  # [B, D]
         # per growth, its request's rules over the committed context (None: no growth has rules)
         ruled = self.follow_rules and any(gr.source.rules is not None for gr in growths)
         bases: dict[int, tuple] | None = {} if ruled else None
-        logp = self._child_logp(p.logits(last), [(gr, -1) for gr in growths], bases, 1)
+        logp = self._child_logp(p.logits(last), [(gr, -1) for gr in growths], bases, 1, draw_depth)
         val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
         for gr, vs, ids in zip(growths, val.tolist(), idx.tolist()):
             gr.frontier = gr.add(-1, 1, 0.0, vs, ids, self._vocab)
@@ -332,7 +331,7 @@ class StateDrafter(Drafter):
                 masks.append((gr.seq, base, mask.to(self.device)))
             g = self._layers(h, q, k, v, pos, masks)[0]  # [M, D]
             rows = [(gr, n) for gr in live for n in gr.frontier]
-            logp = self._child_logp(p.logits(g), rows, bases, depth + 1)
+            logp = self._child_logp(p.logits(g), rows, bases, depth + 1, draw_depth)
             val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
             vals, ids = val.tolist(), idx.tolist()
             at = 0
@@ -346,10 +345,11 @@ class StateDrafter(Drafter):
                 gr.frontier = cand[:k_top]
 
     def _child_logp(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict | None,
-                    depth: int) -> torch.Tensor:
+                    depth: int, draw_depth: int) -> torch.Tensor:
         """The drafted log-probabilities ``[M, Vd]`` (float32) of the children, at tree depth
         ``depth``, of the nodes ``rows`` (``(growth, node)``, a growth's rows together) from
-        the predictor's ``logits [M, Vd]``, with each request's rules applied.
+        the predictor's ``logits [M, Vd]``, with each request's rules applied. Coupled draws
+        are followed down to ``draw_depth`` (0: not at all).
 
         Greedy and rejection-sampled sequences draft by the predictor's distribution. A
         sequence drawn by coupled sampling drafts by the draw it will take: the target picks
@@ -364,12 +364,14 @@ class StateDrafter(Drafter):
         alone proposes the likeliest token, which a draw at temperature 1 often passes
         over."""
         logp = torch.log_softmax(self._with_rules(logits.float(), rows, bases), dim=-1)
+        if depth > draw_depth:
+            return logp
         i = 0
         while i < len(rows):
             gr, j = rows[i][0], i + 1
             while j < len(rows) and rows[j][0] is gr:
                 j += 1
-            draw = gr.source.draw if self.follow_draws and depth <= self._draw_depth else None
+            draw = gr.source.draw
             if draw is not None:
                 scores = torch.log_softmax(processed_logits(logp[i:j], draw.params).double(), dim=-1)
                 noise = draw.noise(gr.root_pos + depth)[self._vocab_ids].to(logp.device)
