@@ -74,6 +74,16 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
     return model.to(dtype)
 
 
+def trained_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with random norm weights (in place; returns the model): Gemma's ``(1 + w)``
+    norms start at ``w = 0``, where a forward that dropped or misplaced one would not show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
 def blockify(model: torch.nn.Module, head: bool = False) -> torch.nn.Module:
     """``model`` with every decoder-layer weight (and with ``head`` the output layer's) rounded
     to a grid of exact GGUF Q4_1 blocks of 32 inputs, as a model dequantized from a GGUF file

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import (ARCHS, VOCAB, RandomTreeDrafter, blockify, clone, hf_greedy, random_blocks, random_prompts,
-                     tiny_model)
+                     tiny_model, trained_norms)
 from sot.drafters import LookupDrafter, NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.kernels import cpu_kernels
@@ -100,11 +100,17 @@ def test_deep_and_wide_trees_stay_lossless() -> None:
 
 
 def test_fast_path_matches_generic_path_bit_for_bit() -> None:
+    """SoT's lean forward gives the logits of the transformers modules (with SoT's norms and
+    attention plugged in), bit for bit: prompt rows and tree rows, float32 and bfloat16, and
+    Gemma 3 in float32 with its (1 + w) norms, query/key norms and per-layer rotary tables (its
+    norm weights made non-zero, as trained ones are)."""
     from sot.attention import build_tree_layout
 
-    for arch in ("llama", "qwen2", "mistral"):
-        for dtype in (torch.float32, torch.bfloat16):
+    for arch in ("llama", "qwen2", "mistral", "gemma3"):
+        for dtype in (torch.float32,) if arch == "gemma3" else (torch.float32, torch.bfloat16):
             model = tiny_model(arch)
+            if arch == "gemma3":
+                trained_norms(model)
             logits = []
             for fast in (False, True):
                 target = TargetModel(clone(model, dtype), fast=fast)
@@ -128,12 +134,14 @@ def test_fast_path_matches_generic_path_bit_for_bit() -> None:
     ("llama", "onednn", torch.bfloat16),
     ("mistral", "onednn", torch.bfloat16),
     ("llama", "bf16blocks", torch.bfloat16), ("mistral", "bf16blocks", torch.bfloat16),
+    ("gemma3", "panels", torch.float32), ("gemma3", "blocks", torch.float32), ("gemma3", "int8", torch.float32),
 ])
 def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, products: str, dtype: torch.dtype,
                                                                  monkeypatch) -> None:
     """The decoder layers in one compiled call give the same logits and states, bit for bit,
     as the Python loop over the same kernels: padded and flat-packed passes of two sequences,
-    a sliding window (Mistral), a bias (Qwen2); float32 on SoT's panels and 4-bit blocks, and
+    a sliding window (Mistral and Gemma 3), a bias (Qwen2), Gemma 3's extra norms, GELU and two
+    rotary tables; float32 on SoT's panels and 4-bit blocks, and
     on oneDNN's packed products (as bfloat16 runs where oneDNN packs it: CPUs with AVX-512),
     also where short blocks must be padded to whole ones ("onednn-short"); and the 8-bit integer
     products of ``--dtype int8`` over the blocks."""
@@ -156,6 +164,8 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
     blocks = products in ("blocks", "int8", "bf16blocks")
 
     model = tiny_model(arch, seed=5, **({"sliding_window": 24} if arch == "mistral" else {}))
+    if arch == "gemma3":
+        trained_norms(model)
     if blocks:
         model = blockify(model)
     runs = []
@@ -626,7 +636,8 @@ def test_a_draft_head_reads_the_target_heads_blocks() -> None:
 
 def test_compiled_block_search_equals_the_pytorch_one() -> None:
     """``block_grid_f32`` (one pass per block) finds the blocks the PyTorch search finds, bit
-    for bit: Q4_1 and Q8_0 grids (with rows of zero padding), and no grid where the weights
+    for bit: Q4_1 and Q8_0 grids (with rows of zero padding), Q5_0 (``q`` in -16..15, some
+    blocks without -16) and Q4_0 (-8..7) held as 8-bit blocks, and no grid where the weights
     are none (one weight off by one ulp, Q4_1 blocks beside Q8_0 ones, random floats)."""
     from sot.kernels.linear import _block_grid_torch, _blocks_of, block_grid
 
@@ -641,7 +652,12 @@ def test_compiled_block_search_equals_the_pytorch_one() -> None:
     q4[..., 0], q4[..., 1] = 0, 15
     q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
     q8[..., 0] = 127
-    grids = {"q4_1": scale * q4 + low, "q8_0": scale * q8}
+    q5 = torch.randint(-15, 16, (n, k // 32, 32), generator=gen).float()
+    q5[: n // 2, :, 0] = -16  # (the other half's largest |q| is at most 15)
+    q5[n // 2:, :, 0] = 15
+    q40 = torch.randint(-7, 8, (n, k // 32, 32), generator=gen).float()
+    q40[..., 0], q40[..., 1] = -8, 3  # (no 7: the 4-bit search's spread misses its scale)
+    grids = {"q4_1": scale * q4 + low, "q8_0": scale * q8, "q5_0": scale * q5, "q4_0": scale * q40}
     off = grids["q4_1"].clone()
     off[3, 1, 7] = torch.nextafter(off[3, 1, 7], torch.tensor(1.0))
     mixed = grids["q4_1"].clone()
@@ -655,6 +671,7 @@ def test_compiled_block_search_equals_the_pytorch_one() -> None:
         found[name] = bool(mine)
         if mine:
             assert len(mine) == (2 if reference[2] is None else 3), name
+            assert len(mine) == (3 if name == "q4_1" else 2), name  # (Q5_0 and Q4_0 as 8-bit blocks)
             for a, b in zip(mine, reference):  # q (int16), then scales and minimums as float32 bits
                 assert a.dtype == b.dtype, name
                 assert torch.equal(a, b) if a.dtype == torch.int16 else torch.equal(a.view(torch.int32),

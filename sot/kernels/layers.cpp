@@ -1,4 +1,4 @@
-// The decoder layers of a Llama-family model in one compiled call, for the verify passes on
+// The decoder layers of a Llama-family (or Gemma 3) model in one compiled call, for the verify passes on
 // the tiled-key cache: float32 rows with products on SoT's packed panels or 4/8-bit
 // blocks, or rows (bfloat16 on AVX-512 CPUs) with oneDNN's packed products. It calls the same
 // kernels, in the same order, with the same inputs as the Python loop in
@@ -11,6 +11,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
@@ -67,6 +68,10 @@ struct Layer {
   at::Tensor ln1, ln2;
   Product qkv, o, gate_up, down;
   int64_t window = 0;
+  // Gemma 3: the norms of the attention's and the MLP's outputs and of each query and key head
+  // (undefined elsewhere), and which rotary table the layer reads
+  at::Tensor attn_out_norm, mlp_out_norm, q_norm, k_norm;
+  int64_t rope = 0;
 };
 
 }  // namespace
@@ -74,8 +79,13 @@ struct Layer {
 // Built once per model from its packed weights; forward() runs every layer of one pass.
 class LlamaLayers {
  public:
-  LlamaLayers(double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double scaling)
-      : eps_(eps), nq_(heads), nkv_(kv_heads), hd_(head_dim), inter_(inter), scaling_(scaling) {}
+  // act: the MLP's activation, "silu" or "gelu_tanh" (GELU's tanh approximation, Gemma's).
+  LlamaLayers(double eps, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double scaling,
+              std::string act)
+      : eps_(eps), nq_(heads), nkv_(kv_heads), hd_(head_dim), inter_(inter), scaling_(scaling),
+        gelu_(act == "gelu_tanh") {
+    TORCH_CHECK(act == "silu" || act == "gelu_tanh", "unknown activation ", act);
+  }
 
   // One layer's weights, in order: the two norm weights, then each product as (packed
   // tensors: 1 for panels or a oneDNN weight, 3 for blocks; output size; bias or None; its
@@ -83,10 +93,13 @@ class LlamaLayers {
   // (bfloat16 rows over blocks decoded to bfloat16; a fourth tensor: the blocks decoded once,
   // read by wide products) or "onednn";
   // short blocks exact), whether blocks decode in
-  // registers, the row unit of padded products, and the sliding window (0: none).
+  // registers, the row unit of padded products, the sliding window (0: none), the norms of
+  // the attention's output, the MLP's output, each query head and each key head (all None but
+  // for Gemma 3), and the index of the rotary table the layer reads (forward's cos and sin).
   void add(at::Tensor ln1, at::Tensor ln2, std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t> sizes,
            std::vector<std::optional<at::Tensor>> biases, std::vector<std::string> kinds,
-           std::vector<bool> partial_ok, bool fused, int64_t unit, int64_t window) {
+           std::vector<bool> partial_ok, bool fused, int64_t unit, int64_t window,
+           std::vector<std::optional<at::Tensor>> norms, int64_t rope) {
     TORCH_CHECK(packed.size() == 4 && sizes.size() == 4 && biases.size() == 4 && kinds.size() == 4 &&
                 partial_ok.size() == 4, "four products a layer");
     Layer layer;
@@ -113,26 +126,38 @@ class LlamaLayers {
       products[i]->fused = fused;
     }
     layer.window = window;
+    TORCH_CHECK(norms.size() == 4, "four optional norms a layer");
+    at::Tensor* extra[4] = {&layer.attn_out_norm, &layer.mlp_out_norm, &layer.q_norm, &layer.k_norm};
+    for (int i = 0; i < 4; ++i)
+      if (norms[i].has_value()) *extra[i] = norms[i]->contiguous();
+    TORCH_CHECK(layer.q_norm.defined() == layer.k_norm.defined(), "query and key norms come together");
+    TORCH_CHECK(rope >= 0, "rotary table index must be >= 0");
+    layer.rope = rope;
     layers_.push_back(std::move(layer));
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
   // h: [M, D] float32 or bfloat16, the pass's rows after the embedding (M = B * T, or the R packed rows
-  // when `flat` is given); cos, sin: [B, T, hd]; keys: [L, B, Hkv, S / 16, hd, 16] (tiles of 16
+  // when `flat` is given); cos, sin: [B, T, hd] for each rotary table; keys: [L, B, Hkv, S / 16, hd, 16] (tiles of 16
   // slots) and values: [L, B, Hkv, S, hd], the cache; slots: [B, T] the rows' cache slots; lengths, ancestors,
   // rows: the attention kernel's layout; flat: [R] the packed rows' places on the [B, T] grid
   // (real: how many of them are real), or None; state_layers: the layers (> 0) whose input
   // residual stream is returned. Returns [h, delta, states...]: the residual stream and the
   // last layer's branch, not yet added (the final norm adds it), and one [M, D] per state layer.
-  std::vector<at::Tensor> forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
-                                  at::Tensor slots, at::Tensor lengths, at::Tensor ancestors, at::Tensor rows,
-                                  std::optional<at::Tensor> flat, int64_t real, std::vector<int64_t> state_layers) {
+  std::vector<at::Tensor> forward(at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                                  at::Tensor keys, at::Tensor values, at::Tensor slots, at::Tensor lengths,
+                                  at::Tensor ancestors, at::Tensor rows, std::optional<at::Tensor> flat, int64_t real,
+                                  std::vector<int64_t> state_layers) {
     TORCH_CHECK(h.dim() == 2 && (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16),
                 "h must be [M, D] float32 or bfloat16");
     const auto norm = h.scalar_type() == at::kFloat ? rms_norm_f32 : rms_norm_bf16;
-    TORCH_CHECK(cos.dim() == 3, "cos must be [B, T, head_dim]");
-    const int64_t batch = cos.size(0), grid_rows = cos.size(0) * cos.size(1), width = (nq_ + 2 * nkv_) * hd_;
+    TORCH_CHECK(!cos.empty() && cos.size() == sin.size() && cos[0].dim() == 3,
+                "cos and sin must be [B, T, head_dim] for each rotary table");
+    for (const Layer& layer : layers_)
+      TORCH_CHECK(layer.rope < static_cast<int64_t>(cos.size()), "a layer reads a rotary table not given");
+    const int64_t batch = cos[0].size(0), grid_rows = cos[0].size(0) * cos[0].size(1),
+                  width = (nq_ + 2 * nkv_) * hd_;
     at::Tensor grid_index;
     if (flat.has_value()) grid_index = flat->narrow(0, 0, real);
     // every layer writes the same slots: checked once here, not by each layer's rope_write
@@ -152,22 +177,32 @@ class LlamaLayers {
       if (idx > 0 && std::find(state_layers.begin(), state_layers.end(), idx) != state_layers.end())
         out.push_back(h);
       at::Tensor qkv = layer.qkv(x);  // [M, (nq + 2 nkv) hd]
+      if (layer.q_norm.defined()) {  // each query and key head normed (its own row of hd)
+        const at::Tensor heads = qkv.view({qkv.size(0), nq_ + 2 * nkv_, hd_});
+        const at::Tensor q = norm(heads.narrow(1, 0, nq_), layer.q_norm, eps_, std::nullopt)[0];
+        const at::Tensor k = norm(heads.narrow(1, nq_, nkv_), layer.k_norm, eps_, std::nullopt)[0];
+        qkv = at::cat({q, k, heads.narrow(1, nq_ + nkv_, nkv_)}, 1).view({qkv.size(0), width});
+      }
       if (flat.has_value())
         qkv = at::zeros({grid_rows, width}, qkv.options()).index_copy_(0, grid_index, qkv.narrow(0, 0, real));
       at::Tensor k = keys.select(0, idx), v = values.select(0, idx);
-      at::Tensor q = rope_write_checked_once(qkv.view({batch, grid_rows / batch, nq_ + 2 * nkv_, hd_}), cos, sin, k,
-                                             v, slots, nq_);
+      at::Tensor q = rope_write_checked_once(qkv.view({batch, grid_rows / batch, nq_ + 2 * nkv_, hd_}),
+                                             cos[layer.rope], sin[layer.rope], k, v, slots, nq_);
       // The kernel widens q's rows to float32 (exactly), computes in float32 and rounds its
       // output to q's dtype (to nearest even, as a cast of its float32 output would): bfloat16
       // rows in and out give the bits of a float32 call between two casts, without the casts.
       at::Tensor att = tree_attention_exact(q, k, v, lengths, ancestors, rows, scaling_, layer.window, 0.0);
       att = att.reshape({grid_rows, nq_ * hd_});
       if (flat.has_value()) att = at::index_select(att, 0, *flat);
-      auto normed = norm(h, layer.ln2, eps_, layer.o(att));
+      at::Tensor o = layer.o(att);
+      if (layer.attn_out_norm.defined()) o = norm(o, layer.attn_out_norm, eps_, std::nullopt)[0];
+      auto normed = norm(h, layer.ln2, eps_, o);
       x = normed[0];
       h = normed[1];
       at::Tensor gu = layer.gate_up(x);
-      delta = layer.down(at::mul(at::silu(gu.narrow(1, 0, inter_)), gu.narrow(1, inter_, inter_)));
+      const at::Tensor gate = gu.narrow(1, 0, inter_);
+      delta = layer.down(at::mul(gelu_ ? at::gelu(gate, "tanh") : at::silu(gate), gu.narrow(1, inter_, inter_)));
+      if (layer.mlp_out_norm.defined()) delta = norm(delta, layer.mlp_out_norm, eps_, std::nullopt)[0];
     }
     out[0] = h;
     out[1] = delta;
@@ -178,12 +213,13 @@ class LlamaLayers {
   double eps_;
   int64_t nq_, nkv_, hd_, inter_;
   double scaling_;
+  bool gelu_;
   std::vector<Layer> layers_;
 };
 
 void bind_llama_layers(pybind11::module_& m) {
   pybind11::class_<LlamaLayers>(m, "LlamaLayers")
-      .def(pybind11::init<double, int64_t, int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<double, int64_t, int64_t, int64_t, int64_t, double, std::string>())
       .def("add", &LlamaLayers::add)
       .def("__len__", &LlamaLayers::size)
       .def("forward", &LlamaLayers::forward);

@@ -478,7 +478,7 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
 
 // ---------------------------------------------------------------------------- finding the blocks
 // block_grid_f32: float32 weights as exact GGUF blocks of 32 (Q4_1: w = d * q + m, q in 0..15;
-// Q8_0: w = d * q, q in -128..127; d and m float16 values), the arithmetic of
+// Q8_0, Q5_0, Q4_0: w = d * q, q in -128..127; d and m float16 values), the arithmetic of
 // sot.kernels.linear._block_grid_torch in one pass per block instead of a dozen passes over
 // the whole weight: the same candidate scales in the same order (float16 at and next to the
 // spread, nearest first), the same float32 operations one at a time (no contraction), and a
@@ -487,6 +487,10 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr int kCandidateOffsets[5] = {0, -1, 1, -2, 2};
+// The largest |q| of a signed block, by format, tried in this order: Q8_0 (127), Q5_0 (q in
+// -16..15: 16, or 15 where no weight takes -16), Q4_0 (q in -8..7: 8 or 7). Each is exact in the
+// 8-bit blocks, Q5_0 and Q4_0 at 8 bits a weight instead of 5 or 4.
+constexpr float kSignedLevels[5] = {127.0f, 16.0f, 15.0f, 8.0f, 7.0f};
 
 inline float half_bits_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
@@ -565,7 +569,9 @@ std::vector<at::Tensor> block_grid_f32(at::Tensor blocks) {
         const float* x = w + b * kBlock;
         float top = std::fabs(x[0]);
         for (int i = 1; i < kBlock; ++i) top = std::max(top, std::fabs(x[i]));
-        return solve_block<false>(x, 0.0f, top / 127.0f, -128.0f, 127.0f, qp + b * kBlock, dp + b);
+        for (float levels : kSignedLevels)
+          if (solve_block<false>(x, 0.0f, top / levels, -128.0f, 127.0f, qp + b * kBlock, dp + b)) return true;
+        return false;
       }))
     return {q, d};
   return {};

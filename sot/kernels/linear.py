@@ -56,9 +56,9 @@ def _blocks_of(weight: torch.Tensor, width: int) -> torch.Tensor:
 
 def block_grid(weight: torch.Tensor, width: int = 16
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0:
-    ``w = d * q``) blocks of 32 inputs: ``(q [N', K/32, 32] int16, d [N', K/32], m [N', K/32]
-    or None for 8-bit)``, with ``N`` zero-padded to ``N'``, a multiple of ``width``; ``None``
+    """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0, and
+    Q5_0 and Q4_0 held in 8 bits: ``w = d * q``) blocks of 32 inputs: ``(q [N', K/32, 32] int16,
+    d [N', K/32], m [N', K/32] or None for 8-bit)``, with ``N`` zero-padded to ``N'``, a multiple of ``width``; ``None``
     when some block is not exactly of that form. Every decoded weight is checked to equal the
     float32 one bit for bit (decoded as the kernels do: ``d * q``, then ``+ m``)."""
     n, k = weight.shape
@@ -72,15 +72,21 @@ def block_grid(weight: torch.Tensor, width: int = 16
     return _block_grid_torch(blocks)
 
 
+#: the largest ``|q|`` of a signed block of each GGUF format, in the order the searches try them:
+#: Q8_0 (127), Q5_0 (``q`` in -16..15: 16, or 15 where no weight takes -16), Q4_0 (-8..7: 8 or 7);
+#: all are exact as 8-bit blocks (``linear.cpp``'s ``kSignedLevels``)
+SIGNED_LEVELS = (127.0, 16.0, 15.0, 8.0, 7.0)
+
+
 def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """:func:`block_grid` of ``blocks [N', K/32, 32]`` in PyTorch (the compiled
     ``block_grid_f32`` does the same, block by block)."""
 
-    def solve(levels: range, offset: torch.Tensor | None, spread: torch.Tensor):
+    def solve(levels: range, offset: torch.Tensor | None, spreads: list[torch.Tensor]):
         found = torch.zeros(blocks.shape[:2], dtype=torch.bool)
         scale = torch.zeros(blocks.shape[:2])
         q = torch.zeros(blocks.shape, dtype=torch.int16)
-        for d in _fp16_candidates(spread):
+        for d in (d for spread in spreads for d in _fp16_candidates(spread)):
             safe = torch.where(d == 0, torch.ones_like(d), d)[..., None]
             base = blocks if offset is None else blocks - offset[..., None]
             cand = torch.round(base / safe).clamp(levels.start, levels.stop - 1)
@@ -95,10 +101,11 @@ def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
     low = blocks.min(-1).values
     if bool((low.to(torch.float16).float() == low).all()):
-        ok, scale, q = solve(range(0, 16), low, (blocks.max(-1).values - low) / 15)
+        ok, scale, q = solve(range(0, 16), low, [(blocks.max(-1).values - low) / 15])
         if ok:
             return q, scale, low
-    ok, scale, q = solve(range(-128, 128), None, blocks.abs().max(-1).values / 127)
+    top = blocks.abs().max(-1).values
+    ok, scale, q = solve(range(-128, 128), None, [top / levels for levels in SIGNED_LEVELS])
     return (q, scale, None) if ok else None
 
 

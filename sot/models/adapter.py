@@ -98,17 +98,26 @@ def make_row_stable(model: torch.nn.Module, int8: bool = False) -> None:
 
 
 _NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+#: Gemma 3's ``(1 + w)`` norms, which the compiled float32 kernel computes with ``1 + w`` as its weight
+_ONE_PLUS_NORM_CLASSES = ("Gemma3RMSNorm",)
 
 
 def use_fused_norms(model: torch.nn.Module) -> None:
     """On the CPU (bfloat16 or float32), run Llama-style RMSNorm modules through the compiled
-    kernel that the fast path uses, so both paths compute the same bits."""
+    kernel that the fast path uses, so both paths compute the same bits; Gemma 3's norms too,
+    in float32 (:func:`sot.models.fast_llama.fast_path_gap`)."""
     for module in model.modules():
-        if type(module).__name__ in _NORM_CLASSES:
+        kind = type(module).__name__
+        if kind in _NORM_CLASSES:
             fused = fused_rms_norm(module.weight.dtype, module.weight.device)
             if fused is not None:
                 eps = module.variance_epsilon
                 module.forward = lambda x, _w=module.weight, _f=fused, _e=eps: _f(x, _w, _e, None)[0]
+        elif kind in _ONE_PLUS_NORM_CLASSES and module.weight.dtype == torch.float32:
+            fused = fused_rms_norm(module.weight.dtype, module.weight.device)
+            if fused is not None:
+                weight = 1.0 + module.weight.detach().float()  # (as the module computes it)
+                module.forward = lambda x, _w=weight, _f=fused, _e=module.eps: _f(x, _w, _e, None)[0]
 
 
 @dataclass(frozen=True)
