@@ -101,12 +101,12 @@ def test_deep_and_wide_trees_stay_lossless() -> None:
 
 def test_fast_path_matches_generic_path_bit_for_bit() -> None:
     """SoT's lean forward gives the logits of the transformers modules (with SoT's norms and
-    attention plugged in), bit for bit: prompt rows and tree rows, float32 and bfloat16, and
-    Gemma 3 in float32 with its (1 + w) norms, query/key norms and per-layer rotary tables (its
+    attention plugged in), bit for bit: prompt rows and tree rows, float32 and bfloat16, Qwen3's
+    query/key norms and sliding layer, and Gemma 3 in float32 with its (1 + w) norms, query/key norms and per-layer rotary tables (its
     norm weights made non-zero, as trained ones are)."""
     from sot.attention import build_tree_layout
 
-    for arch in ("llama", "qwen2", "mistral", "gemma3"):
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "gemma3"):
         for dtype in (torch.float32,) if arch == "gemma3" else (torch.float32, torch.bfloat16):
             model = tiny_model(arch)
             if arch == "gemma3":
@@ -135,13 +135,14 @@ def test_fast_path_matches_generic_path_bit_for_bit() -> None:
     ("mistral", "onednn", torch.bfloat16),
     ("llama", "bf16blocks", torch.bfloat16), ("mistral", "bf16blocks", torch.bfloat16),
     ("gemma3", "panels", torch.float32), ("gemma3", "blocks", torch.float32), ("gemma3", "int8", torch.float32),
+    ("qwen3", "blocks", torch.float32),
 ])
 def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, products: str, dtype: torch.dtype,
                                                                  monkeypatch) -> None:
     """The decoder layers in one compiled call give the same logits and states, bit for bit,
     as the Python loop over the same kernels: padded and flat-packed passes of two sequences,
-    a sliding window (Mistral and Gemma 3), a bias (Qwen2), Gemma 3's extra norms, GELU and two
-    rotary tables; float32 on SoT's panels and 4-bit blocks, and
+    a sliding window (Mistral, Qwen3 and Gemma 3), a bias (Qwen2), query/key norms (Qwen3,
+    Gemma 3), Gemma 3's other norms, GELU and two rotary tables; float32 on SoT's panels and 4-bit blocks, and
     on oneDNN's packed products (as bfloat16 runs where oneDNN packs it: CPUs with AVX-512),
     also where short blocks must be padded to whole ones ("onednn-short"); and the 8-bit integer
     products of ``--dtype int8`` over the blocks."""
@@ -680,13 +681,14 @@ def test_compiled_block_search_equals_the_pytorch_one() -> None:
     assert found == {**dict.fromkeys(grids, True), **dict.fromkeys(others, False)}
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen3", "gemma2"])
 def test_sliding_window_is_honoured(arch: str) -> None:
     """With every layer sliding (window W, two layers), a row at position p sees tokens
     p - 2(W - 1) .. p only. Changing a token before that leaves every logits row of the
     answer bit-identical, through prefill and through tree verification; widening the
-    window lets the change through. (Mistral runs the fast path, Qwen3 the generic one.)"""
-    every_layer = {"max_window_layers": 0} if arch == "qwen3" else {}
+    window lets the change through. (Mistral and Qwen3 run the fast path, Gemma 2 the generic one.)"""
+    every_layer = {"qwen3": {"max_window_layers": 0},
+                   "gemma2": {"layer_types": ["sliding_attention"] * 2}}.get(arch, {})
     window = 12
     prompt = random_prompts((30,), seed=8)[0]
     changed = list(prompt)

@@ -68,8 +68,8 @@ struct Layer {
   at::Tensor ln1, ln2;
   Product qkv, o, gate_up, down;
   int64_t window = 0;
-  // Gemma 3: the norms of the attention's and the MLP's outputs and of each query and key head
-  // (undefined elsewhere), and which rotary table the layer reads
+  // Qwen3 and Gemma 3: the norms of each query and key head; Gemma 3: of the attention's and
+  // the MLP's outputs (undefined where a family has none); which rotary table the layer reads
   at::Tensor attn_out_norm, mlp_out_norm, q_norm, k_norm;
   int64_t rope = 0;
 };
@@ -94,8 +94,9 @@ class LlamaLayers {
   // read by wide products) or "onednn";
   // short blocks exact), whether blocks decode in
   // registers, the row unit of padded products, the sliding window (0: none), the norms of
-  // the attention's output, the MLP's output, each query head and each key head (all None but
-  // for Gemma 3), and the index of the rotary table the layer reads (forward's cos and sin).
+  // the attention's output, the MLP's output, each query head and each key head (the last two
+  // Qwen3's and Gemma 3's, the first two Gemma 3's; None elsewhere), and the index of the rotary
+  // table the layer reads (forward's cos and sin).
   void add(at::Tensor ln1, at::Tensor ln2, std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t> sizes,
            std::vector<std::optional<at::Tensor>> biases, std::vector<std::string> kinds,
            std::vector<bool> partial_ok, bool fused, int64_t unit, int64_t window,

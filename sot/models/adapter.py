@@ -97,7 +97,7 @@ def make_row_stable(model: torch.nn.Module, int8: bool = False) -> None:
             module.forward = _stable_conv1d_forward.__get__(module)
 
 
-_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 #: Gemma 3's ``(1 + w)`` norms, which the compiled float32 kernel computes with ``1 + w`` as its weight
 _ONE_PLUS_NORM_CLASSES = ("Gemma3RMSNorm",)
 

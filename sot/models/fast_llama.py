@@ -1,13 +1,13 @@
-"""A lean forward for the Llama family (Llama, Qwen2, Mistral) and Gemma 3.
+"""A lean forward for the Llama family (Llama, Qwen2, Qwen3, Mistral) and Gemma 3.
 
 It computes exactly what the generic path computes through the transformers modules, with
 fewer Python-level operations: Q/K/V and gate/up projections are fused into one matrix each
 (the fused products are bit-identical to the separate ones), and there is no module
 dispatch. A test checks that its logits equal the generic path's bit for bit.
 
-Gemma 3's layers add to the Llama layer: ``(1 + w)`` norms, also on the attention's and the
-MLP's outputs before each residual add; RMS norms of each query and key head before the
-rotary embedding; embeddings scaled by ``sqrt(hidden)``; a GELU-gated MLP; and a rotary
+Qwen3's layers add RMS norms of each query and key head, before the rotary embedding.
+Gemma 3's add those too, and: ``(1 + w)`` norms, also on the attention's and the
+MLP's outputs before each residual add; embeddings scaled by ``sqrt(hidden)``; a GELU-gated MLP; and a rotary
 embedding per layer type (local and global bases).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 #: families whose layers are Gemma 3's (see the module's docstring)
 GEMMA_FAMILIES = ("gemma3_text",)
-FAST_FAMILIES = ("llama", "qwen2", "mistral") + GEMMA_FAMILIES
+FAST_FAMILIES = ("llama", "qwen2", "qwen3", "mistral") + GEMMA_FAMILIES
 #: the MLP activations the lean forward computes, by the config's name
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -111,12 +111,12 @@ class _Layer:
     gate_up: PackedLinear
     down: PackedLinear
     window: int | None = None
-    # Gemma 3 only: the norms of the attention's and the MLP's outputs, and of each query and
-    # key head; the rotary table (an index into FastLlama.ropes)
-    attn_out_norm: torch.Tensor | None = None
-    mlp_out_norm: torch.Tensor | None = None
+    # Qwen3 and Gemma 3: the norms of each query and key head; Gemma 3: the norms of the
+    # attention's and the MLP's outputs, and the rotary table (an index into FastLlama.ropes)
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
     rope: int = 0
 
 
@@ -208,11 +208,12 @@ class FastLlama:
             bias = None
             if att.q_proj.bias is not None:
                 bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
-            gemma = {}
+            extra = {}
+            if hasattr(att, "q_norm"):
+                extra.update(q_norm=self._norm_weight(att.q_norm), k_norm=self._norm_weight(att.k_norm))
             if self.gemma:
-                gemma = dict(attn_out_norm=self._norm_weight(layer.post_attention_layernorm),
+                extra.update(attn_out_norm=self._norm_weight(layer.post_attention_layernorm),
                              mlp_out_norm=self._norm_weight(layer.post_feedforward_layernorm),
-                             q_norm=self._norm_weight(att.q_norm), k_norm=self._norm_weight(att.k_norm),
                              rope=types.index(cfg.layer_types[idx]))
             self.layers.append(
                 _Layer(
@@ -224,7 +225,7 @@ class FastLlama:
                     gate_up=_stacked([mlp.gate_proj.weight, mlp.up_proj.weight], None, int8),
                     down=PackedLinear(mlp.down_proj.weight, int8=int8),
                     window=layer_window(att, cfg),
-                    **gemma,
+                    **extra,
                 )
             )
         # (Gemma scales by its query_pre_attn_scalar, as its attention modules do)
@@ -291,7 +292,7 @@ class FastLlama:
         return x if weight is None else self._add_rms(x, None, weight)[0]
 
     def _qk_normed(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        """``qkv [..., nq + 2 nkv, hd]`` with each query and key head normed (Gemma 3), as a
+        """``qkv [..., nq + 2 nkv, hd]`` with each query and key head normed (Qwen3, Gemma 3), as a
         new tensor; unchanged where the layer has no such norms."""
         if layer.q_norm is None:
             return qkv
