@@ -112,6 +112,31 @@ def random_blocks(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, .
     return d, low, q4, q8
 
 
+def blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None,
+                      bias: torch.Tensor) -> torch.Tensor:
+    """The block product's formula one float32 operation at a time (linear.cpp): per block of
+    32 inputs, ``s = fma(x, q, s)`` over its inputs from zero, then ``acc = fma(d, s, acc)``
+    and, with minimums, ``acc = fma(m, xs, acc)`` (``xs``: the block's inputs summed in
+    order), the bias added last. ``x [M, K]``, ``q [N, K/32, 32]``, ``scale``/``low [N, K/32, 1]``.
+    A fused multiply-add is taken in float64, where these products are exact, then rounded."""
+    def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (a.double() * b.double() + c.double()).float()
+
+    rows, blocks = x.shape[0], q.shape[1]
+    acc = torch.zeros(rows, q.shape[0])
+    for kb in range(blocks):
+        s = torch.zeros(rows, q.shape[0])
+        xs = torch.zeros(rows)
+        for k in range(32):
+            column = x[:, kb * 32 + k]
+            s = fma(column[:, None], q[None, :, kb, k], s)
+            xs = xs + column
+        acc = fma(scale[None, :, kb, 0], s, acc)
+        if low is not None:
+            acc = fma(low[None, :, kb, 0], xs[:, None], acc)
+    return acc + bias
+
+
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Hugging Face ``generate(do_sample=False)`` continuation of ``prompt``."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)

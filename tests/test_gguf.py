@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from helpers import RandomTreeDrafter, clone, hf_greedy, random_prompts, tiny_model
+from helpers import RandomTreeDrafter, blocks_reference, clone, hf_greedy, random_prompts, tiny_model
 from sot.drafters import NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.models.adapter import TargetModel
@@ -21,10 +22,11 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
 
 def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIALS, skip: tuple[str, ...] = (),
-               rope_scaling: float | None = None) -> None:
+               rope_scaling: float | None = None, q4_k: dict[str, np.ndarray] | None = None) -> None:
     """Write ``model`` (a tiny Gemma 2 or Gemma 3 text model) as a float32 GGUF file; the
     vocabulary starts with ``specials`` (control tokens), tensors named in ``skip`` are left
-    out, and ``rope_scaling`` writes a linear RoPE factor as llama.cpp does for Gemma 3."""
+    out, ``rope_scaling`` writes a linear RoPE factor as llama.cpp does for Gemma 3, and the
+    tensors named in ``q4_k`` are written as those Q4_K bytes (``[rows, row bytes]``)."""
     cfg = model.config
     family = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2 if family == "gemma2" else gguf.MODEL_ARCH.GEMMA3,
@@ -63,6 +65,9 @@ def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIAL
             continue
         base = names.get_name(name.removesuffix(".weight"))
         assert base is not None, name
+        if q4_k and name in q4_k:
+            out.add_tensor(base + ".weight", q4_k[name], raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            continue
         data = tensor.float().numpy()
         if name.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp stores Gemma's (1 + w) norm weights
@@ -107,6 +112,61 @@ def test_gemma_gguf_loads_and_decodes_exactly(arch: str, tmp_path: Path, monkeyp
         rnd = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.7, seed=1)
         spec = [r.token_ids for r in Engine(target, rnd, TreeBudget(16, 6)).generate(prompts, params)]
         assert pld == plain and spec == plain
+
+
+def test_q4_k_weights_are_multiplied_as_their_blocks(tmp_path: Path, monkeypatch) -> None:
+    """A GGUF file's Q4_K weights (most of a published Q4_K_M file's layers) are read from the
+    file as 4-bit blocks of 32 with float32 scales (products of a float16 and a 6-bit integer,
+    not float16 values): decoded bit for bit as gguf-py dequantizes them, multiplied as the
+    block formula says on both of SoT's paths, and decoded exactly. A weight changed in place
+    loses them; the bfloat16 and 8-bit packers, which keep float16 scales, never get them."""
+    from gguf.quants import dequantize
+
+    from sot.kernels.linear import PackedLinear, block_grid, pack_int8
+    from sot.models.gguf_blocks import q4_k_blocks
+    from sot.models.loading import load_model
+
+    monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
+    source = tiny_model("gemma3", seed=3, tie_word_embeddings=True, query_pre_attn_scalar=16, num_hidden_layers=6,
+                        layer_types=None, intermediate_size=256)  # (Q4_K rows hold multiples of 256 weights)
+    rng = np.random.default_rng(0)
+    raw, grids = {}, {}
+    for layer in (0, 3):
+        name = f"model.layers.{layer}.mlp.down_proj.weight"
+        rows, cols = source.state_dict()[name].shape
+        blocks = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)  # codes and 6-bit scales
+        for at in (0, 2):  # the super-blocks' scale and minimum scale, float16
+            blocks[:, at:at + 2] = rng.uniform(0.002, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+        raw[name] = blocks.reshape(rows, -1)
+        weight = torch.from_numpy(dequantize(raw[name], gguf.GGMLQuantizationType.Q4_K)).reshape(rows, cols)
+        q, d, m = grids[layer] = q4_k_blocks(raw[name], rows, cols)
+        assert torch.equal((d[..., None] * q.float() + m[..., None]).reshape(rows, cols), weight)
+        assert not bool((d.half().float() == d).all()), "the test's scales must need float32"
+        source.state_dict()[name].copy_(weight)
+    write_gguf(source, tmp_path / "tiny-q4k.gguf", q4_k=raw)
+    loaded = load_model(str(tmp_path / "tiny-q4k.gguf"))
+    target = TargetModel(loaded.model)
+    downs = [layer.down for layer in target.fast.layers]
+    assert [isinstance(lin.packed, tuple) for lin in downs] == [True, False, False, True, False, False]
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    for layer in (0, 3):
+        q, d, m = grids[layer]
+        assert downs[layer].packed[1].dtype == torch.float32
+        expected = blocks_reference(x, q.float(), d[..., None], m[..., None], torch.zeros(q.shape[0]))
+        for rows in (1, 2, 5, 7):
+            assert torch.equal(downs[layer](x[:rows], True), expected[:rows])
+    weight = loaded.model.model.layers[0].mlp.down_proj.weight
+    assert block_grid(weight) is None and pack_int8(weight) is None  # (float16 scales only)
+    generic = TargetModel(loaded.model, fast=False)
+    prompts = random_prompts((7, 40), seed=2)
+    params = GenerationParams(max_new_tokens=30)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    assert [r.token_ids for r in Engine(generic, NoDrafter()).generate(prompts, params)] == plain
+    rnd = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.7, seed=1)
+    assert [r.token_ids for r in Engine(target, rnd, TreeBudget(16, 6)).generate(prompts, params)] == plain
+    with torch.no_grad():
+        weight.mul_(1.0)  # (same values, but changed in place: the blocks no longer vouch for them)
+    assert not isinstance(PackedLinear(weight).packed, tuple)
 
 
 def test_gguf_files_are_read_whole_and_anew(tmp_path: Path, monkeypatch) -> None:

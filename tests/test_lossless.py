@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (ARCHS, VOCAB, RandomTreeDrafter, blockify, clone, hf_greedy, random_blocks, random_prompts,
-                     tiny_model, trained_norms)
+from helpers import (ARCHS, VOCAB, RandomTreeDrafter, blockify, blocks_reference, clone, hf_greedy, random_blocks,
+                     random_prompts, tiny_model, trained_norms)
 from sot.drafters import LookupDrafter, NoDrafter, PromptLookupDrafter, TreeBudget
 from sot.engine import Engine, GenerationParams
 from sot.kernels import cpu_kernels
@@ -392,31 +392,6 @@ def test_compiled_float32_rms_norm_is_row_stable() -> None:
         norm(x, w[:-1], 1e-5, None)
 
 
-def _blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None,
-                      bias: torch.Tensor) -> torch.Tensor:
-    """The block product's formula one float32 operation at a time (linear.cpp): per block of
-    32 inputs, ``s = fma(x, q, s)`` over its inputs from zero, then ``acc = fma(d, s, acc)``
-    and, with minimums, ``acc = fma(m, xs, acc)`` (``xs``: the block's inputs summed in
-    order), the bias added last. ``x [M, K]``, ``q [N, K/32, 32]``, ``scale``/``low [N, K/32, 1]``.
-    A fused multiply-add is taken in float64, where these products are exact, then rounded."""
-    def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return (a.double() * b.double() + c.double()).float()
-
-    rows, blocks = x.shape[0], q.shape[1]
-    acc = torch.zeros(rows, q.shape[0])
-    for kb in range(blocks):
-        s = torch.zeros(rows, q.shape[0])
-        xs = torch.zeros(rows)
-        for k in range(32):
-            column = x[:, kb * 32 + k]
-            s = fma(column[:, None], q[None, :, kb, k], s)
-            xs = xs + column
-        acc = fma(scale[None, :, kb, 0], s, acc)
-        if low is not None:
-            acc = fma(low[None, :, kb, 0], xs[:, None], acc)
-    return acc + bias
-
-
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "l1-block"])
 def test_weights_stored_as_exact_blocks_are_multiplied_block_by_block(fused: bool, monkeypatch) -> None:
     """Float32 weights that are exactly GGUF Q4_1 or Q8_0 blocks (as in a model dequantized
@@ -446,7 +421,7 @@ def test_weights_stored_as_exact_blocks_are_multiplied_block_by_block(fused: boo
         w = (scale * q + (0 if mins is None else mins)).reshape(n, k)
         blocks = pack_blocks(w)
         assert blocks is not None and blocks[0].dtype == dtype and blocks[1].dtype == torch.float16
-        full = _blocks_reference(x, q, scale, mins, bias)
+        full = blocks_reference(x, q, scale, mins, bias)
         assert torch.equal(kernel.linear_blocks_f32(x, *blocks, n, bias, fused), full)
         torch.testing.assert_close(full, kernel.linear_f32(x, pack_panels(w), n, bias), rtol=1e-5, atol=1e-5)
         slices = ((0, 1), (4, 6), (3, 6), (5, 9), (1, 6), (0, 6), (2, 9), (0, 8), (1, 11), (0, 12), (4, 17), (0, 20))

@@ -51,12 +51,18 @@ inline const float* float_bias(const std::optional<at::Tensor>& bias, int64_t N,
 using half_t = uint16_t;  // a float16 value's bits
 
 inline float half_value(half_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+// A block's scale as float32, stored as float16 bits or as float32
+inline float scale_value(half_t h) { return half_value(h); }
+inline float scale_value(float f) { return f; }
 
 #if defined(__AVX2__) && defined(__F16C__)
 // 8 float16 values as float32 (exact)
 __attribute__((always_inline)) inline __m256 load8h(const half_t* h) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
+// 8 scales as float32, from float16 bits or float32
+__attribute__((always_inline)) inline __m256 load8s(const half_t* h) { return load8h(h); }
+__attribute__((always_inline)) inline __m256 load8s(const float* f) { return _mm256_loadu_ps(f); }
 #endif
 
 }  // namespace

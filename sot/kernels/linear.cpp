@@ -194,6 +194,8 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<
 //       exact; half the bytes of float32 scales, which a one-row product streams with the
 //       data: 1.05-1.11x faster on two Zen 3 cores);
 //   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float16; min empty.
+// Scales and minimums may also be float32 (GGUF Q4_K's: products of a float16 and a 6-bit
+// integer, exact in float32 only): the same operations on the same values.
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -235,8 +237,8 @@ __attribute__((always_inline)) inline void unpack16(const uint8_t* q, __m256 (&w
 // The end of block kb for MR rows and NP panels: acc (in memory, [MR][NP][16]) = fma(d, s,
 // acc), then fma(m, xs, acc) for Q4_1. d, m: the block's scales of the first panel (the next
 // panels `per` values on); xs: the rows' block sums ([MR, KB], this block's column; Q4_1 only).
-template <int MR, int NP, bool Q4>
-__attribute__((always_inline)) inline void scale_step(const __m256 (&s)[MR][NP][2], const half_t* d, const half_t* m,
+template <int MR, int NP, bool Q4, typename S>
+__attribute__((always_inline)) inline void scale_step(const __m256 (&s)[MR][NP][2], const S* d, const S* m,
                                                       int64_t per, const float* xs, int64_t KB, float* acc) {
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -246,8 +248,8 @@ __attribute__((always_inline)) inline void scale_step(const __m256 (&s)[MR][NP][
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         float* a = acc + (i * NP + j) * kPanel + 8 * h;
-        __m256 v = _mm256_fmadd_ps(load8h(d + j * per + 8 * h), s[i][j][h], _mm256_loadu_ps(a));
-        if (Q4) v = _mm256_fmadd_ps(load8h(m + j * per + 8 * h), xsum, v);
+        __m256 v = _mm256_fmadd_ps(load8s(d + j * per + 8 * h), s[i][j][h], _mm256_loadu_ps(a));
+        if (Q4) v = _mm256_fmadd_ps(load8s(m + j * per + 8 * h), xsum, v);
         _mm256_storeu_ps(a, v);
       }
   }
@@ -261,16 +263,17 @@ __attribute__((always_inline)) inline void scale_step(const __m256 (&s)[MR][NP][
 // far ahead, and without it the core waits on memory, then computes, instead of both at once
 // (on 2 cores of an AVX-512 EPYC, every product of the default model's pass against the same
 // kernel without it: 1.3x faster at one row, 1.2x at two; docs/NOTEBOOK.md).
+template <typename S>
 struct NextTile {
   const uint8_t* data;
-  const half_t* scale;
-  const half_t* mins;
+  const S* scale;
+  const S* mins;
   int np;
 };
 
-template <int MR, int NP, bool Q4>
+template <int MR, int NP, bool Q4, typename S>
 inline void fused_block_tile(const float* x, const float* xs, int64_t K, const uint8_t* data, int64_t bytes,
-                             const half_t* scale, const half_t* mins, int64_t per, float* out, const NextTile& next) {
+                             const S* scale, const S* mins, int64_t per, float* out, const NextTile<S>& next) {
   constexpr int64_t kBytes = Q4 ? 8 : 16;  // per input of a panel
   std::fill(out, out + MR * NP * kPanel, 0.0f);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
@@ -290,16 +293,16 @@ inline void fused_block_tile(const float* x, const float* xs, int64_t K, const u
       for (int j = 0; j < NP; ++j) unpack16<Q4>(data + j * bytes + k * kBytes, w[j]);
       fma_step<MR, NP>(s, w, x, K, k);
     }
-    scale_step<MR, NP, Q4>(s, scale + kb * kPanel, Q4 ? mins + kb * kPanel : nullptr, per, Q4 ? xs + kb : nullptr,
+    scale_step<MR, NP, Q4, S>(s, scale + kb * kPanel, Q4 ? mins + kb * kPanel : nullptr, per, Q4 ? xs + kb : nullptr,
                            K / 32, out);
   }
 }
 
 // All M = MR rows over every panel: pairs of panels (32 columns, more independent FMA chains)
 // for 1-2 rows, single panels for 3-6 rows (their sums fill the registers).
-template <int MR, bool Q4>
+template <int MR, bool Q4, typename S>
 void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int64_t N, const uint8_t* data,
-                      int64_t bytes, const half_t* scale, const half_t* mins, int64_t per, const float* bias,
+                      int64_t bytes, const S* scale, const S* mins, int64_t per, const float* bias,
                       float* y) {
   constexpr int64_t NP = MR <= 2 ? 2 : 1;
   at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t begin, int64_t end) {
@@ -307,19 +310,19 @@ void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = NP * t;
       const uint8_t* dp = data + p * bytes;
-      const half_t* sp = scale + p * per;
-      const half_t* mp = Q4 ? mins + p * per : nullptr;
-      NextTile next{nullptr, nullptr, nullptr, 0};
+      const S* sp = scale + p * per;
+      const S* mp = Q4 ? mins + p * per : nullptr;
+      NextTile<S> next{nullptr, nullptr, nullptr, 0};
       if (t + 1 < end) {
         const int64_t q = p + NP;
         next = {data + q * bytes, scale + q * per, Q4 ? mins + q * per : nullptr,
                 static_cast<int>(std::min<int64_t>(NP, P - q))};
       }
       if (NP == 2 && p + 1 < P) {
-        fused_block_tile<MR, 2, Q4>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
+        fused_block_tile<MR, 2, Q4, S>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
         store_tile<MR, 2>(tile, p, N, bias, y);
       } else {
-        fused_block_tile<MR, 1, Q4>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
+        fused_block_tile<MR, 1, Q4, S>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
         store_tile<MR, 1>(tile, p, N, bias, y);
       }
     }
@@ -333,8 +336,8 @@ void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int
 
 // acc [MR][16] (in memory) gets block kb of MR rows: x [MR rows, this block's 32 inputs] times
 // q [32][16] (floats, in L1), scaled by d (and m, xs) as scale_step does.
-template <int MR, bool Q4>
-inline void chunk_tile(const float* x, int64_t K, const float* q, const half_t* d, const half_t* m, const float* xs,
+template <int MR, bool Q4, typename S>
+inline void chunk_tile(const float* x, int64_t K, const float* q, const S* d, const S* m, const float* xs,
                        int64_t KB, float* acc) {
   __m256 s[MR][1][2];
   zero_tile<MR, 1>(s);
@@ -342,12 +345,12 @@ inline void chunk_tile(const float* x, int64_t K, const float* q, const half_t* 
     const __m256 wv[1][2] = {{_mm256_loadu_ps(q + k * kPanel), _mm256_loadu_ps(q + k * kPanel + 8)}};
     fma_step<MR, 1>(s, wv, x, K, k);
   }
-  scale_step<MR, 1, Q4>(s, d, m, 0, xs, KB, acc);
+  scale_step<MR, 1, Q4, S>(s, d, m, 0, xs, KB, acc);
 }
 
-template <bool Q4>
+template <bool Q4, typename S>
 void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
-                        const uint8_t* data, int64_t bytes, const half_t* scale, const half_t* mins, int64_t per,
+                        const uint8_t* data, int64_t bytes, const S* scale, const S* mins, int64_t per,
                         const float* bias, float* y) {
   const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups, KB = K / 32;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
@@ -355,8 +358,8 @@ void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, i
     alignas(32) float q[32 * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* dp = data + p * bytes;
-      const half_t* sp = scale + p * per;
-      const half_t* mp = Q4 ? mins + p * per : nullptr;
+      const S* sp = scale + p * per;
+      const S* mp = Q4 ? mins + p * per : nullptr;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t kb = 0; kb < KB; ++kb) {
         for (int64_t k = 0; k < 32; ++k) {  // this block of 32 inputs
@@ -365,20 +368,20 @@ void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, i
           _mm256_storeu_ps(q + k * kPanel, w[0]);
           _mm256_storeu_ps(q + k * kPanel + 8, w[1]);
         }
-        const half_t* d = sp + kb * kPanel;
-        const half_t* m = Q4 ? mp + kb * kPanel : nullptr;
+        const S* d = sp + kb * kPanel;
+        const S* m = Q4 ? mp + kb * kPanel : nullptr;
         for (int64_t g = 0, m0 = 0; g < groups; ++g) {
           const int64_t rows = base + (g < extra ? 1 : 0);
           const float* xg = x + m0 * K + kb * 32;
           const float* sg = Q4 ? xs + m0 * KB + kb : nullptr;
           float* ag = acc.data() + m0 * kPanel;
           switch (rows) {
-            case 1: chunk_tile<1, Q4>(xg, K, q, d, m, sg, KB, ag); break;
-            case 2: chunk_tile<2, Q4>(xg, K, q, d, m, sg, KB, ag); break;
-            case 3: chunk_tile<3, Q4>(xg, K, q, d, m, sg, KB, ag); break;
-            case 4: chunk_tile<4, Q4>(xg, K, q, d, m, sg, KB, ag); break;
-            case 5: chunk_tile<5, Q4>(xg, K, q, d, m, sg, KB, ag); break;
-            default: chunk_tile<kMaxRows, Q4>(xg, K, q, d, m, sg, KB, ag); break;
+            case 1: chunk_tile<1, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
+            case 2: chunk_tile<2, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
+            case 3: chunk_tile<3, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
+            case 4: chunk_tile<4, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
+            case 5: chunk_tile<5, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
+            default: chunk_tile<kMaxRows, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
           }
           m0 += rows;
         }
@@ -390,9 +393,9 @@ void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, i
 
 #else
 // Without AVX2: the same operations one output at a time (std::fma rounds as the vector FMA).
-template <bool Q4>
+template <bool Q4, typename S>
 void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
-                       const uint8_t* data, int64_t bytes, const half_t* scale, const half_t* mins, int64_t per,
+                       const uint8_t* data, int64_t bytes, const S* scale, const S* mins, int64_t per,
                        const float* bias, float* y) {
   const int64_t KB = K / 32;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
@@ -413,8 +416,8 @@ void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, in
               }
               s = std::fma(x[i * K + k], q, s);
             }
-            acc = std::fma(half_value(scale[p * per + kb * kPanel + c]), s, acc);
-            if (Q4) acc = std::fma(half_value(mins[p * per + kb * kPanel + c]), xs[i * KB + kb], acc);
+            acc = std::fma(scale_value(scale[p * per + kb * kPanel + c]), s, acc);
+            if (Q4) acc = std::fma(scale_value(mins[p * per + kb * kPanel + c]), xs[i * KB + kb], acc);
           }
           tile[c] = acc;
         }
@@ -423,6 +426,50 @@ void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, in
   });
 }
 #endif
+
+}  // namespace
+
+namespace {
+
+// One block product's operands (see linear_blocks_f32), apart from its scales.
+struct BlockArgs {
+  const float* x;
+  const float* xs;
+  int64_t M, K, P, N;
+  const uint8_t* data;
+  int64_t bytes, per;
+  const float* bias;
+  float* y;
+  bool fused;
+};
+
+// The product with scales (and minimums) of type S: float16 bits, or float32.
+template <typename S>
+void block_rows(const BlockArgs& a, bool q4, const S* sp, const S* mp) {
+#if SOT_BLOCKS_AVX2
+  if (a.fused && a.M <= kMaxRows) {
+#define SOT_FUSED(R) (q4 ? fused_block_rows<R, true, S>(a.x, a.xs, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, \
+                                                        a.bias, a.y)                                            \
+                         : fused_block_rows<R, false, S>(a.x, a.xs, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, \
+                                                         a.bias, a.y))
+    switch (a.M) {
+      case 1: SOT_FUSED(1); break;
+      case 2: SOT_FUSED(2); break;
+      case 3: SOT_FUSED(3); break;
+      case 4: SOT_FUSED(4); break;
+      case 5: SOT_FUSED(5); break;
+      default: SOT_FUSED(6); break;
+    }
+#undef SOT_FUSED
+  } else {
+    q4 ? chunked_block_rows<true, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y)
+       : chunked_block_rows<false, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
+  }
+#else
+  q4 ? scalar_block_rows<true, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y)
+     : scalar_block_rows<false, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
+#endif
+}
 
 }  // namespace
 
@@ -435,44 +482,25 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
   TORCH_CHECK(data.dim() == 4 && K % 32 == 0 && data.size(1) == K / 32 && data.size(2) == 32 &&
               data.size(3) == (q4 ? 8 : 16) && (q4 || data.scalar_type() == at::kChar) && data.is_contiguous(),
               "packed weight mismatch");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == P * (K / 32) * kPanel,
-              "packed weight mismatch (float16 scales)");
-  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.numel() == scale.numel()),
-              "packed weight mismatch (float16 mins)");
+  const bool wide = scale.scalar_type() == at::kFloat;  // (float32 scales: Q4_K's)
+  TORCH_CHECK((wide || scale.scalar_type() == at::kHalf) && scale.is_contiguous() &&
+              scale.numel() == P * (K / 32) * kPanel, "packed weight mismatch (float16 or float32 scales)");
+  TORCH_CHECK(!q4 || (mins.scalar_type() == scale.scalar_type() && mins.is_contiguous() &&
+                      mins.numel() == scale.numel()), "packed weight mismatch (mins of the scales' dtype)");
   TORCH_CHECK(P * kPanel >= N, "N exceeds the packed weight");
-  const uint8_t* dp = reinterpret_cast<const uint8_t*>(data.data_ptr());
-  const half_t* sp = reinterpret_cast<const half_t*>(scale.data_ptr());
-  const half_t* mp = q4 ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr;
   const int64_t bytes = K * (q4 ? 8 : 16), per = (K / 32) * kPanel;
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0);
   if (M == 0) return io.y;
-  const float *xp = io.xp, *bp = io.bp;
-  float* yp = io.yp;
-  const std::vector<float> sums = q4 ? block_sums(xp, M, K) : std::vector<float>();  // (8-bit blocks: none)
-  const float* xs = q4 ? sums.data() : nullptr;
-#if SOT_BLOCKS_AVX2
-  if (fused && M <= kMaxRows) {
-#define SOT_FUSED(R) (q4 ? fused_block_rows<R, true>(xp, xs, K, P, N, dp, bytes, sp, mp, per, bp, yp) \
-                         : fused_block_rows<R, false>(xp, xs, K, P, N, dp, bytes, sp, mp, per, bp, yp))
-    switch (M) {
-      case 1: SOT_FUSED(1); break;
-      case 2: SOT_FUSED(2); break;
-      case 3: SOT_FUSED(3); break;
-      case 4: SOT_FUSED(4); break;
-      case 5: SOT_FUSED(5); break;
-      default: SOT_FUSED(6); break;
-    }
-#undef SOT_FUSED
+  const std::vector<float> sums = q4 ? block_sums(io.xp, M, K) : std::vector<float>();  // (8-bit blocks: none)
+  const BlockArgs args{io.xp, q4 ? sums.data() : nullptr, M, K, P, N, reinterpret_cast<const uint8_t*>(data.data_ptr()),
+                       bytes, per, io.bp, io.yp, fused};
+  if (wide) {
+    block_rows<float>(args, q4, scale.data_ptr<float>(), q4 ? mins.data_ptr<float>() : nullptr);
   } else {
-    q4 ? chunked_block_rows<true>(xp, xs, M, K, P, N, dp, bytes, sp, mp, per, bp, yp)
-       : chunked_block_rows<false>(xp, xs, M, K, P, N, dp, bytes, sp, mp, per, bp, yp);
+    block_rows<half_t>(args, q4, reinterpret_cast<const half_t*>(scale.data_ptr()),
+                       q4 ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr);
   }
-#else
-  (void)fused;
-  q4 ? scalar_block_rows<true>(xp, xs, M, K, P, N, dp, bytes, sp, mp, per, bp, yp)
-     : scalar_block_rows<false>(xp, xs, M, K, P, N, dp, bytes, sp, mp, per, bp, yp);
-#endif
   return io.y;
 }
 

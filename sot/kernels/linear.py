@@ -5,6 +5,7 @@ path, the generic adapter and the state predictor alike."""
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Callable
 
 import torch
@@ -54,16 +55,62 @@ def _blocks_of(weight: torch.Tensor, width: int) -> torch.Tensor:
     return w.reshape(padded, k // 32, 32)
 
 
-def block_grid(weight: torch.Tensor, width: int = 16
+#: weights whose loader gave them their blocks (:func:`register_blocks`), by storage and view
+_REGISTERED: dict[tuple[int, tuple[int, ...], tuple[int, ...]], weakref.ref] = {}
+
+
+def _view_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
+
+
+def register_blocks(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+    """Give ``weight [N, K]`` float32, equal to ``d * q + m`` block by block bit for bit, its
+    blocks: ``q [N, K/32, 32]`` (0..15), ``d`` and ``m`` ``[N, K/32]`` float32 (a GGUF file's
+    Q4_K blocks, :mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the
+    weight (and any tensor sharing its storage and shape) while it is unchanged; they live
+    as long as the weight."""
+    weight._sot_blocks = (weight._version, q, d, m)
+    _REGISTERED[_view_key(weight)] = weakref.ref(weight)
+
+
+def _registered_grid(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The blocks :func:`register_blocks` gave ``weight`` (rows zero-padded to a multiple of
+    ``width``), or ``None``."""
+    ref = _REGISTERED.get(_view_key(weight))
+    owner = ref() if ref is not None else None
+    if owner is None or _view_key(owner) != _view_key(weight):
+        return None
+    version, q, d, m = owner._sot_blocks
+    if version != owner._version:  # (changed in place since)
+        return None
+    pad = -q.shape[0] % width
+    if pad:
+        q, d, m = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, d, m))
+    return q.to(torch.int16), d, m
+
+
+def _float16_values(t: torch.Tensor | None) -> bool:
+    """Whether every value of ``t`` (float32) is a float16 value (``None``: yes)."""
+    return t is None or bool((t.to(torch.float16).float() == t).all())
+
+
+def block_grid(weight: torch.Tensor, width: int = 16, float32_scales: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0, and
     Q5_0 and Q4_0 held in 8 bits: ``w = d * q``) blocks of 32 inputs: ``(q [N', K/32, 32] int16,
     d [N', K/32], m [N', K/32] or None for 8-bit)``, with ``N`` zero-padded to ``N'``, a multiple of ``width``; ``None``
     when some block is not exactly of that form. Every decoded weight is checked to equal the
-    float32 one bit for bit (decoded as the kernels do: ``d * q``, then ``+ m``)."""
+    float32 one bit for bit (decoded as the kernels do: ``d * q``, then ``+ m``). A weight
+    given its blocks by its loader (:func:`register_blocks`) has those; where their scales are
+    not float16 values (Q4_K's), only a caller that takes float32 scales (``float32_scales``)
+    gets them."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % 32 or n == 0 or weight.device.type != "cpu":
         return None
+    known = _registered_grid(weight, width)
+    if known is not None:
+        exact = _float16_values(known[1]) and _float16_values(known[2])
+        return known if float32_scales or exact else None
     blocks = _blocks_of(weight, width)
     kernel = cpu_kernels()
     if kernel is not None:  # the same arithmetic in one pass per block (a model loads seconds sooner)
@@ -110,24 +157,26 @@ def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`) in the
-    panel layout of the compiled ``linear_blocks_f32``: ``(data, scale, mins)`` (``scale`` and
-    ``mins`` float16, ``mins`` empty for 8-bit), or ``None`` when the weight is not such a
-    grid. A product over the blocks is taken as the format factors it, ``d * sum(x * q) + m *
+    """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`; Q4_K's
+    too, given by the loader) in the panel layout of the compiled ``linear_blocks_f32``:
+    ``(data, scale, mins)`` (``scale`` and ``mins`` float16, or float32 where the format's are
+    not float16 values, Q4_K's; ``mins`` empty for 8-bit), or ``None`` when the weight is not
+    such a grid. A product over the blocks is taken as the format factors it, ``d * sum(x * q) + m *
     sum(x)`` per block of 32 inputs in a fixed order (``linear.cpp``): the float32 product's
     value up to rounding, each row's bits independent of the other rows.
 
     A model dequantized from a GGUF file (the default model) has such weights: it then reads
     an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
-    grid = block_grid(weight)
+    grid = block_grid(weight, float32_scales=True)
     if grid is None:
         return None
     q, scale, low = grid
     panels, k = q.shape[0] // 16, weight.shape[1]
+    # the scales and minimums as the format stores them, float16 (exact), or float32 (Q4_K's)
+    kept = torch.float16 if _float16_values(scale) and _float16_values(low) else torch.float32
 
-    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16] float16
-        # (the grid's scales and minimums are float16 values, as the format stores them: exact)
-        return t.reshape(panels, 16, k // 32).transpose(1, 2).to(torch.float16).contiguous()
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16]
+        return t.reshape(panels, 16, k // 32).transpose(1, 2).to(kept).contiguous()
 
     if low is not None:  # 4-bit: byte j holds column j (low nibble) and column j + 8 (high nibble)
         q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
