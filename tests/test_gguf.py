@@ -22,11 +22,12 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
 
 def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIALS, skip: tuple[str, ...] = (),
-               rope_scaling: float | None = None, q4_k: dict[str, np.ndarray] | None = None) -> None:
+               rope_scaling: float | None = None, quantized: dict[str, tuple[str, np.ndarray]] | None = None) -> None:
     """Write ``model`` (a tiny Gemma 2 or Gemma 3 text model) as a float32 GGUF file; the
     vocabulary starts with ``specials`` (control tokens), tensors named in ``skip`` are left
     out, ``rope_scaling`` writes a linear RoPE factor as llama.cpp does for Gemma 3, and the
-    tensors named in ``q4_k`` are written as those Q4_K bytes (``[rows, row bytes]``)."""
+    tensors named in ``quantized`` are written as the given bytes (``[rows, row bytes]``) of the
+    given format (``"Q4_K"``, ...)."""
     cfg = model.config
     family = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2 if family == "gemma2" else gguf.MODEL_ARCH.GEMMA3,
@@ -65,8 +66,9 @@ def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIAL
             continue
         base = names.get_name(name.removesuffix(".weight"))
         assert base is not None, name
-        if q4_k and name in q4_k:
-            out.add_tensor(base + ".weight", q4_k[name], raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        if quantized and name in quantized:
+            kind, raw = quantized[name]
+            out.add_tensor(base + ".weight", raw, raw_dtype=gguf.GGMLQuantizationType[kind])
             continue
         data = tensor.float().numpy()
         if name.endswith("norm.weight"):
@@ -114,16 +116,18 @@ def test_gemma_gguf_loads_and_decodes_exactly(arch: str, tmp_path: Path, monkeyp
         assert pld == plain and spec == plain
 
 
-def test_q4_k_weights_are_multiplied_as_their_blocks(tmp_path: Path, monkeypatch) -> None:
-    """A GGUF file's Q4_K weights (most of a published Q4_K_M file's layers) are read from the
-    file as 4-bit blocks of 32 with float32 scales (products of a float16 and a 6-bit integer,
-    not float16 values): decoded bit for bit as gguf-py dequantizes them, multiplied as the
-    block formula says on both of SoT's paths, and decoded exactly. A weight changed in place
-    loses them; the bfloat16 and 8-bit packers, which keep float16 scales, never get them."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Path, monkeypatch) -> None:
+    """A GGUF file's Q4_K and Q6_K weights (most of a published Q4_K_M file's layers) are read
+    from the file as blocks of 32: Q4_K's 4-bit codes with float32 scales (products of a float16
+    and a 6-bit integer, not float16 values), Q6_K's products of its 8-bit half-block scales and
+    6-bit codes in 16 bits under a float16 scale. Decoded to gguf-py's dequantized values,
+    multiplied as the block formula says on both of SoT's paths, and decoded exactly. A weight
+    changed in place loses them; the bfloat16 and 8-bit packers never get them."""
     from gguf.quants import dequantize
 
     from sot.kernels.linear import PackedLinear, block_grid, pack_int8
-    from sot.models.gguf_blocks import q4_k_blocks
+    from sot.models.gguf_blocks import q4_k_blocks, q6_k_blocks
     from sot.models.loading import load_model
 
     monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
@@ -134,29 +138,37 @@ def test_q4_k_weights_are_multiplied_as_their_blocks(tmp_path: Path, monkeypatch
     for layer in (0, 3):
         name = f"model.layers.{layer}.mlp.down_proj.weight"
         rows, cols = source.state_dict()[name].shape
-        blocks = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)  # codes and 6-bit scales
-        for at in (0, 2):  # the super-blocks' scale and minimum scale, float16
+        size, scales = (144, (0, 2)) if kind == "Q4_K" else (210, (208,))  # (their float16 scales' bytes)
+        blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)  # codes and small scales
+        for at in scales:
             blocks[:, at:at + 2] = rng.uniform(0.002, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
-        raw[name] = blocks.reshape(rows, -1)
-        weight = torch.from_numpy(dequantize(raw[name], gguf.GGMLQuantizationType.Q4_K)).reshape(rows, cols)
-        q, d, m = grids[layer] = q4_k_blocks(raw[name], rows, cols)
-        assert torch.equal((d[..., None] * q.float() + m[..., None]).reshape(rows, cols), weight)
-        assert not bool((d.half().float() == d).all()), "the test's scales must need float32"
+        raw[name] = (kind, blocks.reshape(rows, -1))
+        weight = torch.from_numpy(dequantize(raw[name][1], gguf.GGMLQuantizationType[kind])).reshape(rows, cols)
+        q, d, m = grids[layer] = (q4_k_blocks if kind == "Q4_K" else q6_k_blocks)(raw[name][1], rows, cols)
+        decoded = d[..., None] * q.float() + (0 if m is None else m[..., None])
+        assert torch.equal(decoded.reshape(rows, cols), weight)
+        if kind == "Q4_K":
+            assert not bool((d.half().float() == d).all()), "the test's scales must need float32"
+        else:
+            assert bool(q.abs().max() > 127), "the test's integers must need 16 bits"
         source.state_dict()[name].copy_(weight)
-    write_gguf(source, tmp_path / "tiny-q4k.gguf", q4_k=raw)
-    loaded = load_model(str(tmp_path / "tiny-q4k.gguf"))
+    write_gguf(source, tmp_path / "tiny-k.gguf", quantized=raw)
+    loaded = load_model(str(tmp_path / "tiny-k.gguf"))
     target = TargetModel(loaded.model)
     downs = [layer.down for layer in target.fast.layers]
     assert [isinstance(lin.packed, tuple) for lin in downs] == [True, False, False, True, False, False]
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
     for layer in (0, 3):
         q, d, m = grids[layer]
-        assert downs[layer].packed[1].dtype == torch.float32
-        expected = blocks_reference(x, q.float(), d[..., None], m[..., None], torch.zeros(q.shape[0]))
+        data, scale, _ = downs[layer].packed
+        assert (scale.dtype, data.dtype) == ((torch.float32, torch.uint8) if kind == "Q4_K"
+                                             else (torch.float16, torch.int16))
+        expected = blocks_reference(x, q.float(), d[..., None], None if m is None else m[..., None],
+                                    torch.zeros(q.shape[0]))
         for rows in (1, 2, 5, 7):
             assert torch.equal(downs[layer](x[:rows], True), expected[:rows])
     weight = loaded.model.model.layers[0].mlp.down_proj.weight
-    assert block_grid(weight) is None and pack_int8(weight) is None  # (float16 scales only)
+    assert block_grid(weight) is None and pack_int8(weight) is None  # (float16 scales and 8 bits only)
     generic = TargetModel(loaded.model, fast=False)
     prompts = random_prompts((7, 40), seed=2)
     params = GenerationParams(max_new_tokens=30)

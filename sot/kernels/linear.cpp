@@ -193,7 +193,10 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<
 //       j + 8 (high nibble); scale, min [P, K/32, 16] float16 (the format's own values, so
 //       exact; half the bytes of float32 scales, which a one-row product streams with the
 //       data: 1.05-1.11x faster on two Zen 3 cores);
-//   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float16; min empty.
+//   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float16; min empty;
+//   q16: data [P, K/32, 32, 16] int16, otherwise as q8 (GGUF Q6_K: a block of 32 is two halves
+//       of 16 with their own 8-bit scales under one float16 scale d, so w = d * (scale * q)
+//       with the product of the two integers, up to 4,096 in magnitude, held in 16 bits).
 // Scales and minimums may also be float32 (GGUF Q4_K's: products of a float16 and a 6-bit
 // integer, exact in float32 only): the same operations on the same values.
 namespace {
@@ -218,15 +221,22 @@ std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   return xs;
 }
 
+// Bytes of one input's 16 integers in a panel, for blocks of QB-bit integers (4, 8 or 16).
+constexpr int64_t input_bytes(int QB) { return QB == 4 ? 8 : QB == 8 ? 16 : 32; }
+
 #if SOT_BLOCKS_AVX2
-// The 16 integers of input k of one panel (``q``: its bytes) as floats: w[0] columns 0-7,
-// w[1] columns 8-15.
-template <bool Q4>
+// The 16 integers of input k of one panel (``q``: its bytes; QB bits each) as floats: w[0]
+// columns 0-7, w[1] columns 8-15.
+template <int QB>
 __attribute__((always_inline)) inline void unpack16(const uint8_t* q, __m256 (&w)[2]) {
-  if (Q4) {
+  if (QB == 4) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  } else if (QB == 16) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1)));
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -271,10 +281,11 @@ struct NextTile {
   int np;
 };
 
-template <int MR, int NP, bool Q4, typename S>
+template <int MR, int NP, int QB, typename S>
 inline void fused_block_tile(const float* x, const float* xs, int64_t K, const uint8_t* data, int64_t bytes,
                              const S* scale, const S* mins, int64_t per, float* out, const NextTile<S>& next) {
-  constexpr int64_t kBytes = Q4 ? 8 : 16;  // per input of a panel
+  constexpr bool Q4 = QB == 4;
+  constexpr int64_t kBytes = input_bytes(QB);  // per input of a panel
   std::fill(out, out + MR * NP * kPanel, 0.0f);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
     if (MR <= 2 && next.data != nullptr) {  // (with more rows the products bound the time)
@@ -290,7 +301,7 @@ inline void fused_block_tile(const float* x, const float* xs, int64_t K, const u
     for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
       __m256 w[NP][2];
 #pragma GCC unroll 2
-      for (int j = 0; j < NP; ++j) unpack16<Q4>(data + j * bytes + k * kBytes, w[j]);
+      for (int j = 0; j < NP; ++j) unpack16<QB>(data + j * bytes + k * kBytes, w[j]);
       fma_step<MR, NP>(s, w, x, K, k);
     }
     scale_step<MR, NP, Q4, S>(s, scale + kb * kPanel, Q4 ? mins + kb * kPanel : nullptr, per, Q4 ? xs + kb : nullptr,
@@ -300,10 +311,11 @@ inline void fused_block_tile(const float* x, const float* xs, int64_t K, const u
 
 // All M = MR rows over every panel: pairs of panels (32 columns, more independent FMA chains)
 // for 1-2 rows, single panels for 3-6 rows (their sums fill the registers).
-template <int MR, bool Q4, typename S>
+template <int MR, int QB, typename S>
 void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int64_t N, const uint8_t* data,
                       int64_t bytes, const S* scale, const S* mins, int64_t per, const float* bias,
                       float* y) {
+  constexpr bool Q4 = QB == 4;
   constexpr int64_t NP = MR <= 2 ? 2 : 1;
   at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float tile[MR * 2 * kPanel];
@@ -319,10 +331,10 @@ void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int
                 static_cast<int>(std::min<int64_t>(NP, P - q))};
       }
       if (NP == 2 && p + 1 < P) {
-        fused_block_tile<MR, 2, Q4, S>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
+        fused_block_tile<MR, 2, QB, S>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
         store_tile<MR, 2>(tile, p, N, bias, y);
       } else {
-        fused_block_tile<MR, 1, Q4, S>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
+        fused_block_tile<MR, 1, QB, S>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
         store_tile<MR, 1>(tile, p, N, bias, y);
       }
     }
@@ -348,10 +360,11 @@ inline void chunk_tile(const float* x, int64_t K, const float* q, const S* d, co
   scale_step<MR, 1, Q4, S>(s, d, m, 0, xs, KB, acc);
 }
 
-template <bool Q4, typename S>
+template <int QB, typename S>
 void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
                         const uint8_t* data, int64_t bytes, const S* scale, const S* mins, int64_t per,
                         const float* bias, float* y) {
+  constexpr bool Q4 = QB == 4;
   const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups, KB = K / 32;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kPanel);
@@ -364,7 +377,7 @@ void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, i
       for (int64_t kb = 0; kb < KB; ++kb) {
         for (int64_t k = 0; k < 32; ++k) {  // this block of 32 inputs
           __m256 w[2];
-          unpack16<Q4>(dp + (kb * 32 + k) * (Q4 ? 8 : 16), w);
+          unpack16<QB>(dp + (kb * 32 + k) * input_bytes(QB), w);
           _mm256_storeu_ps(q + k * kPanel, w[0]);
           _mm256_storeu_ps(q + k * kPanel + 8, w[1]);
         }
@@ -393,10 +406,11 @@ void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, i
 
 #else
 // Without AVX2: the same operations one output at a time (std::fma rounds as the vector FMA).
-template <bool Q4, typename S>
+template <int QB, typename S>
 void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
                        const uint8_t* data, int64_t bytes, const S* scale, const S* mins, int64_t per,
                        const float* bias, float* y) {
+  constexpr bool Q4 = QB == 4;
   const int64_t KB = K / 32;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
@@ -411,6 +425,10 @@ void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, in
               if (Q4) {
                 const uint8_t byte = data[p * bytes + k * 8 + c % 8];
                 q = static_cast<float>(c < 8 ? byte & 15 : byte >> 4);
+              } else if (QB == 16) {
+                int16_t v;
+                std::memcpy(&v, data + p * bytes + k * 32 + 2 * c, 2);
+                q = static_cast<float>(v);
               } else {
                 q = static_cast<float>(reinterpret_cast<const int8_t*>(data)[p * bytes + k * 16 + c]);
               }
@@ -443,15 +461,12 @@ struct BlockArgs {
   bool fused;
 };
 
-// The product with scales (and minimums) of type S: float16 bits, or float32.
-template <typename S>
-void block_rows(const BlockArgs& a, bool q4, const S* sp, const S* mp) {
+// The product over QB-bit integers with scales (and minimums) of type S: float16 bits, or float32.
+template <int QB, typename S>
+void block_rows(const BlockArgs& a, const S* sp, const S* mp) {
 #if SOT_BLOCKS_AVX2
   if (a.fused && a.M <= kMaxRows) {
-#define SOT_FUSED(R) (q4 ? fused_block_rows<R, true, S>(a.x, a.xs, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, \
-                                                        a.bias, a.y)                                            \
-                         : fused_block_rows<R, false, S>(a.x, a.xs, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, \
-                                                         a.bias, a.y))
+#define SOT_FUSED(R) fused_block_rows<R, QB, S>(a.x, a.xs, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y)
     switch (a.M) {
       case 1: SOT_FUSED(1); break;
       case 2: SOT_FUSED(2); break;
@@ -462,13 +477,18 @@ void block_rows(const BlockArgs& a, bool q4, const S* sp, const S* mp) {
     }
 #undef SOT_FUSED
   } else {
-    q4 ? chunked_block_rows<true, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y)
-       : chunked_block_rows<false, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
+    chunked_block_rows<QB, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
   }
 #else
-  q4 ? scalar_block_rows<true, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y)
-     : scalar_block_rows<false, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
+  scalar_block_rows<QB, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
 #endif
+}
+
+template <typename S>
+void block_rows(const BlockArgs& a, int qb, const S* sp, const S* mp) {
+  if (qb == 4) block_rows<4, S>(a, sp, mp);
+  else if (qb == 8) block_rows<8, S>(a, sp, mp);
+  else block_rows<16, S>(a, sp, mp);
 }
 
 }  // namespace
@@ -479,16 +499,17 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   const int64_t K = x.size(1), P = data.size(0);
   const bool q4 = data.scalar_type() == at::kByte;
+  const int qb = q4 ? 4 : data.scalar_type() == at::kShort ? 16 : 8;
   TORCH_CHECK(data.dim() == 4 && K % 32 == 0 && data.size(1) == K / 32 && data.size(2) == 32 &&
-              data.size(3) == (q4 ? 8 : 16) && (q4 || data.scalar_type() == at::kChar) && data.is_contiguous(),
-              "packed weight mismatch");
+              data.size(3) == (q4 ? 8 : 16) && (q4 || qb == 16 || data.scalar_type() == at::kChar) &&
+              data.is_contiguous(), "packed weight mismatch");
   const bool wide = scale.scalar_type() == at::kFloat;  // (float32 scales: Q4_K's)
   TORCH_CHECK((wide || scale.scalar_type() == at::kHalf) && scale.is_contiguous() &&
               scale.numel() == P * (K / 32) * kPanel, "packed weight mismatch (float16 or float32 scales)");
   TORCH_CHECK(!q4 || (mins.scalar_type() == scale.scalar_type() && mins.is_contiguous() &&
                       mins.numel() == scale.numel()), "packed weight mismatch (mins of the scales' dtype)");
   TORCH_CHECK(P * kPanel >= N, "N exceeds the packed weight");
-  const int64_t bytes = K * (q4 ? 8 : 16), per = (K / 32) * kPanel;
+  const int64_t bytes = K * input_bytes(qb), per = (K / 32) * kPanel;
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0);
   if (M == 0) return io.y;
@@ -496,9 +517,9 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
   const BlockArgs args{io.xp, q4 ? sums.data() : nullptr, M, K, P, N, reinterpret_cast<const uint8_t*>(data.data_ptr()),
                        bytes, per, io.bp, io.yp, fused};
   if (wide) {
-    block_rows<float>(args, q4, scale.data_ptr<float>(), q4 ? mins.data_ptr<float>() : nullptr);
+    block_rows<float>(args, qb, scale.data_ptr<float>(), q4 ? mins.data_ptr<float>() : nullptr);
   } else {
-    block_rows<half_t>(args, q4, reinterpret_cast<const half_t*>(scale.data_ptr()),
+    block_rows<half_t>(args, qb, reinterpret_cast<const half_t*>(scale.data_ptr()),
                        q4 ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr);
   }
   return io.y;

@@ -63,17 +63,19 @@ def _view_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ..
     return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
 
 
-def register_blocks(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
-    """Give ``weight [N, K]`` float32, equal to ``d * q + m`` block by block bit for bit, its
-    blocks: ``q [N, K/32, 32]`` (0..15), ``d`` and ``m`` ``[N, K/32]`` float32 (a GGUF file's
-    Q4_K blocks, :mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the
-    weight (and any tensor sharing its storage and shape) while it is unchanged; they live
-    as long as the weight."""
+def register_blocks(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
+    """Give ``weight [N, K]`` float32, equal to ``d * q + m`` (or ``d * q``) block by block (in
+    value: a zero's sign may differ), its blocks: ``q [N, K/32, 32]`` integers (0..15 with ``m``; else up to 16 bits), ``d``
+    and ``m`` ``[N, K/32]`` float32 (a GGUF file's Q4_K or Q6_K blocks,
+    :mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the weight (and any
+    tensor sharing its storage and shape) while it is unchanged; they live as long as the
+    weight."""
     weight._sot_blocks = (weight._version, q, d, m)
     _REGISTERED[_view_key(weight)] = weakref.ref(weight)
 
 
-def _registered_grid(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _registered_grid(weight: torch.Tensor, width: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """The blocks :func:`register_blocks` gave ``weight`` (rows zero-padded to a multiple of
     ``width``), or ``None``."""
     ref = _REGISTERED.get(_view_key(weight))
@@ -85,7 +87,7 @@ def _registered_grid(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, to
         return None
     pad = -q.shape[0] % width
     if pad:
-        q, d, m = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, d, m))
+        q, d, m = (t if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, d, m))
     return q.to(torch.int16), d, m
 
 
@@ -94,7 +96,7 @@ def _float16_values(t: torch.Tensor | None) -> bool:
     return t is None or bool((t.to(torch.float16).float() == t).all())
 
 
-def block_grid(weight: torch.Tensor, width: int = 16, float32_scales: bool = False
+def block_grid(weight: torch.Tensor, width: int = 16, float32_kernel: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0, and
     Q5_0 and Q4_0 held in 8 bits: ``w = d * q``) blocks of 32 inputs: ``(q [N', K/32, 32] int16,
@@ -102,15 +104,15 @@ def block_grid(weight: torch.Tensor, width: int = 16, float32_scales: bool = Fal
     when some block is not exactly of that form. Every decoded weight is checked to equal the
     float32 one bit for bit (decoded as the kernels do: ``d * q``, then ``+ m``). A weight
     given its blocks by its loader (:func:`register_blocks`) has those; where their scales are
-    not float16 values (Q4_K's), only a caller that takes float32 scales (``float32_scales``)
-    gets them."""
+    not float16 values (Q4_K's) or their integers need 16 bits (Q6_K's), only the float32 block
+    kernel's packer (``float32_kernel``) gets them."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % 32 or n == 0 or weight.device.type != "cpu":
         return None
     known = _registered_grid(weight, width)
     if known is not None:
-        exact = _float16_values(known[1]) and _float16_values(known[2])
-        return known if float32_scales or exact else None
+        plain = _float16_values(known[1]) and _float16_values(known[2]) and bool(known[0].abs().max() <= 127)
+        return known if float32_kernel or plain else None
     blocks = _blocks_of(weight, width)
     kernel = cpu_kernels()
     if kernel is not None:  # the same arithmetic in one pass per block (a model loads seconds sooner)
@@ -158,16 +160,16 @@ def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`; Q4_K's
-    too, given by the loader) in the panel layout of the compiled ``linear_blocks_f32``:
+    and Q6_K's too, given by the loader) in the panel layout of the compiled ``linear_blocks_f32``:
     ``(data, scale, mins)`` (``scale`` and ``mins`` float16, or float32 where the format's are
-    not float16 values, Q4_K's; ``mins`` empty for 8-bit), or ``None`` when the weight is not
-    such a grid. A product over the blocks is taken as the format factors it, ``d * sum(x * q) + m *
+    not float16 values, Q4_K's; ``mins`` empty for 8-bit; ``data`` int16 where the integers
+    need it, Q6_K's), or ``None`` when the weight is not such a grid. A product over the blocks is taken as the format factors it, ``d * sum(x * q) + m *
     sum(x)`` per block of 32 inputs in a fixed order (``linear.cpp``): the float32 product's
     value up to rounding, each row's bits independent of the other rows.
 
     A model dequantized from a GGUF file (the default model) has such weights: it then reads
     an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
-    grid = block_grid(weight, float32_scales=True)
+    grid = block_grid(weight, float32_kernel=True)
     if grid is None:
         return None
     q, scale, low = grid
@@ -182,8 +184,9 @@ def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
         q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
         data = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
         return data, per_panel(scale), per_panel(low)
-    data = q.to(torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1).contiguous()
-    return data, per_panel(scale), torch.empty(0)
+    wide = bool(q.abs().max() > 127)  # (Q6_K's products of two integers: 16 bits)
+    data = q.to(torch.int16 if wide else torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
+    return data.contiguous(), per_panel(scale), torch.empty(0)
 
 
 def pack_blocks_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

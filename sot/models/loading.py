@@ -435,11 +435,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
                 if (path / "sot_source.json").is_file() else "")
         raise ModelLoadError(f"cannot load a causal LM from {path}: {_short_error(exc)}{hint}") from exc
     check_complete(path, type(model).__name__, info)
-    from sot.models.gguf_blocks import attach_q4_k_blocks, gguf_source
+    from sot.models.gguf_blocks import attach_k_quant_blocks, gguf_source
 
     gguf = gguf_source(path)
     if gguf is not None and not lora and not as_f32 and dtype == torch.float32 and torch.device(device).type == "cpu":
-        attach_q4_k_blocks(model, gguf)  # (its Q4_K weights then read 4-bit blocks, not float32)
+        attach_k_quant_blocks(model, gguf)  # (its Q4_K and Q6_K weights then read their blocks, not float32)
     if lora:
         model = merge_lora(model, lora)
     if as_f32:
