@@ -1,16 +1,20 @@
-"""SoT's lean forward against the generic path on one loaded model, side by side.
+"""SoT's lean forward against the generic path on one loaded model, side by side; or against
+itself with a GGUF file's Q4_K and Q6_K weights as float32 panels instead of their blocks.
 
 The generic path runs the transformers modules with SoT's attention, norms and products plugged
 in; the lean forward (``sot/models/fast_llama.py``: the Llama family and Gemma 3) runs the same
 kernels without the modules, its layers in one compiled call. Both engines share the model's
-weights and take turns prompt by prompt (the order alternating), so a busy moment on the
-machine slows each alike.
+weights (``--against panels``: the model is loaded twice, once without the file's K-quant
+blocks, ``sot.models.gguf_blocks``) and take turns prompt by prompt (the order alternating), so
+a busy moment on the machine slows each alike.
 
 Prints, per path: decoding's tokens/s alone (the tokens after the first over the time after
-it), its ratio to the generic path's, the median time to the first token, tau, and how many
-answers equal the generic path's token for token (they must all: the two give the same bits).
+it), its ratio to the first's, the median time to the first token, tau, and how many answers
+equal the first's token for token (against the generic path they must all: the two give the
+same bits; the blocks' products round differently from float32 panels').
 
     python scripts/fast_path_ab.py --model PATH/gemma-3-270m-q4_k_m.gguf --set sharegpt-heldout --limit 8
+    python scripts/fast_path_ab.py --model PATH/gemma-3-270m-q4_k_m.gguf --against panels --tokens 128
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import sot.models.gguf_blocks as gguf_blocks  # noqa: E402
 from sot.api import SoT  # noqa: E402
 from sot.bench.prompts import load_prompt_set  # noqa: E402
 from sot.detokenize import decoder  # noqa: E402
@@ -38,16 +43,26 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--drafter", default="none", choices=("none", "pld", "suffix"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--against", default="generic", choices=("generic", "panels"),
+                    help="the other arm: the generic path, or the lean forward without the file's K-quant blocks")
     args = ap.parse_args()
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    if args.against == "panels":
+        attach = gguf_blocks.attach_k_quant_blocks
+        gguf_blocks.attach_k_quant_blocks = lambda model, path: 0
+        plain = load_model(args.model, dtype=resolve_dtype(args.dtype))
+        gguf_blocks.attach_k_quant_blocks = attach
+        arms = (("panels", plain, True), ("blocks", loaded, True))
+    else:
+        arms = (("generic", loaded, False), ("fast", loaded, True))
     engines = {}
-    for name, fast in (("generic", False), ("fast", True)):
-        target = TargetModel(loaded.model, fast=fast)
+    for name, arm, fast in arms:
+        target = TargetModel(arm.model, fast=fast)
         if fast and target.fast is None:
             print(f"{loaded.name} has no lean forward here; nothing to compare", file=sys.stderr)
             return 1
-        engine = Engine(target, make_drafter(args.drafter, loaded.model), decode=decoder(loaded.tokenizer, True))
-        engines[name] = SoT(target, loaded.tokenizer, engine, loaded.name)
+        engine = Engine(target, make_drafter(args.drafter, arm.model), decode=decoder(arm.tokenizer, True))
+        engines[name] = SoT(target, arm.tokenizer, engine, arm.name)
     names = list(engines)
     prompts = load_prompt_set(args.set, limit=args.limit)
     got: dict[str, list] = {name: [] for name in names}
@@ -60,11 +75,12 @@ def main() -> int:
     rate = {name: sum(len(o.token_ids) - 1 for o in outs) / sum(o.seconds - o.first_token_seconds for o in outs)
             for name, outs in got.items()}
     print(f"{loaded.name}, {args.dtype}, drafter {args.drafter}, {args.set} x {len(prompts)}, {args.tokens} tokens")
-    print("| path | decode tok/s | vs generic | first token s | tau | answers equal to generic's |")
+    first = names[0]
+    print(f"| path | decode tok/s | vs {first} | first token s | tau | answers equal to {first}'s |")
     print("|---|---|---|---|---|---|")
     for name, outs in got.items():
-        same = sum(a.token_ids == b.token_ids for a, b in zip(outs, got["generic"]))
-        print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate['generic']:.2f}x | "
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outs, got[first]))
+        print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate[first]:.2f}x | "
               f"{statistics.median(o.first_token_seconds for o in outs):.3f} | "
               f"{statistics.mean(o.mean_accept_len for o in outs):.2f} | {same}/{len(outs)} |")
     return 0
