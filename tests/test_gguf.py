@@ -157,6 +157,13 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     target = TargetModel(loaded.model)
     downs = [layer.down for layer in target.fast.layers]
     assert [isinstance(lin.packed, tuple) for lin in downs] == [True, False, False, True, False, False]
+    storage = target.weight_storage()  # (what `sot generate -v` reports)
+    blocks = f"{4 if kind == 'Q4_K' else 16}-bit blocks"
+    assert storage[blocks][0] == 2 * downs[0].weight.numel()
+    assert storage[blocks][1] == sum(t.nbytes for lin in (downs[0], downs[3]) for t in lin.packed)
+    assert sum(n for n, _ in storage.values()) == sum(p.numel() for p in (
+        target.fast.lm_head.weight, *(lin.weight for lay in target.fast.layers
+                                      for lin in (lay.qkv, lay.o, lay.gate_up, lay.down))))
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
     for layer in (0, 3):
         q, d, m = grids[layer]

@@ -307,6 +307,14 @@ def load_sot(args: argparse.Namespace) -> SoT:
                    chat_template=args.chat_template, lora=args.lora, device=str(device),
                    kv_cache_dtype=args.kv_cache_dtype)
     sot.dtype_choice = choice
+    if args.verbose:
+        storage = sot.target.weight_storage()
+        if storage:
+            weights = sum(n for n, _ in storage.values())
+            parts = ", ".join(f"{kind} {size / 1e6:.1f} MB ({100 * n / weights:.0f}% of the weights)"
+                              for kind, (n, size) in sorted(storage.items(), key=lambda kv: -kv[1][1]))
+            total = sum(size for _, size in storage.values())
+            print(f"products read {total / 1e6:.1f} MB a token: {parts}", file=sys.stderr)
     return sot
 
 

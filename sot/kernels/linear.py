@@ -502,6 +502,24 @@ class PackedLinear:
             return out
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def storage(self) -> tuple[str, int]:
+        """How the product holds its weight, and the bytes a one-row product reads of it:
+        ``("4-bit blocks" | "8-bit blocks" | "16-bit blocks" | "8-bit integer products" |
+        "bfloat16 blocks" | "float32 panels" | a library's name, bytes)``."""
+        packed = self.packed if isinstance(self.packed, tuple) else (self.packed,)
+        size = sum(t.nbytes for t in packed if isinstance(t, torch.Tensor))
+        if self.int8:
+            return "8-bit integer products", size
+        if self.bf16_blocks:
+            return "bfloat16 blocks", size
+        if isinstance(self.packed, tuple):
+            bits = {torch.uint8: 4, torch.int8: 8, torch.int16: 16}[self.packed[0].dtype]
+            return f"{bits}-bit blocks", size
+        if self.kind == "sot":
+            return "float32 panels", size
+        return self.kind or "PyTorch", size or self.weight.nbytes
+
     def __call__(self, x: torch.Tensor, stable: bool) -> torch.Tensor:
         """``x [M, K] -> [M, N]``; with ``stable`` the product runs in ``ROW_UNIT``-row
         blocks (a short last block padded, unless every short block is row-stable). SoT's kernel runs every product,

@@ -505,6 +505,21 @@ class TargetModel:
         self.graphs = (VerifyGraphs() if cuda_graphs and self.device.type == "cuda"
                        and os.environ.get("SOT_NO_CUDA_GRAPHS") != "1" else None)
 
+    def weight_storage(self) -> dict[str, tuple[int, int]]:
+        """How the lean forward's products hold their weights (:attr:`PackedLinear.storage`):
+        ``{kind: (weights, bytes a one-row pass reads)}``; empty on the generic path, whose
+        products pack on first use."""
+        if self.fast is None:
+            return {}
+        out: dict[str, tuple[int, int]] = {}
+        products = [self.fast.lm_head] + [lin for lay in self.fast.layers for lin in (lay.qkv, lay.o, lay.gate_up,
+                                                                                      lay.down)]
+        for lin in products:
+            kind, size = lin.storage
+            weights, total = out.get(kind, (0, 0))
+            out[kind] = (weights + lin.weight.numel(), total + size)
+        return out
+
     def synchronize(self) -> None:
         """Wait for the work queued on the target's device (a CUDA GPU runs it
         asynchronously), so that a wall-clock reading after this call includes it."""
