@@ -116,6 +116,17 @@ def test_gemma_gguf_loads_and_decodes_exactly(arch: str, tmp_path: Path, monkeyp
         assert pld == plain and spec == plain
 
 
+def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
+    """Random ``kind`` (Q4_K or Q6_K) bytes of a ``[rows, cols]`` tensor (random codes and small
+    scales) and gguf-py's dequantization of them."""
+    size, scales = (144, (0, 2)) if kind == "Q4_K" else (210, (208,))  # (their float16 scales' bytes)
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    for at in scales:
+        blocks[:, at:at + 2] = rng.uniform(0.002, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(rows, cols)
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Path, monkeypatch) -> None:
     """A GGUF file's Q4_K and Q6_K weights (most of a published Q4_K_M file's layers) are read
@@ -124,8 +135,6 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     6-bit codes in 16 bits under a float16 scale. Decoded to gguf-py's dequantized values,
     multiplied as the block formula says on both of SoT's paths, and decoded exactly. A weight
     changed in place loses them; the bfloat16 and 8-bit packers never get them."""
-    from gguf.quants import dequantize
-
     from sot.kernels.linear import PackedLinear, block_grid, pack_int8
     from sot.models.gguf_blocks import q4_k_blocks, q6_k_blocks
     from sot.models.loading import load_model
@@ -138,12 +147,8 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     for layer in (0, 3):
         name = f"model.layers.{layer}.mlp.down_proj.weight"
         rows, cols = source.state_dict()[name].shape
-        size, scales = (144, (0, 2)) if kind == "Q4_K" else (210, (208,))  # (their float16 scales' bytes)
-        blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)  # codes and small scales
-        for at in scales:
-            blocks[:, at:at + 2] = rng.uniform(0.002, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
-        raw[name] = (kind, blocks.reshape(rows, -1))
-        weight = torch.from_numpy(dequantize(raw[name][1], gguf.GGMLQuantizationType[kind])).reshape(rows, cols)
+        data, weight = random_k_quant(kind, rows, cols, rng)
+        raw[name] = (kind, data)
         q, d, m = grids[layer] = (q4_k_blocks if kind == "Q4_K" else q6_k_blocks)(raw[name][1], rows, cols)
         decoded = d[..., None] * q.float() + (0 if m is None else m[..., None])
         assert torch.equal(decoded.reshape(rows, cols), weight)
@@ -186,6 +191,43 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     with torch.no_grad():
         weight.mul_(1.0)  # (same values, but changed in place: the blocks no longer vouch for them)
     assert not isinstance(PackedLinear(weight).packed, tuple)
+
+
+def test_stacked_k_quant_weights_share_their_blocks(tmp_path: Path, monkeypatch) -> None:
+    """Weights the lean forward stacks into one product (gate and up here) take their parts'
+    file blocks when the parts are of one kind (both Q4_K: 4-bit blocks with float32 scales,
+    each part's rows the block formula's), and stay float32 panels when they are not (Q4_K
+    beside Q6_K); decoding stays exact either way."""
+    from sot.models.gguf_blocks import q4_k_blocks
+    from sot.models.loading import load_model
+
+    monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
+    source = tiny_model("gemma3", seed=4, tie_word_embeddings=True, query_pre_attn_scalar=16, num_hidden_layers=6,
+                        layer_types=None, hidden_size=256, intermediate_size=256)
+    rng = np.random.default_rng(1)
+    raw, grids = {}, []
+    for layer, kinds in ((0, ("Q4_K", "Q4_K")), (1, ("Q4_K", "Q6_K"))):
+        for part, kind in zip(("gate", "up"), kinds):
+            name = f"model.layers.{layer}.mlp.{part}_proj.weight"
+            data, weight = random_k_quant(kind, *source.state_dict()[name].shape, rng)
+            raw[name] = (kind, data)
+            source.state_dict()[name].copy_(weight)
+            if layer == 0:
+                grids.append(q4_k_blocks(data, *weight.shape))
+    write_gguf(source, tmp_path / "tiny-stacked.gguf", quantized=raw)
+    target = TargetModel(load_model(str(tmp_path / "tiny-stacked.gguf")).model)
+    stacked, mixed = target.fast.layers[0].gate_up, target.fast.layers[1].gate_up
+    assert isinstance(stacked.packed, tuple) and stacked.packed[1].dtype == torch.float32
+    assert not isinstance(mixed.packed, tuple)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    expected = torch.cat([blocks_reference(x, q.float(), d[..., None], m[..., None], torch.zeros(q.shape[0]))
+                          for q, d, m in grids], dim=1)
+    assert torch.equal(stacked(x, True), expected)
+    prompts = random_prompts((7, 40), seed=2)
+    params = GenerationParams(max_new_tokens=30)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+    rnd = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.7, seed=1)
+    assert [r.token_ids for r in Engine(target, rnd, TreeBudget(16, 6)).generate(prompts, params)] == plain
 
 
 def test_gguf_files_are_read_whole_and_anew(tmp_path: Path, monkeypatch) -> None:

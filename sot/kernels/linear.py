@@ -65,9 +65,9 @@ def _view_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ..
 
 def register_blocks(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
     """Give ``weight [N, K]`` float32, equal to ``d * q + m`` (or ``d * q``) block by block (in
-    value: a zero's sign may differ), its blocks: ``q [N, K/32, 32]`` integers (0..15 with ``m``; else up to 16 bits), ``d``
-    and ``m`` ``[N, K/32]`` float32 (a GGUF file's Q4_K or Q6_K blocks,
-    :mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the weight (and any
+    value: a zero's sign may differ), its blocks: ``q [N, K/32, 32]`` integers (0..15 with
+    ``m``; else up to 16 bits), ``d`` and ``m`` ``[N, K/32]`` float32 (a GGUF file's Q4_K or
+    Q6_K blocks, :mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the weight (and any
     tensor sharing its storage and shape) while it is unchanged; they live as long as the
     weight."""
     weight._sot_blocks = (weight._version, q, d, m)
@@ -91,12 +91,34 @@ def _registered_grid(weight: torch.Tensor, width: int
     return q.to(torch.int16), d, m
 
 
+def _stacked_grid(weight: torch.Tensor, parts: list[torch.Tensor], width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The blocks of ``weight = torch.cat(parts)`` from its parts' registered blocks, where every
+    part has them, all with minimums or all without (Q4_K query and key weights stacked with a
+    Q6_K value weight are not one grid), and the stack holds the parts' values."""
+    grids = [_registered_grid(p, 1) for p in parts]
+    if any(g is None for g in grids) or len({g[2] is None for g in grids}) != 1:
+        return None
+    if sum(p.shape[0] for p in parts) != weight.shape[0] or not all(
+            torch.equal(weight[at:at + p.shape[0]], p) for at, p in zip(
+                [sum(q.shape[0] for q in parts[:i]) for i in range(len(parts))], parts)):
+        return None
+    q = torch.cat([g[0] for g in grids])
+    d = torch.cat([g[1] for g in grids])
+    m = None if grids[0][2] is None else torch.cat([g[2] for g in grids])
+    pad = -q.shape[0] % width
+    if pad:
+        q, d, m = (t if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, d, m))
+    return q, d, m
+
+
 def _float16_values(t: torch.Tensor | None) -> bool:
     """Whether every value of ``t`` (float32) is a float16 value (``None``: yes)."""
     return t is None or bool((t.to(torch.float16).float() == t).all())
 
 
-def block_grid(weight: torch.Tensor, width: int = 16, float32_kernel: bool = False
+def block_grid(weight: torch.Tensor, width: int = 16, float32_kernel: bool = False,
+               parts: list[torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``weight [N, K]`` float32 as exact 4-bit (GGUF Q4_1: ``w = d * q + m``) or 8-bit (Q8_0, and
     Q5_0 and Q4_0 held in 8 bits: ``w = d * q``) blocks of 32 inputs: ``(q [N', K/32, 32] int16,
@@ -105,11 +127,14 @@ def block_grid(weight: torch.Tensor, width: int = 16, float32_kernel: bool = Fal
     float32 one bit for bit (decoded as the kernels do: ``d * q``, then ``+ m``). A weight
     given its blocks by its loader (:func:`register_blocks`) has those; where their scales are
     not float16 values (Q4_K's) or their integers need 16 bits (Q6_K's), only the float32 block
-    kernel's packer (``float32_kernel``) gets them."""
+    kernel's packer (``float32_kernel``) gets them. So does a weight stacked from ``parts``
+    (``torch.cat(parts)``, each equal to it in its rows) that all have such blocks of one kind."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % 32 or n == 0 or weight.device.type != "cpu":
         return None
     known = _registered_grid(weight, width)
+    if known is None and parts is not None and len(parts) > 1:
+        known = _stacked_grid(weight, parts, width)
     if known is not None:
         plain = _float16_values(known[1]) and _float16_values(known[2]) and bool(known[0].abs().max() <= 127)
         return known if float32_kernel or plain else None
@@ -158,18 +183,21 @@ def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return (q, scale, None) if ok else None
 
 
-def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def pack_blocks(weight: torch.Tensor, parts: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`; Q4_K's
     and Q6_K's too, given by the loader) in the panel layout of the compiled ``linear_blocks_f32``:
     ``(data, scale, mins)`` (``scale`` and ``mins`` float16, or float32 where the format's are
     not float16 values, Q4_K's; ``mins`` empty for 8-bit; ``data`` int16 where the integers
-    need it, Q6_K's), or ``None`` when the weight is not such a grid. A product over the blocks is taken as the format factors it, ``d * sum(x * q) + m *
-    sum(x)`` per block of 32 inputs in a fixed order (``linear.cpp``): the float32 product's
-    value up to rounding, each row's bits independent of the other rows.
+    need it, Q6_K's), or ``None`` when the weight is not such a grid. A product over the
+    blocks is taken as the format factors it, ``d * sum(x * q) + m * sum(x)`` per block of 32
+    inputs in a fixed order (``linear.cpp``): the float32 product's value up to rounding, each
+    row's bits independent of the other rows.
 
     A model dequantized from a GGUF file (the default model) has such weights: it then reads
-    an eighth (4-bit) or a quarter (8-bit) of the bytes per token."""
-    grid = block_grid(weight, float32_kernel=True)
+    an eighth (4-bit) or a quarter (8-bit) of the bytes per token. ``parts``: the parameters
+    ``weight`` was stacked from (``torch.cat(parts)``), whose loader's blocks it then takes."""
+    grid = block_grid(weight, float32_kernel=True, parts=parts)
     if grid is None:
         return None
     q, scale, low = grid
@@ -425,6 +453,8 @@ class PackedLinear:
         self.kind = ""
         self.kernel = None  # SoT's compiled module, for kind "sot"
         self.partial_ok = False
+        #: the parameters the weight was stacked from (their loader's blocks, :func:`register_blocks`)
+        self.parts = parts
         if self.weight.device.type != "cpu":
             return
         if self.weight.dtype == torch.bfloat16:
@@ -464,7 +494,7 @@ class PackedLinear:
                 if self.int8_wanted and self.weight.dtype == torch.float32:
                     blocks = int8 = pack_int8(self.weight, quantize=True)
                 if blocks is None and self.compress:
-                    blocks = pack_blocks(self.weight)
+                    blocks = pack_blocks(self.weight, self.parts)
                 self.packed = blocks if blocks is not None else pack_panels(self.weight)
                 self.int8 = int8 is not None
             elif kind == "mkldnn":
