@@ -19,7 +19,6 @@ same bits; the blocks' products round differently from float32 panels').
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sot.models.gguf_blocks as gguf_blocks  # noqa: E402
 from sot.api import SoT  # noqa: E402
 from sot.bench.prompts import load_prompt_set  # noqa: E402
+from sot.bench.report import arms_table  # noqa: E402
 from sot.detokenize import decoder  # noqa: E402
 from sot.drafters import make_drafter  # noqa: E402
 from sot.engine import Engine  # noqa: E402
@@ -72,17 +72,8 @@ def main() -> int:
             out = sot.generate_ids([sot.encode(record)], sot.params(max_new_tokens=args.tokens))[0]
             got[name].append(out)
         print(f"prompt {i + 1}/{len(prompts)}", file=sys.stderr)
-    rate = {name: sum(len(o.token_ids) - 1 for o in outs) / sum(o.seconds - o.first_token_seconds for o in outs)
-            for name, outs in got.items()}
     print(f"{loaded.name}, {args.dtype}, drafter {args.drafter}, {args.set} x {len(prompts)}, {args.tokens} tokens")
-    first = names[0]
-    print(f"| path | decode tok/s | vs {first} | first token s | tau | answers equal to {first}'s |")
-    print("|---|---|---|---|---|---|")
-    for name, outs in got.items():
-        same = sum(a.token_ids == b.token_ids for a, b in zip(outs, got[first]))
-        print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate[first]:.2f}x | "
-              f"{statistics.median(o.first_token_seconds for o in outs):.3f} | "
-              f"{statistics.mean(o.mean_accept_len for o in outs):.2f} | {same}/{len(outs)} |")
+    print(arms_table(got, "path"))
     return 0
 
 

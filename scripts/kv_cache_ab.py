@@ -13,7 +13,6 @@ in each).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sot.api import SoT  # noqa: E402
 from sot.bench.prompts import load_prompt_set  # noqa: E402
+from sot.bench.report import arms_table  # noqa: E402
 
 
 def main() -> int:
@@ -42,16 +42,7 @@ def main() -> int:
             out = sot.generate_ids([sot.encode(record)], sot.params(max_new_tokens=args.tokens))[0]
             got[kv].append(out)
         print(f"prompt {i + 1}/{len(prompts)}: {len(engines[kinds[0]].encode(record))} tokens", file=sys.stderr)
-    base = kinds[0]
-    rate = {kv: sum(len(o.token_ids) - 1 for o in outs) / sum(o.seconds - o.first_token_seconds for o in outs)
-            for kv, outs in got.items()}
-    print(f"| KV cache | decode tok/s | vs {base} | first token s | tau | answers equal to {base}'s |")
-    print("|---|---|---|---|---|---|")
-    for kv, outs in got.items():
-        same = sum(a.token_ids == b.token_ids for a, b in zip(outs, got[base]))
-        print(f"| {kv} | {rate[kv]:.1f} | {rate[kv] / rate[base]:.3f}x | "
-              f"{statistics.median(o.first_token_seconds for o in outs):.3f} | "
-              f"{statistics.mean(o.mean_accept_len for o in outs):.2f} | {same}/{len(outs)} |")
+    print(arms_table(got, "KV cache"))
     return 0
 
 

@@ -426,3 +426,21 @@ def test_bench_inputs_are_checked_before_models_load_and_results_survive(setup, 
     assert res["partial"] is True and "interrupted" in res["notes"][0]
     assert sorted((r["method"], r["prompt_index"]) for r in res["records"]) == [("plain", 0), ("suffix", 0)]
     assert not (out / "pld.jsonl").exists() and (out / "suffix.jsonl").is_file()  # the earlier run's are gone
+
+
+def test_arms_table_reports_decoding_alone_against_the_first_arm() -> None:
+    """The side-by-side scripts' table: decoding's rate leaves out the first token's time, the
+    ratio and the answers are against the first arm."""
+    from types import SimpleNamespace
+
+    from sot.bench.report import arms_table
+
+    def done(ids: list[int], seconds: float, first: float) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=ids, seconds=seconds, first_token_seconds=first, mean_accept_len=1.5)
+
+    got = {"a": [done([1, 2, 3], 3.0, 1.0), done([4, 5], 2.0, 1.0)],  # 3 tokens after the first in 3 s
+           "b": [done([1, 2, 3], 1.5, 0.5), done([4, 6], 1.5, 1.0)]}  # 3 in 1.5 s
+    lines = arms_table(got, "arm").splitlines()
+    assert lines[0].startswith("| arm | decode tok/s | vs a |")
+    assert lines[2] == "| a | 1.0 | 1.000x | 1.000 | 1.50 | 2/2 |"
+    assert lines[3] == "| b | 2.0 | 2.000x | 0.750 | 1.50 | 1/2 |"

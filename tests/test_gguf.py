@@ -135,6 +135,9 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     6-bit codes in 16 bits under a float16 scale. Decoded to gguf-py's dequantized values,
     multiplied as the block formula says on both of SoT's paths, and decoded exactly. A weight
     changed in place loses them; the bfloat16 and 8-bit packers never get them."""
+    import gc
+
+    from sot.kernels import linear
     from sot.kernels.linear import PackedLinear, block_grid, pack_int8
     from sot.models.gguf_blocks import q4_k_blocks, q6_k_blocks
     from sot.models.loading import load_model
@@ -191,6 +194,10 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     with torch.no_grad():
         weight.mul_(1.0)  # (same values, but changed in place: the blocks no longer vouch for them)
     assert not isinstance(PackedLinear(weight).packed, tuple)
+    registered = len(linear._REGISTERED)
+    del loaded, target, generic, weight, downs
+    gc.collect()
+    assert len(linear._REGISTERED) == registered - 2  # (a freed weight's entry goes with it)
 
 
 def test_stacked_k_quant_weights_share_their_blocks(tmp_path: Path, monkeypatch) -> None:

@@ -125,6 +125,24 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def arms_table(got: dict[str, list], label: str) -> str:
+    """A Markdown table of arms run side by side on the same prompts (``got``: each arm's
+    :class:`~sot.api.Completion` per prompt, the first arm the base): decoding's tokens/s alone
+    (the tokens after the first over the time after it), its ratio to the base's, the median
+    time to the first token, tau, and how many answers equal the base's token for token."""
+    base = next(iter(got))
+    rate = {name: sum(len(o.token_ids) - 1 for o in outs) / sum(o.seconds - o.first_token_seconds for o in outs)
+            for name, outs in got.items()}
+    lines = [f"| {label} | decode tok/s | vs {base} | first token s | tau | answers equal to {base}'s |",
+             "|---|---|---|---|---|---|"]
+    for name, outs in got.items():
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outs, got[base]))
+        lines.append(f"| {name} | {rate[name]:.1f} | {rate[name] / rate[base]:.3f}x | "
+                     f"{statistics.median(o.first_token_seconds for o in outs):.3f} | "
+                     f"{statistics.mean(o.mean_accept_len for o in outs):.2f} | {same}/{len(outs)} |")
+    return "\n".join(lines)
+
+
 def markdown_table(aggregates: dict[str, dict]) -> str:
     """The Markdown table of a run (one row per method)."""
     head = (

@@ -71,7 +71,13 @@ def register_blocks(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: t
     tensor sharing its storage and shape) while it is unchanged; they live as long as the
     weight."""
     weight._sot_blocks = (weight._version, q, d, m)
-    _REGISTERED[_view_key(weight)] = weakref.ref(weight)
+    key = _view_key(weight)
+
+    def forget(ref: weakref.ref) -> None:  # (the weight is gone: its entry goes too, unless replaced)
+        if _REGISTERED.get(key) is ref:
+            del _REGISTERED[key]
+
+    _REGISTERED[key] = weakref.ref(weight, forget)
 
 
 def _registered_grid(weight: torch.Tensor, width: int
