@@ -352,3 +352,22 @@ def test_bench_runs_llamacpp_alone_on_the_files_tokenizer(tmp_path: Path, monkey
     assert res["methods"]["llamacpp"]["new_tokens"] == 4
     tokenizer = load_model(str(path)).tokenizer
     assert seen[1:] == [encode(tokenizer, t, chat=False) for t in texts]  # (after the warm-up run)
+
+
+def test_the_k_quant_reader_refuses_what_is_not_a_whole_gguf_file(tmp_path: Path) -> None:
+    """The header reader behind the K-quant blocks names a file that is not GGUF, and a
+    truncated one, with the errors the loader turns into a warning (the weights then stay
+    float32)."""
+    import struct
+
+    from sot.models.gguf_blocks import k_quant_tensors
+
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        list(k_quant_tensors(tmp_path / "not.gguf"))
+    source = tiny_model("gemma3", seed=3, tie_word_embeddings=True, num_hidden_layers=6, layer_types=None)
+    write_gguf(source, tmp_path / "whole.gguf")
+    assert list(k_quant_tensors(tmp_path / "whole.gguf")) == []  # (float32 tensors only)
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "whole.gguf").read_bytes()[:400])
+    with pytest.raises(struct.error):
+        list(k_quant_tensors(tmp_path / "cut.gguf"))

@@ -65,8 +65,9 @@ def k_quant_tensors(path: Path) -> Iterator[tuple[str, str, int, int, np.ndarray
     bytes memory-mapped).
 
     Reads the header and skips the metadata without decoding it: gguf-py's reader builds every
-    field, the vocabulary's strings included, which takes most of a minute for a 262k-token
-    vocabulary; this takes a fraction of a second."""
+    field, the vocabulary's strings included (17-25 s for a 262k-token vocabulary on two cores
+    here; this takes 0.05 s). Raises ``ValueError`` on what is not a GGUF file, ``struct.error``
+    on a truncated one."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
     buf = memoryview(data)
     if bytes(buf[:4]) != b"GGUF":
