@@ -33,7 +33,7 @@ try:
 except ImportError:  # a checkout from before the multi-turn sets
     MULTITURN_SETS = ()
 args = json.loads(sys.argv[1])
-engines = {m: SoT.load(drafter=m, dtype=args["dtype"]) for m in args["methods"]}
+engines = {m: SoT.load(args["model"], drafter=m, dtype=args["dtype"]) for m in args["methods"]}
 turns = None
 if args["set"] in MULTITURN_SETS:
     records = load_conversations(args["set"], args["limit"])
@@ -61,7 +61,7 @@ for line in sys.stdin:
 def start(root: str, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root))
     spec = {"methods": args.methods.split(","), "set": args.set, "limit": args.limit, "tokens": args.tokens,
-            "dtype": args.dtype}
+            "dtype": args.dtype, "model": args.model}
     proc = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(spec)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env, cwd=os.path.abspath(root))
     return proc
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--methods", default="none,state", help="drafters, comma-separated")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default="default", help="the target model, as `sot generate --model` takes it")
     args = ap.parse_args()
     procs, ready = {}, {}
     for k in "ab":  # one after the other: neither builds its kernels while the other times

@@ -115,20 +115,21 @@ def random_blocks(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, .
 def blocks_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None,
                       bias: torch.Tensor) -> torch.Tensor:
     """The block product's formula one float32 operation at a time (linear.cpp): per block of
-    32 inputs, ``s = fma(x, q, s)`` over its inputs from zero, then ``acc = fma(d, s, acc)``
-    and, with minimums, ``acc = fma(m, xs, acc)`` (``xs``: the block's inputs summed in
-    order), the bias added last. ``x [M, K]``, ``q [N, K/32, 32]``, ``scale``/``low [N, K/32, 1]``.
-    A fused multiply-add is taken in float64, where these products are exact, then rounded."""
+    ``L`` inputs (32, or 16 for Q6_K's half-blocks), ``s = fma(x, q, s)`` over its inputs from
+    zero, then ``acc = fma(d, s, acc)`` and, with minimums, ``acc = fma(m, xs, acc)`` (``xs``:
+    the block's inputs summed in order), the bias added last. ``x [M, K]``, ``q [N, K/L, L]``,
+    ``scale``/``low [N, K/L, 1]``. A fused multiply-add is taken in float64, where these
+    products are exact, then rounded."""
     def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return (a.double() * b.double() + c.double()).float()
 
-    rows, blocks = x.shape[0], q.shape[1]
+    rows, blocks, length = x.shape[0], q.shape[1], q.shape[2]
     acc = torch.zeros(rows, q.shape[0])
     for kb in range(blocks):
         s = torch.zeros(rows, q.shape[0])
         xs = torch.zeros(rows)
-        for k in range(32):
-            column = x[:, kb * 32 + k]
+        for k in range(length):
+            column = x[:, kb * length + k]
             s = fma(column[:, None], q[None, :, kb, k], s)
             xs = xs + column
         acc = fma(scale[None, :, kb, 0], s, acc)

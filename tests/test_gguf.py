@@ -1,8 +1,10 @@
-"""GGUF files of the Gemma 2 and 3 families load like the default model's and decode exactly.
+"""GGUF files of the Gemma 2 and 3 families (and Llama's) load like the default model's and
+decode exactly.
 
 No Gemma 2 file is small enough to ship, so the tests write tiny ones the way llama.cpp's
-converter lays them out (tensor names, norms stored as ``1 + w``, the family's metadata and a
-sentencepiece vocabulary) and load them through SoT's GGUF path."""
+converter lays them out (tensor names, Gemma's norms stored as ``1 + w``, Llama's query and key
+rows in rotary pairs, the family's metadata and a sentencepiece vocabulary) and load them
+through SoT's GGUF path."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,15 +25,16 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
 def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIALS, skip: tuple[str, ...] = (),
                rope_scaling: float | None = None, quantized: dict[str, tuple[str, np.ndarray]] | None = None) -> None:
-    """Write ``model`` (a tiny Gemma 2 or Gemma 3 text model) as a float32 GGUF file; the
+    """Write ``model`` (a tiny Gemma 2, Gemma 3 or Llama model) as a float32 GGUF file; the
     vocabulary starts with ``specials`` (control tokens), tensors named in ``skip`` are left
     out, ``rope_scaling`` writes a linear RoPE factor as llama.cpp does for Gemma 3, and the
     tensors named in ``quantized`` are written as the given bytes (``[rows, row bytes]``) of the
-    given format (``"Q4_K"``, ...)."""
+    given format (``"Q4_K"``, ...), in the file's row order (a Llama query or key tensor's:
+    :func:`llama_file_rows`)."""
     cfg = model.config
-    family = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2 if family == "gemma2" else gguf.MODEL_ARCH.GEMMA3,
-                                     cfg.num_hidden_layers)
+    family = {"gemma2": "gemma2", "gemma3_text": "gemma3", "llama": "llama"}[cfg.model_type]
+    arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "llama": gguf.MODEL_ARCH.LLAMA}
+    names = gguf.get_tensor_name_map(arch[family], cfg.num_hidden_layers)
     out = gguf.GGUFWriter(str(path), family)
     out.add_context_length(cfg.max_position_embeddings)
     out.add_embedding_length(cfg.hidden_size)
@@ -42,8 +45,12 @@ def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIAL
     out.add_key_length(cfg.head_dim)
     out.add_value_length(cfg.head_dim)
     out.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    out.add_sliding_window(cfg.sliding_window)
-    if family == "gemma2":
+    if family != "llama":
+        out.add_sliding_window(cfg.sliding_window)
+    if family == "llama":
+        out.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        out.add_rope_dimension_count(cfg.head_dim)
+    elif family == "gemma2":
         out.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         out.add_final_logit_softcapping(cfg.final_logit_softcapping)
         out.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
@@ -62,7 +69,7 @@ def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIAL
     out.add_unk_token_id(3)
     out.add_pad_token_id(0)
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" or name in skip:  # (the head is tied to the embeddings, as in Gemma files)
+        if (name == "lm_head.weight" and cfg.tie_word_embeddings) or name in skip:  # (a tied head is the embeddings)
             continue
         base = names.get_name(name.removesuffix(".weight"))
         assert base is not None, name
@@ -71,13 +78,21 @@ def write_gguf(model: torch.nn.Module, path: Path, specials: list[str] = SPECIAL
             out.add_tensor(base + ".weight", raw, raw_dtype=gguf.GGMLQuantizationType[kind])
             continue
         data = tensor.float().numpy()
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and family != "llama":
             data = data + 1.0  # llama.cpp stores Gemma's (1 + w) norm weights
+        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = llama_file_rows(data, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         out.add_tensor(base + ".weight", data)
     out.write_header_to_file()
     out.write_kv_data_to_file()
     out.write_tensors_to_file()
     out.close()
+
+
+def llama_file_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """A Llama query or key weight's rows (``[heads * head_dim, ...]``) in llama.cpp's file order:
+    each head's two rotary halves interleaved, as its converter writes them."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
@@ -117,9 +132,9 @@ def test_gemma_gguf_loads_and_decodes_exactly(arch: str, tmp_path: Path, monkeyp
 
 
 def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
-    """Random ``kind`` (Q4_K or Q6_K) bytes of a ``[rows, cols]`` tensor (random codes and small
-    scales) and gguf-py's dequantization of them."""
-    size, scales = (144, (0, 2)) if kind == "Q4_K" else (210, (208,))  # (their float16 scales' bytes)
+    """Random ``kind`` (Q4_K, Q5_K or Q6_K) bytes of a ``[rows, cols]`` tensor (random codes and
+    small scales) and gguf-py's dequantization of them."""
+    size, scales = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}[kind]  # (float16 scales)
     blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
     for at in scales:
         blocks[:, at:at + 2] = rng.uniform(0.002, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
@@ -127,19 +142,20 @@ def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) ->
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(rows, cols)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Path, monkeypatch) -> None:
-    """A GGUF file's Q4_K and Q6_K weights (most of a published Q4_K_M file's layers) are read
-    from the file as blocks of 32: Q4_K's 4-bit codes with float32 scales (products of a float16
-    and a 6-bit integer, not float16 values), Q6_K's products of its 8-bit half-block scales and
-    6-bit codes in 16 bits under a float16 scale. Decoded to gguf-py's dequantized values,
+    """A GGUF file's Q4_K, Q5_K and Q6_K weights (most of a published Q4_K_M or Q5_K_M file's
+    layers) are read from the file: Q4_K's 4-bit codes with float32 scales and minimums per 32
+    inputs (products of a float16 and a 6-bit integer, not float16 values), Q5_K's the same with
+    5-bit codes in 8 bits, Q6_K's 6-bit codes in 8 bits with float32 scales per 16 inputs (its
+    8-bit half-block scales times a float16 one). Decoded to gguf-py's dequantized values,
     multiplied as the block formula says on both of SoT's paths, and decoded exactly. A weight
     changed in place loses them; the bfloat16 and 8-bit packers never get them."""
     import gc
 
     from sot.kernels import linear
     from sot.kernels.linear import PackedLinear, block_grid, pack_int8
-    from sot.models.gguf_blocks import q4_k_blocks, q6_k_blocks
+    from sot.models.gguf_blocks import DECODERS
     from sot.models.loading import load_model
 
     monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
@@ -152,13 +168,15 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
         rows, cols = source.state_dict()[name].shape
         data, weight = random_k_quant(kind, rows, cols, rng)
         raw[name] = (kind, data)
-        q, d, m = grids[layer] = (q4_k_blocks if kind == "Q4_K" else q6_k_blocks)(raw[name][1], rows, cols)
+        q, d, m = DECODERS[kind](raw[name][1], rows, cols)
+        q = q.reshape(rows, d.shape[1], -1)  # (blocks of 32, or Q6_K's halves of 16)
+        grids[layer] = q, d, m
+        assert q.shape[2] == (16 if kind == "Q6_K" else 32) and q.abs().max() <= 127
+        if kind == "Q5_K":
+            assert q.max() == 31 and q.min() == 0, "the test's codes must need 5 bits"
         decoded = d[..., None] * q.float() + (0 if m is None else m[..., None])
         assert torch.equal(decoded.reshape(rows, cols), weight)
-        if kind == "Q4_K":
-            assert not bool((d.half().float() == d).all()), "the test's scales must need float32"
-        else:
-            assert bool(q.abs().max() > 127), "the test's integers must need 16 bits"
+        assert not bool((d.half().float() == d).all()), "the test's scales must need float32"
         source.state_dict()[name].copy_(weight)
     write_gguf(source, tmp_path / "tiny-k.gguf", quantized=raw)
     loaded = load_model(str(tmp_path / "tiny-k.gguf"))
@@ -166,7 +184,7 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     downs = [layer.down for layer in target.fast.layers]
     assert [isinstance(lin.packed, tuple) for lin in downs] == [True, False, False, True, False, False]
     storage = target.weight_storage()  # (what `sot generate -v` reports)
-    blocks = f"{4 if kind == 'Q4_K' else 16}-bit blocks"
+    blocks = f"{4 if kind == 'Q4_K' else 8}-bit blocks"
     assert storage[blocks][0] == 2 * downs[0].weight.numel()
     assert storage[blocks][1] == sum(t.nbytes for lin in (downs[0], downs[3]) for t in lin.packed)
     assert sum(n for n, _ in storage.values()) == sum(p.numel() for p in (
@@ -176,8 +194,9 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     for layer in (0, 3):
         q, d, m = grids[layer]
         data, scale, _ = downs[layer].packed
-        assert (scale.dtype, data.dtype) == ((torch.float32, torch.uint8) if kind == "Q4_K"
-                                             else (torch.float16, torch.int16))
+        assert (scale.dtype, data.dtype) == (torch.float32, torch.uint8 if kind == "Q4_K" else torch.int8)
+        assert downs[layer].packed[2].numel() == (0 if m is None else scale.numel())  # (the minimums)
+        assert scale.shape[1] == d.shape[1]  # (a scale per 32 inputs, or per 16)
         expected = blocks_reference(x, q.float(), d[..., None], None if m is None else m[..., None],
                                     torch.zeros(q.shape[0]))
         for rows in (1, 2, 5, 7):
@@ -201,36 +220,77 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
 
 
 def test_stacked_k_quant_weights_share_their_blocks(tmp_path: Path, monkeypatch) -> None:
-    """Weights the lean forward stacks into one product (gate and up here) take their parts'
-    file blocks when the parts are of one kind (both Q4_K: 4-bit blocks with float32 scales,
-    each part's rows the block formula's), and stay float32 panels when they are not (Q4_K
-    beside Q6_K); decoding stays exact either way."""
-    from sot.models.gguf_blocks import q4_k_blocks
+    """Weights the lean forward stacks into one product take their parts' file blocks: parts of
+    one kind (Q4_K gate and up) as one grid; parts of several kinds (Q4_K query and key beside a
+    Q6_K value, as in a Llama Q4_K_M file) as one product per run of one kind, outputs side by
+    side. A Llama file's query and key rows are in rotary pairs, which the loader puts back in
+    the model's order, blocks too. Each part's rows are the block formula's, the compiled layer
+    call gives the Python loop's bits, and decoding stays exact."""
+    from sot.models.gguf_blocks import q4_k_blocks, q6_k_blocks
     from sot.models.loading import load_model
+    from sot.packing import pack_trees
+    from sot.tree import tree_from_paths
 
     monkeypatch.setenv("SOT_CACHE", str(tmp_path / "cache"))
-    source = tiny_model("gemma3", seed=4, tie_word_embeddings=True, query_pre_attn_scalar=16, num_hidden_layers=6,
-                        layer_types=None, hidden_size=256, intermediate_size=256)
+    source = tiny_model("llama", seed=4, tie_word_embeddings=True, num_hidden_layers=6, hidden_size=256,
+                        intermediate_size=256)  # (4 heads of 64, 2 key/value heads)
+    heads = {"q": source.config.num_attention_heads, "k": source.config.num_key_value_heads}
+
+    def model_rows(t: np.ndarray, count: int) -> np.ndarray:  # a file's query/key rows in the model's order
+        out = t.reshape(count, t.shape[0] // count // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        assert np.array_equal(llama_file_rows(out, count), t)
+        return out
+
     rng = np.random.default_rng(1)
-    raw, grids = {}, []
-    for layer, kinds in ((0, ("Q4_K", "Q4_K")), (1, ("Q4_K", "Q6_K"))):
-        for part, kind in zip(("gate", "up"), kinds):
-            name = f"model.layers.{layer}.mlp.{part}_proj.weight"
+    raw, grids = {}, {0: [], 1: []}
+    parts = {0: (("mlp.gate", "Q4_K"), ("mlp.up", "Q4_K")),
+             1: (("self_attn.q", "Q4_K"), ("self_attn.k", "Q4_K"), ("self_attn.v", "Q6_K"))}
+    for layer, named in parts.items():
+        for part, kind in named:
+            name = f"model.layers.{layer}.{part}_proj.weight"
             data, weight = random_k_quant(kind, *source.state_dict()[name].shape, rng)
-            raw[name] = (kind, data)
+            raw[name] = (kind, data)  # (the file's rows)
+            grid = [t if t is None else t.numpy() for t in
+                    (q4_k_blocks if kind == "Q4_K" else q6_k_blocks)(data, *weight.shape)]
+            count = heads.get(part[-1]) if part.startswith("self_attn") else None
+            if count:
+                weight = torch.from_numpy(model_rows(weight.numpy(), count))
+                grid = [t if t is None else model_rows(t, count) for t in grid]
             source.state_dict()[name].copy_(weight)
-            if layer == 0:
-                grids.append(q4_k_blocks(data, *weight.shape))
+            q, d, m = (t if t is None else torch.from_numpy(np.ascontiguousarray(t)) for t in grid)
+            grids[layer].append((q.reshape(q.shape[0], d.shape[1], -1), d, m))
     write_gguf(source, tmp_path / "tiny-stacked.gguf", quantized=raw)
-    target = TargetModel(load_model(str(tmp_path / "tiny-stacked.gguf")).model)
-    stacked, mixed = target.fast.layers[0].gate_up, target.fast.layers[1].gate_up
-    assert isinstance(stacked.packed, tuple) and stacked.packed[1].dtype == torch.float32
-    assert not isinstance(mixed.packed, tuple)
+    loaded = load_model(str(tmp_path / "tiny-stacked.gguf"))
+    attention = loaded.model.model.layers[1].self_attn
+    assert torch.equal(attention.q_proj.weight, source.model.layers[1].self_attn.q_proj.weight)
+    target = TargetModel(loaded.model)
+    stacked, mixed = target.fast.layers[0].gate_up, target.fast.layers[1].qkv
+    assert isinstance(stacked.packed, tuple) and stacked.packed[1].dtype == torch.float32 and not stacked.segments
+    assert [piece.storage[0] for piece in mixed.pieces] == ["4-bit blocks", "8-bit blocks"]
+    assert [piece.weight.shape[0] for piece in mixed.segments] == [
+        sum(q.shape[0] for q, _, _ in grids[1][:2]), grids[1][2][0].shape[0]]
+    assert target.weight_storage()["8-bit blocks"][1] == sum(t.nbytes for t in mixed.segments[1].packed)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
-    expected = torch.cat([blocks_reference(x, q.float(), d[..., None], m[..., None], torch.zeros(q.shape[0]))
-                          for q, d, m in grids], dim=1)
-    assert torch.equal(stacked(x, True), expected)
+    for product, layer in ((stacked, 0), (mixed, 1)):
+        expected = torch.cat([blocks_reference(x, q.float(), d[..., None], None if m is None else m[..., None],
+                                               torch.zeros(q.shape[0])) for q, d, m in grids[layer]], dim=1)
+        assert torch.equal(product(x, True), expected)
     prompts = random_prompts((7, 40), seed=2)
+
+    def verified(model: TargetModel) -> torch.Tensor:  # logits of a pass over two trees
+        cache = model.new_cache(2, 128)
+        for b, prompt in enumerate(prompts):
+            model.prefill(cache, b, torch.tensor(prompt))
+            cache.set_length(b, len(prompt))
+        trees = [tree_from_paths(5, [[6, 7, 8], [9]], max_nodes=8), tree_from_paths(3, [[4]], max_nodes=8)]
+        batch = pack_trees(trees, cache, model)
+        return model.verify(cache, batch.ids, batch.positions, batch.layout).logits
+
+    monkeypatch.setenv("SOT_NO_LAYER_CALL", "1")
+    loop = TargetModel(loaded.model)
+    monkeypatch.delenv("SOT_NO_LAYER_CALL")
+    assert target.fast.layer_call is not None and loop.fast.layer_call is None
+    assert torch.equal(verified(target), verified(loop))
     params = GenerationParams(max_new_tokens=30)
     plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
     rnd = RandomTreeDrafter(plain, [len(p) for p in prompts], hit=0.7, seed=1)

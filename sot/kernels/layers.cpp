@@ -32,10 +32,12 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::op
 // One product, as PackedLinear holds it (sot/kernels/linear.py): SoT's panels ([P, K, 16]
 // float32) or blocks (data, scale, mins), or a oneDNN-packed weight, run like
 // PackedLinear.__call__ with stable=True: in blocks of `unit` rows, the last one padded with
-// zero rows unless the kernel gives a short block the bits of a full one (`partial_ok`).
+// zero rows unless the kernel gives a short block the bits of a full one (`partial_ok`); or
+// segments (PackedLinear.segments: a stack of blocks of several kinds), their outputs side by side.
 struct Product {
-  enum Kind { kPanels, kBlocks, kInt8, kBF16Blocks, kOneDNN } kind = kPanels;
+  enum Kind { kPanels, kBlocks, kInt8, kBF16Blocks, kOneDNN, kSegments } kind = kPanels;
   std::vector<at::Tensor> packed;
+  std::vector<Product> segments;
   int64_t n = 0;
   std::optional<at::Tensor> bias;
   bool fused = true, partial_ok = true;
@@ -52,6 +54,11 @@ struct Product {
   }
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == kSegments) {
+      std::vector<at::Tensor> outs;
+      for (const Product& piece : segments) outs.push_back(piece(x));
+      return at::cat(outs, 1);
+    }
     const int64_t rows = x.size(0);
     if (kind != kOneDNN || rows == unit || (rows < unit && partial_ok)) return block(x);
     const int64_t pad = partial_ok ? 0 : (unit - rows % unit) % unit;
@@ -74,6 +81,32 @@ struct Layer {
   int64_t rope = 0;
 };
 
+// A product from its packed tensors and kind (see LlamaLayers::add); "segments" only where
+// `segmented` (a product of a layer, not a piece of one).
+Product make_product(const std::vector<at::Tensor>& packed, int64_t size, const std::optional<at::Tensor>& bias,
+                     const std::string& kind, bool partial_ok, bool fused, int64_t unit, bool segmented) {
+  TORCH_CHECK(kind == "panels" || kind == "blocks" || kind == "int8" || kind == "bf16blocks" || kind == "onednn" ||
+                  (segmented && kind == "segments"), "unknown product kind ", kind);
+  const bool blocks = kind == "blocks" || kind == "int8" || kind == "bf16blocks";
+  TORCH_CHECK(kind == "segments" ? packed.empty()
+                                 : packed.size() == (blocks ? 3u : 1u) || (kind == "bf16blocks" && packed.size() == 4u),
+              "a product is packed as 1 or 3 tensors (4: bfloat16 blocks and their decoded pairs; none: segments)");
+  Product out;
+  out.kind = kind == "panels"       ? Product::kPanels
+             : kind == "blocks"     ? Product::kBlocks
+             : kind == "int8"       ? Product::kInt8
+             : kind == "bf16blocks" ? Product::kBF16Blocks
+             : kind == "segments"   ? Product::kSegments
+                                    : Product::kOneDNN;
+  out.partial_ok = partial_ok;
+  out.unit = unit;
+  out.packed = packed;
+  out.n = size;
+  out.bias = bias;
+  out.fused = fused;
+  return out;
+}
+
 }  // namespace
 
 // Built once per model from its packed weights; forward() runs every layer of one pass.
@@ -91,7 +124,7 @@ class LlamaLayers {
   // tensors: 1 for panels or a oneDNN weight, 3 for blocks; output size; bias or None; its
   // kind: "panels", "blocks" (float32 products scaled per block), "int8" (8-bit integer products), "bf16blocks"
   // (bfloat16 rows over blocks decoded to bfloat16; a fourth tensor: the blocks decoded once,
-  // read by wide products) or "onednn";
+  // read by wide products), "onednn", or "segments" (no tensors: add_segment gives its pieces);
   // short blocks exact), whether blocks decode in
   // registers, the row unit of padded products, the sliding window (0: none), the norms of
   // the attention's output, the MLP's output, each query head and each key head (the last two
@@ -107,25 +140,8 @@ class LlamaLayers {
     layer.ln1 = ln1.contiguous();
     layer.ln2 = ln2.contiguous();
     Product* products[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    for (int i = 0; i < 4; ++i) {
-      const std::string& kind = kinds[i];
-      TORCH_CHECK(kind == "panels" || kind == "blocks" || kind == "int8" || kind == "bf16blocks" || kind == "onednn",
-                  "unknown product kind ", kind);
-      const bool blocks = kind == "blocks" || kind == "int8" || kind == "bf16blocks";
-      TORCH_CHECK(packed[i].size() == (blocks ? 3u : 1u) || (kind == "bf16blocks" && packed[i].size() == 4u),
-                  "a product is packed as 1 or 3 tensors (4: bfloat16 blocks and their decoded pairs)");
-      products[i]->kind = kind == "panels" ? Product::kPanels
-                          : kind == "blocks" ? Product::kBlocks
-                          : kind == "int8"   ? Product::kInt8
-                          : kind == "bf16blocks" ? Product::kBF16Blocks
-                                             : Product::kOneDNN;
-      products[i]->partial_ok = partial_ok[i];
-      products[i]->unit = unit;
-      products[i]->packed = packed[i];
-      products[i]->n = sizes[i];
-      products[i]->bias = biases[i];
-      products[i]->fused = fused;
-    }
+    for (int i = 0; i < 4; ++i)
+      *products[i] = make_product(packed[i], sizes[i], biases[i], kinds[i], partial_ok[i], fused, unit, true);
     layer.window = window;
     TORCH_CHECK(norms.size() == 4, "four optional norms a layer");
     at::Tensor* extra[4] = {&layer.attn_out_norm, &layer.mlp_out_norm, &layer.q_norm, &layer.k_norm};
@@ -135,6 +151,17 @@ class LlamaLayers {
     TORCH_CHECK(rope >= 0, "rotary table index must be >= 0");
     layer.rope = rope;
     layers_.push_back(std::move(layer));
+  }
+
+  // One more piece of product `product` (0 qkv, 1 o, 2 gate_up, 3 down) of the last layer added,
+  // which add() gave the kind "segments": its outputs follow the earlier pieces'.
+  void add_segment(int64_t product, std::vector<at::Tensor> packed, int64_t size, std::optional<at::Tensor> bias,
+                   std::string kind, bool partial_ok, bool fused, int64_t unit) {
+    TORCH_CHECK(!layers_.empty() && product >= 0 && product < 4, "a segment of a product of the last layer");
+    Layer& layer = layers_.back();
+    Product* products[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    TORCH_CHECK(products[product]->kind == Product::kSegments, "that product was not added as segments");
+    products[product]->segments.push_back(make_product(packed, size, bias, kind, partial_ok, fused, unit, false));
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -222,6 +249,7 @@ void bind_llama_layers(pybind11::module_& m) {
   pybind11::class_<LlamaLayers>(m, "LlamaLayers")
       .def(pybind11::init<double, int64_t, int64_t, int64_t, int64_t, double, std::string>())
       .def("add", &LlamaLayers::add)
+      .def("add_segment", &LlamaLayers::add_segment)
       .def("__len__", &LlamaLayers::size)
       .def("forward", &LlamaLayers::forward);
 }

@@ -1,6 +1,7 @@
 #include "common.h"
 
 #include <atomic>
+#include <type_traits>
 
 // Row-stable float32 linear layer: y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]).
 //
@@ -193,12 +194,13 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<
 //       j + 8 (high nibble); scale, min [P, K/32, 16] float16 (the format's own values, so
 //       exact; half the bytes of float32 scales, which a one-row product streams with the
 //       data: 1.05-1.11x faster on two Zen 3 cores);
-//   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float16; min empty;
-//   q16: data [P, K/32, 32, 16] int16, otherwise as q8 (GGUF Q6_K: a block of 32 is two halves
-//       of 16 with their own 8-bit scales under one float16 scale d, so w = d * (scale * q)
-//       with the product of the two integers, up to 4,096 in magnitude, held in 16 bits).
+//   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float16; min empty.
 // Scales and minimums may also be float32 (GGUF Q4_K's: products of a float16 and a 6-bit
-// integer, exact in float32 only): the same operations on the same values.
+// integer, exact in float32 only): the same operations on the same values; so may 8-bit
+// blocks have minimums then (GGUF Q5_K: Q4_K's form with 5-bit q, held in 8 bits). And 8-bit blocks
+// may have a scale per 16 inputs, float32 [P, K/16, 16] (GGUF Q6_K: a block of 32 is two
+// halves of 16 with their own 8-bit scales under one float16 scale d, w = (d * scale) * q, q
+// in -32..31): s and the scale step then run per 16 inputs.
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -221,8 +223,8 @@ std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   return xs;
 }
 
-// Bytes of one input's 16 integers in a panel, for blocks of QB-bit integers (4, 8 or 16).
-constexpr int64_t input_bytes(int QB) { return QB == 4 ? 8 : QB == 8 ? 16 : 32; }
+// Bytes of one input's 16 integers in a panel, for blocks of QB-bit integers (4 or 8).
+constexpr int64_t input_bytes(int QB) { return QB == 4 ? 8 : 16; }
 
 #if SOT_BLOCKS_AVX2
 // The 16 integers of input k of one panel (``q``: its bytes; QB bits each) as floats: w[0]
@@ -233,10 +235,6 @@ __attribute__((always_inline)) inline void unpack16(const uint8_t* q, __m256 (&w
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
     w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-  } else if (QB == 16) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1)));
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -247,19 +245,19 @@ __attribute__((always_inline)) inline void unpack16(const uint8_t* q, __m256 (&w
 // The end of block kb for MR rows and NP panels: acc (in memory, [MR][NP][16]) = fma(d, s,
 // acc), then fma(m, xs, acc) for Q4_1. d, m: the block's scales of the first panel (the next
 // panels `per` values on); xs: the rows' block sums ([MR, KB], this block's column; Q4_1 only).
-template <int MR, int NP, bool Q4, typename S>
+template <int MR, int NP, bool MN, typename S>
 __attribute__((always_inline)) inline void scale_step(const __m256 (&s)[MR][NP][2], const S* d, const S* m,
                                                       int64_t per, const float* xs, int64_t KB, float* acc) {
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
-    const __m256 xsum = Q4 ? _mm256_broadcast_ss(xs + i * KB) : _mm256_setzero_ps();
+    const __m256 xsum = MN ? _mm256_broadcast_ss(xs + i * KB) : _mm256_setzero_ps();
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         float* a = acc + (i * NP + j) * kPanel + 8 * h;
         __m256 v = _mm256_fmadd_ps(load8s(d + j * per + 8 * h), s[i][j][h], _mm256_loadu_ps(a));
-        if (Q4) v = _mm256_fmadd_ps(load8s(m + j * per + 8 * h), xsum, v);
+        if (MN) v = _mm256_fmadd_ps(load8s(m + j * per + 8 * h), xsum, v);
         _mm256_storeu_ps(a, v);
       }
   }
@@ -281,41 +279,39 @@ struct NextTile {
   int np;
 };
 
-template <int MR, int NP, int QB, typename S>
+template <int MR, int NP, int QB, typename S, int BL, bool MN>
 inline void fused_block_tile(const float* x, const float* xs, int64_t K, const uint8_t* data, int64_t bytes,
                              const S* scale, const S* mins, int64_t per, float* out, const NextTile<S>& next) {
-  constexpr bool Q4 = QB == 4;
   constexpr int64_t kBytes = input_bytes(QB);  // per input of a panel
   std::fill(out, out + MR * NP * kPanel, 0.0f);
-  for (int64_t kb = 0; kb < K / 32; ++kb) {
+  for (int64_t kb = 0; kb < K / BL; ++kb) {
     if (MR <= 2 && next.data != nullptr) {  // (with more rows the products bound the time)
       for (int j = 0; j < next.np; ++j) {
-        const char* block = reinterpret_cast<const char*>(next.data + j * bytes + kb * 32 * kBytes);
-        for (int64_t o = 0; o < 32 * kBytes; o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
+        const char* block = reinterpret_cast<const char*>(next.data + j * bytes + kb * BL * kBytes);
+        for (int64_t o = 0; o < BL * kBytes; o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(next.scale + j * per + kb * kPanel), _MM_HINT_T1);
-        if (Q4) _mm_prefetch(reinterpret_cast<const char*>(next.mins + j * per + kb * kPanel), _MM_HINT_T1);
+        if (MN) _mm_prefetch(reinterpret_cast<const char*>(next.mins + j * per + kb * kPanel), _MM_HINT_T1);
       }
     }
     __m256 s[MR][NP][2];
     zero_tile<MR, NP>(s);
-    for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
+    for (int64_t k = kb * BL; k < kb * BL + BL; ++k) {
       __m256 w[NP][2];
 #pragma GCC unroll 2
       for (int j = 0; j < NP; ++j) unpack16<QB>(data + j * bytes + k * kBytes, w[j]);
       fma_step<MR, NP>(s, w, x, K, k);
     }
-    scale_step<MR, NP, Q4, S>(s, scale + kb * kPanel, Q4 ? mins + kb * kPanel : nullptr, per, Q4 ? xs + kb : nullptr,
+    scale_step<MR, NP, MN, S>(s, scale + kb * kPanel, MN ? mins + kb * kPanel : nullptr, per, MN ? xs + kb : nullptr,
                            K / 32, out);
   }
 }
 
 // All M = MR rows over every panel: pairs of panels (32 columns, more independent FMA chains)
 // for 1-2 rows, single panels for 3-6 rows (their sums fill the registers).
-template <int MR, int QB, typename S>
+template <int MR, int QB, typename S, int BL, bool MN>
 void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int64_t N, const uint8_t* data,
                       int64_t bytes, const S* scale, const S* mins, int64_t per, const float* bias,
                       float* y) {
-  constexpr bool Q4 = QB == 4;
   constexpr int64_t NP = MR <= 2 ? 2 : 1;
   at::parallel_for(0, (P + NP - 1) / NP, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float tile[MR * 2 * kPanel];
@@ -323,18 +319,18 @@ void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int
       const int64_t p = NP * t;
       const uint8_t* dp = data + p * bytes;
       const S* sp = scale + p * per;
-      const S* mp = Q4 ? mins + p * per : nullptr;
+      const S* mp = MN ? mins + p * per : nullptr;
       NextTile<S> next{nullptr, nullptr, nullptr, 0};
       if (t + 1 < end) {
         const int64_t q = p + NP;
-        next = {data + q * bytes, scale + q * per, Q4 ? mins + q * per : nullptr,
+        next = {data + q * bytes, scale + q * per, MN ? mins + q * per : nullptr,
                 static_cast<int>(std::min<int64_t>(NP, P - q))};
       }
       if (NP == 2 && p + 1 < P) {
-        fused_block_tile<MR, 2, QB, S>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
+        fused_block_tile<MR, 2, QB, S, BL, MN>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
         store_tile<MR, 2>(tile, p, N, bias, y);
       } else {
-        fused_block_tile<MR, 1, QB, S>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
+        fused_block_tile<MR, 1, QB, S, BL, MN>(x, xs, K, dp, bytes, sp, mp, per, tile, next);
         store_tile<MR, 1>(tile, p, N, bias, y);
       }
     }
@@ -346,55 +342,54 @@ void fused_block_rows(const float* x, const float* xs, int64_t K, int64_t P, int
 // near-equal groups of at most kMaxRows (8 rows as 4 + 4), take their multiply-adds from it.
 // The same operations in the same order as fused_block_tile, so the same bits.
 
-// acc [MR][16] (in memory) gets block kb of MR rows: x [MR rows, this block's 32 inputs] times
-// q [32][16] (floats, in L1), scaled by d (and m, xs) as scale_step does.
-template <int MR, bool Q4, typename S>
+// acc [MR][16] (in memory) gets block kb of MR rows: x [MR rows, this block's BL inputs] times
+// q [BL][16] (floats, in L1), scaled by d (and m, xs) as scale_step does.
+template <int MR, bool MN, typename S, int BL>
 inline void chunk_tile(const float* x, int64_t K, const float* q, const S* d, const S* m, const float* xs,
                        int64_t KB, float* acc) {
   __m256 s[MR][1][2];
   zero_tile<MR, 1>(s);
-  for (int64_t k = 0; k < 32; ++k) {
+  for (int64_t k = 0; k < BL; ++k) {
     const __m256 wv[1][2] = {{_mm256_loadu_ps(q + k * kPanel), _mm256_loadu_ps(q + k * kPanel + 8)}};
     fma_step<MR, 1>(s, wv, x, K, k);
   }
-  scale_step<MR, 1, Q4, S>(s, d, m, 0, xs, KB, acc);
+  scale_step<MR, 1, MN, S>(s, d, m, 0, xs, KB, acc);
 }
 
-template <int QB, typename S>
+template <int QB, typename S, int BL, bool MN>
 void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
                         const uint8_t* data, int64_t bytes, const S* scale, const S* mins, int64_t per,
                         const float* bias, float* y) {
-  constexpr bool Q4 = QB == 4;
   const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups, KB = K / 32;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kPanel);
-    alignas(32) float q[32 * kPanel];
+    alignas(32) float q[BL * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* dp = data + p * bytes;
       const S* sp = scale + p * per;
-      const S* mp = Q4 ? mins + p * per : nullptr;
+      const S* mp = MN ? mins + p * per : nullptr;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        for (int64_t k = 0; k < 32; ++k) {  // this block of 32 inputs
+      for (int64_t kb = 0; kb < K / BL; ++kb) {
+        for (int64_t k = 0; k < BL; ++k) {  // this block of BL inputs
           __m256 w[2];
-          unpack16<QB>(dp + (kb * 32 + k) * input_bytes(QB), w);
+          unpack16<QB>(dp + (kb * BL + k) * input_bytes(QB), w);
           _mm256_storeu_ps(q + k * kPanel, w[0]);
           _mm256_storeu_ps(q + k * kPanel + 8, w[1]);
         }
         const S* d = sp + kb * kPanel;
-        const S* m = Q4 ? mp + kb * kPanel : nullptr;
+        const S* m = MN ? mp + kb * kPanel : nullptr;
         for (int64_t g = 0, m0 = 0; g < groups; ++g) {
           const int64_t rows = base + (g < extra ? 1 : 0);
-          const float* xg = x + m0 * K + kb * 32;
-          const float* sg = Q4 ? xs + m0 * KB + kb : nullptr;
+          const float* xg = x + m0 * K + kb * BL;
+          const float* sg = MN ? xs + m0 * KB + kb : nullptr;
           float* ag = acc.data() + m0 * kPanel;
           switch (rows) {
-            case 1: chunk_tile<1, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
-            case 2: chunk_tile<2, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
-            case 3: chunk_tile<3, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
-            case 4: chunk_tile<4, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
-            case 5: chunk_tile<5, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
-            default: chunk_tile<kMaxRows, Q4, S>(xg, K, q, d, m, sg, KB, ag); break;
+            case 1: chunk_tile<1, MN, S, BL>(xg, K, q, d, m, sg, KB, ag); break;
+            case 2: chunk_tile<2, MN, S, BL>(xg, K, q, d, m, sg, KB, ag); break;
+            case 3: chunk_tile<3, MN, S, BL>(xg, K, q, d, m, sg, KB, ag); break;
+            case 4: chunk_tile<4, MN, S, BL>(xg, K, q, d, m, sg, KB, ag); break;
+            case 5: chunk_tile<5, MN, S, BL>(xg, K, q, d, m, sg, KB, ag); break;
+            default: chunk_tile<kMaxRows, MN, S, BL>(xg, K, q, d, m, sg, KB, ag); break;
           }
           m0 += rows;
         }
@@ -406,11 +401,10 @@ void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, i
 
 #else
 // Without AVX2: the same operations one output at a time (std::fma rounds as the vector FMA).
-template <int QB, typename S>
+template <int QB, typename S, int BL, bool MN>
 void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
                        const uint8_t* data, int64_t bytes, const S* scale, const S* mins, int64_t per,
                        const float* bias, float* y) {
-  constexpr bool Q4 = QB == 4;
   const int64_t KB = K / 32;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
@@ -418,24 +412,20 @@ void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, in
         float tile[kPanel];
         for (int64_t c = 0; c < kPanel; ++c) {
           float acc = 0.0f;
-          for (int64_t kb = 0; kb < KB; ++kb) {
+          for (int64_t kb = 0; kb < K / BL; ++kb) {
             float s = 0.0f;
-            for (int64_t k = kb * 32; k < kb * 32 + 32; ++k) {
+            for (int64_t k = kb * BL; k < kb * BL + BL; ++k) {
               float q;
-              if (Q4) {
+              if (QB == 4) {
                 const uint8_t byte = data[p * bytes + k * 8 + c % 8];
                 q = static_cast<float>(c < 8 ? byte & 15 : byte >> 4);
-              } else if (QB == 16) {
-                int16_t v;
-                std::memcpy(&v, data + p * bytes + k * 32 + 2 * c, 2);
-                q = static_cast<float>(v);
               } else {
                 q = static_cast<float>(reinterpret_cast<const int8_t*>(data)[p * bytes + k * 16 + c]);
               }
               s = std::fma(x[i * K + k], q, s);
             }
             acc = std::fma(scale_value(scale[p * per + kb * kPanel + c]), s, acc);
-            if (Q4) acc = std::fma(scale_value(mins[p * per + kb * kPanel + c]), xs[i * KB + kb], acc);
+            if (MN) acc = std::fma(scale_value(mins[p * per + kb * kPanel + c]), xs[i * KB + kb], acc);
           }
           tile[c] = acc;
         }
@@ -461,12 +451,15 @@ struct BlockArgs {
   bool fused;
 };
 
-// The product over QB-bit integers with scales (and minimums) of type S: float16 bits, or float32.
-template <int QB, typename S>
+// The product over QB-bit integers with scales (and minimums, MN) of type S: float16 bits, or
+// float32; one scale per block of BL inputs (32, or 16: Q6_K's half-blocks).
+template <int QB, typename S, int BL, bool MN>
 void block_rows(const BlockArgs& a, const S* sp, const S* mp) {
+  static_assert(BL == 32 || !MN, "minimums come with blocks of 32 (the rows' block sums)");
 #if SOT_BLOCKS_AVX2
   if (a.fused && a.M <= kMaxRows) {
-#define SOT_FUSED(R) fused_block_rows<R, QB, S>(a.x, a.xs, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y)
+#define SOT_FUSED(R) \
+  fused_block_rows<R, QB, S, BL, MN>(a.x, a.xs, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y)
     switch (a.M) {
       case 1: SOT_FUSED(1); break;
       case 2: SOT_FUSED(2); break;
@@ -477,18 +470,25 @@ void block_rows(const BlockArgs& a, const S* sp, const S* mp) {
     }
 #undef SOT_FUSED
   } else {
-    chunked_block_rows<QB, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
+    chunked_block_rows<QB, S, BL, MN>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
   }
 #else
-  scalar_block_rows<QB, S>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
+  scalar_block_rows<QB, S, BL, MN>(a.x, a.xs, a.M, a.K, a.P, a.N, a.data, a.bytes, sp, mp, a.per, a.bias, a.y);
 #endif
 }
 
+// Q4_1 and Q4_K: 4 bits with minimums; Q8_0 (Q5_0, Q4_0): 8 bits; and with float32 scales
+// only, Q6_K: 8 bits, a scale per 16 inputs, and Q5_K: 8 bits with minimums.
 template <typename S>
-void block_rows(const BlockArgs& a, int qb, const S* sp, const S* mp) {
-  if (qb == 4) block_rows<4, S>(a, sp, mp);
-  else if (qb == 8) block_rows<8, S>(a, sp, mp);
-  else block_rows<16, S>(a, sp, mp);
+void block_rows(const BlockArgs& a, int qb, bool halves, bool mins, const S* sp, const S* mp) {
+  if (qb == 4) {
+    block_rows<4, S, 32, true>(a, sp, mp);
+  } else if (!halves && !mins) {
+    block_rows<8, S, 32, false>(a, sp, mp);
+  } else if constexpr (std::is_same_v<S, float>) {
+    if (halves) block_rows<8, S, 16, false>(a, sp, mp);
+    else block_rows<8, S, 32, true>(a, sp, mp);
+  }
 }
 
 }  // namespace
@@ -499,28 +499,37 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   const int64_t K = x.size(1), P = data.size(0);
   const bool q4 = data.scalar_type() == at::kByte;
-  const int qb = q4 ? 4 : data.scalar_type() == at::kShort ? 16 : 8;
+  const int qb = q4 ? 4 : 8;
   TORCH_CHECK(data.dim() == 4 && K % 32 == 0 && data.size(1) == K / 32 && data.size(2) == 32 &&
-              data.size(3) == (q4 ? 8 : 16) && (q4 || qb == 16 || data.scalar_type() == at::kChar) &&
-              data.is_contiguous(), "packed weight mismatch");
-  const bool wide = scale.scalar_type() == at::kFloat;  // (float32 scales: Q4_K's)
+              data.size(3) == (q4 ? 8 : 16) && (q4 || data.scalar_type() == at::kChar) &&
+              data.is_contiguous(), "packed weight mismatch (uint8 4-bit or int8 8-bit blocks)");
+  const bool wide = scale.scalar_type() == at::kFloat;  // (float32 scales: the K-quants')
+  // one scale per 16 inputs (Q6_K's half-blocks: 8-bit integers, float32 scales) or per 32
+  const bool halves = wide && qb == 8 && scale.numel() == P * (K / 16) * kPanel;
   TORCH_CHECK((wide || scale.scalar_type() == at::kHalf) && scale.is_contiguous() &&
-              scale.numel() == P * (K / 32) * kPanel, "packed weight mismatch (float16 or float32 scales)");
-  TORCH_CHECK(!q4 || (mins.scalar_type() == scale.scalar_type() && mins.is_contiguous() &&
-                      mins.numel() == scale.numel()), "packed weight mismatch (mins of the scales' dtype)");
+              (halves || scale.numel() == P * (K / 32) * kPanel),
+              "packed weight mismatch (float16 or float32 scales, one per block of 32 inputs, or float32 ones "
+              "per 16 inputs of 8-bit integers)");
+  // minimums: always with 4 bits; with 8 bits, float32 ones only (Q5_K's), with a scale per 32 inputs
+  const bool mins_given = mins.numel() > 0;
+  TORCH_CHECK(mins_given == q4 || (wide && !halves && mins_given), "packed weight mismatch (minimums with 4-bit "
+              "blocks, or with 8-bit blocks of float32 scales per 32 inputs)");
+  TORCH_CHECK(!mins_given || (mins.scalar_type() == scale.scalar_type() && mins.is_contiguous() &&
+                              mins.numel() == scale.numel()), "packed weight mismatch (mins of the scales' dtype)");
   TORCH_CHECK(P * kPanel >= N, "N exceeds the packed weight");
-  const int64_t bytes = K * input_bytes(qb), per = (K / 32) * kPanel;
+  const int64_t bytes = K * input_bytes(qb), per = (K / (halves ? 16 : 32)) * kPanel;
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0);
   if (M == 0) return io.y;
-  const std::vector<float> sums = q4 ? block_sums(io.xp, M, K) : std::vector<float>();  // (8-bit blocks: none)
-  const BlockArgs args{io.xp, q4 ? sums.data() : nullptr, M, K, P, N, reinterpret_cast<const uint8_t*>(data.data_ptr()),
-                       bytes, per, io.bp, io.yp, fused};
+  const std::vector<float> sums = mins_given ? block_sums(io.xp, M, K) : std::vector<float>();  // (else none)
+  const BlockArgs args{io.xp, mins_given ? sums.data() : nullptr, M, K, P, N,
+                       reinterpret_cast<const uint8_t*>(data.data_ptr()), bytes, per, io.bp, io.yp, fused};
   if (wide) {
-    block_rows<float>(args, qb, scale.data_ptr<float>(), q4 ? mins.data_ptr<float>() : nullptr);
+    block_rows<float>(args, qb, halves, mins_given, scale.data_ptr<float>(),
+                      mins_given ? mins.data_ptr<float>() : nullptr);
   } else {
-    block_rows<half_t>(args, qb, reinterpret_cast<const half_t*>(scale.data_ptr()),
-                       q4 ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr);
+    block_rows<half_t>(args, qb, false, false, reinterpret_cast<const half_t*>(scale.data_ptr()),
+                       mins_given ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr);
   }
   return io.y;
 }

@@ -65,9 +65,10 @@ def _view_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ..
 
 def register_blocks(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
     """Give ``weight [N, K]`` float32, equal to ``d * q + m`` (or ``d * q``) block by block (in
-    value: a zero's sign may differ), its blocks: ``q [N, K/32, 32]`` integers (0..15 with
-    ``m``; else up to 16 bits), ``d`` and ``m`` ``[N, K/32]`` float32 (a GGUF file's Q4_K or
-    Q6_K blocks, :mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the weight (and any
+    value: a zero's sign may differ), its blocks: ``q [N, K/32, 32]`` integers of up to 8 bits
+    (0..15 or 0..31 with ``m``), ``d`` and ``m`` ``[N, K/32]`` float32, or ``d [N, K/16]``
+    without ``m`` (one scale per 16 inputs): a GGUF file's Q4_K, Q5_K or Q6_K blocks
+    (:mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the weight (and any
     tensor sharing its storage and shape) while it is unchanged; they live as long as the
     weight."""
     weight._sot_blocks = (weight._version, q, d, m)
@@ -100,11 +101,12 @@ def _registered_grid(weight: torch.Tensor, width: int
 def _stacked_grid(weight: torch.Tensor, parts: list[torch.Tensor], width: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """The blocks of ``weight = torch.cat(parts)`` from its parts' registered blocks, where every
-    part has them, all with minimums or all without (Q4_K query and key weights stacked with a
-    Q6_K value weight are not one grid), and the stack holds the parts' values."""
-    grids = [_registered_grid(p, 1) for p in parts]
-    if any(g is None for g in grids) or len({g[2] is None for g in grids}) != 1:
+    part has them, all of one kind (Q4_K query and key weights stacked with a Q6_K value weight
+    are not one grid), and the stack holds the parts' values."""
+    kinds = {_grid_kind(p) for p in parts}
+    if len(kinds) != 1 or None in kinds:
         return None
+    grids = [_registered_grid(p, 1) for p in parts]
     if sum(p.shape[0] for p in parts) != weight.shape[0] or not all(
             torch.equal(weight[at:at + p.shape[0]], p) for at, p in zip(
                 [sum(q.shape[0] for q in parts[:i]) for i in range(len(parts))], parts)):
@@ -116,6 +118,13 @@ def _stacked_grid(weight: torch.Tensor, parts: list[torch.Tensor], width: int
     if pad:
         q, d, m = (t if t is None else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, d, m))
     return q, d, m
+
+
+def _grid_kind(part: torch.Tensor) -> tuple[bool, int, bool] | None:
+    """The kind of blocks :func:`register_blocks` gave ``part``: ``(with minimums, scales a
+    row, integers of more than 4 bits)``; ``None`` without them."""
+    grid = _registered_grid(part, 1)
+    return None if grid is None else (grid[2] is not None, grid[1].shape[1], bool(grid[0].max() > 15))
 
 
 def _float16_values(t: torch.Tensor | None) -> bool:
@@ -132,17 +141,18 @@ def block_grid(weight: torch.Tensor, width: int = 16, float32_kernel: bool = Fal
     when some block is not exactly of that form. Every decoded weight is checked to equal the
     float32 one bit for bit (decoded as the kernels do: ``d * q``, then ``+ m``). A weight
     given its blocks by its loader (:func:`register_blocks`) has those; where their scales are
-    not float16 values (Q4_K's) or their integers need 16 bits (Q6_K's), only the float32 block
-    kernel's packer (``float32_kernel``) gets them. So does a weight stacked from ``parts``
+    not float16 values (Q4_K's) or cover 16 inputs each (Q6_K's: ``d [N', K/16]``), only the
+    float32 block kernel's packer (``float32_kernel``) gets them. So does a weight stacked from ``parts``
     (``torch.cat(parts)``, each equal to it in its rows) that all have such blocks of one kind."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % 32 or n == 0 or weight.device.type != "cpu":
         return None
     known = _registered_grid(weight, width)
-    if known is None and parts is not None and len(parts) > 1:
+    if known is None and parts:
         known = _stacked_grid(weight, parts, width)
     if known is not None:
-        plain = _float16_values(known[1]) and _float16_values(known[2]) and bool(known[0].abs().max() <= 127)
+        plain = (known[1].shape[1] * 32 == k and _float16_values(known[1]) and _float16_values(known[2])
+                 and bool(known[0].abs().max() <= (127 if known[2] is None else 15)))
         return known if float32_kernel or plain else None
     blocks = _blocks_of(weight, width)
     kernel = cpu_kernels()
@@ -194,8 +204,9 @@ def pack_blocks(weight: torch.Tensor, parts: list[torch.Tensor] | None = None
     """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`; Q4_K's
     and Q6_K's too, given by the loader) in the panel layout of the compiled ``linear_blocks_f32``:
     ``(data, scale, mins)`` (``scale`` and ``mins`` float16, or float32 where the format's are
-    not float16 values, Q4_K's; ``mins`` empty for 8-bit; ``data`` int16 where the integers
-    need it, Q6_K's), or ``None`` when the weight is not such a grid. A product over the
+    not float16 values, the K-quants': Q6_K's 8-bit blocks have one scale per 16 inputs, and
+    Q5_K's 8-bit blocks minimums; ``mins`` empty for the other 8-bit blocks), or ``None`` when
+    the weight is not such a grid. A product over the
     blocks is taken as the format factors it, ``d * sum(x * q) + m * sum(x)`` per block of 32
     inputs in a fixed order (``linear.cpp``): the float32 product's value up to rounding, each
     row's bits independent of the other rows.
@@ -207,20 +218,20 @@ def pack_blocks(weight: torch.Tensor, parts: list[torch.Tensor] | None = None
     if grid is None:
         return None
     q, scale, low = grid
-    panels, k = q.shape[0] // 16, weight.shape[1]
-    # the scales and minimums as the format stores them, float16 (exact), or float32 (Q4_K's)
-    kept = torch.float16 if _float16_values(scale) and _float16_values(low) else torch.float32
+    panels, k, scales = q.shape[0] // 16, weight.shape[1], grid[1].shape[1]  # (scales: a row's, K/32 or K/16)
+    # the scales and minimums as the format stores them, float16 (exact), or float32 (the K-quants')
+    four = low is not None and bool(q.max() <= 15)  # (Q5_K's minimums come with 5-bit integers: 8 bits)
+    kept = torch.float16 if _float16_values(scale) and _float16_values(low) and (four or low is None) else torch.float32
 
-    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, k // 32] -> [panels, k // 32, 16]
-        return t.reshape(panels, 16, k // 32).transpose(1, 2).to(kept).contiguous()
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, scales] -> [panels, scales, 16]
+        return t.reshape(panels, 16, scales).transpose(1, 2).to(kept).contiguous()
 
-    if low is not None:  # 4-bit: byte j holds column j (low nibble) and column j + 8 (high nibble)
+    if four:  # byte j holds column j (low nibble) and column j + 8 (high nibble)
         q = q.to(torch.uint8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
         data = (q[..., :8] | (q[..., 8:] << 4)).contiguous()
         return data, per_panel(scale), per_panel(low)
-    wide = bool(q.abs().max() > 127)  # (Q6_K's products of two integers: 16 bits)
-    data = q.to(torch.int16 if wide else torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
-    return data.contiguous(), per_panel(scale), torch.empty(0)
+    data = q.to(torch.int8).reshape(panels, 16, k // 32, 32).permute(0, 2, 3, 1)
+    return data.contiguous(), per_panel(scale), torch.empty(0) if low is None else per_panel(low)
 
 
 def pack_blocks_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -431,6 +442,11 @@ class PackedLinear:
     so the same bits, without decoding each weight again (``SOT_NO_BF16_PAIRS=1`` keeps the
     blocks only).
 
+    A stack whose parts have file blocks of more than one kind (a Q4_K_M file's Q4_K query and
+    key weights beside a Q6_K value weight) is one product per run of parts of one kind
+    (:attr:`segments`), their outputs side by side: each run reads its own blocks, where the
+    stack as one grid would be float32 panels.
+
     ``int8=True`` multiplies such a weight in 8-bit integers instead (``linear_int8``: each
     input row rounded to 8-bit blocks, llama.cpp's arithmetic; :func:`pack_int8`). Its rows are
     just as independent of each other, but its results are not float32's: the ``--dtype int8``
@@ -461,6 +477,9 @@ class PackedLinear:
         self.partial_ok = False
         #: the parameters the weight was stacked from (their loader's blocks, :func:`register_blocks`)
         self.parts = parts
+        #: a stack of blocks of several kinds as one product per run of one kind, outputs in
+        #: order (empty: one product)
+        self.segments: list[PackedLinear] = []
         if self.weight.device.type != "cpu":
             return
         if self.weight.dtype == torch.bfloat16:
@@ -501,7 +520,11 @@ class PackedLinear:
                     blocks = int8 = pack_int8(self.weight, quantize=True)
                 if blocks is None and self.compress:
                     blocks = pack_blocks(self.weight, self.parts)
-                self.packed = blocks if blocks is not None else pack_panels(self.weight)
+                    self.segments = [] if blocks is not None else self._split()
+                if self.segments:
+                    self.packed = None
+                else:
+                    self.packed = blocks if blocks is not None else pack_panels(self.weight)
                 self.int8 = int8 is not None
             elif kind == "mkldnn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROW_UNIT)
@@ -513,6 +536,29 @@ class PackedLinear:
         self.kind = kind
         return True
 
+    def _split(self) -> list[PackedLinear]:
+        """One product per run of :attr:`parts` whose file blocks are of one kind, each over its
+        rows of the stacked weight (a view: no copy), where the runs are of more than one kind
+        and some have blocks; else ``[]``."""
+        if not self.parts or len(self.parts) < 2:
+            return []
+        kinds = [_grid_kind(p) for p in self.parts]
+        if len(set(kinds)) < 2 or set(kinds) == {None}:
+            return []
+        runs: list[list[torch.Tensor]] = []
+        for part, kind, before in zip(self.parts, kinds, [object()] + kinds[:-1]):
+            if kind == before:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        out, at = [], 0
+        for run in runs:
+            rows = sum(p.shape[0] for p in run)
+            bias = None if self.bias is None else self.bias[at:at + rows]
+            out.append(PackedLinear(self.weight[at:at + rows], bias, compress=self.compress, parts=run))
+            at += rows
+        return out
+
     def _probe_partial_blocks(self) -> bool:
         """Whether a block of fewer than ``ROW_UNIT`` rows gives each row the same bits as a
         full block. BLAS kernels are chosen by shape, not data, so one random probe per
@@ -523,6 +569,8 @@ class PackedLinear:
         return all(torch.equal(self._block(x[:m]), full[:m]) for m in range(1, ROW_UNIT))
 
     def _block(self, x: torch.Tensor) -> torch.Tensor:
+        if self.segments:
+            return torch.cat([piece._block(x) for piece in self.segments], dim=1)
         if self.kind == "sot":
             if self.bf16_blocks:
                 return self.kernel.linear_blocks_bf16(x, *self.packed, self.weight.shape[0], self.bias, self.pairs)
@@ -539,10 +587,19 @@ class PackedLinear:
         return F.linear(x, self.weight, self.bias)
 
     @property
+    def pieces(self) -> list[PackedLinear]:
+        """The products this one runs: its :attr:`segments`, or itself."""
+        return self.segments or [self]
+
+    @property
     def storage(self) -> tuple[str, int]:
         """How the product holds its weight, and the bytes a one-row product reads of it:
-        ``("4-bit blocks" | "8-bit blocks" | "16-bit blocks" | "8-bit integer products" |
-        "bfloat16 blocks" | "float32 panels" | a library's name, bytes)``."""
+        ``("4-bit blocks" | "8-bit blocks" | "8-bit integer products" |
+        "bfloat16 blocks" | "float32 panels" | a library's name, bytes)``; for :attr:`segments`,
+        their kinds joined by ``" + "``."""
+        if self.segments:
+            kinds = [piece.storage for piece in self.segments]
+            return " + ".join(dict.fromkeys(kind for kind, _ in kinds)), sum(size for _, size in kinds)
         packed = self.packed if isinstance(self.packed, tuple) else (self.packed,)
         size = sum(t.nbytes for t in packed if isinstance(t, torch.Tensor))
         if self.int8:
@@ -550,7 +607,7 @@ class PackedLinear:
         if self.bf16_blocks:
             return "bfloat16 blocks", size
         if isinstance(self.packed, tuple):
-            bits = {torch.uint8: 4, torch.int8: 8, torch.int16: 16}[self.packed[0].dtype]
+            bits = {torch.uint8: 4, torch.int8: 8}[self.packed[0].dtype]
             return f"{bits}-bit blocks", size
         if self.kind == "sot":
             return "float32 panels", size

@@ -514,10 +514,10 @@ class TargetModel:
         out: dict[str, tuple[int, int]] = {}
         products = [self.fast.lm_head] + [lin for lay in self.fast.layers for lin in (lay.qkv, lay.o, lay.gate_up,
                                                                                       lay.down)]
-        for lin in products:
-            kind, size = lin.storage
+        for piece in (piece for lin in products for piece in lin.pieces):
+            kind, size = piece.storage
             weights, total = out.get(kind, (0, 0))
-            out[kind] = (weights + lin.weight.numel(), total + size)
+            out[kind] = (weights + piece.weight.numel(), total + size)
         return out
 
     def synchronize(self) -> None:

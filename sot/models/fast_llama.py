@@ -84,7 +84,9 @@ def _stacked(parts: list[torch.Tensor], bias: torch.Tensor | None, int8: bool) -
 def _product_kind(lin: PackedLinear) -> str:
     """How the compiled layer call runs a product (``layers.cpp``): on SoT's float32 panels,
     4/8-bit blocks (float32 products scaled per block, or weights decoded to bfloat16), 8-bit
-    integer products, or oneDNN."""
+    integer products, oneDNN, or its :attr:`~PackedLinear.segments` (``add_segment``)."""
+    if lin.segments:
+        return "segments"
     if lin.kind == "mkldnn":
         return "onednn"
     if lin.int8:
@@ -96,7 +98,9 @@ def _product_kind(lin: PackedLinear) -> str:
 
 def _packed_tensors(lin: PackedLinear) -> list[torch.Tensor]:
     """A product's packed tensors as ``LlamaLayers.add`` takes them (bfloat16 blocks: their
-    decoded pairs fourth, where the product keeps them)."""
+    decoded pairs fourth, where the product keeps them; none for segments)."""
+    if lin.segments:
+        return []
     if not isinstance(lin.packed, tuple):
         return [lin.packed]
     return list(lin.packed) + ([lin.pairs] if lin.bf16_blocks and lin.pairs is not None else [])
@@ -269,6 +273,10 @@ class FastLlama:
                      [_product_kind(lin) for lin in products],
                      [lin.partial_ok for lin in products], all(lin.fused for lin in products), ROW_UNIT,
                      lay.window or 0, [lay.attn_out_norm, lay.mlp_out_norm, lay.q_norm, lay.k_norm], lay.rope)
+            for index, lin in enumerate(products):
+                for piece in lin.segments:
+                    call.add_segment(index, _packed_tensors(piece), piece.weight.shape[0], piece.bias,
+                                     _product_kind(piece), piece.partial_ok, piece.fused, ROW_UNIT)
         return call
 
     def _add_rms(

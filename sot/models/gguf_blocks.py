@@ -1,18 +1,19 @@
-"""Exact blocks of a GGUF file's Q4_K and Q6_K weights, read from the file itself.
+"""Exact blocks of a GGUF file's Q4_K, Q5_K and Q6_K weights, read from the file itself.
 
 A float32 weight dequantized from Q4_1, Q8_0, Q5_0 or Q4_0 blocks is found to be a grid of
 blocks by searching its values (:func:`sot.kernels.linear.block_grid`): their scales are
 float16 values. A Q4_K block of 32 weights is ``w = d * q + m`` too (``q`` in 0..15), but its
 ``d`` and ``m`` are products of a float16 super-block scale and a 6-bit integer: exact in
 float32, not float16 values, and a block whose smallest ``q`` is not 0 does not show its ``m``.
-A Q6_K block of 32 is two halves of 16, each with its own 8-bit scale under one float16
-super-block scale ``d``: ``w = d * (scale * q)``, ``q`` in -32..31, so with the product of the
-two integers (at most 4,096 in magnitude) it is ``d * Q`` with ``Q`` in 16 bits.
+A Q5_K block is the same with 5-bit codes (0..31), held in 8 bits. A Q6_K block of 32 is two
+halves of 16, each with its own 8-bit scale under one float16 super-block scale ``d``:
+``w = (d * scale) * q``, ``q`` in -32..31, so it is an 8-bit block of 16 whose scale
+``d * scale`` is exact in float32.
 So they are read from the file: each tensor's blocks are decoded into ``(q, d, m)`` (``m``
 ``None`` for Q6_K), and the model weight that equals ``d * q + m`` value for value (as
 transformers dequantized it) gets them (:func:`sot.kernels.linear.register_blocks`); its
-products then read 4-bit blocks with float32 scales, or 16-bit blocks (``linear_blocks_f32``):
-about a fifth, or a half, of the float32 bytes.
+products then read 4-bit blocks of 32 (Q4_K), 8-bit blocks of 32 (Q5_K) or of 16 (Q6_K),
+with float32 scales (``linear_blocks_f32``): a fifth to a third of the float32 bytes.
 """
 from __future__ import annotations
 
@@ -51,17 +52,42 @@ def q4_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, to
             torch.from_numpy(low.reshape(rows, cols // 32)))
 
 
+#: bytes of one Q5_K super-block of 256 weights: Q4_K's scales, then 32 bytes of fifth bits
+#: and 128 bytes of low 4 bits
+Q5_K_BYTES = 176
+
+
+def q5_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q5_K tensor's bytes as blocks of 32, Q4_K's form with 5-bit codes: ``(q [rows,
+    cols/32, 32] uint8 (0..31), d, m [rows, cols/32] float32)``, ``w = d * q + m`` the weights
+    gguf-py's dequantization gives (``d * q`` exact: 11 + 6 + 5 bits)."""
+    from gguf.quants import Q4_K
+
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q5_K_BYTES)
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = d * sc.astype(np.float32)  # [n, 8]
+    low = -(dmin * mn.astype(np.float32))
+    codes = (blocks[:, 48:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)
+    fifth = (blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+    q = (codes.reshape(n, 8, 32) | (fifth << np.uint8(4))).reshape(rows, cols // 32, 32)
+    return (torch.from_numpy(q), torch.from_numpy(scale.reshape(rows, cols // 32)),
+            torch.from_numpy(low.reshape(rows, cols // 32)))
+
+
 #: bytes of one Q6_K super-block of 256 weights: 128 bytes of low 4 bits, 64 of high 2 bits,
 #: 16 8-bit scales, d (float16)
 Q6_K_BYTES = 210
 #: GGUF metadata value types: the byte size of each fixed-size one (8: string, 9: array)
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 #: ggml's type numbers of the formats read here, and their bytes per 256 weights
-K_QUANTS = {"Q4_K": (12, Q4_K_BYTES), "Q6_K": (14, Q6_K_BYTES)}
+K_QUANTS = {"Q4_K": (12, Q4_K_BYTES), "Q5_K": (13, Q5_K_BYTES), "Q6_K": (14, Q6_K_BYTES)}
 
 
 def k_quant_tensors(path: Path) -> Iterator[tuple[str, str, int, int, np.ndarray]]:
-    """The Q4_K and Q6_K tensors of a GGUF file, as ``(format, name, rows, cols, bytes)`` (the
+    """The Q4_K, Q5_K and Q6_K tensors of a GGUF file, as ``(format, name, rows, cols, bytes)`` (the
     bytes memory-mapped).
 
     Reads the header and skips the metadata without decoding it: gguf-py's reader builds every
@@ -122,20 +148,23 @@ def k_quant_tensors(path: Path) -> Iterator[tuple[str, str, int, int, np.ndarray
 
 
 def q6_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, None]:
-    """A Q6_K tensor's bytes as blocks of 32: ``(Q [rows, cols/32, 32] int16, d [rows, cols/32]
-    float32, None)``, ``Q`` each half-block's 8-bit scale times its 6-bit codes (-32..31) and
-    ``d`` the super-block's float16 scale, so that ``d * Q`` is gguf-py's dequantization
-    (``(d * scale) * q``; both products exact in float32: 11 + 7 + 5 bits at most)."""
+    """A Q6_K tensor's bytes as 8-bit blocks of 16: ``(q [rows, cols/32, 32] int8, d [rows,
+    cols/16] float32, None)``, ``q`` the 6-bit codes (-32..31) and ``d`` each half-block's
+    8-bit scale times the super-block's float16 scale, so that ``d * q`` is gguf-py's
+    dequantization (``(d * scale) * q``: both products exact in float32, 11 + 7 + 5 bits at most)."""
     blocks = np.ascontiguousarray(raw).reshape(-1, Q6_K_BYTES)
     n = blocks.shape[0]
     low = blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     codes = ((low & np.uint8(15)).reshape(n, 8, 32) | ((high & np.uint8(3)).reshape(n, 8, 32) << np.uint8(4)))
-    q = codes.astype(np.int16) - 32  # [n, 8 blocks of 32]
-    scale = blocks[:, 192:208].view(np.int8).astype(np.int16).reshape(n, 8, 2, 1)  # one per half-block
-    big = (q.reshape(n, 8, 2, 16) * scale).reshape(rows, cols // 32, 32)
-    d = np.repeat(blocks[:, 208:210].view(np.float16).astype(np.float32), 8, axis=1)  # [n, 8]
-    return torch.from_numpy(big), torch.from_numpy(d.reshape(rows, cols // 32)), None
+    q = (codes.astype(np.int16) - 32).astype(np.int8).reshape(rows, cols // 32, 32)
+    scale = blocks[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]: one per half-block
+    d = blocks[:, 208:210].view(np.float16).astype(np.float32) * scale
+    return torch.from_numpy(q), torch.from_numpy(d.reshape(rows, cols // 16)), None
+
+
+#: each format's decoder: ``(bytes, rows, cols) -> (q, d, m)``
+DECODERS = {"Q4_K": q4_k_blocks, "Q5_K": q5_k_blocks, "Q6_K": q6_k_blocks}
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -151,7 +180,7 @@ def gguf_source(folder: Path) -> Path | None:
 
 
 def attach_k_quant_blocks(model: torch.nn.Module, gguf_path: Path) -> int:
-    """Give each float32 weight of ``model`` that a Q4_K or Q6_K tensor of ``gguf_path``
+    """Give each float32 weight of ``model`` that a Q4_K, Q5_K or Q6_K tensor of ``gguf_path``
     dequantizes to, value for value, that tensor's blocks (:func:`sot.kernels.linear.register_blocks`).
     Returns how many weights got them; a tensor that matches no weight (another layout, or
     weights changed since) is left out, and those weights keep their float32 products."""
@@ -162,17 +191,36 @@ def attach_k_quant_blocks(model: torch.nn.Module, gguf_path: Path) -> int:
     for p in model.parameters():
         if p.dim() == 2 and p.dtype == torch.float32 and p.device.type == "cpu":
             weights.setdefault(tuple(p.shape), []).append(p)
+    config = getattr(model, "config", None)
+    heads = {".attn_q.": getattr(config, "num_attention_heads", None),
+             ".attn_k.": getattr(config, "num_key_value_heads", None)}
     found = 0
-    for kind, _, rows, cols, raw in tensors:
+    for kind, name, rows, cols, raw in tensors:
         candidates = weights.get((rows, cols), [])
         if not candidates or cols % 256:
             continue
-        q, d, m = (q4_k_blocks if kind == "Q4_K" else q6_k_blocks)(raw, rows, cols)
-        decoded = d[..., None] * q.float()
-        decoded = (decoded if m is None else decoded + m[..., None]).reshape(rows, cols)
-        for p in candidates:
+        grid = DECODERS[kind](raw, rows, cols)
+        grids = [grid]
+        for key, count in heads.items():  # (a Llama file's query and key rows, in the converter's order)
+            if key in name and count and rows % (2 * count) == 0:
+                grids.append(tuple(t if t is None else llama_rows(t, count) for t in grid))
+        for q, d, m in grids:
+            length = cols // d.shape[1]  # inputs a scale covers: 32, or 16 (Q6_K)
+            decoded = (d[..., None] * q.reshape(rows, -1, length).float()).reshape(rows, cols // 32, 32)
+            decoded = (decoded if m is None else decoded + m[..., None]).reshape(rows, cols)
+            matched = [p for p in candidates if torch.equal(decoded, p.detach())]
             # (equal values: Q6_K's zeros may carry the other sign, which no product over them shows)
-            if torch.equal(decoded, p.detach()):
+            for p in matched:
                 register_blocks(p, q, d, m)
-                found += 1
+            found += len(matched)
+            if matched:
+                break
     return found
+
+
+def llama_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """The rows of a Llama GGUF file's query or key tensor ``t [heads * head_dim, ...]`` in the
+    model's order: llama.cpp's converter interleaves each head's two rotary halves, and
+    transformers puts them back when it loads the file; a row's blocks move with it."""
+    half = t.shape[0] // heads // 2
+    return t.reshape(heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()

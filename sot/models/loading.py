@@ -439,7 +439,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, device: str | torc
 
     gguf = gguf_source(path)
     if gguf is not None and not lora and not as_f32 and dtype == torch.float32 and torch.device(device).type == "cpu":
-        try:  # (its Q4_K and Q6_K weights then read their blocks, not float32)
+        try:  # (its Q4_K, Q5_K and Q6_K weights then read their blocks, not float32)
             attach_k_quant_blocks(model, gguf)
         except (ValueError, KeyError, struct.error) as exc:  # (a file replaced since: the weights stay float32)
             warnings.warn(f"{gguf}: its K-quant blocks could not be read ({exc}); those weights are multiplied as "
