@@ -132,23 +132,26 @@ def test_gemma_gguf_loads_and_decodes_exactly(arch: str, tmp_path: Path, monkeyp
 
 
 def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, torch.Tensor]:
-    """Random ``kind`` (Q4_K, Q5_K or Q6_K) bytes of a ``[rows, cols]`` tensor (random codes and
-    small scales) and gguf-py's dequantization of them."""
-    size, scales = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}[kind]  # (float16 scales)
-    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    """Random ``kind`` (a K-quant or IQ4 format) bytes of a ``[rows, cols]`` tensor (random codes
+    and small scales) and gguf-py's dequantization of them."""
+    weights, size, scales = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)),
+                             "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "IQ4_NL": (32, 18, (0,)),
+                             "IQ4_XS": (256, 136, (0,))}[kind]  # (where its float16 scales are)
+    blocks = rng.integers(0, 256, (rows * cols // weights, size), dtype=np.uint8)
     for at in scales:
         blocks[:, at:at + 2] = rng.uniform(0.002, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     raw = blocks.reshape(rows, -1)
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])).reshape(rows, cols)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Path, monkeypatch) -> None:
-    """A GGUF file's Q4_K, Q5_K and Q6_K weights (most of a published Q4_K_M or Q5_K_M file's
-    layers) are read from the file: Q4_K's 4-bit codes with float32 scales and minimums per 32
-    inputs (products of a float16 and a 6-bit integer, not float16 values), Q5_K's the same with
-    5-bit codes in 8 bits, Q6_K's 6-bit codes in 8 bits with float32 scales per 16 inputs (its
-    8-bit half-block scales times a float16 one). Decoded to gguf-py's dequantized values,
+    """A GGUF file's K-quant and IQ4 weights (most of a published Q4_K_M, Q5_K_M, Q3_K_M or
+    IQ4_XS file's layers) are read from the file: Q4_K's 4-bit codes with float32 scales and
+    minimums per 32 inputs (products of a float16 and a 6-bit integer, not float16 values),
+    Q5_K's the same with 5-bit codes in 8 bits, Q6_K's and Q3_K's codes in 8 bits with float32
+    scales per 16 inputs (Q2_K's with minimums too), IQ4_XS's table values in 8 bits with
+    float32 scales per 32, IQ4_NL's with float16 ones. Decoded to gguf-py's dequantized values,
     multiplied as the block formula says on both of SoT's paths, and decoded exactly. A weight
     changed in place loses them; the bfloat16 and 8-bit packers never get them."""
     import gc
@@ -171,12 +174,12 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
         q, d, m = DECODERS[kind](raw[name][1], rows, cols)
         q = q.reshape(rows, d.shape[1], -1)  # (blocks of 32, or Q6_K's halves of 16)
         grids[layer] = q, d, m
-        assert q.shape[2] == (16 if kind == "Q6_K" else 32) and q.abs().max() <= 127
+        assert q.shape[2] == (16 if kind in ("Q2_K", "Q3_K", "Q6_K") else 32) and q.abs().max() <= 127
         if kind == "Q5_K":
             assert q.max() == 31 and q.min() == 0, "the test's codes must need 5 bits"
         decoded = d[..., None] * q.float() + (0 if m is None else m[..., None])
         assert torch.equal(decoded.reshape(rows, cols), weight)
-        assert not bool((d.half().float() == d).all()), "the test's scales must need float32"
+        assert bool((d.half().float() == d).all()) == (kind == "IQ4_NL"), "the test's scales must need float32"
         source.state_dict()[name].copy_(weight)
     write_gguf(source, tmp_path / "tiny-k.gguf", quantized=raw)
     loaded = load_model(str(tmp_path / "tiny-k.gguf"))
@@ -194,7 +197,8 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
     for layer in (0, 3):
         q, d, m = grids[layer]
         data, scale, _ = downs[layer].packed
-        assert (scale.dtype, data.dtype) == (torch.float32, torch.uint8 if kind == "Q4_K" else torch.int8)
+        assert (scale.dtype, data.dtype) == (torch.float16 if kind == "IQ4_NL" else torch.float32,
+                                             torch.uint8 if kind == "Q4_K" else torch.int8)
         assert downs[layer].packed[2].numel() == (0 if m is None else scale.numel())  # (the minimums)
         assert scale.shape[1] == d.shape[1]  # (a scale per 32 inputs, or per 16)
         expected = blocks_reference(x, q.float(), d[..., None], None if m is None else m[..., None],
@@ -202,7 +206,8 @@ def test_k_quant_weights_are_multiplied_as_their_blocks(kind: str, tmp_path: Pat
         for rows in (1, 2, 5, 7):
             assert torch.equal(downs[layer](x[:rows], True), expected[:rows])
     weight = loaded.model.model.layers[0].mlp.down_proj.weight
-    assert block_grid(weight) is None and pack_int8(weight) is None  # (float16 scales and 8 bits only)
+    # (the bfloat16 and 8-bit integer packers take float16 scales per 32 only: IQ4_NL's)
+    assert (block_grid(weight) is None) == (pack_int8(weight) is None) == (kind != "IQ4_NL")
     generic = TargetModel(loaded.model, fast=False)
     prompts = random_prompts((7, 40), seed=2)
     params = GenerationParams(max_new_tokens=30)

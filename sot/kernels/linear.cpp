@@ -197,27 +197,27 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<
 //   q8: data [P, K/32, 32, 16] int8; scale [P, K/32, 16] float16; min empty.
 // Scales and minimums may also be float32 (GGUF Q4_K's: products of a float16 and a 6-bit
 // integer, exact in float32 only): the same operations on the same values; so may 8-bit
-// blocks have minimums then (GGUF Q5_K: Q4_K's form with 5-bit q, held in 8 bits). And 8-bit blocks
+// blocks have minimums then (GGUF Q5_K: Q4_K's form with 5-bit q, held in 8 bits; Q2_K). And 8-bit blocks
 // may have a scale per 16 inputs, float32 [P, K/16, 16] (GGUF Q6_K: a block of 32 is two
 // halves of 16 with their own 8-bit scales under one float16 scale d, w = (d * scale) * q, q
-// in -32..31): s and the scale step then run per 16 inputs.
+// in -32..31; Q3_K, Q2_K likewise): s, the scale step and xs then run per 16 inputs.
 namespace {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SOT_BLOCKS_AVX2 1
 #endif
 
-// xs [M, K/32]: each row's sum of the inputs of each block, in input order from zero (the
-// blocks' sums advance together, input by input, so that the adds are independent).
-std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
-  const int64_t KB = K / 32;
+// xs [M, K/BL]: each row's sum of the inputs of each block of BL (32 or 16), in input order
+// from zero (the blocks' sums advance together, input by input, so that the adds are independent).
+std::vector<float> block_sums(const float* x, int64_t M, int64_t K, int64_t BL) {
+  const int64_t KB = K / BL;
   std::vector<float> xs(M * KB, 0.0f);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* s = xs.data() + i * KB;
       const float* row = x + i * K;
-      for (int64_t k = 0; k < 32; ++k)
-        for (int64_t kb = 0; kb < KB; ++kb) s[kb] += row[kb * 32 + k];
+      for (int64_t k = 0; k < BL; ++k)
+        for (int64_t kb = 0; kb < KB; ++kb) s[kb] += row[kb * BL + k];
     }
   });
   return xs;
@@ -302,7 +302,7 @@ inline void fused_block_tile(const float* x, const float* xs, int64_t K, const u
       fma_step<MR, NP>(s, w, x, K, k);
     }
     scale_step<MR, NP, MN, S>(s, scale + kb * kPanel, MN ? mins + kb * kPanel : nullptr, per, MN ? xs + kb : nullptr,
-                           K / 32, out);
+                           K / BL, out);
   }
 }
 
@@ -360,7 +360,7 @@ template <int QB, typename S, int BL, bool MN>
 void chunked_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
                         const uint8_t* data, int64_t bytes, const S* scale, const S* mins, int64_t per,
                         const float* bias, float* y) {
-  const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups, KB = K / 32;
+  const int64_t groups = (M + kMaxRows - 1) / kMaxRows, base = M / groups, extra = M % groups, KB = K / BL;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * kPanel);
     alignas(32) float q[BL * kPanel];
@@ -405,7 +405,7 @@ template <int QB, typename S, int BL, bool MN>
 void scalar_block_rows(const float* x, const float* xs, int64_t M, int64_t K, int64_t P, int64_t N,
                        const uint8_t* data, int64_t bytes, const S* scale, const S* mins, int64_t per,
                        const float* bias, float* y) {
-  const int64_t KB = K / 32;
+  const int64_t KB = K / BL;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t i = 0; i < M; ++i) {
@@ -455,7 +455,6 @@ struct BlockArgs {
 // float32; one scale per block of BL inputs (32, or 16: Q6_K's half-blocks).
 template <int QB, typename S, int BL, bool MN>
 void block_rows(const BlockArgs& a, const S* sp, const S* mp) {
-  static_assert(BL == 32 || !MN, "minimums come with blocks of 32 (the rows' block sums)");
 #if SOT_BLOCKS_AVX2
   if (a.fused && a.M <= kMaxRows) {
 #define SOT_FUSED(R) \
@@ -478,7 +477,8 @@ void block_rows(const BlockArgs& a, const S* sp, const S* mp) {
 }
 
 // Q4_1 and Q4_K: 4 bits with minimums; Q8_0 (Q5_0, Q4_0): 8 bits; and with float32 scales
-// only, Q6_K: 8 bits, a scale per 16 inputs, and Q5_K: 8 bits with minimums.
+// only: 8 bits with a scale per 16 inputs (Q6_K, Q3_K) and minimums too (Q2_K), or with
+// minimums per 32 (Q5_K).
 template <typename S>
 void block_rows(const BlockArgs& a, int qb, bool halves, bool mins, const S* sp, const S* mp) {
   if (qb == 4) {
@@ -486,7 +486,8 @@ void block_rows(const BlockArgs& a, int qb, bool halves, bool mins, const S* sp,
   } else if (!halves && !mins) {
     block_rows<8, S, 32, false>(a, sp, mp);
   } else if constexpr (std::is_same_v<S, float>) {
-    if (halves) block_rows<8, S, 16, false>(a, sp, mp);
+    if (halves && mins) block_rows<8, S, 16, true>(a, sp, mp);
+    else if (halves) block_rows<8, S, 16, false>(a, sp, mp);
     else block_rows<8, S, 32, true>(a, sp, mp);
   }
 }
@@ -510,10 +511,10 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
               (halves || scale.numel() == P * (K / 32) * kPanel),
               "packed weight mismatch (float16 or float32 scales, one per block of 32 inputs, or float32 ones "
               "per 16 inputs of 8-bit integers)");
-  // minimums: always with 4 bits; with 8 bits, float32 ones only (Q5_K's), with a scale per 32 inputs
+  // minimums: always with 4 bits; with 8 bits, float32 ones only (Q5_K's, Q2_K's)
   const bool mins_given = mins.numel() > 0;
-  TORCH_CHECK(mins_given == q4 || (wide && !halves && mins_given), "packed weight mismatch (minimums with 4-bit "
-              "blocks, or with 8-bit blocks of float32 scales per 32 inputs)");
+  TORCH_CHECK(mins_given == q4 || (wide && mins_given), "packed weight mismatch (minimums with 4-bit blocks, or "
+              "with 8-bit blocks of float32 scales)");
   TORCH_CHECK(!mins_given || (mins.scalar_type() == scale.scalar_type() && mins.is_contiguous() &&
                               mins.numel() == scale.numel()), "packed weight mismatch (mins of the scales' dtype)");
   TORCH_CHECK(P * kPanel >= N, "N exceeds the packed weight");
@@ -521,7 +522,7 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0);
   if (M == 0) return io.y;
-  const std::vector<float> sums = mins_given ? block_sums(io.xp, M, K) : std::vector<float>();  // (else none)
+  const std::vector<float> sums = mins_given ? block_sums(io.xp, M, K, halves ? 16 : 32) : std::vector<float>();  // (else none)
   const BlockArgs args{io.xp, mins_given ? sums.data() : nullptr, M, K, P, N,
                        reinterpret_cast<const uint8_t*>(data.data_ptr()), bytes, per, io.bp, io.yp, fused};
   if (wide) {

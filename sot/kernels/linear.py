@@ -66,9 +66,8 @@ def _view_key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ..
 def register_blocks(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
     """Give ``weight [N, K]`` float32, equal to ``d * q + m`` (or ``d * q``) block by block (in
     value: a zero's sign may differ), its blocks: ``q [N, K/32, 32]`` integers of up to 8 bits
-    (0..15 or 0..31 with ``m``), ``d`` and ``m`` ``[N, K/32]`` float32, or ``d [N, K/16]``
-    without ``m`` (one scale per 16 inputs): a GGUF file's Q4_K, Q5_K or Q6_K blocks
-    (:mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the weight (and any
+    (0..31 with ``m``), ``d`` and ``m`` (or ``None``) ``[N, K/32]`` float32, or ``[N, K/16]``
+    (one scale per 16 inputs): a GGUF file's K-quant or IQ4 blocks (:mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the weight (and any
     tensor sharing its storage and shape) while it is unchanged; they live as long as the
     weight."""
     weight._sot_blocks = (weight._version, q, d, m)
@@ -220,7 +219,8 @@ def pack_blocks(weight: torch.Tensor, parts: list[torch.Tensor] | None = None
     q, scale, low = grid
     panels, k, scales = q.shape[0] // 16, weight.shape[1], grid[1].shape[1]  # (scales: a row's, K/32 or K/16)
     # the scales and minimums as the format stores them, float16 (exact), or float32 (the K-quants')
-    four = low is not None and bool(q.max() <= 15)  # (Q5_K's minimums come with 5-bit integers: 8 bits)
+    # (Q5_K's minimums come with 5-bit integers, Q2_K's with blocks of 16: 8-bit blocks)
+    four = low is not None and bool(q.max() <= 15) and scales * 32 == k
     kept = torch.float16 if _float16_values(scale) and _float16_values(low) and (four or low is None) else torch.float32
 
     def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, scales] -> [panels, scales, 16]

@@ -77,18 +77,17 @@ def q5_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, to
             torch.from_numpy(low.reshape(rows, cols // 32)))
 
 
-#: bytes of one Q6_K super-block of 256 weights: 128 bytes of low 4 bits, 64 of high 2 bits,
-#: 16 8-bit scales, d (float16)
-Q6_K_BYTES = 210
 #: GGUF metadata value types: the byte size of each fixed-size one (8: string, 9: array)
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-#: ggml's type numbers of the formats read here, and their bytes per 256 weights
-K_QUANTS = {"Q4_K": (12, Q4_K_BYTES), "Q5_K": (13, Q5_K_BYTES), "Q6_K": (14, Q6_K_BYTES)}
+#: ggml's type numbers of the formats read here, and their (weights, bytes) per block
+K_QUANTS = {"Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, Q4_K_BYTES),
+            "Q5_K": (13, 256, Q5_K_BYTES), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
+            "IQ4_XS": (23, 256, 136)}
 
 
 def k_quant_tensors(path: Path) -> Iterator[tuple[str, str, int, int, np.ndarray]]:
-    """The Q4_K, Q5_K and Q6_K tensors of a GGUF file, as ``(format, name, rows, cols, bytes)`` (the
-    bytes memory-mapped).
+    """The tensors of a GGUF file in the formats read here (:data:`K_QUANTS`), as ``(format,
+    name, rows, cols, bytes)`` (the bytes memory-mapped).
 
     Reads the header and skips the metadata without decoding it: gguf-py's reader builds every
     field, the vocabulary's strings included (17-25 s for a 262k-token vocabulary on two cores
@@ -139,12 +138,14 @@ def k_quant_tensors(path: Path) -> Iterator[tuple[str, str, int, int, np.ndarray
         pos += 4 + 8 * dims + 12
         infos.append((name, shape, kind, offset))
     start = -(-pos // alignment) * alignment
-    formats = {number: (name, size) for name, (number, size) in K_QUANTS.items()}
+    formats = {number: (name, weights, size) for name, (number, weights, size) in K_QUANTS.items()}
     for name, shape, kind, offset in infos:
         if kind in formats and len(shape) == 2:
             cols, rows = shape
-            size = rows * cols // 256 * formats[kind][1]
-            yield formats[kind][0], name, rows, cols, data[start + offset:start + offset + size]
+            label, weights, size = formats[kind]
+            if cols % weights == 0:
+                end = start + offset + rows * cols // weights * size
+                yield label, name, rows, cols, data[start + offset:end]
 
 
 def q6_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -152,7 +153,8 @@ def q6_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, to
     cols/16] float32, None)``, ``q`` the 6-bit codes (-32..31) and ``d`` each half-block's
     8-bit scale times the super-block's float16 scale, so that ``d * q`` is gguf-py's
     dequantization (``(d * scale) * q``: both products exact in float32, 11 + 7 + 5 bits at most)."""
-    blocks = np.ascontiguousarray(raw).reshape(-1, Q6_K_BYTES)
+    blocks = np.ascontiguousarray(raw).reshape(-1, 210)  # (128 bytes of low 4 bits, 64 of high 2 bits,
+    # 16 8-bit scales, d float16)
     n = blocks.shape[0]
     low = blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     high = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
@@ -163,8 +165,74 @@ def q6_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, to
     return torch.from_numpy(q), torch.from_numpy(d.reshape(rows, cols // 16)), None
 
 
+def q3_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """A Q3_K tensor's bytes as 8-bit blocks of 16 (Q6_K's form): ``(q [rows, cols/32, 32] int8
+    (-4..3), d [rows, cols/16] float32, None)``, ``d`` the super-block's float16 scale times the
+    block's 6-bit scale less 32 (exact)."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, 110)  # (32 bytes of third bits, 64 of low 2 bits,
+    # 12 of 6-bit scales, d float16)
+    n = blocks.shape[0]
+    low = (blocks[:, 32:96].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    third = (blocks[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = low.reshape(n, 8, 32).astype(np.int8) - ((third ^ 1) << 2).astype(np.int8)  # (a clear bit: minus 4)
+    packed = blocks[:, 96:108]
+    lows = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)) & 15
+    highs = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
+    scale = (lows.reshape(n, 16) | (highs.reshape(n, 16) << 4)).astype(np.float32) - 32
+    d = blocks[:, 108:110].view(np.float16).astype(np.float32) * scale
+    return torch.from_numpy(q.reshape(rows, cols // 32, 32)), torch.from_numpy(d.reshape(rows, cols // 16)), None
+
+
+def q2_k_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q2_K tensor's bytes as 8-bit blocks of 16 with minimums: ``(q [rows, cols/32, 32] uint8
+    (0..3), d, m [rows, cols/16] float32)``, ``d`` and ``-m`` float16 super-block scales times
+    4-bit ones (exact), ``w = d * q + m`` gguf-py's dequantization."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, 84)  # (16 bytes of 4-bit scale and minimum pairs,
+    # 64 of 2-bit codes, d, dmin float16)
+    n = blocks.shape[0]
+    q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    d = blocks[:, 80:82].view(np.float16).astype(np.float32) * (blocks[:, :16] & 15).astype(np.float32)
+    low = -(blocks[:, 82:84].view(np.float16).astype(np.float32) * (blocks[:, :16] >> 4).astype(np.float32))
+    return (torch.from_numpy(q.reshape(rows, cols // 32, 32)), torch.from_numpy(d.reshape(rows, cols // 16)),
+            torch.from_numpy(low.reshape(rows, cols // 16)))
+
+
+def _iq4_codes(nibbles: np.ndarray) -> np.ndarray:
+    """IQ4's 4-bit indices (``[..., 16]`` bytes, low nibbles then high ones: 32 weights) as the
+    int8 values of its non-linear table."""
+    from gguf.quants import IQ4_NL
+
+    table = np.array(IQ4_NL.kvalues, dtype=np.int8)
+    idx = nibbles[..., None, :] >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    return table[(idx & 15).reshape(*nibbles.shape[:-1], 32)]
+
+
+def iq4_nl_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """An IQ4_NL tensor's bytes as 8-bit blocks of 32: ``(q [rows, cols/32, 32] int8, d [rows,
+    cols/32] float32 (float16 values), None)``, ``q`` the table values the 4-bit indices pick."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, 18)  # (d float16, 16 bytes of indices)
+    q = _iq4_codes(blocks[:, 2:]).reshape(rows, cols // 32, 32)
+    d = blocks[:, :2].view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+    return torch.from_numpy(q), torch.from_numpy(d), None
+
+
+def iq4_xs_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """An IQ4_XS tensor's bytes as 8-bit blocks of 32: IQ4_NL's table values, each block's scale
+    the super-block's float16 one times a 6-bit scale less 32 (exact in float32)."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, 136)  # (d float16, 2 bytes of high scale bits, 4 of
+    # low ones, 128 of indices)
+    n = blocks.shape[0]
+    high = (blocks[:, 2:4].view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, 8]
+    low = ((blocks[:, 4:8].reshape(n, 4, 1) >> np.array([0, 4], dtype=np.uint8)) & 15).reshape(n, 8)
+    scale = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+    d = blocks[:, :2].view(np.float16).astype(np.float32) * scale
+    q = _iq4_codes(blocks[:, 8:].reshape(n, 8, 16))
+    return torch.from_numpy(q.reshape(rows, cols // 32, 32)), torch.from_numpy(d.reshape(rows, cols // 32)), None
+
+
 #: each format's decoder: ``(bytes, rows, cols) -> (q, d, m)``
-DECODERS = {"Q4_K": q4_k_blocks, "Q5_K": q5_k_blocks, "Q6_K": q6_k_blocks}
+DECODERS = {"Q2_K": q2_k_blocks, "Q3_K": q3_k_blocks, "Q4_K": q4_k_blocks, "Q5_K": q5_k_blocks,
+            "Q6_K": q6_k_blocks, "IQ4_NL": iq4_nl_blocks, "IQ4_XS": iq4_xs_blocks}
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -197,7 +265,7 @@ def attach_k_quant_blocks(model: torch.nn.Module, gguf_path: Path) -> int:
     found = 0
     for kind, name, rows, cols, raw in tensors:
         candidates = weights.get((rows, cols), [])
-        if not candidates or cols % 256:
+        if not candidates:
             continue
         grid = DECODERS[kind](raw, rows, cols)
         grids = [grid]
@@ -206,7 +274,7 @@ def attach_k_quant_blocks(model: torch.nn.Module, gguf_path: Path) -> int:
                 grids.append(tuple(t if t is None else llama_rows(t, count) for t in grid))
         for q, d, m in grids:
             length = cols // d.shape[1]  # inputs a scale covers: 32, or 16 (Q6_K)
-            decoded = (d[..., None] * q.reshape(rows, -1, length).float()).reshape(rows, cols // 32, 32)
+            decoded = d[..., None] * q.reshape(rows, -1, length).float()
             decoded = (decoded if m is None else decoded + m[..., None]).reshape(rows, cols)
             matched = [p for p in candidates if torch.equal(decoded, p.detach())]
             # (equal values: Q6_K's zeros may carry the other sign, which no product over them shows)
