@@ -522,7 +522,8 @@ at::Tensor linear_blocks_f32(at::Tensor x, at::Tensor data, at::Tensor scale, at
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0);
   if (M == 0) return io.y;
-  const std::vector<float> sums = mins_given ? block_sums(io.xp, M, K, halves ? 16 : 32) : std::vector<float>();  // (else none)
+  const std::vector<float> sums =  // (without minimums: none)
+      mins_given ? block_sums(io.xp, M, K, halves ? 16 : 32) : std::vector<float>();
   const BlockArgs args{io.xp, mins_given ? sums.data() : nullptr, M, K, P, N,
                        reinterpret_cast<const uint8_t*>(data.data_ptr()), bytes, per, io.bp, io.yp, fused};
   if (wide) {

@@ -67,9 +67,9 @@ def register_blocks(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: t
     """Give ``weight [N, K]`` float32, equal to ``d * q + m`` (or ``d * q``) block by block (in
     value: a zero's sign may differ), its blocks: ``q [N, K/32, 32]`` integers of up to 8 bits
     (0..31 with ``m``), ``d`` and ``m`` (or ``None``) ``[N, K/32]`` float32, or ``[N, K/16]``
-    (one scale per 16 inputs): a GGUF file's K-quant or IQ4 blocks (:mod:`sot.models.gguf_blocks`). :func:`block_grid` returns them for the weight (and any
-    tensor sharing its storage and shape) while it is unchanged; they live as long as the
-    weight."""
+    (one scale per 16 inputs): a GGUF file's K-quant or IQ4 blocks (:mod:`sot.models.gguf_blocks`).
+    :func:`block_grid` returns them for the weight (and any tensor sharing its storage and
+    shape) while it is unchanged; they live as long as the weight."""
     weight._sot_blocks = (weight._version, q, d, m)
     key = _view_key(weight)
 
