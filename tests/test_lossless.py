@@ -135,7 +135,7 @@ def test_fast_path_matches_generic_path_bit_for_bit() -> None:
     ("mistral", "onednn", torch.bfloat16),
     ("llama", "bf16blocks", torch.bfloat16), ("mistral", "bf16blocks", torch.bfloat16),
     ("gemma3", "panels", torch.float32), ("gemma3", "blocks", torch.float32), ("gemma3", "int8", torch.float32),
-    ("qwen3", "blocks", torch.float32),
+    ("qwen3", "blocks", torch.float32), ("llama", "panels16", torch.float32),
 ])
 def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, products: str, dtype: torch.dtype,
                                                                  monkeypatch) -> None:
@@ -167,6 +167,8 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
     model = tiny_model(arch, seed=5, **({"sliding_window": 24} if arch == "mistral" else {}))
     if arch == "gemma3":
         trained_norms(model)
+    if products == "panels16":  # (a bfloat16 checkpoint loaded in float32)
+        model = clone(model, torch.bfloat16).float()
     if blocks:
         model = blockify(model)
     runs = []
@@ -192,6 +194,7 @@ def test_compiled_layer_loop_equals_the_python_loop_bit_for_bit(arch: str, produ
             assert not any(lin.partial_ok for lin in linears)
         assert (target.fast.layer_call is not None) == compiled
         assert all(isinstance(lin.packed, tuple) == blocks for lin in linears)
+        assert all(lin.storage[0] == "16-bit panels" for lin in linears) == (products == "panels16")
         assert all(lin.int8 == (products == "int8") for lin in linears)
         prompts = random_prompts((37, 29), seed=8)
         outs = []
@@ -365,6 +368,35 @@ def test_compiled_float32_linear_is_row_stable() -> None:
             assert torch.equal(kernel.linear_f32(x[lo:hi], panels, n, bias), full[lo:hi]), (n, k, lo, hi)
         with pytest.raises(RuntimeError, match="packed weight mismatch"):
             kernel.linear_f32(x[:, :-1], panels, n, bias)
+
+
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+def test_weights_of_16_bit_values_keep_16_bit_panels_and_the_float32_bits(narrow: torch.dtype) -> None:
+    """A float32 weight whose values are all bfloat16 (or float16) values, as a 16-bit
+    checkpoint's are once loaded in float32, is packed in 16-bit panels: half the bytes, and
+    every row count's products equal the float32 panels' bit for bit (each weight converted
+    exactly, the same chains of multiply-adds). One value that is not such a value keeps float32
+    panels, as does ``compress=False``."""
+    from sot.kernels import cpu_kernels
+    from sot.kernels.linear import PackedLinear, pack_panels
+
+    kernel = cpu_kernels()
+    if kernel is None:
+        pytest.skip("the compiled kernel is unavailable here")
+    gen = torch.Generator().manual_seed(6)
+    for n, k in ((100, 40), (48, 576), (33, 7)):
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(narrow).float()
+        bias = torch.randn(n, generator=gen)
+        lin = PackedLinear(w, bias)
+        assert lin.packed.dtype == narrow and lin.storage == ("16-bit panels", lin.packed.nbytes)
+        assert lin.packed.nbytes * 2 == pack_panels(w).nbytes
+        x = torch.randn(23, k, generator=gen)
+        for rows in (1, 2, 3, 6, 7, 16, 23):
+            assert torch.equal(lin(x[:rows], True), kernel.linear_f32(x[:rows], pack_panels(w), n, bias)), (n, k)
+        assert PackedLinear(w, bias, compress=False).packed.dtype == torch.float32
+        odd = w.clone()
+        odd[n // 2, k // 2] = float(odd[n // 2, k // 2]) + 2.0 ** -20  # (now no 16-bit value)
+        assert PackedLinear(odd, bias).storage[0] == "float32 panels"
 
 
 def test_compiled_float32_rms_norm_is_row_stable() -> None:

@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <c10/util/BFloat16.h>
+
 #include <atomic>
 #include <type_traits>
 
@@ -54,8 +56,24 @@ __attribute__((always_inline)) inline void fma_step(__m256 (&acc)[MR][NP][2], co
   }
 }
 
-template <int MR, int NP>
-inline void linear_tile(const float* x, int64_t K, const float* panel, float* out) {
+// 8 weights of a panel as float32 (exact): stored as float32, bfloat16 or float16.
+__attribute__((always_inline)) inline __m256 load8w(const float* w) { return _mm256_loadu_ps(w); }
+__attribute__((always_inline)) inline __m256 load8w(const c10::BFloat16* w) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+__attribute__((always_inline)) inline __m256 load8w(const c10::Half* w) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(w[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+
+template <int MR, int NP, typename W>
+inline void linear_tile(const float* x, int64_t K, const W* panel, float* out) {
   __m256 acc[MR][NP][2];
   zero_tile<MR, NP>(acc);
   const int64_t stride = K * kPanel;
@@ -65,23 +83,24 @@ inline void linear_tile(const float* x, int64_t K, const float* panel, float* ou
     __m256 w[NP][2];
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j) {
-      w[j][0] = _mm256_loadu_ps(panel + j * stride + k * kPanel);
-      w[j][1] = _mm256_loadu_ps(panel + j * stride + k * kPanel + 8);
+      w[j][0] = load8w(panel + j * stride + k * kPanel);
+      w[j][1] = load8w(panel + j * stride + k * kPanel + 8);
     }
     fma_step<MR, NP>(acc, w, x, K, k);
   }
   store_acc<MR, NP>(acc, out);
 }
 #else
-template <int MR, int NP>
-inline void linear_tile(const float* x, int64_t K, const float* panel, float* out) {
+template <int MR, int NP, typename W>
+inline void linear_tile(const float* x, int64_t K, const W* panel, float* out) {
   float acc[MR][NP][kPanel] = {};
   const int64_t stride = K * kPanel;
   for (int64_t k = 0; k < K; ++k)
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NP; ++j)
         for (int64_t c = 0; c < kPanel; ++c)
-          acc[i][j][c] = std::fma(x[i * K + k], panel[j * stride + k * kPanel + c], acc[i][j][c]);
+          acc[i][j][c] = std::fma(x[i * K + k], static_cast<float>(panel[j * stride + k * kPanel + c]),
+                                  acc[i][j][c]);
   std::memcpy(out, acc, sizeof(acc));
 }
 #endif
@@ -105,25 +124,47 @@ inline void store_tile(const float* tile, int64_t p, int64_t N, const float* bia
 
 // MR rows (x [MR, K]) times NP consecutive panels (the first is panel p, at `panel`),
 // written to y [MR, N].
-template <int MR, int NP>
-inline void linear_block(const float* x, int64_t K, const float* panel, int64_t p, int64_t N,
+template <int MR, int NP, typename W>
+inline void linear_block(const float* x, int64_t K, const W* panel, int64_t p, int64_t N,
                          const float* bias, float* y) {
   float tile[MR * NP * kPanel];
-  linear_tile<MR, NP>(x, K, panel, tile);
+  linear_tile<MR, NP, W>(x, K, panel, tile);
   store_tile<MR, NP>(tile, p, N, bias, y);
 }
 
-template <int NP>
-inline void linear_rows(int64_t rows, const float* x, int64_t K, const float* packed, int64_t p, int64_t N,
+template <int NP, typename W>
+inline void linear_rows(int64_t rows, const float* x, int64_t K, const W* packed, int64_t p, int64_t N,
                         const float* bias, float* y) {
   switch (rows) {
-    case 1: linear_block<1, NP>(x, K, packed, p, N, bias, y); break;
-    case 2: linear_block<2, NP>(x, K, packed, p, N, bias, y); break;
-    case 3: linear_block<3, NP>(x, K, packed, p, N, bias, y); break;
-    case 4: linear_block<4, NP>(x, K, packed, p, N, bias, y); break;
-    case 5: linear_block<5, NP>(x, K, packed, p, N, bias, y); break;
-    default: linear_block<kMaxRows, NP>(x, K, packed, p, N, bias, y); break;
+    case 1: linear_block<1, NP, W>(x, K, packed, p, N, bias, y); break;
+    case 2: linear_block<2, NP, W>(x, K, packed, p, N, bias, y); break;
+    case 3: linear_block<3, NP, W>(x, K, packed, p, N, bias, y); break;
+    case 4: linear_block<4, NP, W>(x, K, packed, p, N, bias, y); break;
+    case 5: linear_block<5, NP, W>(x, K, packed, p, N, bias, y); break;
+    default: linear_block<kMaxRows, NP, W>(x, K, packed, p, N, bias, y); break;
   }
+}
+
+// The product over panels of weights stored as W (float32, or bfloat16 or float16 values,
+// converted exactly): the same chains of multiply-adds on the same values whatever W is.
+template <typename W>
+void panel_rows(const float* xp, int64_t M, int64_t K, const W* pp, int64_t P, int64_t N, const float* bp,
+                float* yp) {
+  const int64_t np = M <= 2 ? 2 : 1;
+  at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = t * np;
+      const W* panel = pp + p * K * kPanel;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
+        if (np == 2 && p + 1 < P) {
+          linear_rows<2, W>(rows, xp + m0 * K, K, panel, p, N, bp, yp + m0 * N);
+        } else {
+          linear_rows<1, W>(rows, xp + m0 * K, K, panel, p, N, bp, yp + m0 * N);
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -146,34 +187,26 @@ struct LinearIO {
   }
 };
 
-// x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N; bias: [N] or None. Returns [M, N].
-// Two threads or more split the panels.
+// x: [M, K] float32; packed: [P, K, 16] with P * 16 >= N, float32, or bfloat16 or float16 where
+// every weight is such a value (half the bytes; the same products, bit for bit); bias: [N] or
+// None. Returns [M, N]. Two threads or more split the panels.
 at::Tensor linear_f32(at::Tensor x, at::Tensor packed, int64_t N, std::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  const auto type = packed.scalar_type();
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
-              packed.scalar_type() == at::kFloat && packed.is_contiguous(), "packed weight mismatch");
+              (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) && packed.is_contiguous(),
+              "packed weight mismatch (float32, bfloat16 or float16 panels [P, K, 16])");
   TORCH_CHECK(packed.size(0) * kPanel >= N, "N exceeds the packed weight");
-  const float* pp = packed.data_ptr<float>();
   const int64_t P = packed.size(0);
   LinearIO io(x, N, bias);
   const int64_t M = io.x.size(0), K = io.x.size(1);
-  const float *xp = io.xp, *bp = io.bp;
-  float* yp = io.yp;
-  const int64_t np = M <= 2 ? 2 : 1;
-  at::parallel_for(0, (P + np - 1) / np, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t p = t * np;
-      const float* panel = pp + p * K * kPanel;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, M - m0);
-        if (np == 2 && p + 1 < P) {
-          linear_rows<2>(rows, xp + m0 * K, K, panel, p, N, bp, yp + m0 * N);
-        } else {
-          linear_rows<1>(rows, xp + m0 * K, K, panel, p, N, bp, yp + m0 * N);
-        }
-      }
-    }
-  });
+  if (type == at::kFloat) {
+    panel_rows(io.xp, M, K, packed.data_ptr<float>(), P, N, io.bp, io.yp);
+  } else if (type == at::kBFloat16) {
+    panel_rows(io.xp, M, K, packed.data_ptr<c10::BFloat16>(), P, N, io.bp, io.yp);
+  } else {
+    panel_rows(io.xp, M, K, packed.data_ptr<c10::Half>(), P, N, io.bp, io.yp);
+  }
   return io.y;
 }
 

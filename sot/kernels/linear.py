@@ -38,6 +38,18 @@ def pack_panels(weight: torch.Tensor, width: int = 16) -> torch.Tensor:
     return weight.reshape(panels, width, k).transpose(1, 2).contiguous()
 
 
+def exact_16bit(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (float32) as bfloat16, or float16, where every value is one exactly (a
+    checkpoint stored in 16 bits and loaded in float32); else ``weight`` itself. Panels of it
+    give the float32 panels' products bit for bit (``linear_f32`` converts each weight exactly)
+    from half the bytes."""
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = weight.to(dtype)
+        if torch.equal(narrow.float(), weight):
+            return narrow
+    return weight
+
+
 def _fp16_candidates(approx: torch.Tensor) -> list[torch.Tensor]:
     """float16 values at and next to ``approx`` (as float32), nearest first."""
     bits = approx.to(torch.float16).view(torch.int16)
@@ -427,8 +439,10 @@ class PackedLinear:
     With SoT's kernel, a float32 weight that is exactly a grid of GGUF Q4_1 or Q8_0 blocks (a
     model dequantized from a GGUF file) is kept in that form and decoded on the fly
     (:func:`pack_blocks`: a sixth of the memory traffic, each block's scale applied once to
-    its sum, so the bits differ from the panels' by rounding only). ``compress=False`` or the
-    environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels; ``SOT_NO_FUSED_BLOCKS=1``
+    its sum, so the bits differ from the panels' by rounding only). Another weight whose values
+    are all bfloat16 (or float16) values, as a 16-bit checkpoint's are in float32, is kept in
+    16-bit panels (:func:`exact_16bit`): the float32 panels' bits from half the bytes.
+    ``compress=False`` or the environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels; ``SOT_NO_FUSED_BLOCKS=1``
     takes every block product through the L1 float block of wide products instead of
     registers.
 
@@ -524,7 +538,8 @@ class PackedLinear:
                 if self.segments:
                     self.packed = None
                 else:
-                    self.packed = blocks if blocks is not None else pack_panels(self.weight)
+                    self.packed = blocks if blocks is not None else pack_panels(
+                        exact_16bit(self.weight) if self.compress else self.weight)
                 self.int8 = int8 is not None
             elif kind == "mkldnn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ROW_UNIT)
@@ -594,8 +609,8 @@ class PackedLinear:
     @property
     def storage(self) -> tuple[str, int]:
         """How the product holds its weight, and the bytes a one-row product reads of it:
-        ``("4-bit blocks" | "8-bit blocks" | "8-bit integer products" |
-        "bfloat16 blocks" | "float32 panels" | a library's name, bytes)``; for :attr:`segments`,
+        ``("4-bit blocks" | "8-bit blocks" | "8-bit integer products" | "bfloat16 blocks" |
+        "float32 panels" | "16-bit panels" | a library's name, bytes)``; for :attr:`segments`,
         their kinds joined by ``" + "``."""
         if self.segments:
             kinds = [piece.storage for piece in self.segments]
@@ -610,7 +625,7 @@ class PackedLinear:
             bits = {torch.uint8: 4, torch.int8: 8}[self.packed[0].dtype]
             return f"{bits}-bit blocks", size
         if self.kind == "sot":
-            return "float32 panels", size
+            return "float32 panels" if self.packed.dtype == torch.float32 else "16-bit panels", size
         return self.kind or "PyTorch", size or self.weight.nbytes
 
     def __call__(self, x: torch.Tensor, stable: bool) -> torch.Tensor:
