@@ -152,9 +152,10 @@ def block_grid(weight: torch.Tensor, width: int = 16, float32_kernel: bool = Fal
     when some block is not exactly of that form. Every decoded weight is checked to equal the
     float32 one bit for bit (decoded as the kernels do: ``d * q``, then ``+ m``). A weight
     given its blocks by its loader (:func:`register_blocks`) has those; where their scales are
-    not float16 values (Q4_K's) or cover 16 inputs each (Q6_K's: ``d [N', K/16]``), only the
-    float32 block kernel's packer (``float32_kernel``) gets them. So does a weight stacked from ``parts``
-    (``torch.cat(parts)``, each equal to it in its rows) that all have such blocks of one kind."""
+    not float16 values (Q4_K's), cover 16 inputs each (Q6_K's: ``d [N', K/16]``) or come with
+    minimums on integers of more than 4 bits (Q5_K's), only the float32 block kernel's packer
+    (``float32_kernel``) gets them. So does a weight stacked from ``parts`` (``torch.cat(parts)``,
+    each equal to it in its rows) that all have such blocks of one kind."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or k % 32 or n == 0 or weight.device.type != "cpu":
         return None
@@ -212,12 +213,12 @@ def _block_grid_torch(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 def pack_blocks(weight: torch.Tensor, parts: list[torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`; Q4_K's
-    and Q6_K's too, given by the loader) in the panel layout of the compiled ``linear_blocks_f32``:
-    ``(data, scale, mins)`` (``scale`` and ``mins`` float16, or float32 where the format's are
-    not float16 values, the K-quants': Q6_K's 8-bit blocks have one scale per 16 inputs, and
-    Q5_K's 8-bit blocks minimums; ``mins`` empty for the other 8-bit blocks), or ``None`` when
-    the weight is not such a grid. A product over the
+    """``weight [N, K]`` float32 as exact GGUF Q4_1 or Q8_0 blocks (:func:`block_grid`; the
+    K-quants' and IQ4's too, given by the loader) in the panel layout of the compiled
+    ``linear_blocks_f32``: ``(data, scale, mins)`` (``scale`` and ``mins`` float16, or float32
+    where the format's are not float16 values, the K-quants': Q6_K's, Q3_K's and Q2_K's 8-bit
+    blocks have one scale per 16 inputs, and Q5_K's and Q2_K's minimums; ``mins`` empty for the
+    other 8-bit blocks), or ``None`` when the weight is not such a grid. A product over the
     blocks is taken as the format factors it, ``d * sum(x * q) + m * sum(x)`` per block of 32
     inputs in a fixed order (``linear.cpp``): the float32 product's value up to rounding, each
     row's bits independent of the other rows.
@@ -229,11 +230,12 @@ def pack_blocks(weight: torch.Tensor, parts: list[torch.Tensor] | None = None
     if grid is None:
         return None
     q, scale, low = grid
-    panels, k, scales = q.shape[0] // 16, weight.shape[1], grid[1].shape[1]  # (scales: a row's, K/32 or K/16)
-    # the scales and minimums as the format stores them, float16 (exact), or float32 (the K-quants')
-    # (Q5_K's minimums come with 5-bit integers, Q2_K's with blocks of 16: 8-bit blocks)
+    panels, k, scales = q.shape[0] // 16, weight.shape[1], scale.shape[1]  # (scales a row: K/32 or K/16)
+    # 4 bits: minimums, integers 0..15, a scale per 32 (Q5_K's and Q2_K's minimums take 8-bit blocks)
     four = low is not None and bool(q.max() <= 15) and scales * 32 == k
-    kept = torch.float16 if _float16_values(scale) and _float16_values(low) and (four or low is None) else torch.float32
+    # the scales and minimums as the format stores them, float16 (exact), or float32 (the K-quants')
+    plain = _float16_values(scale) and _float16_values(low) and (four or low is None)
+    kept = torch.float16 if plain else torch.float32
 
     def per_panel(t: torch.Tensor) -> torch.Tensor:  # [panels * 16, scales] -> [panels, scales, 16]
         return t.reshape(panels, 16, scales).transpose(1, 2).to(kept).contiguous()
@@ -442,9 +444,9 @@ class PackedLinear:
     its sum, so the bits differ from the panels' by rounding only). Another weight whose values
     are all bfloat16 (or float16) values, as a 16-bit checkpoint's are in float32, is kept in
     16-bit panels (:func:`exact_16bit`): the float32 panels' bits from half the bytes.
-    ``compress=False`` or the environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels; ``SOT_NO_FUSED_BLOCKS=1``
-    takes every block product through the L1 float block of wide products instead of
-    registers.
+    ``compress=False`` or the environment variable ``SOT_NO_BLOCKS=1`` keeps float32 panels;
+    ``SOT_NO_FUSED_BLOCKS=1`` takes every block product through the L1 float block of wide
+    products instead of registers.
 
     A bfloat16 weight whose float32 original was such a grid (a GGUF file's model loaded in
     bfloat16: :func:`cast_keeping_blocks`) is read from its blocks by ``linear_blocks_bf16``

@@ -1,19 +1,21 @@
-"""Exact blocks of a GGUF file's Q4_K, Q5_K and Q6_K weights, read from the file itself.
+"""Exact blocks of a GGUF file's K-quant and IQ4 weights, read from the file itself.
 
 A float32 weight dequantized from Q4_1, Q8_0, Q5_0 or Q4_0 blocks is found to be a grid of
 blocks by searching its values (:func:`sot.kernels.linear.block_grid`): their scales are
-float16 values. A Q4_K block of 32 weights is ``w = d * q + m`` too (``q`` in 0..15), but its
-``d`` and ``m`` are products of a float16 super-block scale and a 6-bit integer: exact in
-float32, not float16 values, and a block whose smallest ``q`` is not 0 does not show its ``m``.
-A Q5_K block is the same with 5-bit codes (0..31), held in 8 bits. A Q6_K block of 32 is two
-halves of 16, each with its own 8-bit scale under one float16 super-block scale ``d``:
-``w = (d * scale) * q``, ``q`` in -32..31, so it is an 8-bit block of 16 whose scale
-``d * scale`` is exact in float32.
+float16 values. The K-quants' are not. A Q4_K block of 32 weights is ``w = d * q + m`` too
+(``q`` in 0..15), but its ``d`` and ``m`` are products of a float16 super-block scale and a
+6-bit integer: exact in float32, not float16 values, and a block whose smallest ``q`` is not 0
+does not show its ``m``. A Q5_K block is the same with 5-bit codes (0..31), held in 8 bits. A
+Q6_K block of 32 is two halves of 16, each with its own 8-bit scale under one float16
+super-block scale ``d``: ``w = (d * scale) * q``, ``q`` in -32..31, so it is an 8-bit block of
+16 whose scale ``d * scale`` is exact in float32; Q3_K's blocks of 16 are the same with 3-bit
+codes, Q2_K's with 2-bit codes and minimums. IQ4_NL and IQ4_XS pick each weight from a table
+of 16 int8 values, under a float16 scale per 32 (IQ4_NL) or a float16 one times a 6-bit one.
 So they are read from the file: each tensor's blocks are decoded into ``(q, d, m)`` (``m``
-``None`` for Q6_K), and the model weight that equals ``d * q + m`` value for value (as
+``None`` without minimums), and the model weight that equals ``d * q + m`` value for value (as
 transformers dequantized it) gets them (:func:`sot.kernels.linear.register_blocks`); its
-products then read 4-bit blocks of 32 (Q4_K), 8-bit blocks of 32 (Q5_K) or of 16 (Q6_K),
-with float32 scales (``linear_blocks_f32``): a fifth to a third of the float32 bytes.
+products then read 4-bit blocks of 32 (Q4_K), or 8-bit blocks of 32 or 16 (the others), with
+float32 scales (``linear_blocks_f32``): a fifth to about a third of the float32 bytes.
 """
 from __future__ import annotations
 
@@ -248,8 +250,9 @@ def gguf_source(folder: Path) -> Path | None:
 
 
 def attach_k_quant_blocks(model: torch.nn.Module, gguf_path: Path) -> int:
-    """Give each float32 weight of ``model`` that a Q4_K, Q5_K or Q6_K tensor of ``gguf_path``
-    dequantizes to, value for value, that tensor's blocks (:func:`sot.kernels.linear.register_blocks`).
+    """Give each float32 weight of ``model`` that a tensor of ``gguf_path`` in a format read here
+    (:data:`K_QUANTS`) dequantizes to, value for value, that tensor's blocks
+    (:func:`sot.kernels.linear.register_blocks`).
     Returns how many weights got them; a tensor that matches no weight (another layout, or
     weights changed since) is left out, and those weights keep their float32 products."""
     tensors = list(k_quant_tensors(gguf_path))
@@ -273,11 +276,13 @@ def attach_k_quant_blocks(model: torch.nn.Module, gguf_path: Path) -> int:
             if key in name and count and rows % (2 * count) == 0:
                 grids.append(tuple(t if t is None else llama_rows(t, count) for t in grid))
         for q, d, m in grids:
-            length = cols // d.shape[1]  # inputs a scale covers: 32, or 16 (Q6_K)
+            length = cols // d.shape[1]  # inputs a scale covers: 32, or 16 (Q6_K, Q3_K, Q2_K)
             decoded = d[..., None] * q.reshape(rows, -1, length).float()
             decoded = (decoded if m is None else decoded + m[..., None]).reshape(rows, cols)
-            matched = [p for p in candidates if torch.equal(decoded, p.detach())]
-            # (equal values: Q6_K's zeros may carry the other sign, which no product over them shows)
+            # (equal values: Q6_K's zeros may carry the other sign, which no product over them shows;
+            # a first row that differs rules a weight out without reading the rest)
+            matched = [p for p in candidates
+                       if torch.equal(decoded[0], p.detach()[0]) and torch.equal(decoded, p.detach())]
             for p in matched:
                 register_blocks(p, q, d, m)
             found += len(matched)
