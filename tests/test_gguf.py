@@ -302,6 +302,37 @@ def test_stacked_k_quant_weights_share_their_blocks(tmp_path: Path, monkeypatch)
     assert [r.token_ids for r in Engine(target, rnd, TreeBudget(16, 6)).generate(prompts, params)] == plain
 
 
+def test_a_stack_of_several_block_kinds_runs_as_one_product_per_run() -> None:
+    """A stacked product whose parts have blocks of several kinds (and a part with none) runs
+    each run of one kind as its own product, over its rows of the stack and of the bias, outputs
+    side by side: the same values as the parts multiplied one by one, every row count."""
+    from sot.kernels.linear import PackedLinear, register_blocks
+    from sot.models.gguf_blocks import DECODERS
+
+    rng = np.random.default_rng(4)
+    kinds = ["Q4_K", "Q4_K", "Q6_K", None, "Q5_K"]  # (None: float32 weights, no file blocks)
+    parts = []
+    for kind in kinds:
+        if kind is None:
+            parts.append(torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32)))
+            continue
+        raw, weight = random_k_quant(kind, 48, 256, rng)
+        weight = weight.clone()
+        register_blocks(weight, *DECODERS[kind](raw, 48, 256))
+        parts.append(weight)
+    bias = torch.from_numpy(rng.standard_normal(sum(p.shape[0] for p in parts)).astype(np.float32))
+    stacked = PackedLinear(torch.cat(parts), bias, parts=parts)
+    assert [piece.weight.shape[0] for piece in stacked.segments] == [96, 48, 32, 48]
+    assert [piece.storage[0] for piece in stacked.segments] == [
+        "4-bit blocks", "8-bit blocks", "float32 panels", "8-bit blocks"]
+    x = torch.from_numpy(rng.standard_normal((9, 256)).astype(np.float32))
+    starts = np.cumsum([0] + [p.shape[0] for p in parts])
+    for rows in (1, 2, 7, 9):
+        alone = [PackedLinear(torch.cat(parts[:2]), bias[:96], parts=parts[:2])(x[:rows], True)] + [
+            PackedLinear(p, bias[starts[i]:starts[i + 1]])(x[:rows], True) for i, p in enumerate(parts) if i >= 2]
+        assert torch.equal(stacked(x[:rows], True), torch.cat(alone, dim=1))
+
+
 def test_gguf_files_are_read_whole_and_anew(tmp_path: Path, monkeypatch) -> None:
     """A file that lacks a tensor is refused (not filled at random); a file rewritten in place
     is converted again and its old conversion removed; Gemma's <end_of_turn> ends answers;
