@@ -1088,6 +1088,29 @@ def test_bounded_soak_loses_no_request(tiny_server) -> None:
     assert growth < 100, f"RSS grew by {growth:.0f} MB"
 
 
+def test_sigterm_while_the_model_loads_exits_0(tiny_dir, tmp_path) -> None:
+    """Stopped while its model is still loading (/health answers 503), the server exits 0 with a
+    line that says so, not with an abort from the loading thread's compiled code."""
+    server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, log=tmp_path / "early.log")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{server.url}/health", timeout=5).status_code == 503:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        else:
+            pytest.fail("the server never answered 503 while loading")
+        assert server.stop() == 0
+        log = server.log.read_text()
+        assert "terminate called" not in log and "Aborted" not in log
+        assert "ready on" in log or "stopped before the model had loaded" in log
+    finally:
+        server.stop()
+
+
 def test_sigterm_finishes_streams_and_exits_0(tiny_dir, tmp_path) -> None:
     server = ServerProcess("--model", str(tiny_dir), "--served-model-name", TINY, "--shutdown-timeout", "1",
                            log=tmp_path / "term.log")

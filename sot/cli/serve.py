@@ -148,6 +148,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"sot serve: listening on {url}; loading the model (GET /health answers 200 when ready)",
           file=sys.stderr)
     server.run(sockets=[sock])
+    if state.sot is None and state.load_error is None:  # stopped while the model was still loading
+        # (the loading thread may be inside compiled code, which the interpreter's exit would end
+        # with an abort): nothing to save or stop, so leave at once
+        print("sot serve: stopped before the model had loaded", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if state.worker is not None:  # (done by the app's shutdown, unless a third signal skipped it)
         state.worker.stop()
     if state.load_error:
