@@ -261,6 +261,7 @@ def main() -> None:
              "panels": ("float32, panels", torch.float32, {"SOT_NO_BLOCKS": "1"}),
              "bf16": ("bfloat16", torch.bfloat16, {}),
              "bf16-blocks": ("bfloat16, blocks only", torch.bfloat16, {"SOT_NO_BF16_PAIRS": "1"}),
+             "bf16-avx512": ("bfloat16, AVX512-BF16 (no AMX)", torch.bfloat16, {"SOT_NO_AMX": "1"}),
              "int8": ("int8 products, 4-bit blocks", torch.float32, {})}
     from sot.kernels.linear import bf16_blocks_supported
 

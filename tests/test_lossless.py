@@ -477,30 +477,59 @@ def _needs_bf16_blocks() -> None:
                     "this one has none")
 
 
-def test_bf16_block_products_are_row_stable_and_use_the_bf16_weights() -> None:
-    """``linear_blocks_bf16`` over Q4_1 and Q8_0 blocks: each row's bits are the same whatever
-    else shares the call (1-8 rows in registers, more through L1 blocks); its weights are
-    ``weight.to(bfloat16)`` exactly; stacked parameters read their parts' blocks; a weight
-    changed in place since its blocks were found is no longer read from them."""
+@pytest.fixture(params=["avx512bf16", "amx"])
+def bf16_chain(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Each chain the bfloat16 block products can take on this machine: AVX512-BF16's pair dot
+    products, and AMX tiles where the CPU has them (skipped, with the reason, where not). The
+    chain is one switch for the process, set as a model's products are packed; it is put back
+    after the test."""
     _needs_bf16_blocks()
+    from sot.kernels.linear import amx_products
+
+    kernel = cpu_kernels()
+    if request.param == "amx" and not kernel.amx_supported():
+        pytest.skip("the AMX chain needs a CPU with AMX tiles (AMX-BF16) and Linux 5.16 or later; this one has none")
+    before = kernel.amx_products()
+    if request.param == "amx":
+        monkeypatch.delenv("SOT_NO_AMX", raising=False)
+    else:
+        monkeypatch.setenv("SOT_NO_AMX", "1")
+    assert amx_products() == (request.param == "amx")
+    yield request.param
+    kernel.set_amx_products(before)
+
+
+def test_bf16_block_products_are_row_stable_and_use_the_bf16_weights(bf16_chain: str) -> None:
+    """``linear_blocks_bf16`` over Q4_1 and Q8_0 blocks, on each chain: each row's bits are the
+    same whatever else shares the call (AVX512-BF16: 1-8 rows in registers, more through L1
+    blocks; AMX: groups of 16 rows in tiles, 64 a sweep); its weights are ``weight.to(bfloat16)``
+    exactly; stacked parameters read their parts' blocks; a weight changed in place since its
+    blocks were found is no longer read from them."""
     from sot.kernels.linear import PackedLinear, cast_keeping_blocks, pack_blocks_bf16
 
     kernel = cpu_kernels()
     gen = torch.Generator().manual_seed(4)
     n, k = 80, 96
     scale, low, q4, q8 = random_blocks(n, k, gen)
-    x = torch.randn(21, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(70, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen)
     for w, dtype in (((scale * q4 + low).reshape(n, k), torch.uint8), ((scale * q8).reshape(n, k), torch.int8)):
         blocks = pack_blocks_bf16(w)
         assert blocks is not None and blocks[0].dtype == dtype
         full = kernel.linear_blocks_bf16(x, *blocks, n, bias)
-        for lo, hi in ((0, 1), (4, 6), (3, 7), (5, 13), (0, 8), (1, 10), (0, 16), (4, 21), (20, 21)):
+        for lo, hi in ((0, 1), (4, 6), (3, 7), (5, 13), (0, 8), (1, 10), (0, 16), (4, 21), (20, 21), (3, 20),
+                       (10, 45), (0, 64), (5, 70), (69, 70)):
             assert torch.equal(kernel.linear_blocks_bf16(x[lo:hi], *blocks, n, bias), full[lo:hi]), (lo, hi)
         rows = torch.eye(k).to(torch.bfloat16)  # one product per output: the weight itself
         assert torch.equal(kernel.linear_blocks_bf16(rows, *blocks, n, None), w.to(torch.bfloat16).T)
         near = (x.float() @ w.to(torch.bfloat16).float().T + bias).to(torch.bfloat16)
         assert (full.float() - near.float()).abs().max() <= 0.02 * near.float().abs().max()
+        if bf16_chain == "amx":  # (the tiles really multiply: they round sums of a wide range otherwise)
+            wide = (x.float() * torch.exp2(torch.rand(x.shape, generator=gen) * 16 - 8)).to(torch.bfloat16)
+            tiles = kernel.linear_blocks_bf16(wide, *blocks, n, None)
+            kernel.set_amx_products(False)
+            assert not torch.equal(kernel.linear_blocks_bf16(wide, *blocks, n, None), tiles)
+            kernel.set_amx_products(True)
     # parameters stacked along their outputs (q, k, v) read their own blocks, cast from float32
     parts = [torch.nn.Linear(k, m, bias=False) for m in (32, 16, 40)]
     for lin, m in zip(parts, (32, 16, 40)):
@@ -520,14 +549,25 @@ def test_bf16_block_products_are_row_stable_and_use_the_bf16_weights() -> None:
 
 
 def test_bf16_decoded_pairs_give_the_blocks_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The blocks decoded once (``decode_blocks_bf16``), which wide calls read instead of the
-    blocks, give every row the bits the blocks give it, from one row up, over 4-bit and 8-bit
-    blocks, an odd number of panels and row groups of every size; ``PackedLinear`` keeps them
-    unless ``SOT_NO_BF16_PAIRS=1``, and its wide calls read them."""
+    """The blocks decoded once (``decode_blocks_bf16``), which the AVX512-BF16 chain's wide
+    calls read instead of the blocks, give every row the bits the blocks give it, from one row
+    up, over 4-bit and 8-bit blocks, an odd number of panels and row groups of every size;
+    ``PackedLinear`` keeps them unless ``SOT_NO_BF16_PAIRS=1`` (or the AMX chain, which decodes
+    the blocks at every row count, is on), and its wide calls read them."""
     _needs_bf16_blocks()
+    kernel = cpu_kernels()
+    before = kernel.amx_products()
+    monkeypatch.setenv("SOT_NO_AMX", "1")
+    try:
+        _check_decoded_pairs(kernel, monkeypatch)
+    finally:
+        kernel.set_amx_products(before)
+
+
+def _check_decoded_pairs(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
     from sot.kernels.linear import PackedLinear, cast_keeping_blocks, pack_blocks_bf16
 
-    kernel = cpu_kernels()
+    kernel.set_amx_products(False)
     start = kernel.bf16_pairs_from_rows()
     gen = torch.Generator().manual_seed(5)
     n, k = 80, 96  # 5 panels
@@ -557,15 +597,19 @@ def test_bf16_decoded_pairs_give_the_blocks_bits(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(packed(x, stable=True), kernel.linear_blocks_bf16(x, *packed.packed, n, None))
     monkeypatch.setenv("SOT_NO_BF16_PAIRS", "1")
     assert PackedLinear(lin.weight).pairs is None
+    monkeypatch.delenv("SOT_NO_BF16_PAIRS")
+    if kernel.amx_supported():
+        monkeypatch.delenv("SOT_NO_AMX")
+        assert PackedLinear(lin.weight).pairs is None and kernel.amx_products()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_speculative_equals_plain_on_bf16_blocks(arch: str) -> None:
+def test_speculative_equals_plain_on_bf16_blocks(arch: str, bf16_chain: str) -> None:
     """bfloat16 over the GGUF blocks (a float32 model of exact blocks cast as ``load_model``
-    casts a GGUF file's conversion): speculative output equals plain decoding, alone and in a
-    batch, and every logits row behind a committed token has the same bits, wide passes
-    reading the decoded pairs and narrow ones the blocks."""
-    _needs_bf16_blocks()
+    casts a GGUF file's conversion), on each chain: speculative output equals plain decoding,
+    alone and in a batch, and every logits row behind a committed token has the same bits
+    (AVX512-BF16: wide passes reading the decoded pairs and narrow ones the blocks; AMX: every
+    pass decoding the blocks into tiles)."""
     import copy
 
     from sot.kernels.linear import cast_keeping_blocks
@@ -577,8 +621,9 @@ def test_speculative_equals_plain_on_bf16_blocks(arch: str) -> None:
     linears = [target.fast.lm_head] + [lin for lay in target.fast.layers for lin in (lay.qkv, lay.o, lay.gate_up,
                                                                                         lay.down)]
     assert all(lin.bf16_blocks for lin in linears) and target.fast.layer_call is not None
-    # (wide passes, from bf16_pairs_from_rows() rows, read the decoded pairs; narrow ones the blocks)
-    assert all(lin.pairs is not None for lin in linears)
+    # (AVX512-BF16: wide passes, from bf16_pairs_from_rows() rows, read the decoded pairs;
+    # narrow ones the blocks. AMX: no pairs)
+    assert all((lin.pairs is None) == (bf16_chain == "amx") for lin in linears)
     prompts = random_prompts(LENGTHS, seed=1)
     plain = run(target, NoDrafter(), prompts)
     assert [run(target, NoDrafter(), [p])[0] for p in prompts] == plain

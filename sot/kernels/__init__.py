@@ -76,7 +76,7 @@ def build_key() -> str:
 
 #: environment switches that bypass the kernels or their block paths (see sot.kernels.linear)
 SWITCHES = ("SOT_NO_BLOCKS", "SOT_NO_FUSED_BLOCKS", "SOT_NO_BF16_BLOCKS", "SOT_NO_BF16_PAIRS",
-            "SOT_NO_BF16_ATTENTION", "SOT_NO_KERNELS")
+            "SOT_NO_BF16_ATTENTION", "SOT_NO_KERNELS", "SOT_NO_AMX")
 
 
 def kernels_key() -> dict:

@@ -88,6 +88,9 @@ std::vector<at::Tensor> block_grid_f32(at::Tensor blocks);
 at::Tensor linear_int8(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,
                        std::optional<at::Tensor> bias);
 bool bf16_blocks_supported();
+bool amx_supported();
+bool amx_products();
+bool set_amx_products(bool on);
 // whether tree_attention_exact scores a bfloat16 cache with AVX512-BF16 pair dot products
 bool attention_pairs_bf16();
 at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, at::Tensor mins, int64_t N,

@@ -338,6 +338,16 @@ def bf16_blocks_supported() -> bool:
     return kernel is not None and not os.environ.get("SOT_NO_BF16_BLOCKS") and kernel.bf16_blocks_supported()
 
 
+def amx_products() -> bool:
+    """Whether the bfloat16 block products (``linear_blocks_bf16``) multiply with AMX tiles: a
+    CPU with AMX and the kernels built; ``SOT_NO_AMX=1`` says no (they then take AVX512-BF16's
+    pair dot products). The two chains round differently, so the switch is one for the process
+    and is set here, when a model's products are packed: every product of a model takes the
+    same chain, and plain decoding and tree verification stay bit-identical."""
+    kernel = cpu_kernels()
+    return kernel is not None and bool(kernel.set_amx_products(not os.environ.get("SOT_NO_AMX")))
+
+
 #: the attribute of a bfloat16 parameter holding ``(version, blocks)``: its float32 weight's
 #: blocks in the layout of ``linear_blocks_bf16`` and the parameter's ``_version`` when they
 #: were attached (set at load by :func:`cast_keeping_blocks`)
@@ -503,7 +513,8 @@ class PackedLinear:
             if blocks is not None:  # (row-stable by construction, like SoT's float32 kernels)
                 self.kernel, self.packed, self.kind = cpu_kernels(), blocks, "sot"
                 self.bf16_blocks = self.partial_ok = True
-                if not os.environ.get("SOT_NO_BF16_PAIRS"):
+                # (AMX tiles decode the blocks at every row count: no pairs kept)
+                if not amx_products() and not os.environ.get("SOT_NO_BF16_PAIRS"):
                     self.pairs = self.kernel.decode_blocks_bf16(*blocks)
                 return
             kinds = ["mkldnn"] if torch.backends.mkldnn.is_available() else []

@@ -2,7 +2,14 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <type_traits>
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // Row-stable bfloat16 products over 4-bit or 8-bit blocks (GGUF Q4_1 / Q8_0), with the
 // AVX512-BF16 pair dot product (VDPBF16PS): y[m, n] = bf16(sum_k x[m, k] * bf16(w[n, k]) + bias[n]).
@@ -224,6 +231,152 @@ SOT_BF16 void tile_pairs(const c10::BFloat16* x, int64_t K, const __m512bh* pair
     }
 }
 
+#if defined(__AVX512F__)
+// ---- AMX ----------------------------------------------------------------------------------
+// Where the CPU has AMX tiles, every product takes a second chain instead: each output is the
+// chain of TDPBF16PS steps over the blocks kb = 0, 1, ..., K/32 - 1, in order, from zero (one
+// step multiplies a tile of up to 16 rows of x's 32 inputs of block kb by the block's 16 pairs
+// of 16 columns). The tile instruction rounds its pair sums its own way, so these bits differ
+// from the VDPBF16PS chain's; but a row's chain is the same whatever the row count or the
+// row's place in the tile, so a process whose products all take this chain keeps plain
+// decoding (1 row) and tree verification (many rows) bit-identical. The pair vectors
+// decode_pair makes are, as they are, the rows of the tile the weights go in: pair t, 16
+// columns x (input 2t, input 2t + 1).
+//
+// The weights are decoded from the blocks right before their step, at every row count: with
+// the multiplies nearly free, a pass of 16 rows costs about 1.2x one row, and reading pairs
+// decoded ahead (2 bytes a weight instead of about 0.6) was slower at every row count.
+//
+// Tiles: 0-3 the float32 sums (panel j, row group g: tile j * G + g), 4 a group of 16 rows of
+// x, 5 the last group's rows (up to 16), 6 and 7 the two panels' pairs. A tile the
+// configuration leaves empty must not be touched: that faults.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// rows of x one sweep over the panels takes: four groups of 16
+constexpr int64_t kAmxRows = 64;
+
+#define SOT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+// G groups of rows (the last `last` rows), NP panels
+TileConfig amx_config(int G, int NP, int last) {
+  TileConfig c;
+  for (int t = 0; t < G * NP; ++t) {
+    c.rows[t] = static_cast<uint8_t>(t % G == G - 1 ? last : 16);
+    c.colsb[t] = 64;
+  }
+  c.rows[4] = 16, c.colsb[4] = 64;
+  c.rows[5] = static_cast<uint8_t>(last), c.colsb[5] = 64;
+  c.rows[6] = c.rows[7] = 16, c.colsb[6] = c.colsb[7] = 64;
+  return c;
+}
+
+// Steps of block kb for every row group against tile 6 (panel 0) and, with NP = 2, tile 7
+// (panel 1). Tile numbers are part of the instruction, hence one line per case.
+#define SOT_AMX_A(g, tile) _tile_loadd(tile, x + (g * 16) * K + kb * 32, 2 * K)
+
+template <int G, int NP>
+SOT_AMX __attribute__((always_inline)) inline void amx_steps(const c10::BFloat16* x, int64_t K, int64_t kb) {
+  static_assert(G * NP <= 4 && G >= 1 && NP >= 1 && NP <= 2, "four sum tiles");
+  if constexpr (G == 1) {
+    SOT_AMX_A(0, 5);
+    _tile_dpbf16ps(0, 5, 6);
+    if constexpr (NP == 2) _tile_dpbf16ps(1, 5, 7);
+  } else if constexpr (G == 2) {
+    SOT_AMX_A(0, 4);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP == 2) _tile_dpbf16ps(2, 4, 7);
+    SOT_AMX_A(1, 5);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (NP == 2) _tile_dpbf16ps(3, 5, 7);
+  } else {
+    SOT_AMX_A(0, 4);
+    _tile_dpbf16ps(0, 4, 6);
+    SOT_AMX_A(1, 4);
+    _tile_dpbf16ps(1, 4, 6);
+    if constexpr (G == 3) {
+      SOT_AMX_A(2, 5);
+      _tile_dpbf16ps(2, 5, 6);
+    } else {
+      SOT_AMX_A(2, 4);
+      _tile_dpbf16ps(2, 4, 6);
+      SOT_AMX_A(3, 5);
+      _tile_dpbf16ps(3, 5, 6);
+    }
+  }
+}
+#undef SOT_AMX_A
+
+// Panels [begin, end) for G groups of rows of x (16 each, the last `last`), NP panels a
+// tile; each block decoded into tile 6 (7) right before its steps, the next tile's block
+// fetched into L2 meanwhile.
+template <int G, int NP, bool Q4>
+SOT_AMX void amx_panels(const c10::BFloat16* x, int last, const Blocks& w, int64_t begin, int64_t end,
+                        const float* bias, c10::BFloat16* y, int64_t N) {
+  const TileConfig cfg = amx_config(G, NP, last);
+  _tile_loadconfig(&cfg);
+  const int64_t K = w.K, rows = (G - 1) * 16 + last;
+  alignas(64) __m512bh decoded[NP][16];
+  alignas(64) float sums[4 * 256];
+  for (int64_t p = begin; p < end; p += NP) {
+    const int np = static_cast<int>(std::min<int64_t>(NP, end - p));
+    _tile_zero(0);
+    if constexpr (G * NP > 1) _tile_zero(1);
+    if constexpr (G * NP > 2) _tile_zero(2);
+    if constexpr (G * NP > 3) _tile_zero(3);
+    const int64_t next = p + NP;
+    const int next_np = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(NP, end - next)));
+    for (int64_t kb = 0; kb < K / 32; ++kb) {
+      for (int j = 0; j < next_np; ++j) {
+        const char* block = reinterpret_cast<const char*>(w.pair_bytes(next + j, kb, 0));
+        for (int64_t o = 0; o < 16 * (Q4 ? 16 : 32); o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w.scale + (next + j) * w.per() + kb * kCols), _MM_HINT_T1);
+        if (Q4) _mm_prefetch(reinterpret_cast<const char*>(w.mins + (next + j) * w.per() + kb * kCols), _MM_HINT_T1);
+      }
+      decode_block<Q4>(w, p, kb, decoded[0]);
+      _tile_loadd(6, decoded[0], 64);
+      if constexpr (NP == 2) {
+        // (a lone last panel steps over zeros in the second: its sums are never stored)
+        if (np == 2) decode_block<Q4>(w, p + 1, kb, decoded[1]);
+        else std::memset(decoded[1], 0, sizeof(decoded[1]));
+        _tile_loadd(7, decoded[1], 64);
+      }
+      amx_steps<G, NP>(x, K, kb);
+    }
+    _tile_stored(0, sums, 64);
+    if constexpr (G * NP > 1) _tile_stored(1, sums + 256, 64);
+    if constexpr (G * NP > 2) _tile_stored(2, sums + 512, 64);
+    if constexpr (G * NP > 3) _tile_stored(3, sums + 768, 64);
+    for (int j = 0; j < np; ++j)
+      for (int64_t i = 0; i < rows; ++i) store_bf16(sums + (j * G + i / 16) * 256 + (i % 16) * kCols, 1, 1, p + j, N,
+                                                   bias, y + i * N);
+  }
+  _tile_release();
+}
+
+// A product of rows <= kAmxRows rows of x over every panel, two threads' shares of the panels.
+template <bool Q4>
+SOT_AMX void amx_product(const c10::BFloat16* x, int64_t rows, const Blocks& w, const float* bias, c10::BFloat16* y,
+                         int64_t N) {
+  const int G = static_cast<int>((rows + 15) / 16), last = static_cast<int>(rows - 16 * (G - 1));
+  const int NP = G <= 2 ? 2 : 1;
+  // (a thread's share starts on an even panel, so two-panel tiles pair the same panels)
+  at::parallel_for(0, (w.P + NP - 1) / NP, 1, [&](int64_t b, int64_t e) {
+    const int64_t begin = b * NP, end = std::min(w.P, e * NP);
+    switch (G * 2 + (NP - 1)) {
+      case 3: amx_panels<1, 2, Q4>(x, last, w, begin, end, bias, y, N); break;
+      case 5: amx_panels<2, 2, Q4>(x, last, w, begin, end, bias, y, N); break;
+      case 6: amx_panels<3, 1, Q4>(x, last, w, begin, end, bias, y, N); break;
+      default: amx_panels<4, 1, Q4>(x, last, w, begin, end, bias, y, N); break;
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 bool bf16_blocks_supported() {
@@ -235,6 +388,40 @@ bool bf16_blocks_supported() {
 }
 
 int64_t bf16_pairs_from_rows() { return kPairsFromRows; }
+
+bool amx_supported() {
+  static const bool ok = [] {
+#if defined(__AVX512F__) && defined(__linux__) && defined(__x86_64__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!bf16_blocks_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;  // AMX-BF16, AMX-TILE
+    // Linux hands out the tile state on request (ARCH_REQ_XCOMP_PERM for XTILEDATA)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+namespace {
+// -1: not decided yet (AMX where the CPU has it, unless SOT_NO_AMX is set); 0 or 1 after
+std::atomic<int> g_amx{-1};
+}  // namespace
+
+bool amx_products() {
+  int on = g_amx.load(std::memory_order_relaxed);
+  if (on < 0) {
+    on = amx_supported() && !std::getenv("SOT_NO_AMX") ? 1 : 0;
+    g_amx.store(on, std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+
+bool set_amx_products(bool on) {
+  g_amx.store(on && amx_supported() ? 1 : 0, std::memory_order_relaxed);
+  return amx_products();
+}
 
 // The blocks' weights decoded once: [P, K/32, 16, 32] bfloat16, pair t of block kb of panel p
 // as decode_pair makes it (a product reading these takes 4x the bytes of 4-bit blocks and
@@ -291,9 +478,21 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
 #if defined(__AVX512F__)
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  if (pairs.has_value() && pairs->defined() && M >= kPairsFromRows) {
+  const bool decoded = pairs.has_value() && pairs->defined();
+  if (decoded)
     TORCH_CHECK(pairs->scalar_type() == at::kBFloat16 && pairs->is_contiguous() && pairs->numel() == P * K * kCols,
                 "decoded pairs mismatch");
+  const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
+                 q4 ? mins.data_ptr<float>() : nullptr, K, P, N};
+  if (amx_products()) {
+    for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+      const int64_t rows = std::min(kAmxRows, M - m0);
+      q4 ? amx_product<true>(xp + m0 * K, rows, w, bp, yp + m0 * N, N)
+         : amx_product<false>(xp + m0 * K, rows, w, bp, yp + m0 * N, N);
+    }
+    return y;
+  }
+  if (decoded && M >= kPairsFromRows) {
     const __m512bh* pp = reinterpret_cast<const __m512bh*>(pairs->data_ptr());
     // rows in near-equal groups of at most kTileRows, two panels a tile; each tile's panels
     // stay in L2 while its row groups pass over them
@@ -321,8 +520,6 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
     });
     return y;
   }
-  const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
-                 q4 ? mins.data_ptr<float>() : nullptr, K, P, N};
   if (M <= kTileRows) {
     // two panels a tile (more independent chains), each fetching the next tile ahead: whole
     // verify passes of 5-7 rows ran 1.03-1.08x faster than with one panel and no fetch, 1-4 level

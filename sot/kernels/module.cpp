@@ -15,6 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "row-stable float32 linear layer on panel-packed weights");
   m.def("linear_blocks_f32", &linear_blocks_f32, "linear_f32 on float32 weights stored as exact 4/8-bit blocks");
   m.def("block_grid_f32", &block_grid_f32, "float32 weights as exact GGUF 4/8-bit blocks, or nothing");
+  m.def("amx_supported", &amx_supported, "whether this CPU has AMX tiles for bfloat16 (and Linux lends them)");
+  m.def("amx_products", &amx_products, "whether linear_blocks_bf16 multiplies with AMX tiles in this process");
+  m.def("set_amx_products", &set_amx_products, "turn linear_blocks_bf16's AMX chain on or off (on needs AMX); "
+        "returns the state");
   m.def("bf16_blocks_supported", &bf16_blocks_supported, "whether this CPU runs linear_blocks_bf16 (AVX512-BF16)");
   m.def("linear_blocks_bf16", &linear_blocks_bf16, "row-stable bfloat16 product over 4/8-bit blocks (AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("data"), pybind11::arg("scale"), pybind11::arg("mins"), pybind11::arg("n"),
