@@ -255,7 +255,7 @@ def pack_blocks_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     grid. Its products use ``weight.to(torch.bfloat16)``, each weight decoded and rounded in
     registers: the bfloat16 mode's weights, read from a sixth of the bytes."""
     grid = block_grid(weight)
-    if grid is None:
+    if grid is None or not (_float16_values(grid[1]) and _float16_values(grid[2])):
         return None
     return _pair_layout(*grid)
 
@@ -263,7 +263,8 @@ def pack_blocks_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 def _pair_layout(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`block_grid`'s ``(q [N', K/32, 32], d [N', K/32], m or None)`` in the pair layout
-    of ``linear_blocks_bf16`` (``N'`` a multiple of 16)."""
+    of ``linear_blocks_bf16`` (``N'`` a multiple of 16); the scales and minimums, float16 values
+    (as GGUF keeps them), stored as float16."""
     panels, nb = q.shape[0] // 16, q.shape[1]
     # [panels, 16 columns, nb, 16 pairs, 2] -> per pair: columns 0-7 and 8-15, each (column, parity)
     q = q.reshape(panels, 16, nb, 16, 2)
@@ -275,9 +276,9 @@ def _pair_layout(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None
 
     if low is not None:  # 4-bit: the first half in the low nibbles, the second in the high ones
         data = (first.to(torch.uint8) | (second.to(torch.uint8) << 4)).contiguous()
-        return data, per_panel(scale), per_panel(low)
+        return data, per_panel(scale).half(), per_panel(low).half()
     data = torch.cat([first, second], dim=-1).to(torch.int8).contiguous()
-    return data, per_panel(scale), torch.empty(0)
+    return data, per_panel(scale).half(), torch.empty(0, dtype=torch.float16)
 
 
 def select_block_rows(blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor

@@ -36,7 +36,7 @@
 //   q4: data [P, K/32, 16, 16] uint8: byte j of pair t holds, in its low nibble, q[column j/2]
 //       [input 2t + j%2] and, in its high nibble, q[column 8 + j/2][input 2t + j%2];
 //   q8: data [P, K/32, 16, 32] int8: bytes 0-15 as the low nibbles above, 16-31 as the high;
-//   scale, mins: [P, K/32, 16] float32 (mins empty for q8).
+//   scale, mins: [P, K/32, 16] float16 (GGUF keeps them so: exact; mins empty for q8).
 // (sot.kernels.linear.pack_blocks_bf16 writes it.)
 namespace {
 
@@ -85,8 +85,8 @@ SOT_BF16 __attribute__((always_inline)) inline __m512bh decode_pair(const uint8_
 }
 
 // A block's 16 scales (or mins) spread to the pair lanes: {lo, hi} as decode_pair takes them.
-SOT_BF16 __attribute__((always_inline)) inline void spread(const float* v, __m512& lo, __m512& hi) {
-  const __m512 all = _mm512_loadu_ps(v);
+SOT_BF16 __attribute__((always_inline)) inline void spread(const half_t* v, __m512& lo, __m512& hi) {
+  const __m512 all = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
   const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   lo = _mm512_permutexvar_ps(first, all);
   hi = _mm512_permutexvar_ps(_mm512_add_epi32(first, _mm512_set1_epi32(8)), all);
@@ -101,8 +101,8 @@ SOT_BF16 __attribute__((always_inline)) inline __m512bh pair_of(const c10::BFloa
 
 struct Blocks {
   const uint8_t* data;
-  const float* scale;
-  const float* mins;  // null for q8
+  const half_t* scale;
+  const half_t* mins;  // null for q8
   int64_t K, P, N;
   int64_t bytes() const { return (K / 32) * 16 * (mins ? 16 : 32); }  // per panel
   int64_t per() const { return (K / 32) * kCols; }                   // scales per panel
@@ -432,14 +432,15 @@ at::Tensor decode_blocks_bf16(at::Tensor data, at::Tensor scale, at::Tensor mins
   TORCH_CHECK(data.dim() == 4 && data.size(2) == 16 && data.size(3) == (q4 ? 16 : 32) && data.is_contiguous() &&
               (q4 || data.scalar_type() == at::kChar), "packed weight mismatch");
   const int64_t P = data.size(0), K = data.size(1) * 32;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * (K / 32) * kCols,
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == P * (K / 32) * kCols,
               "packed weight mismatch");
-  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scale.numel()),
+  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.numel() == scale.numel()),
               "packed weight mismatch");
   at::Tensor out = at::empty({P, K / 32, 16, 32}, data.options().dtype(at::kBFloat16));
 #if defined(__AVX512F__)
-  const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
-                 q4 ? mins.data_ptr<float>() : nullptr, K, P, P * kCols};
+  const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()),
+                 reinterpret_cast<const half_t*>(scale.data_ptr()),
+                 q4 ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr, K, P, P * kCols};
   __m512bh* dst = reinterpret_cast<__m512bh*>(out.data_ptr());
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     __m512bh pairs[16];
@@ -466,9 +467,9 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
   TORCH_CHECK(data.dim() == 4 && K % 32 == 0 && data.size(1) == K / 32 && data.size(2) == 16 &&
               data.size(3) == (q4 ? 16 : 32) && (q4 || data.scalar_type() == at::kChar) && data.is_contiguous(),
               "packed weight mismatch");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * (K / 32) * kCols,
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.numel() == P * (K / 32) * kCols,
               "packed weight mismatch");
-  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scale.numel()),
+  TORCH_CHECK(!q4 || (mins.scalar_type() == at::kHalf && mins.is_contiguous() && mins.numel() == scale.numel()),
               "packed weight mismatch");
   TORCH_CHECK(P * kCols >= N, "N exceeds the packed weight");
   at::Tensor b;
@@ -482,8 +483,9 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
   if (decoded)
     TORCH_CHECK(pairs->scalar_type() == at::kBFloat16 && pairs->is_contiguous() && pairs->numel() == P * K * kCols,
                 "decoded pairs mismatch");
-  const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()), scale.data_ptr<float>(),
-                 q4 ? mins.data_ptr<float>() : nullptr, K, P, N};
+  const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()),
+                 reinterpret_cast<const half_t*>(scale.data_ptr()),
+                 q4 ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr, K, P, N};
   if (amx_products()) {
     for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
       const int64_t rows = std::min(kAmxRows, M - m0);
