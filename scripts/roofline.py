@@ -136,8 +136,10 @@ def measure_path(name: str, dtype: torch.dtype, env: dict[str, str], timer: Part
     kinds = sorted({"int8" if lin.int8 else "bf16 blocks" if lin.bf16_blocks
                     else "blocks" if isinstance(lin.packed, tuple) else lin.kind for lin in linears})
     if "bf16 blocks" in kinds:
-        # (read as bfloat16 weights decoded in registers; wide calls: decoded once ahead)
+        # (read as bfloat16 weights decoded in registers; wide calls: decoded once ahead, or,
+        # on AMX tiles, decoded at every row count)
         name += ", 4-bit blocks" if "blocks only" not in name else ""
+        name += " on AMX tiles" if fast.kernel is not None and fast.kernel.amx_products() else ""
     nbytes = sum(weight_bytes(lin) for lin in linears)
     params = sum(lin.weight.numel() for lin in linears)
 
@@ -246,8 +248,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/roofline", help="folder for <machine>.json and <machine>.md")
     ap.add_argument("--paths", default=None,
-                    help="paths to measure (blocks, panels, bf16, bf16-blocks, int8; default: all but bf16-blocks, "
-                         "which joins where bfloat16 reads the blocks)")
+                    help="paths to measure (blocks, panels, bf16, bf16-blocks, bf16-avx512, int8; default: all but "
+                         "the last two bfloat16 ones; bf16-blocks joins where bfloat16 reads the blocks, bf16-avx512 "
+                         "(AMX off) where the CPU has AMX)")
     args = ap.parse_args()
 
     from sot.machine import machine_info
@@ -266,7 +269,11 @@ def main() -> None:
     from sot.kernels.linear import bf16_blocks_supported
 
     paths = []
-    keys = args.paths or ("blocks,panels,bf16,bf16-blocks,int8" if bf16_blocks_supported() else "blocks,panels,bf16,int8")
+    from sot.kernels import cpu_kernels
+
+    amx = cpu_kernels() is not None and cpu_kernels().amx_supported()
+    keys = args.paths or ("blocks,panels,bf16,bf16-avx512,int8" if amx else "blocks,panels,bf16,bf16-blocks,int8"
+                          if bf16_blocks_supported() else "blocks,panels,bf16,int8")
     for key in keys.split(","):
         name, dtype, env = known[key.strip()]
         paths.append(measure_path(name, dtype, env, timer, int8=key.strip() == "int8"))
@@ -277,7 +284,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     # (machines of one name and vector width differ in their bfloat16 instructions)
-    bf16 = "-bf16" if bf16_blocks_supported() else ""
+    kernel = cpu_kernels()
+    bf16 = "-amx" if kernel is not None and kernel.amx_supported() else "-bf16" if bf16_blocks_supported() else ""
     slug = machine_slug(f"{machine['cpu']}-{machine['simd']}{bf16}")
     (out / f"{slug}.json").write_text(json.dumps(data, indent=1))
     (out / f"{slug}.md").write_text(report(data))
