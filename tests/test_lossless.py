@@ -499,6 +499,25 @@ def bf16_chain(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     kernel.set_amx_products(before)
 
 
+def _sums_offset(kernel, one: torch.Tensor, blocks, n: int) -> torch.Tensor:
+    """A one-row call's bfloat16 output plus what rounding left of it, ``[n]`` float32: the
+    row's float32 sums to 16 bits, to read the rest against (:func:`_sums_alone_and_together`)."""
+    first = kernel.linear_blocks_bf16(one, *blocks, n, None).float()[0]
+    return first + kernel.linear_blocks_bf16(one, *blocks, n, -first).float()[0]
+
+
+def _sums_alone_and_together(kernel, x: torch.Tensor, blocks, n: int, i: int, lo: int, hi: int,
+                             offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low bits of row ``i``'s float32 sums ``[n]`` (``bf16(s - c)``, read through the
+    bias, ``c`` = ``offset`` or the row's own :func:`_sums_offset`), the row alone and in a
+    call over rows ``lo..hi-1``: bfloat16 outputs hide most differences of the sums."""
+    one = x[i:i + 1]
+    offset = _sums_offset(kernel, one, blocks, n) if offset is None else offset
+    alone = kernel.linear_blocks_bf16(one, *blocks, n, -offset)[0]
+    together = kernel.linear_blocks_bf16(x[lo:hi], *blocks, n, -offset)[i - lo]
+    return alone, together
+
+
 def test_bf16_block_products_are_row_stable_and_use_the_bf16_weights(bf16_chain: str) -> None:
     """``linear_blocks_bf16`` over Q4_1 and Q8_0 blocks, on each chain: each row's bits are the
     same whatever else shares the call (AVX512-BF16: 1-8 rows in registers, more through L1
@@ -520,16 +539,21 @@ def test_bf16_block_products_are_row_stable_and_use_the_bf16_weights(bf16_chain:
         for lo, hi in ((0, 1), (4, 6), (3, 7), (5, 13), (0, 8), (1, 10), (0, 16), (4, 21), (20, 21), (3, 20),
                        (10, 45), (0, 64), (5, 70), (69, 70)):
             assert torch.equal(kernel.linear_blocks_bf16(x[lo:hi], *blocks, n, bias), full[lo:hi]), (lo, hi)
+            # (the float32 sums too, which bfloat16 outputs mostly hide)
+            for i in sorted({lo, (lo + hi) // 2, hi - 1}):
+                alone, together = _sums_alone_and_together(kernel, x, blocks, n, i, lo, hi)
+                assert torch.equal(alone, together), (lo, hi, i)
         rows = torch.eye(k).to(torch.bfloat16)  # one product per output: the weight itself
         assert torch.equal(kernel.linear_blocks_bf16(rows, *blocks, n, None), w.to(torch.bfloat16).T)
         near = (x.float() @ w.to(torch.bfloat16).float().T + bias).to(torch.bfloat16)
         assert (full.float() - near.float()).abs().max() <= 0.02 * near.float().abs().max()
-        if bf16_chain == "amx":  # (the tiles really multiply: they round sums of a wide range otherwise)
-            wide = (x.float() * torch.exp2(torch.rand(x.shape, generator=gen) * 16 - 8)).to(torch.bfloat16)
-            tiles = kernel.linear_blocks_bf16(wide, *blocks, n, None)
+        if bf16_chain == "amx":  # (the tiles really multiply: the other chain's sums differ)
+            offsets = [_sums_offset(kernel, x[i:i + 1], blocks, n) for i in range(0, 70, 7)]
+            tiles = [_sums_alone_and_together(kernel, x, blocks, n, 7 * j, 0, 70, c)[0] for j, c in enumerate(offsets)]
             kernel.set_amx_products(False)
-            assert not torch.equal(kernel.linear_blocks_bf16(wide, *blocks, n, None), tiles)
+            pairs = [_sums_alone_and_together(kernel, x, blocks, n, 7 * j, 0, 70, c)[0] for j, c in enumerate(offsets)]
             kernel.set_amx_products(True)
+            assert not all(torch.equal(a, b) for a, b in zip(tiles, pairs))
     # parameters stacked along their outputs (q, k, v) read their own blocks, cast from float32
     parts = [torch.nn.Linear(k, m, bias=False) for m in (32, 16, 40)]
     for lin, m in zip(parts, (32, 16, 40)):
