@@ -66,8 +66,10 @@ def test_greedy_walks_give_each_sequence_its_own_greedy_path() -> None:
     trees = [tree_from_parents([9, 2, 3, 1, 4], [-1, 0, 0, 2, 1], [1.0, 0.9, 0.1, 0.1, 0.8]),
              tree_from_parents([5, 0, 1], [-1, 0, 1])]
     gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(8, 6, generator=gen)
-    weight = torch.eye(6) + 0.01 * torch.randn(6, 6, generator=gen)  # (row k of the head: token k)
+    # (row k of the head: token k; integers, so every sum is exact whatever the product's row
+    # count: a float32 product of 6 rows need not round like one of 8)
+    hidden = torch.randint(-8, 9, (8, 6), generator=gen).float()
+    weight = torch.eye(6) * 64 + torch.randint(-1, 2, (6, 6), generator=gen).float()
     hidden[0] = weight[3] * 4  # each root row's argmax is a child: the paths go past the root
     hidden[5] = weight[0] * 4
     hidden[2] = weight[1] * 4  # node 2 -> its child node 3
