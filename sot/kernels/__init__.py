@@ -1,7 +1,8 @@
 """SoT's compiled CPU kernels, built on first use with the local C++ compiler: exact tree
 attention (``attention.cpp``), row-stable float32 products on packed and 4/8-bit block
 weights (``linear.cpp``; their Python side is :mod:`sot.kernels.linear`), bfloat16 products
-over the same blocks where the CPU has AVX512-BF16 (``linear_bf16.cpp``), the int8 mode's
+over the same blocks where the CPU has AVX512-BF16, on AMX tiles where it has them
+(``linear_bf16.cpp``), the int8 mode's
 8-bit integer products (``linear_int8.cpp``), RMSNorm, rope with the KV-cache write and the
 greedy row argmax (``norm_rope.cpp``), and a Llama-family model's decoder layers in one call
 over those kernels (``layers.cpp``), bound into one module (``module.cpp``).

@@ -20,7 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_products", &set_amx_products, "turn linear_blocks_bf16's AMX chain on or off (on needs AMX); "
         "returns the state");
   m.def("bf16_blocks_supported", &bf16_blocks_supported, "whether this CPU runs linear_blocks_bf16 (AVX512-BF16)");
-  m.def("linear_blocks_bf16", &linear_blocks_bf16, "row-stable bfloat16 product over 4/8-bit blocks (AVX512-BF16)",
+  m.def("linear_blocks_bf16", &linear_blocks_bf16,
+        "row-stable bfloat16 product over 4/8-bit blocks (AVX512-BF16, or AMX tiles)",
         pybind11::arg("x"), pybind11::arg("data"), pybind11::arg("scale"), pybind11::arg("mins"), pybind11::arg("n"),
         pybind11::arg("bias"), pybind11::arg("pairs") = pybind11::none());
   m.def("decode_blocks_bf16", &decode_blocks_bf16, "linear_blocks_bf16's weights decoded once, for wide products");
