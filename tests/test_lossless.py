@@ -648,6 +648,7 @@ def test_speculative_equals_plain_on_bf16_blocks(arch: str, bf16_chain: str) -> 
     # (AVX512-BF16: wide passes, from bf16_pairs_from_rows() rows, read the decoded pairs;
     # narrow ones the blocks. AMX: no pairs)
     assert all((lin.pairs is None) == (bf16_chain == "amx") for lin in linears)
+    assert all(lin.storage[0].endswith("on AMX tiles") == (bf16_chain == "amx") for lin in linears)
     prompts = random_prompts(LENGTHS, seed=1)
     plain = run(target, NoDrafter(), prompts)
     assert [run(target, NoDrafter(), [p])[0] for p in prompts] == plain

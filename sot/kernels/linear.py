@@ -623,8 +623,8 @@ class PackedLinear:
     @property
     def storage(self) -> tuple[str, int]:
         """How the product holds its weight, and the bytes a one-row product reads of it:
-        ``("4-bit blocks" | "8-bit blocks" | "8-bit integer products" | "bfloat16 blocks" |
-        "float32 panels" | "16-bit panels" | a library's name, bytes)``; for :attr:`segments`,
+        ``("4-bit blocks" | "8-bit blocks" | "8-bit integer products" | "bfloat16 blocks" (``"... on
+        AMX tiles"``) | "float32 panels" | "16-bit panels" | a library's name, bytes)``; for :attr:`segments`,
         their kinds joined by ``" + "``."""
         if self.segments:
             kinds = [piece.storage for piece in self.segments]
@@ -634,7 +634,7 @@ class PackedLinear:
         if self.int8:
             return "8-bit integer products", size
         if self.bf16_blocks:
-            return "bfloat16 blocks", size
+            return ("bfloat16 blocks on AMX tiles" if self.kernel.amx_products() else "bfloat16 blocks"), size
         if isinstance(self.packed, tuple):
             bits = {torch.uint8: 4, torch.int8: 8}[self.packed[0].dtype]
             return f"{bits}-bit blocks", size
