@@ -346,6 +346,31 @@ def test_a_closed_batch_speculates_only_on_its_critical_path() -> None:
     assert policy.critical_path({b: 40 for b in range(4)}, [0, 1, 2, 3], {}) == {0, 1, 2, 3}
 
 
+def test_a_closed_batch_is_planned_for_its_end_where_its_own_rows_are_dear() -> None:
+    """The one-sequence curve can call rows nearly free where a batch's are not: the passes
+    this engine measured in its batches (roots only, and with drafted rows) also open the
+    planning for the end, from a neighbouring batch size too."""
+    from sot.policy.state import StepOutcome, StepPlan
+
+    policy = _closed_policy([2.0, 2.0, 2.0, 2.0])
+    assert not policy.plans_for_the_end(4), "on the curve, 8 rows cost 1.2x 4 rows"
+    plan = StepPlan((), (0, 1, 2, 3), {}, TreeBudget(8, 4), 4)
+
+    def passes(rows: int, seconds: float, n: int = 2) -> None:
+        for _ in range(n):
+            policy.observe_step(plan, StepOutcome(trees={}, paths={b: [0] for b in range(4)}, draft_seconds=0.0,
+                                                  draft_passes=0, verify_seconds=seconds, rows=rows))
+
+    passes(4, 0.010)  # the roots only
+    assert policy.batch_doubling(4) == 0.0 and not policy.plans_for_the_end(4), "no drafted pass yet"
+    passes(8, 0.0125)  # 4 drafted rows: 0.625 ms a row, so doubling costs 1.25x
+    assert policy.batch_doubling(4) == pytest.approx(1.25) and not policy.plans_for_the_end(4)
+    passes(8, 0.016, n=8)  # 1.5 ms a row: 1.6x
+    assert policy.batch_doubling(4) == pytest.approx(1.6) and policy.plans_for_the_end(4)
+    assert policy.batch_doubling(5) == pytest.approx(1.6) and policy.plans_for_the_end(5)
+    assert policy.batch_doubling(8) == 0.0 and not policy.plans_for_the_end(1)
+
+
 def test_a_closed_plan_takes_free_drafts_only_on_the_critical_path() -> None:
     policy = _closed_policy([2.0, 2.0, 2.0, 2.0])
     assert not policy.plans_for_the_end(4), "8 rows cost 1.2x 4 rows: tokens per second plans"
