@@ -488,7 +488,8 @@ def bf16_chain(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
 
     kernel = cpu_kernels()
     if request.param == "amx" and not kernel.amx_supported():
-        pytest.skip("the AMX chain needs a CPU with AMX tiles (AMX-BF16) and Linux 5.16 or later; this one has none")
+        pytest.skip("the AMX chain needs a CPU with AMX tiles (AMX-BF16), Linux 5.16 or later and a compiler that "
+                    "knows the tiles (GCC 11, Clang 12); this machine lacks one of them")
     before = kernel.amx_products()
     if request.param == "amx":
         monkeypatch.delenv("SOT_NO_AMX", raising=False)

@@ -5,6 +5,14 @@
 #include <atomic>
 #include <cstdlib>
 #include <type_traits>
+// The AMX chain needs a compiler that knows the tile instructions (GCC 11, Clang 12); with an
+// older one the kernels build without it and AMX CPUs take AVX512-BF16's chain.
+#if defined(__AVX512F__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define SOT_AMX_BUILD 1
+#else
+#define SOT_AMX_BUILD 0
+#endif
 #if defined(__linux__) && defined(__x86_64__)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -231,7 +239,7 @@ SOT_BF16 void tile_pairs(const c10::BFloat16* x, int64_t K, const __m512bh* pair
     }
 }
 
-#if defined(__AVX512F__)
+#if SOT_AMX_BUILD
 // ---- AMX ----------------------------------------------------------------------------------
 // Where the CPU has AMX tiles, every product takes a second chain instead: each output is the
 // chain of TDPBF16PS steps over the blocks kb = 0, 1, ..., K/32 - 1, in order, from zero (one
@@ -358,7 +366,7 @@ SOT_AMX void amx_panels(const c10::BFloat16* x, int last, const Blocks& w, int64
   _tile_release();
 }
 
-// A product of rows <= kAmxRows rows of x over every panel, two threads' shares of the panels.
+// A product of rows <= kAmxRows rows of x over every panel, each thread taking a share of the panels.
 template <bool Q4>
 SOT_AMX void amx_product(const c10::BFloat16* x, int64_t rows, const Blocks& w, const float* bias, c10::BFloat16* y,
                          int64_t N) {
@@ -391,7 +399,7 @@ int64_t bf16_pairs_from_rows() { return kPairsFromRows; }
 
 bool amx_supported() {
   static const bool ok = [] {
-#if defined(__AVX512F__) && defined(__linux__) && defined(__x86_64__)
+#if SOT_AMX_BUILD && defined(__linux__) && defined(__x86_64__)
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!bf16_blocks_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;  // AMX-BF16, AMX-TILE
@@ -486,6 +494,7 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
   const Blocks w{reinterpret_cast<const uint8_t*>(data.data_ptr()),
                  reinterpret_cast<const half_t*>(scale.data_ptr()),
                  q4 ? reinterpret_cast<const half_t*>(mins.data_ptr()) : nullptr, K, P, N};
+#if SOT_AMX_BUILD
   if (amx_products()) {
     for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
       const int64_t rows = std::min(kAmxRows, M - m0);
@@ -494,6 +503,7 @@ at::Tensor linear_blocks_bf16(at::Tensor x, at::Tensor data, at::Tensor scale, a
     }
     return y;
   }
+#endif
   if (decoded && M >= kPairsFromRows) {
     const __m512bh* pp = reinterpret_cast<const __m512bh*>(pairs->data_ptr());
     // rows in near-equal groups of at most kTileRows, two panels a tile; each tile's panels
