@@ -196,6 +196,30 @@ def test_draft_rows_follow_the_requests_rules_as_the_target_does(rules: dict) ->
         assert [r.token_ids for r in Engine(target, drafter, TreeBudget(16, 6)).generate(prompts, params)] == plain
 
 
+def test_children_are_the_top_of_the_whole_log_softmax() -> None:
+    """The children a node gets (:meth:`StateDrafter._child_top`: its best logits less the
+    row's log-sum-exp) are the top of the whole log-softmax, with and without request rules:
+    the same draft ids and log-probabilities to float rounding, best first."""
+    from sot.drafters import DraftInput, DraftRules
+    from sot.drafters.state.drafter import _Growth, _SeqState
+    from sot.sampling import SamplingParams
+
+    model = tiny_model("llama")
+    drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+    logits = 4 * torch.randn(5, model.config.vocab_size, generator=torch.Generator().manual_seed(2))
+    rules = DraftRules.of(SamplingParams(frequency_penalty=0.5, repetition_penalty=1.3), 3)
+    for source in (DraftInput(0, [3, 5, 7, 9]), DraftInput(0, [3, 5, 7, 9, 7], rules=rules)):
+        growth = _Growth(_SeqState(), 9, 3, source)
+        growth.tok, growth.par = [7, 11], [-1, 0]
+        rows = [(growth, -1), (growth, 0), (growth, 1), (growth, -1), (growth, 1)]
+        bases = {} if source.rules is not None else None
+        want_val, want_idx = drafter._child_logp(logits, rows, bases, 1, 0).topk(4, dim=-1)
+        val, idx = drafter._child_top(logits, rows, {} if bases is not None else None, 1, 0, 4)
+        assert torch.equal(idx, want_idx)
+        torch.testing.assert_close(val, want_val, rtol=0, atol=1e-5)
+        assert bool((val[:, :-1] >= val[:, 1:]).all()) and bool((val <= 0).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma", "gemma3"])
 def test_untrained_state_drafter_is_lossless(arch: str, dtype: torch.dtype) -> None:

@@ -291,8 +291,7 @@ class StateDrafter(Drafter):
         # per growth, its request's rules over the committed context (None: no growth has rules)
         ruled = self.follow_rules and any(gr.source.rules is not None for gr in growths)
         bases: dict[int, tuple] | None = {} if ruled else None
-        logp = self._child_logp(p.logits(last), [(gr, -1) for gr in growths], bases, 1, draw_depth)
-        val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
+        val, idx = self._child_top(p.logits(last), [(gr, -1) for gr in growths], bases, 1, draw_depth, k_top)
         for gr, vs, ids in zip(growths, val.tolist(), idx.tolist()):
             gr.frontier = gr.add(-1, 1, 0.0, vs, ids, self._vocab)
             gr.seq.reserve(k_top * budget.grown_depth)
@@ -321,18 +320,20 @@ class StateDrafter(Drafter):
             for gr in live:
                 m = len(gr.frontier)
                 base = len(gr.anc_rows)
+                at_rows, at_cols = [], []  # (the visible scratch rows, set in one indexed write)
                 for j, n in enumerate(gr.frontier):
                     parent_rows = gr.anc_rows[gr.row_of[gr.par[n]]] if gr.par[n] in gr.row_of else []
-                    gr.anc_rows.append(parent_rows + [base + j])
+                    seen = parent_rows + [base + j]
+                    gr.anc_rows.append(seen)
                     gr.row_of[n] = base + j
+                    at_rows += [j] * len(seen)
+                    at_cols += seen
                 mask = torch.zeros(m, base + m, dtype=torch.bool)
-                for j in range(m):
-                    mask[j, gr.anc_rows[base + j]] = True
+                mask[at_rows, at_cols] = True
                 masks.append((gr.seq, base, mask.to(self.device)))
             g = self._layers(h, q, k, v, pos, masks)[0]  # [M, D]
             rows = [(gr, n) for gr in live for n in gr.frontier]
-            logp = self._child_logp(p.logits(g), rows, bases, depth + 1, draw_depth)
-            val, idx = logp.topk(min(k_top, logp.shape[-1]), dim=-1)
+            val, idx = self._child_top(p.logits(g), rows, bases, depth + 1, draw_depth, k_top)
             vals, ids = val.tolist(), idx.tolist()
             at = 0
             for gr in live:
@@ -343,6 +344,19 @@ class StateDrafter(Drafter):
                     at += 1
                 cand.sort(key=lambda c: -gr.score[c])
                 gr.frontier = cand[:k_top]
+
+    def _child_top(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict | None,
+                   depth: int, draw_depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best children of each node of ``rows``: their drafted log-probabilities
+        and draft-vocabulary indices, both ``[M, k]`` (see :meth:`_child_logp`). Where no
+        coupled draw applies at ``depth``, the top ``k`` logits are taken first and only they
+        are normalised (less their row's log-sum-exp), instead of the whole log-softmax."""
+        k = min(k, logits.shape[-1])
+        if depth > draw_depth:
+            x = self._with_rules(logits.float(), rows, bases)
+            val, idx = x.topk(k, dim=-1)
+            return val - torch.logsumexp(x, dim=-1, keepdim=True), idx
+        return self._child_logp(logits, rows, bases, depth, draw_depth).topk(k, dim=-1)
 
     def _child_logp(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict | None,
                     depth: int, draw_depth: int) -> torch.Tensor:
