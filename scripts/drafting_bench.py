@@ -70,10 +70,10 @@ def main() -> None:
     def proposing(inputs, budget):
         current.clear()
         timed["products"] = timed["head"] = 0.0
-        passes, t = drafter.passes, time.perf_counter()
+        passes, start = drafter.passes, time.perf_counter()
         out = propose(inputs, budget)
-        calls.append((time.perf_counter() - t, current.get("absorb", 0.0), len(inputs), drafter.passes - passes,
-                      sum(t.size - 1 for t in out), timed["products"], timed["head"]))
+        calls.append((time.perf_counter() - start, current.get("absorb", 0.0), len(inputs), drafter.passes - passes,
+                      sum(tree.size - 1 for tree in out), timed["products"], timed["head"]))
         return out
 
     drafter._absorb_inputs, drafter.propose = absorbing, proposing
