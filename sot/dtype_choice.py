@@ -20,6 +20,10 @@ The expected speed of a mode is then the best chain of the break-even model
 tokens per second, the best ``d``; for ``--drafter none`` it is ``1 / verify(1)``. The mode
 with the higher expected speed wins; the choice and its timings are kept in
 ``$SOT_CACHE/dtype/`` per machine, model and drafter, so later loads read it back.
+
+For a batch of ``B`` sequences the same timings give the choice
+(:meth:`DtypeChoice.at_batch`): a step verifies ``B`` times the rows in one pass, so a mode
+whose wide passes are cheap (bfloat16 on AMX tiles) can lose one sequence and win a batch.
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -92,6 +97,8 @@ class DtypeChoice:
     drafter: str = ""
     modes: list[ModeTiming] = field(default_factory=list)
     path: Path | None = None
+    #: the sequences decoded together that the expected speeds are for
+    batch: int = 1
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,10 +110,23 @@ class DtypeChoice:
         """Whether the products run in 8-bit integers (``--dtype int8``)."""
         return self.dtype == INT8
 
+    def at_batch(self, batch: int) -> "DtypeChoice":
+        """The choice for ``batch`` sequences decoded together, from the same timings (a choice
+        that was not measured, or a batch of one, is itself). A wide pass costs little more
+        than one row where the hardware multiplies bfloat16 in tiles, so the mode that wins one
+        sequence can lose a batch."""
+        if batch <= 1 or not self.modes or self.source not in ("measured", "cached"):
+            return self
+        modes = [replace(m, verify_ms=dict(m.verify_ms)) for m in self.modes]
+        _expected(modes, speculative=self.drafter != "none", batch=batch)
+        best = max(modes, key=lambda m: m.tokens_per_s)
+        return DtypeChoice(best.dtype, self.source, self.drafter, modes, self.path, batch)
+
     def summary(self) -> str:
         """A few lines for ``-v``: the choice, where it came from, each mode's timings."""
         where = f" ({self.path})" if self.path else ""
-        lines = [f"dtype {self.dtype}: {self.source}{where}"]
+        per = f", for batches of {self.batch}" if self.batch > 1 else ""
+        lines = [f"dtype {self.dtype}: {self.source}{where}{per}"]
         for m in self.modes:
             curve = ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in sorted(m.verify_ms.items()) if r in (1, 16))
             spec = ""
@@ -307,22 +327,31 @@ def _probe(m: _Loaded, timing: ModeTiming, earlier: list[ModeTiming]) -> None:
     timing.draft_ms = draft_s * 1000
 
 
-def _expected(modes: list[ModeTiming], speculative: bool) -> None:
-    """Fill each mode's expected tokens per second (the drafter's acceptance pooled over modes)."""
+def _expected(modes: list[ModeTiming], speculative: bool, batch: int = 1) -> None:
+    """Fill each mode's expected tokens per second for ``batch`` sequences decoded together
+    (the drafter's acceptance pooled over modes).
+
+    A batch's step verifies every sequence's rows in one pass, ``verify(batch * rows)``
+    (extrapolated past the largest timed pass), and its drafting is priced as one drafter pass
+    per sequence, the most it costs (the drafter batches its sequences)."""
     from sot.policy.cost import best_speed
 
     decoded = [m for m in modes if m.probe_tokens] or modes
     tau = sum(m.tau * max(1, m.probe_tokens) for m in decoded) / sum(max(1, m.probe_tokens) for m in decoded)
     a = (tau - 1) / tau
+
+    def step(m: ModeTiming) -> Callable[[int], float]:
+        return lambda rows: m.verify(batch * rows)
+
     for m in modes:
-        one = m.verify(1)
+        one = step(m)(1)
         if not speculative:
-            m.tokens_per_s = 1 / one
+            m.tokens_per_s = batch / one
             continue
-        ratio, depth = best_speed(a, m.verify, m.draft_ms / 1000, max_depth=max(PROBE_ROWS) - 1)
+        ratio, depth = best_speed(a, step(m), batch * m.draft_ms / 1000, max_depth=max(PROBE_ROWS) - 1)
         if ratio <= 1.0:  # no chain pays: the policy decodes plainly
             ratio, depth = 1.0, 0
-        m.acceptance, m.depth, m.tokens_per_s = a, depth, ratio / one
+        m.acceptance, m.depth, m.tokens_per_s = a, depth, batch * ratio / one
 
 
 def choose_dtype(model: str, drafter: str = "auto", predictor: str | None = None, device: str = "cpu",
@@ -349,11 +378,12 @@ def choose_dtype(model: str, drafter: str = "auto", predictor: str | None = None
 
 
 def resolve(name: str, model: str, drafter: str = "auto", predictor: str | None = None,
-            device: str = "cpu") -> DtypeChoice:
-    """A ``--dtype`` value as a :class:`DtypeChoice`: ``auto`` by :func:`choose_dtype`, a mode as itself."""
+            device: str = "cpu", batch: int = 1) -> DtypeChoice:
+    """A ``--dtype`` value as a :class:`DtypeChoice`: ``auto`` by :func:`choose_dtype` for
+    ``batch`` sequences decoded together (:meth:`DtypeChoice.at_batch`), a mode as itself."""
     from sot.models.loading import resolve_dtype
 
     if name == "auto":
-        return choose_dtype(model, drafter, predictor, device)
+        return choose_dtype(model, drafter, predictor, device).at_batch(batch)
     resolve_dtype(name)  # a clear error for a bad name
     return DtypeChoice(name, "forced", drafter)

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import tiny_model_dir
 from sot.acceptance import Acceptance
@@ -64,26 +65,28 @@ def test_bench_outputs_and_consistency(setup) -> None:
     assert f"SIMD {machine['simd']}" in (out / "report.md").read_text()
 
 
+def _first_child(tree, logits, argmax=None) -> Acceptance:
+    """A broken acceptance rule: always the first child, wrong wherever the drafts are."""
+    kids = tree.children()
+    path, tokens, node = [0], [], 0
+    while kids[node]:
+        node = kids[node][0]
+        path.append(node)
+        tokens.append(tree.tokens[node])
+    # (the engine passes the argmax of the rows a greedy walk reaches, -1 elsewhere)
+    if argmax is None:
+        tokens.append(int(logits[node].argmax()))
+    else:
+        tokens.append(argmax[node] if argmax[node] >= 0 else tree.tokens[node])
+    return Acceptance(path, tokens)
+
+
 def test_bench_catches_a_lossy_method(setup, monkeypatch) -> None:
     """A deliberately broken acceptance rule (always take the first child) must show up in
     the identity column."""
     import sot.verify as verify
 
-    def lossy(tree, logits, argmax=None):
-        kids = tree.children()
-        path, tokens, node = [0], [], 0
-        while kids[node]:
-            node = kids[node][0]
-            path.append(node)
-            tokens.append(tree.tokens[node])
-        # (the engine passes the argmax of the rows a greedy walk reaches, -1 elsewhere)
-        if argmax is None:
-            tokens.append(int(logits[node].argmax()))
-        else:
-            tokens.append(argmax[node] if argmax[node] >= 0 else tree.tokens[node])
-        return Acceptance(path, tokens)
-
-    monkeypatch.setattr(verify, "accept_greedy", lossy)
+    monkeypatch.setattr(verify, "accept_greedy", _first_child)
     model, prompts, root = setup
     res = run_bench(_config(model, prompts, root / "lossy", methods=("plain", "pld")))
     agg = res["methods"]["pld"]
@@ -373,6 +376,56 @@ def test_dtype_sweep_runs_each_mode_against_its_own_plain(setup) -> None:
     with pytest.raises(ConfigError, match="batch size 1"):
         run_bench(_config(model, prompts, root / "no", methods=("plain", "pld"), batch_size=2,
                           sweep=("dtype", ("float32", "int8"))))
+
+
+def test_auto_runs_each_method_in_its_own_mode_and_holds_it_to_plain_in_that_mode(setup, monkeypatch) -> None:
+    """``--dtype auto`` picks each method's mode for its own drafter (here: plain decoding in
+    float32, ``pld`` in bfloat16, as on an AMX machine); ``pld`` is held to plain decoding in
+    bfloat16, alone and in a batch, so a lossy acceptance still shows."""
+    import sot.bench.runner as runner
+    import sot.verify as verify
+    from sot.dtype_choice import DtypeChoice
+
+    asked = []
+
+    def choose(name, model, drafter="auto", predictor=None, device="cpu", batch=1):
+        asked.append((drafter, batch))
+        return DtypeChoice("float32" if drafter == "none" else "bfloat16", "measured", drafter)
+
+    monkeypatch.setattr(runner, "resolve_choice", choose)
+    model, prompts, root = setup
+    built, _, target = runner.build_methods(_config(model, prompts, root / "modes", methods=("plain", "pld")))
+    assert {m.name: m.engine.target.model.dtype for m in built} == {"plain": torch.float32, "pld": torch.bfloat16}
+    assert target is built[0].engine.target and asked == [("none", 1), ("pld", 1)]
+    alone = runner._alone_outputs
+    decoded = []  # the modes plain decoding ran in, untimed, to hold the methods to
+
+    def spy(target, *args):
+        decoded.append(target.model.dtype)
+        return alone(target, *args)
+
+    monkeypatch.setattr(runner, "_alone_outputs", spy)
+    for batch in (1, 2):
+        out = root / f"modes-{batch}"
+        decoded.clear()
+        res = run_bench(_config(model, prompts, out, methods=("plain", "pld"), max_new_tokens=16, batch_size=batch))
+        # (batch 1: plain's own outputs check plain's mode; a batch checks every mode against alone)
+        assert decoded == ([torch.bfloat16] if batch == 1 else [torch.float32, torch.bfloat16])
+        assert res["config"]["method_dtypes"] == {"plain": "float32", "pld": "bfloat16"}
+        assert res["methods"]["pld"]["identical_to_plain"] == "3/3"
+        if batch > 1:
+            assert res["methods"]["plain"]["identical_to_alone"] == res["methods"]["pld"]["identical_to_alone"] == "3/3"
+        report = (out / "report.md").read_text()
+        assert "engine auto (plain float32, pld bfloat16)" in report and "decoded once more untimed" in report
+    assert asked[-2:] == [("none", 2), ("pld", 2)]
+    # the reference in pld's mode is what pld is held to: a token changed in it shows
+    monkeypatch.setattr(runner, "_alone_outputs", lambda *args: [ids[:-1] + [ids[-1] + 1] if j == 0 else ids
+                                                                 for j, ids in enumerate(alone(*args))])
+    res = run_bench(_config(model, prompts, root / "modes-ref", methods=("plain", "pld"), max_new_tokens=16))
+    assert res["methods"]["pld"]["identical_to_plain"] == "2/3"
+    monkeypatch.setattr(verify, "accept_greedy", _first_child)
+    res = run_bench(_config(model, prompts, root / "modes-lossy", methods=("plain", "pld"), max_new_tokens=16))
+    assert res["methods"]["pld"]["identical_to_plain"] != "3/3"
 
 
 def test_bench_inputs_are_checked_before_models_load_and_results_survive(setup, tmp_path, monkeypatch,

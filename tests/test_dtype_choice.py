@@ -54,6 +54,32 @@ def test_a_mode_with_cheap_wide_passes_wins_for_a_drafter_and_loses_without_one(
     assert [m.depth for m in useless] == [0, 0] and useless[0].tokens_per_s == pytest.approx(1000 / 14.7)
 
 
+def test_a_batch_can_choose_the_mode_one_sequence_does_not() -> None:
+    """The figures of an AMX machine: float32 blocks win one row (6.9 ms against 9.5) and lose
+    sixteen (39.6 ms against 16.1), so plain decoding picks float32 alone and bfloat16 for a
+    batch of 16, from the same timings; a forced mode stays itself."""
+    timings = [dc.ModeTiming("float32", {1: 6.9, 2: 9.0, 4: 13.0, 8: 21.0, 16: 39.6}),
+               dc.ModeTiming("bfloat16", {1: 9.5, 2: 9.8, 4: 10.5, 8: 12.0, 16: 16.1})]
+    alone = dc.DtypeChoice("float32", "cached", "none", timings)
+    assert alone.at_batch(1) is alone
+    wide = alone.at_batch(16)
+    assert (wide.dtype, wide.batch, wide.source) == ("bfloat16", 16, "cached")
+    assert [m.tokens_per_s for m in wide.modes] == pytest.approx([16_000 / 39.6, 16_000 / 16.1])
+    assert timings[0].tokens_per_s == 0.0, "the cached timings are not rewritten"
+    assert alone.at_batch(2).dtype == "float32" and "for batches of 16" in wide.summary()
+    # a drafter's batch verifies every sequence's chain in one pass, the chains' rows summed
+    spec = [dc.ModeTiming("float32", {1: 6.9, 16: 39.6}, draft_ms=2.0, tau=2.0, probe_tokens=48),
+            dc.ModeTiming("bfloat16", {1: 9.5, 16: 16.1}, draft_ms=2.0, tau=2.0, probe_tokens=16)]
+    dc._expected(spec, speculative=True, batch=4)
+    a = 0.5
+    for m in spec:
+        rows = [m.verify(4 * (d + 1)) + d * 4 * 0.002 for d in range(16)]
+        best = max(4 * sum(a**k for k in range(d + 1)) / rows[d] for d in range(1, 16))
+        assert m.tokens_per_s == pytest.approx(max(best, 4 / m.verify(4)))
+    forced = dc.DtypeChoice("float32", "forced", "none")
+    assert forced.at_batch(16) is forced
+
+
 def test_auto_measures_both_modes_once_and_reads_the_choice_back(model_dir: Path, cache: Path,
                                                                  monkeypatch) -> None:
     first = dc.choose_dtype(str(model_dir), "pld", progress=False)

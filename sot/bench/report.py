@@ -45,10 +45,13 @@ def _summary(values: list[float]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, exact: set[str]) -> dict[str, dict]:
+def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, exact: set[str],
+              references: dict[str, dict[int, list[int]]] | None = None) -> dict[str, dict]:
     """Per-method figures. Speedups are per-prompt tokens/s ratios (median and range).
     ``exact``: the methods whose outputs should equal plain decoding's, compared and counted
-    in ``identical_to_plain`` (greedy: all; seeded coupled sampling: the engine's methods)."""
+    in ``identical_to_plain`` (greedy: all; seeded coupled sampling: the engine's methods).
+    ``references``: by method, the token ids by prompt index it is held to instead of the
+    ``plain`` method's (plain decoding in the method's own mode, where that differs)."""
     by_method: dict[str, dict[int, RunRecord]] = {m: {} for m in methods}
     for r in records:
         by_method[r.method][r.prompt_index] = r
@@ -97,13 +100,15 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, exac
             "fallbacks_per_prompt": (sum(r.fallbacks for r in recs.values()) / len(recs)) if steps else None,
             "prompts_with_fallback": sum(1 for r in recs.values() if r.fallbacks) if steps else None,
         }
-        plain = _plain_of(m, by_method)
+        plain = {i: r.token_ids for i, r in _plain_of(m, by_method).items()}
+        if references and m in references:
+            plain = references[m]
         if m in exact and plain and not _is_plain(m):
             same = 0
             for i, rec in sorted(recs.items()):
                 if i not in plain:
                     continue
-                where = _first_divergence(rec.token_ids, plain[i].token_ids)
+                where = _first_divergence(rec.token_ids, plain[i])
                 if where is None:
                     same += 1
                 else:
@@ -111,6 +116,17 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, exac
             entry["identical_to_plain"] = f"{same}/{len([i for i in recs if i in plain])}"
         out[m] = entry
     return out
+
+
+def _engine_dtype(cfg: dict) -> str:
+    """The engine's mode for the report's header: one, or each method's where ``--dtype auto``
+    gave methods different ones."""
+    modes = cfg.get("method_dtypes") or {}
+    if cfg["dtype"] != "auto" or not modes:
+        return cfg["dtype"]
+    if len(set(modes.values())) == 1:
+        return next(iter(modes.values()))
+    return "auto (" + ", ".join(f"{m} {d}" for m, d in modes.items()) + ")"
 
 
 def _fmt_speedup(s: dict | None) -> str:
@@ -272,7 +288,7 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
     lines = [
         f"# sot bench: {cfg['prompts']}",
         "",
-        f"model `{cfg['model']}`, engine {cfg['dtype']} on {cfg.get('device', 'cpu')}, HF {cfg['hf_dtype']}, "
+        f"model `{cfg['model']}`, engine {_engine_dtype(cfg)} on {cfg.get('device', 'cpu')}, HF {cfg['hf_dtype']}, "
         f"{counted}, "
         f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
         f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",

@@ -42,6 +42,7 @@ from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.errors import ConfigError, SoTError
 from sot.models.adapter import TargetModel
 from sot.machine import machine_info
+from sot.dtype_choice import DtypeChoice
 from sot.dtype_choice import resolve as resolve_choice
 from sot.models.loading import (
     DEFAULT_DEVICE, DEFAULT_MODEL, DTYPE_CHOICES, DTYPES, default_gguf_path, load_model, load_tokenizer,
@@ -92,6 +93,9 @@ class BenchConfig:
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB  # each engine method's own prefix cache, as `sot generate` has
     out: str = "bench-out"
     notes: list[str] = field(default_factory=list)
+    #: each engine method's mode, by label, filled when the methods load (``--dtype auto`` can
+    #: give methods different ones: :func:`engine_modes`)
+    method_dtypes: dict[str, str] = field(default_factory=dict)
 
 
 def parse_sweep(text: str) -> tuple[str, tuple[int | str, ...]]:
@@ -258,27 +262,63 @@ def _clear_previous(out: Path) -> None:
             (out / name).unlink(missing_ok=True)
 
 
+def per_method_auto(cfg: BenchConfig) -> bool:
+    """Whether ``--dtype auto`` picks each engine method's mode for its own drafter: not in a
+    sweep (one mode runs every value) nor in conversations (whose turns follow the answers)."""
+    return cfg.dtype == "auto" and not cfg.sweep and not (cfg.multiturn or cfg.prompts in MULTITURN_SETS)
+
+
+def engine_modes(cfg: BenchConfig, device: str) -> dict[str, list[DtypeChoice]]:
+    """The modes each engine method runs in, by method.
+
+    ``--sweep dtype`` runs every method in each of its modes. ``--dtype auto`` without a sweep
+    gives each method the mode ``auto`` picks for its own drafter at the bench's batch size,
+    what ``sot generate --drafter D --batch-size B`` would run: where plain decoding is fastest
+    in float32 and speculation in bfloat16 (AMX), each is measured in its own. Otherwise every
+    method runs in one mode: the named one, or ``auto``'s for the first drafting method."""
+    methods = [m for m in cfg.methods if _is_engine(m)]
+    if cfg.sweep and cfg.sweep[0] == "dtype":
+        swept = [resolve_choice(name, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor), device=device)
+                 for name in cfg.sweep[1]]
+        return {m: swept for m in methods}
+    if per_method_auto(cfg):
+        return {m: [resolve_choice("auto", cfg.model, *dtype_drafter((m,), cfg.predictor), device=device,
+                                   batch=cfg.batch_size)] for m in methods}
+    one = resolve_choice(cfg.dtype, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor), device=device)
+    return {m: [one] for m in methods}
+
+
 def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetModel | None]:
-    """Load what the requested methods need; returns the methods, tokenizer and engine target."""
+    """Load what the requested methods need; returns the methods, tokenizer and engine target
+    (plain decoding's, else the first engine method's)."""
     check_methods(cfg)
     device = resolve_device(cfg.device)
     swept_modes = cfg.sweep[1] if cfg.sweep and cfg.sweep[0] == "dtype" else None
     methods: list[BenchMethod] = []
     tokenizer = None
     target = None
-    engine_methods = [m for m in cfg.methods if _is_engine(m)]
-    #: per engine mode (one, or each of --sweep dtype's): its target and the methods' drafters
+    modes = engine_modes(cfg, str(device))
+    #: per engine mode (one, each of --sweep dtype's, or each method's own under auto): its
+    #: target and the drafters of the methods that run in it
     engines: dict[str, tuple[TargetModel, dict]] = {}
-    for mode_name in (swept_modes or (cfg.dtype,)) if engine_methods else ():
-        mode = resolve_choice(mode_name, cfg.model, *dtype_drafter(cfg.methods, cfg.predictor), device=str(device))
+    for mode in {choice.dtype: choice for choices in modes.values() for choice in choices}.values():
         loaded = load_model(cfg.model, dtype=mode.torch_dtype, device=device, int8=mode.int8)
         tokenizer = loaded.tokenizer
-        drafters = {m: _drafter(cfg, m, loaded.model) for m in engine_methods}
+        drafters = {m: _drafter(cfg, m, loaded.model) for m, choices in modes.items()
+                    if mode.dtype in (c.dtype for c in choices)}
         layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))
         engines[mode.dtype] = (TargetModel(loaded.model, state_layers=layers, kv_cache_dtype=cfg.kv_cache_dtype),
                                drafters)
     if engines:
-        target, drafters = next(iter(engines.values()))
+        first = modes.get("plain", next(iter(modes.values())))[0].dtype
+        target, drafters = engines[first]
+    cfg.method_dtypes.update({method_label(m): " and ".join(c.dtype for c in choices) for m, choices in modes.items()})
+    if len(engines) > 1 and not swept_modes:
+        cfg.notes.append("--dtype auto: each method runs in the mode auto picks for its drafter"
+                         + (f" at batch size {cfg.batch_size}" if cfg.batch_size > 1 else "") + ": "
+                         + ", ".join(f"{method_label(m)} {c[0].dtype}" for m, c in modes.items())
+                         + "; a method in another mode than plain decoding's is held to plain decoding in its "
+                         "own mode, decoded once more untimed")
     for name in cfg.methods:
         if name in ("hf", "hf-pld"):
             hf = load_model(cfg.model, dtype=DTYPES[cfg.hf_dtype], device=device)
@@ -309,8 +349,9 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
                 methods.append(EngineMethod(f"{method_label(name)}[{kind}]", target, drafter, _budget(cfg),
                                             policy, cfg.prefix_cache_mb))
         else:
-            methods.append(EngineMethod(method_label(name), target, drafters[name], _budget(cfg), cfg.policy,
-                                        cfg.prefix_cache_mb))
+            mode_target, mode_drafters = engines[modes[name][0].dtype]
+            methods.append(EngineMethod(method_label(name), mode_target, mode_drafters[name], _budget(cfg),
+                                        cfg.policy, cfg.prefix_cache_mb))
     if tokenizer is None and methods:  # (llama.cpp alone: the prompts still need the model's tokenizer)
         tokenizer = load_tokenizer(cfg.model)
     return methods, tokenizer, target
@@ -357,17 +398,35 @@ def _alone_outputs(target: TargetModel, prompts: list[list[int]], params: Genera
     return [alone(ids, j) for j, ids in enumerate(tqdm(prompts, desc="alone", unit="run"))]
 
 
-def _compare_alone(aggregates: dict, runs: list[RunRecord], target: TargetModel, prompts: list[list[int]],
-                   params: GenerationParams) -> None:
-    """Greedy batches: does every sequence equal plain decoding of its prompt alone (batch 1)?
-    Adds ``identical_to_alone`` ("k/n") to each engine method. Each prompt runs alone under
-    the index it had in the batch, which keys coupled sampling's noise, so a seeded sample
-    compares with the same draws."""
-    reference = _alone_outputs(target, prompts, params)
+def _compare_alone(aggregates: dict, runs: list[RunRecord], references: dict[str, list[list[int]]]) -> None:
+    """Greedy batches: does every sequence equal plain decoding of its prompt alone (batch 1),
+    in its method's mode (``references``: by method, :func:`_references`)? Adds
+    ``identical_to_alone`` ("k/n") to each engine method."""
     for name, entry in aggregates.items():
+        if name not in references:
+            continue
         recs = [r for r in runs if r.method == name]
-        same = sum(1 for r in recs if r.token_ids == reference[r.prompt_index])
+        same = sum(1 for r in recs if r.token_ids == references[name][r.prompt_index])
         entry["identical_to_alone"] = f"{same}/{len(recs)}"
+
+
+def _references(methods: list[BenchMethod], names: set[str], prompts: list[list[int]], params: GenerationParams,
+                other_mode: set[str], batch: int) -> dict[str, list[list[int]]]:
+    """Plain decoding of each prompt alone, in the mode of each engine method of ``names``, by
+    method: at batch 1 only for the methods of ``other_mode`` (in another mode than plain
+    decoding's, whose outputs plain's own cannot check); in a batch, for every method. Each
+    prompt runs alone under the index it had in the batch, which keys coupled sampling's noise,
+    so a seeded sample compares with the same draws. One decode per mode, untimed."""
+    by_target: dict[int, list[list[int]]] = {}
+    out = {}
+    for m in methods:
+        if not isinstance(m, EngineMethod) or m.name not in names or (batch == 1 and m.name not in other_mode):
+            continue
+        target = m.engine.target
+        if id(target) not in by_target:
+            by_target[id(target)] = _alone_outputs(target, prompts, params)
+        out[m.name] = by_target[id(target)]
+    return out
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -427,13 +486,19 @@ def run_bench(cfg: BenchConfig) -> dict:
                          f"{total} prompts (turns) that every method finished")
     # coupled sampling makes the engine's seeded outputs token-identical to plain decoding, like greedy
     exact = set(names) if cfg.temperature == 0 else {m.name for m in methods if m.uses_engine and _exact(cfg)}
-    aggregates = aggregate(runs, names, model_rss, exact)
+    # (under --dtype auto, a method in another mode than plain decoding's is held to plain
+    # decoding in its own mode)
+    other_mode = {m.name for m in methods if isinstance(m, EngineMethod) and m.engine.target is not target
+                  and per_method_auto(cfg)}
+    references = {} if interrupted or multiturn else _references(methods, exact, prompts, params, other_mode, batch)
+    aggregates = aggregate(runs, names, model_rss, exact,
+                           {m: dict(enumerate(r)) for m, r in references.items() if m in other_mode})
     if batch > 1:  # a batch's prompts share its steps' time: the ratio is the batch's, with no range
         for entry in aggregates.values():
             if entry.get("speedup_vs_plain"):
                 entry["speedup_vs_plain"].update(min=None, max=None)
-    if batch > 1 and exact and target is not None:
-        _compare_alone(aggregates, runs, target, prompts, params)
+    if batch > 1 and references:
+        _compare_alone(aggregates, runs, references)
     result = {
         "schema": SCHEMA,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "notes"},

@@ -74,7 +74,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
     from sot.bench.report import summary
-    from sot.bench.runner import BenchConfig, check_bench, dtype_drafter, parse_sweep, run_bench
+    from sot.bench.runner import BenchConfig, check_bench, dtype_drafter, parse_sweep, per_method_auto, run_bench
     from sot.dtype_choice import resolve
     from sot.models.loading import resolve_device
 
@@ -114,11 +114,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out=args.out,
     )
     check_bench(cfg)  # before --dtype auto times anything or a model loads
-    # the report names the dtype that ran; auto times the modes for the first speculative method
-    # (with --sweep dtype, the swept modes run and --dtype is not read)
-    cfg = dataclasses.replace(cfg, dtype=(" and ".join(sweep[1]) if sweep and sweep[0] == "dtype"
-                                          else resolve(args.dtype, args.model, drafter, predictor,
-                                                       device=str(device)).dtype))
+    # the report names the dtype that ran: auto picks each method's own where it can (the runner
+    # resolves it per method), else one mode, timed for the first speculative method (with
+    # --sweep dtype, the swept modes run and --dtype is not read)
+    if not per_method_auto(cfg):
+        cfg = dataclasses.replace(cfg, dtype=(" and ".join(sweep[1]) if sweep and sweep[0] == "dtype"
+                                              else resolve(args.dtype, args.model, drafter, predictor,
+                                                           device=str(device)).dtype))
     result = run_bench(cfg)
     print(summary(result))
     print(f"results in {cfg.out}/ (results.json, report.md, per-method JSONL, plots)", file=sys.stderr)

@@ -283,9 +283,10 @@ def check_load_args(args: argparse.Namespace) -> None:
         policy_from_args(args)
 
 
-def load_sot(args: argparse.Namespace) -> SoT:
+def load_sot(args: argparse.Namespace, batch: int = 1) -> SoT:
     """The :class:`~sot.api.SoT` the model, drafter, dtype and device options name, loaded with
-    a line on stderr saying what is being loaded."""
+    a line on stderr saying what is being loaded. ``batch``: the sequences it will decode
+    together, which ``--dtype auto`` chooses its mode for."""
     from sot.api import SoT
     from sot.dtype_choice import resolve
     from sot.models.loading import resolve_device
@@ -294,7 +295,7 @@ def load_sot(args: argparse.Namespace) -> SoT:
     apply_threads(args)
     # (the int8 mode runs on the CPU: with a GPU visible, auto still means the CPU for it)
     device = resolve_device("cpu" if args.dtype == "int8" and args.device == "auto" else args.device)
-    choice = resolve(args.dtype, args.model, args.drafter, args.predictor, device=str(device))
+    choice = resolve(args.dtype, args.model, args.drafter, args.predictor, device=str(device), batch=batch)
     print(f"loading {args.model} ({choice.dtype} on {device}, drafter {args.drafter}) ...", file=sys.stderr)
     if args.verbose:
         print(choice.summary(), file=sys.stderr)

@@ -111,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise SoTError(f"--tool-choice {args.tool_choice} fixes the answer's form; leave out the form flag")
         structured = use.format() or structured
         items = [with_tools(item, use.offered()) for item in items]
-    sot = load_sot(args)
+    sot = load_sot(args, batch=min(args.batch_size, len(items)))
     ids = [sot.encode(item, args.chat) for item in items]
     params = sot.params(stop=args.stop, logprobs=args.logprobs, structured=structured, prediction=prediction,
                         **sampling_kwargs(args))
@@ -334,7 +334,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         from sot.prompts import read_jsonl
 
         items = read_jsonl(args.prompts) if args.prompts else [args.prompt]
-        sot = load_sot(args)
+        sot = load_sot(args, batch=min(args.batch_size, len(items)))
         ids = [sot.encode(item, args.chat) for item in items]
         params = sot.params(**sampling_kwargs(args))
         results = sot.generate_ids(ids, params, batch_size=args.batch_size, trace=True)
