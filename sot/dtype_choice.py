@@ -262,6 +262,12 @@ def _available_bytes() -> int:
         return 1 << 62
 
 
+def room_beside(target, ratio: float = 1.0) -> bool:
+    """Whether the system could hold another copy of the model ``target`` holds beside it, in a
+    mode of ``ratio`` times its bytes (2.0: float32 beside bfloat16): twice that still free."""
+    return 2 * ratio * _bytes(target) < _available_bytes()
+
+
 def measure_modes(model: str, names: tuple[str, ...], drafter: str, predictor: str | None) -> list[ModeTiming]:
     """Time ``model`` in each mode of ``names``: verify passes by rows and, with a drafter, a
     probe decode.
@@ -273,7 +279,7 @@ def measure_modes(model: str, names: tuple[str, ...], drafter: str, predictor: s
     not fit beside the first is timed after it, alone."""
     first = _load(model, names[0], drafter, predictor)
     together, rest = [first], list(names[1:])
-    while rest and 2 * _bytes(first.target) < _available_bytes():
+    while rest and room_beside(first.target):
         together.append(_load(model, rest.pop(0), drafter, predictor))
     timings = _time_in_turns(together, [])
     del first, together

@@ -397,6 +397,15 @@ def test_auto_runs_each_method_in_its_own_mode_and_holds_it_to_plain_in_that_mod
     built, _, target = runner.build_methods(_config(model, prompts, root / "modes", methods=("plain", "pld")))
     assert {m.name: m.engine.target.model.dtype for m in built} == {"plain": torch.float32, "pld": torch.bfloat16}
     assert target is built[0].engine.target and asked == [("none", 1), ("pld", 1)]
+    # without memory for a second copy, every method runs in the drafting method's mode (loaded first)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "room_beside", lambda target, ratio: ratio < 2)  # (float32 beside bfloat16: no room)
+        cfg = _config(model, prompts, root / "modes", methods=("plain", "pld"))
+        built, _, target = runner.build_methods(cfg)
+    assert {m.name: m.engine.target.model.dtype for m in built} == {"plain": torch.bfloat16, "pld": torch.bfloat16}
+    assert built[0].engine.target is built[1].engine.target is target
+    assert cfg.method_dtypes == {"plain": "bfloat16", "pld": "bfloat16"}
+    assert any("too little memory to load float32 beside bfloat16" in n for n in cfg.notes)
     alone = runner._alone_outputs
     decoded = []  # the modes plain decoding ran in, untimed, to hold the methods to
 

@@ -42,7 +42,7 @@ from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from sot.errors import ConfigError, SoTError
 from sot.models.adapter import TargetModel
 from sot.machine import machine_info
-from sot.dtype_choice import DtypeChoice
+from sot.dtype_choice import DtypeChoice, room_beside
 from sot.dtype_choice import resolve as resolve_choice
 from sot.models.loading import (
     DEFAULT_DEVICE, DEFAULT_MODEL, DTYPE_CHOICES, DTYPES, default_gguf_path, load_model, load_tokenizer,
@@ -301,14 +301,31 @@ def build_methods(cfg: BenchConfig) -> tuple[list[BenchMethod], object, TargetMo
     #: per engine mode (one, each of --sweep dtype's, or each method's own under auto): its
     #: target and the drafters of the methods that run in it
     engines: dict[str, tuple[TargetModel, dict]] = {}
-    for mode in {choice.dtype: choice for choices in modes.values() for choice in choices}.values():
-        loaded = load_model(cfg.model, dtype=mode.torch_dtype, device=device, int8=mode.int8)
-        tokenizer = loaded.tokenizer
-        drafters = {m: _drafter(cfg, m, loaded.model) for m, choices in modes.items()
+
+    def engine(mode: DtypeChoice, model: torch.nn.Module) -> tuple[TargetModel, dict]:
+        drafters = {m: _drafter(cfg, m, model) for m, choices in modes.items()
                     if mode.dtype in (c.dtype for c in choices)}
         layers = tuple(sorted({layer for d in drafters.values() for layer in d.state_layers}))
-        engines[mode.dtype] = (TargetModel(loaded.model, state_layers=layers, kv_cache_dtype=cfg.kv_cache_dtype),
-                               drafters)
+        return TargetModel(model, state_layers=layers, kv_cache_dtype=cfg.kv_cache_dtype), drafters
+
+    distinct = list({choice.dtype: choice for choices in modes.values() for choice in choices}.values())
+    if not swept_modes:  # (the first drafting method's mode first: the one every method takes without room)
+        lead = next((c[0].dtype for m, c in modes.items() if dtype_drafter((m,), None)[0] != "none"), None)
+        distinct.sort(key=lambda c: c.dtype != lead)
+    first_model = None
+    for mode in distinct:
+        ratio = mode.torch_dtype.itemsize / distinct[0].torch_dtype.itemsize
+        if engines and not swept_modes and not room_beside(engines[distinct[0].dtype][0], ratio):
+            modes = {m: distinct[:1] for m in modes}
+            engines = {distinct[0].dtype: engine(distinct[0], first_model)}
+            cfg.notes.append(f"--dtype auto: too little memory to load {mode.dtype} beside {distinct[0].dtype}; "
+                             f"every method runs in {distinct[0].dtype}")
+            break
+        loaded = load_model(cfg.model, dtype=mode.torch_dtype, device=device, int8=mode.int8)
+        tokenizer = loaded.tokenizer
+        if first_model is None:
+            first_model = loaded.model
+        engines[mode.dtype] = engine(mode, loaded.model)
     if engines:
         first = modes.get("plain", next(iter(modes.values())))[0].dtype
         target, drafters = engines[first]
