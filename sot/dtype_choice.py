@@ -34,12 +34,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from sot.machine import machine_key
 from sot.models.loading import DTYPES, INT8, MODE_DTYPES, cache_root, keep_json, native_bf16, resolve_model_path
+
+if TYPE_CHECKING:
+    from sot.models.adapter import TargetModel
 
 #: modes timed by ``auto``, in the order they are tried (float32 first: exact everywhere)
 CANDIDATES = ("float32", "bfloat16")
@@ -262,7 +265,7 @@ def _available_bytes() -> int:
         return 1 << 62
 
 
-def room_beside(target, ratio: float = 1.0) -> bool:
+def room_beside(target: TargetModel, ratio: float = 1.0) -> bool:
     """Whether the system could hold another copy of the model ``target`` holds beside it, in a
     mode of ``ratio`` times its bytes (2.0: float32 beside bfloat16): twice that still free."""
     return 2 * ratio * _bytes(target) < _available_bytes()
