@@ -164,6 +164,14 @@ def test_the_library_and_the_cli_run_the_mode_auto_chose(model_dir: Path, cache:
     assert f"dtype {sot.dtype_choice.dtype}: cached" in err
     for name in dc.CANDIDATES:  # each mode's timings are printed
         assert any(line.split()[:1] == [name] and "1 rows" in line and "16 rows" in line for line in err.splitlines())
+    assert "for batches of" not in err
+    # several prompts decoded together: the choice is made for the batch they form (2, not 4)
+    prompts = cache.parent / "two.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "world"}\n')
+    rc = main(["generate", "--prompts", str(prompts), "--model", str(model_dir), "--drafter", "none",
+               "--max-new-tokens", "4", "--batch-size", "4", "-v", "--json"])
+    assert rc == 0
+    assert "cached (" in (err := capsys.readouterr().err) and ", for batches of 2\n" in err
 
 
 def test_an_unwritable_cache_still_chooses(model_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
