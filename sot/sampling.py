@@ -240,6 +240,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, idx.tolist(), vals.tolist())]
 
 
+#: the largest ``k`` that :func:`top_log_softmax` takes to the compiled kernel, which keeps its
+#: top ``k`` sorted by insertion (a draft tree asks for 8 children a node)
+TOP_KERNEL_MAX_K = 32
+
+
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits [..., V]`` -> ``[...]`` the index of each row's largest value (the first on
     ties), the same as ``argmax`` on the logits' own dtype. bfloat16 rows are compared in
@@ -253,3 +258,20 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
         if kernels is not None:
             return kernels.row_argmax_f32(rows.reshape(-1, rows.shape[-1])).view(rows.shape[:-1])
     return rows.argmax(dim=-1)
+
+
+def top_log_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [M, V]`` (float32) -> ``(values, indices)``, both ``[M, k]``: each row's ``k``
+    largest log-softmax values, largest first, and their indices; what ``log_softmax`` then
+    ``topk`` give, without the whole log-softmax. On a CPU with SoT's kernels one pass per row
+    finds the top ``k`` and a second sums the exponentials (``row_top_logsoftmax_f32``; ties
+    go to the lower index, and a row with a NaN gives NaN values); elsewhere PyTorch's
+    ``topk`` less ``logsumexp``."""
+    k = min(k, logits.shape[-1])
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and 0 < k <= TOP_KERNEL_MAX_K and logits.shape[0] > 0):
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.row_top_logsoftmax_f32(logits, k)
+    val, idx = logits.topk(k, dim=-1)
+    return val - torch.logsumexp(logits, dim=-1, keepdim=True), idx

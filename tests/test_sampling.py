@@ -454,3 +454,44 @@ def test_the_compiled_row_argmax_is_torchs() -> None:
     logits = torch.randn(2, 3, 50, generator=gen, dtype=torch.float32).to(torch.bfloat16)
     # any leading shape; bfloat16 compared in float32
     assert torch.equal(row_argmax(logits), logits.float().argmax(-1))
+
+
+def test_the_compiled_top_log_softmax_is_torchs() -> None:
+    """A draft node's children (``top_log_softmax``, ``row_top_logsoftmax_f32``): the same
+    values as ``log_softmax`` then ``topk`` (to 1e-5) and the same indices, largest first,
+    over short, odd and draft-sized vocabularies with -inf entries (forbidden tokens) and k
+    from 1 to the whole row; ties go to the lower index, and a row with a NaN gives NaNs."""
+    from sot.kernels import cpu_kernels
+    from sot.sampling import TOP_KERNEL_MAX_K, top_log_softmax
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("SoT's CPU kernels are not built here (top_log_softmax is torch's topk)")
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        rows = int(torch.randint(1, 12, (1,), generator=gen))
+        vocab = 16384 if trial % 10 == 0 else int(torch.randint(1, 70, (1,), generator=gen))
+        k = min(vocab, int(torch.randint(1, 12, (1,), generator=gen)) if trial % 5 else vocab, TOP_KERNEL_MAX_K)
+        x = 4 * torch.randn(rows, vocab, generator=gen)
+        if trial % 3 == 0:
+            x[torch.rand(rows, vocab, generator=gen) < 0.3] = float("-inf")
+            x[:, 0] = 0.0  # (a row keeps a finite value)
+        want_val, want_idx = torch.log_softmax(x, dim=-1).topk(k, dim=-1)
+        finite = torch.isfinite(want_val)  # (past a row's finite values, any -inf entry is right)
+        for val, idx in (kernels.row_top_logsoftmax_f32(x, k), top_log_softmax(x, k)):
+            assert torch.equal(idx[finite], want_idx[finite]), trial
+            assert torch.equal(torch.isfinite(val), finite), trial
+            assert torch.allclose(val[finite], want_val[finite], atol=1e-5, rtol=0), trial
+            assert all(len(set(r)) == k for r in idx.tolist()), trial
+            assert torch.isinf(x.gather(1, idx)[~finite]).all(), trial
+    ties = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0, 0.0, 2.0, 1.0] * 3])
+    assert kernels.row_top_logsoftmax_f32(ties, 6)[1].tolist() == [[1, 3, 4, 7, 10, 12]]
+    nan = torch.randn(2, 40, generator=gen)
+    nan[1, 17] = float("nan")
+    val, _ = kernels.row_top_logsoftmax_f32(nan, 3)
+    assert torch.isfinite(val[0]).all() and torch.isnan(val[1]).all()
+    # a k past the kernel's takes torch's path, with the same answer
+    wide = torch.randn(3, 200, generator=gen)
+    val, idx = top_log_softmax(wide, TOP_KERNEL_MAX_K + 8)
+    want_val, want_idx = torch.log_softmax(wide, dim=-1).topk(TOP_KERNEL_MAX_K + 8, dim=-1)
+    assert torch.equal(idx, want_idx) and torch.allclose(val, want_val, atol=1e-5)

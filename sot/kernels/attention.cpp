@@ -35,29 +35,6 @@ inline vec16 softmax_exp(vec16 x) {
   return p * scale;
 }
 
-#if defined(__AVX2__)
-// softmax_exp on 8 lanes in AVX2 registers: the same operations in the same order (GCC lowers
-// the 16-lane version above poorly on AVX2; measured at about a third of a 16-row tree's
-// attention time).
-inline __m256 softmax_exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // x < -87 ? -87 : x (NaN stays)
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 half = _mm256_blendv_ps(_mm256_set1_ps(0.5f), _mm256_set1_ps(-0.5f),
-                                       _mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_LT_OQ));
-  const __m256i ni = _mm256_cvttps_epi32(_mm256_add_ps(t, half));
-  const __m256 n = _mm256_cvtepi32_ps(ni);
-  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
 
 constexpr int64_t kMaxGroup = 16;
 

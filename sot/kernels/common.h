@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <optional>
+#include <tuple>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -37,6 +38,30 @@ inline float dot(const float* a, const float* b, int64_t n) {
     for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
   return acc[0];
 }
+
+#if defined(__AVX2__)
+// exp of 8 floats in AVX2 registers: range reduction plus a degree-6 polynomial, the same
+// operations in the same order as attention.cpp's 16-lane softmax_exp (GCC lowers that one
+// poorly on AVX2; measured at about a third of a 16-row tree's attention time).
+inline __m256 softmax_exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // x < -87 ? -87 : x (NaN stays)
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 half = _mm256_blendv_ps(_mm256_set1_ps(0.5f), _mm256_set1_ps(-0.5f),
+                                       _mm256_cmp_ps(t, _mm256_setzero_ps(), _CMP_LT_OQ));
+  const __m256i ni = _mm256_cvttps_epi32(_mm256_add_ps(t, half));
+  const __m256 n = _mm256_cvtepi32_ps(ni);
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
 
 // The bias of a product as float32 values (null without one); `keep` holds the converted
 // tensor while the pointer is used.
@@ -99,3 +124,6 @@ at::Tensor decode_blocks_bf16(at::Tensor data, at::Tensor scale, at::Tensor mins
 int64_t bf16_pairs_from_rows();
 // x [M, V] float32 -> [M] int64, each row's argmax as torch.argmax gives it (norm_rope.cpp)
 at::Tensor row_argmax_f32(at::Tensor x);
+// x [M, V] float32 -> ([M, k] float32, [M, k] int64): each row's k largest values less the row's
+// log-sum-exp (their log-softmax), largest first, ties to the lower index (norm_rope.cpp)
+std::tuple<at::Tensor, at::Tensor> row_top_logsoftmax_f32(at::Tensor x, int64_t k);

@@ -28,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pairs_from_rows", &bf16_pairs_from_rows,
         "the row count from which linear_blocks_bf16 reads decoded pairs");
   m.def("row_argmax_f32", &row_argmax_f32, "each row's argmax, the first on ties (or the first NaN)");
+  m.def("row_top_logsoftmax_f32", &row_top_logsoftmax_f32,
+        "each row's k largest log-softmax values and their indices, largest first, ties to the lower index");
   m.def("linear_int8", &linear_int8, "row-stable product in 8-bit integers over 4/8-bit blocks");
   bind_llama_layers(m);
 }

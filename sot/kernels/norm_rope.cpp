@@ -239,6 +239,57 @@ inline int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // (not reached: top is one of the row's values)
 }
 
+
+// The k largest values of one row, ties to the lower index, into vals/idx (descending):
+// the first k values sorted, then each later value that beats the k-th (8 at a time compared
+// with it first, most of a row never entering).
+inline void top_row(const float* x, int64_t n, int64_t k, float* vals, int64_t* idx) {
+  int64_t count = 0;
+  auto insert = [&](float v, int64_t i) {
+    int64_t at = count < k ? count : k - 1;
+    while (at > 0 && vals[at - 1] < v) {  // (after every value >= v: an earlier index stays first)
+      vals[at] = vals[at - 1];
+      idx[at] = idx[at - 1];
+      --at;
+    }
+    vals[at] = v;
+    idx[at] = i;
+    if (count < k) ++count;
+  };
+  int64_t i = 0;
+  for (; i < k; ++i) insert(x[i], i);
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
+    while (mask) {
+      const int j = __builtin_ctz(mask);
+      mask &= mask - 1;
+      if (x[i + j] > vals[k - 1]) insert(x[i + j], i + j);
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] > vals[k - 1]) insert(x[i], i);
+}
+
+// log of the sum of exp(x - top) over a row, with the softmax's exp
+inline float log_sum_exp_below(const float* x, int64_t n, float top) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX2__)
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_add_ps(a0, softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), t)));
+    a1 = _mm256_add_ps(a1, softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), t)));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_add_ps(a0, a1));
+  for (int j = 0; j < 8; ++j) sum += lanes[j];
+#endif
+  for (; i < n; ++i) sum += std::exp(x[i] - top);
+  return std::log(sum);
+}
 }  // namespace
 
 at::Tensor row_argmax_f32(at::Tensor x) {
@@ -252,4 +303,25 @@ at::Tensor row_argmax_f32(at::Tensor x) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * V, V);
   });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> row_top_logsoftmax_f32(at::Tensor x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "row_top_logsoftmax_f32 takes float32 rows [M, V]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), V = xc.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "row_top_logsoftmax_f32: k must be in 1..V");
+  at::Tensor vals = at::empty({M, k}, xc.options());
+  at::Tensor idx = at::empty({M, k}, xc.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  float* vp = vals.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  at::parallel_for(0, M, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* v = vp + r * k;
+      top_row(xp + r * V, V, k, v, ip + r * k);
+      const float lse = v[0] + log_sum_exp_below(xp + r * V, V, v[0]);
+      for (int64_t j = 0; j < k; ++j) v[j] -= lse;
+    }
+  });
+  return {vals, idx};
 }

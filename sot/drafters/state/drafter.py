@@ -11,7 +11,7 @@ from sot.drafters.free import FreeDrafts
 from sot.drafters.state.model import StatePredictor
 from sot.drafters.suffix import SuffixStores
 from sot.errors import ConfigError
-from sot.sampling import noise_capacity, processed_logits
+from sot.sampling import noise_capacity, processed_logits, top_log_softmax
 from sot.tree import DraftTree
 
 
@@ -353,9 +353,7 @@ class StateDrafter(Drafter):
         are normalised (less their row's log-sum-exp), instead of the whole log-softmax."""
         k = min(k, logits.shape[-1])
         if depth > draw_depth:
-            x = self._with_rules(logits.float(), rows, bases)
-            val, idx = x.topk(k, dim=-1)
-            return val - torch.logsumexp(x, dim=-1, keepdim=True), idx
+            return top_log_softmax(self._with_rules(logits.float(), rows, bases), k)
         return self._child_logp(logits, rows, bases, depth, draw_depth).topk(k, dim=-1)
 
     def _child_logp(self, logits: torch.Tensor, rows: list[tuple[_Growth, int]], bases: dict | None,
