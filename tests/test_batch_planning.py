@@ -79,6 +79,23 @@ def test_planner_drafts_nothing_when_a_root_only_step_is_fastest() -> None:
     assert cheap.worth_drafting([0], 1) == [0], "alone as in a batch"
 
 
+def test_the_rates_the_planner_weighs_are_its_choice() -> None:
+    """``drafting_rates`` (what ``scripts/planner_view.py`` reports): a root-only step's
+    tokens per second, and per sequence, best gain per extra row first, the rate with it and
+    those before it drafting; ``worth_drafting`` takes the best prefix, or none."""
+    policy = _policy([0.010, 0.012, 0.013, 0.030], tau=1.5)
+    policy.seqs[2].tau = 4.0  # three extra tokens for its three extra rows: ranked first
+    plain, ranked = policy.drafting_rates([0, 1, 2, 3], 4)
+    assert plain == pytest.approx(4 / 0.012)
+    assert [b for b, _ in ranked] == [2, 0, 1, 3]
+    draft = 0.002 * 3
+    want = [(4 + 3.0) / (policy.cost.verify(7) + draft), (4 + 3.5) / (policy.cost.verify(10) + draft),
+            (4 + 4.0) / (policy.cost.verify(13) + draft), (4 + 4.5) / (policy.cost.verify(16) + draft)]
+    assert [rate for _, rate in ranked] == pytest.approx(want)
+    assert want[0] > plain and max(want[1:]) < want[0]  # (the first alone pays; adding more costs)
+    assert policy.worth_drafting([0, 1, 2, 3], 4) == [2]
+
+
 def test_an_offline_call_reads_prompts_into_the_predictor_only_when_they_draft() -> None:
     """A server reads a joining prompt into the predictor at admission while others draft (so
     the next drafting step does not pay for it); an offline call never does: a prompt reaches

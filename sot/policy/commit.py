@@ -286,6 +286,19 @@ class CommitPolicy:
         if (not drafting or not self.adaptive or len(self.pass_seconds) < 3
                 or self.config.fallback_threshold <= 0):
             return drafting
+        plain_rate, ranked = self.drafting_rates(drafting, batch_rows)
+        best, best_rate = 0, plain_rate
+        for k, (_, rate) in enumerate(ranked):
+            if rate > best_rate:
+                best, best_rate = k + 1, rate
+        chosen = {b for b, _ in ranked[:best]}
+        return [b for b in drafting if b in chosen]
+
+    def drafting_rates(self, drafting: list[int], batch_rows: int) -> tuple[float, list[tuple[int, float]]]:
+        """What :meth:`worth_drafting` weighs (once the predictor's pass is timed): the modelled
+        tokens per second of a root-only step of ``batch_rows`` sequences, and the keys of
+        ``drafting`` best ratio first, each with the modelled rate when it and those before it
+        draft."""
         draft_time = statistics.median(self.pass_seconds) * self.passes_per_call
         scored = []
         for b in drafting:
@@ -294,16 +307,12 @@ class CommitPolicy:
             gain = max(0.0, s.tau - 1.0)
             scored.append((gain / extra, b, gain, extra))
         scored.sort(key=lambda x: (-x[0], x[1]))
-        best, best_rate = 0, batch_rows / self.pass_cost([1] * batch_rows)
-        tokens, rows = float(batch_rows), [1] * batch_rows
-        for k, (_, _, gain, extra) in enumerate(scored):
+        tokens, rows, ranked = float(batch_rows), [1] * batch_rows, []
+        for k, (_, b, gain, extra) in enumerate(scored):
             tokens += gain
             rows[k] = 1 + extra
-            rate = tokens / (self.pass_cost(rows) + draft_time)
-            if rate > best_rate:
-                best, best_rate = k + 1, rate
-        chosen = {b for _, b, _, _ in scored[:best]}
-        return [b for b in drafting if b in chosen]
+            ranked.append((b, tokens / (self.pass_cost(rows) + draft_time)))
+        return batch_rows / self.pass_cost([1] * batch_rows), ranked
 
     def plans_for_the_end(self, batch: int) -> bool:
         """Whether a closed batch of ``batch`` sequences is planned by :meth:`critical_path`:
