@@ -96,6 +96,40 @@ def test_the_rates_the_planner_weighs_are_its_choice() -> None:
     assert policy.worth_drafting([0, 1, 2, 3], 4) == [2]
 
 
+def test_a_closed_batch_warms_up_the_predictor_on_the_sequences_with_most_left() -> None:
+    """A closed batch (an offline call with no prompt left to admit) times the predictor's pass
+    on at most ``CLOSED_WARMUP`` sequences, those with the most tokens left, instead of
+    drafting for all (each one's first call reads its whole prompt); an open batch's warm-up
+    still drafts for everyone, and outputs are plain decoding's either way."""
+    assert CommitPolicy.CLOSED_WARMUP == 2
+    policy = CommitPolicy(PolicyConfig(), CostModel([1, 16], [0.01, 0.02]))
+    left = {0: 5, 1: 9, 2: 9, 3: 1}
+    assert policy.closed_warmup([3, 2, 1, 0], left) == [2, 1], "most left first, ties by key, order kept"
+    for _ in range(3):
+        policy.observe_draft(0.006, 3)
+    assert policy.closed_warmup([3, 2, 1, 0], left) == [3, 2, 1, 0], "once the pass is timed, no limit"
+
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(clone(model, torch.float32), state_layers=LAYERS)
+    prompts = random_prompts((8, 12, 17, 10, 9), seed=4)
+    params = GenerationParams(max_new_tokens=20)
+    plain = [r.token_ids for r in Engine(target, NoDrafter()).generate(prompts, params)]
+
+    def calls(batch_size: int) -> list[int]:
+        drafter = StateDrafter(new_predictor(model, LAYERS, None, seed=1), top_k=3)
+        sizes: list[int] = []
+        propose = drafter.propose
+        drafter.propose = lambda inputs, budget: sizes.append(len(inputs)) or propose(inputs, budget)
+        engine = Engine(target, drafter, TreeBudget(8, 4))
+        assert [r.token_ids for r in engine.generate(prompts, params, batch_size=batch_size)] == plain
+        return sizes
+
+    closed = calls(5)  # every prompt admitted at once: closed from the first step
+    assert closed[:3] == [2, 2, 2], "two sequences time the pass"
+    opened = calls(4)  # a prompt waits: open at first, and everyone drafts while the pass is untimed
+    assert opened[0] == 4
+
+
 def test_an_offline_call_reads_prompts_into_the_predictor_only_when_they_draft() -> None:
     """A server reads a joining prompt into the predictor at admission while others draft (so
     the next drafting step does not pay for it); an offline call never does: a prompt reaches
