@@ -506,9 +506,11 @@ class Engine:
         accepted = accept_all(seqs, batch.trees, out, self._cache, self.trace)
         head = full.head_seconds  # (the LM head of the rows the walks read, computed in accept_all)
         if full.states is not None and self.prefix_cache is not None:  # kept for the prefix cache
-            for b, (seq, acc) in enumerate(zip(seqs, accepted)):
-                if seq.history is not None:
-                    seq.history.append(full.seq_states(b)[acc.path])
+            kept = {b for b, seq in enumerate(seqs) if seq.history is not None}
+            if kept:
+                picked = full.path_states([accepted[b].path if b in kept else [] for b in range(len(seqs))])
+                for b in sorted(kept):
+                    seqs[b].history.append(picked[b])
         for obs in self.observers:
             obs.verified(seqs, batch.trees, full, [a.path for a in accepted], set(plan.drafting))
         self.policy.observe_step(plan, StepOutcome(

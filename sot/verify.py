@@ -78,9 +78,6 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
             acc = accept_tree(seq.params.sampling, seq.result.index, seq.generator, tree, logits, lengths[b])
         accepted.append(acc)
         keep.append([lengths[b] + i for i in acc.path])
-        if out.states is not None:
-            new = out.seq_states(b)[acc.path]
-            seq.add_states(new)
         if trace or seq.params.logprobs is not None:
             start = out.seq_start(b)
             rows = out.rows([start + i for i in acc.path])  # [n, V] the walked rows
@@ -88,6 +85,9 @@ def accept_all(seqs: list[LiveRequest], trees: list[DraftTree], out: ForwardOutp
                 seq.result.logit_trace.extend(r.clone() for r in rows)
             if seq.params.logprobs is not None:  # (commit keeps those of the tokens it takes)
                 seq.result.logprobs.extend(token_logprobs(rows, acc.tokens, seq.params.logprobs))
+    if out.states is not None:
+        for seq, states in zip(seqs, out.path_states([acc.path for acc in accepted])):
+            seq.add_states(states)
     cache.narrow(len(seqs)).keep_rows(keep)
     return accepted
 

@@ -57,6 +57,23 @@ def test_flat_packed_pass_equals_each_tree_alone(dtype: torch.dtype) -> None:
         assert torch.equal(padded[b], alone)
 
 
+def test_path_states_gather_each_sequences_rows_at_once() -> None:
+    """``ForwardOutput.path_states``: per sequence, ``seq_states(b)[path]``, for padded
+    ``[B, T, S, D]`` and flat ``[R, S, D]`` states alike, the same values in one gather."""
+    from sot.models.adapter import ForwardOutput
+
+    gen = torch.Generator().manual_seed(0)
+    paths = [[0, 2, 3], [0], [0, 1]]
+    padded = ForwardOutput(logits=torch.zeros(3, 4, 5), states=torch.randn(3, 4, 2, 6, generator=gen))
+    flat = ForwardOutput(logits=torch.zeros(9, 5), states=torch.randn(9, 2, 6, generator=gen), offsets=(0, 4, 6, 9))
+    for out in (padded, flat):
+        got = out.path_states(paths)
+        assert len(got) == 3
+        for b, path in enumerate(paths):
+            assert torch.equal(got[b], out.seq_states(b)[path]), b
+    assert [t.shape[0] for t in flat.path_states([[], [1], []])] == [0, 1, 0]
+
+
 def _policy(verify: list[float], tau: float) -> CommitPolicy:
     policy = CommitPolicy(PolicyConfig(), CostModel([1, 4, 8, 16], verify))
     policy.flat = True

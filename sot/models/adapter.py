@@ -278,6 +278,17 @@ class ForwardOutput:
         """``[T_b, S, D]`` the requested states of sequence ``b``'s rows."""
         return self.states[b] if self.offsets is None else self.states[self.offsets[b] : self.offsets[b + 1]]
 
+    def path_states(self, paths: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence ``b``, the states of its rows ``paths[b]`` (``[len(paths[b]), S, D]``):
+        ``[seq_states(b)[paths[b]] for b ...]``, gathered in one copy for the whole batch
+        (a copy a sequence cost more than the rows it moved)."""
+        rows = self.states.flatten(0, 1) if self.offsets is None else self.states
+        width = self.states.shape[1] if self.offsets is None else 0
+        index = [(self.offsets[b] if self.offsets is not None else b * width) + i
+                 for b, path in enumerate(paths) for i in path]
+        picked = rows.index_select(0, torch.tensor(index, device=rows.device))
+        return list(picked.split([len(path) for path in paths]))
+
 
 class _LogitRows:
     """A pass's logits, given whole or computed from the final hidden states on demand (each
