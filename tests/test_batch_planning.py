@@ -72,6 +72,7 @@ def test_path_states_gather_each_sequences_rows_at_once() -> None:
         for b, path in enumerate(paths):
             assert torch.equal(got[b], out.seq_states(b)[path]), b
     assert [t.shape[0] for t in flat.path_states([[], [1], []])] == [0, 1, 0]
+    assert [t.shape[0] for t in padded.path_states([[], [], []])] == [0, 0, 0]
 
 
 def _policy(verify: list[float], tau: float) -> CommitPolicy:

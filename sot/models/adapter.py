@@ -286,7 +286,7 @@ class ForwardOutput:
         width = self.states.shape[1] if self.offsets is None else 0
         index = [(self.offsets[b] if self.offsets is not None else b * width) + i
                  for b, path in enumerate(paths) for i in path]
-        picked = rows.index_select(0, torch.tensor(index, device=rows.device))
+        picked = rows.index_select(0, torch.tensor(index, dtype=torch.long, device=rows.device))
         return list(picked.split([len(path) for path in paths]))
 
 
