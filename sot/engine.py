@@ -506,11 +506,11 @@ class Engine:
         accepted = accept_all(seqs, batch.trees, out, self._cache, self.trace)
         head = full.head_seconds  # (the LM head of the rows the walks read, computed in accept_all)
         if full.states is not None and self.prefix_cache is not None:  # kept for the prefix cache
-            kept = {b for b, seq in enumerate(seqs) if seq.history is not None}
-            if kept:
-                picked = full.path_states([accepted[b].path if b in kept else [] for b in range(len(seqs))])
-                for b in sorted(kept):
-                    seqs[b].history.append(picked[b])
+            if any(seq.history is not None for seq in seqs):
+                picked = full.path_states([a.path if s.history is not None else [] for s, a in zip(seqs, accepted)])
+                for seq, states in zip(seqs, picked):
+                    if seq.history is not None:
+                        seq.history.append(states)
         for obs in self.observers:
             obs.verified(seqs, batch.trees, full, [a.path for a in accepted], set(plan.drafting))
         self.policy.observe_step(plan, StepOutcome(

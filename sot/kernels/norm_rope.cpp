@@ -239,7 +239,6 @@ inline int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // (not reached: top is one of the row's values)
 }
 
-
 // The k largest values of one row, ties to the lower index, into vals/idx (descending):
 // the first k values sorted, then each later value that beats the k-th (8 at a time compared
 // with it first, most of a row never entering).

@@ -283,8 +283,8 @@ class CommitPolicy:
         drafting time)``, rises; drafting time is one drafting call's predictor passes, shared.
         The rest cost nothing beyond their root row this step (their estimates wait, like the
         target states the predictor will read when they draft again). Until the predictor's
-        pass time is measured, everyone drafts, and with ``fallback_threshold`` 0 (speculate
-        whatever it costs) always."""
+        pass time is measured, everyone drafts (in a closed batch, :meth:`closed_warmup` then
+        keeps two), and with ``fallback_threshold`` 0 (speculate whatever it costs) always."""
         if (not drafting or not self.adaptive or len(self.pass_seconds) < 3
                 or self.config.fallback_threshold <= 0):
             return drafting
