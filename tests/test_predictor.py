@@ -254,7 +254,9 @@ def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: 
     """A top-1 chain drafted at inference follows the training unroll step for step: the depth
     ``d`` node's prediction is ``forward_unrolled`` step ``d`` at its row (with one decoder
     layer, and with two, each attending to its own cache; and with a sliding window, which
-    the predictor takes from the target's last layer)."""
+    the predictor takes from the target's last layer). The products are float32's here;
+    drafting's default 8-bit integer products are held to them in
+    ``test_int8_products_are_float32s_to_a_percent``."""
     import copy
 
     from sot.drafters.base import DraftInput
@@ -262,7 +264,9 @@ def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: 
     model = tiny_model("mistral", seed=4, sliding_window=window) if window else tiny_model("llama", seed=4)
     pred = _predictor(model, decoder_layers, arch)
     assert pred.config.window == window
-    drafter = StateDrafter(copy.deepcopy(pred), top_k=1, lookup=False, min_confidence=0.0)
+    exact = copy.deepcopy(pred)
+    exact.int8_products = False
+    drafter = StateDrafter(exact, top_k=1, lookup=False, min_confidence=0.0)
     (ctx, states), = chain_inputs(model, pred, [12], seed=0)
     drafter.reset(1)
     depth = 4
@@ -280,6 +284,39 @@ def test_drafted_chain_matches_the_training_unroll(decoder_layers: int, window: 
             assert int(logp.argmax()) == tree.tokens[d]
             cum += float(logp.max())
             assert tree.draft_probs[d] == pytest.approx(math.exp(cum), rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["native", "eagle3"])
+def test_int8_products_are_float32s_to_a_percent(arch: str) -> None:
+    """A float32 predictor packed for drafting multiplies in 8-bit integers (each input row
+    rounded to 8-bit blocks, the weights to Q8_0): every product, the head included, is
+    float32's to about a percent of its outputs' scale, and each row's result is the same
+    whatever rows share the call. In bfloat16 the products stay bfloat16's."""
+    import copy
+
+    from sot.kernels.linear import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the compiled CPU kernels are not built on this machine")
+    model = tiny_model("llama", seed=4)
+    pred = _predictor(model, 1, arch).float()
+    exact = copy.deepcopy(pred)
+    exact.int8_products = False
+    half = copy.deepcopy(pred).cast_for_inference(torch.bfloat16)
+    for p in (pred, exact, half):
+        p.pack_for_inference()
+    packed = pred.__dict__["_packed"]
+    assert packed and all(lin.int8 for lin in packed.values())
+    assert not any(lin.int8 for lin in exact.__dict__["_packed"].values())
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, lin in packed.items():
+            x = torch.randn(5, lin.weight.shape[1], generator=gen)
+            got, want = pred._linear(name, x), exact._linear(name, x)
+            assert (got - want).abs().max() <= 0.02 * want.abs().max(), name
+            alone = torch.cat([pred._linear(name, x[i : i + 1]) for i in range(5)])
+            assert torch.equal(alone, got), f"{name}: a row's result depends on the rows beside it"
+    assert not any(lin.int8 for lin in half.__dict__["_packed"].values())
 
 
 @pytest.mark.parametrize("decoder_layers,arch", [(1, "native"), (2, "native"), (1, "eagle3")])

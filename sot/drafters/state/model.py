@@ -145,11 +145,14 @@ class StatePredictor(torch.nn.Module):
         seen, so call it again after changing the weights. In bfloat16 where the block kernel
         runs, the products read the weights rounded to Q8_0 blocks (:attr:`q8_0_weights`; a
         predictor pass 1.5x faster on the default model, drafts as often accepted) and the draft
-        head the target head's own blocks (:meth:`_head_blocks`)."""
+        head the target head's own blocks (:meth:`_head_blocks`); in float32 they run in 8-bit
+        integers (:attr:`int8_products`)."""
         from sot.kernels.linear import PackedLinear, q8_0_copy
 
         if not self.eagle3:
             self._head_blocks()
+
+        int8 = self.int8_products
 
         def read(weight: torch.Tensor) -> torch.Tensor:  # what a packed product multiplies by
             rounded = q8_0_copy(weight) if self.q8_0_weights else None
@@ -157,10 +160,10 @@ class StatePredictor(torch.nn.Module):
 
         def packed_of(*weights: torch.Tensor) -> PackedLinear:  # (stacked along the outputs)
             parts = [read(w) for w in weights]
-            return PackedLinear(parts[0] if len(parts) == 1 else torch.cat(parts), parts=parts)
+            return PackedLinear(parts[0] if len(parts) == 1 else torch.cat(parts), parts=parts, int8=int8)
 
         packed = {"fuse": packed_of(self.fuse.weight),
-                  "head": packed_of(self.lm_head.weight) if self.eagle3 else PackedLinear(self.head)}
+                  "head": packed_of(self.lm_head.weight) if self.eagle3 else PackedLinear(self.head, int8=int8)}
         if not self.eagle3:
             packed["inp"] = packed_of(self.inp.weight)
         # per layer, one product for q, k and v and one for gate and up (each row's outputs
@@ -177,6 +180,12 @@ class StatePredictor(torch.nn.Module):
     #: by the block kernel from about half the bytes (:meth:`pack_for_inference`; the
     #: parameters themselves stay as trained)
     q8_0_weights = True
+
+    #: float32 packed products run in 8-bit integers (``linear_int8``, llama.cpp's arithmetic:
+    #: each input row rounded to 8-bit blocks, the weights to Q8_0 where they are not GGUF
+    #: blocks already). Drafts need no exact arithmetic, only rows independent of each other,
+    #: which these products keep
+    int8_products = True
 
     def _head_blocks(self) -> None:
         """Where the target's head is read from its GGUF blocks (bfloat16 mode), give the draft
