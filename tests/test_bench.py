@@ -293,8 +293,9 @@ def test_long_context_set_reviews_modules_of_three_sizes_in_turn() -> None:
 
 
 def test_lockstep_batches_take_turns_by_step_and_time_each_method_on_its_own_steps() -> None:
-    """Batched methods advance a step at a time in rotating order; each method's records add
-    up to its own steps' time, and its outputs equal its engine decoding alone."""
+    """Batched methods advance a step at a time in rotating order, each step reading at most
+    the prompt budget's tokens (so that no step is long); each method's records add up to its
+    own steps' time, and its outputs equal its engine decoding alone, prompts read whole."""
     import time
 
     from helpers import random_prompts, tiny_model
@@ -310,11 +311,13 @@ def test_lockstep_batches_take_turns_by_step_and_time_each_method_on_its_own_ste
     params = GenerationParams(max_new_tokens=20)
     order: list[str] = []
     spent = {"plain": 0.0, "pld": 0.0}
+    budgets: set[int | None] = set()
     for m in methods:
         step = m.engine.step
 
-        def timed(step=step, name=m.name):
+        def timed(step=step, name=m.name, engine=m.engine):
             order.append(name)
+            budgets.add(engine.prompt_budget)
             t0 = time.perf_counter()
             out = step()
             spent[name] += time.perf_counter() - t0
@@ -322,8 +325,10 @@ def test_lockstep_batches_take_turns_by_step_and_time_each_method_on_its_own_ste
 
         m.engine.step = timed
     finished = {"plain": 0, "pld": 0}
-    runs = run_lockstep(methods, prompts, params, 2, lambda name, n: finished.__setitem__(name, finished[name] + n))
+    runs = run_lockstep(methods, prompts, params, 2, lambda name, n: finished.__setitem__(name, finished[name] + n),
+                        prompt_budget=5)
     assert finished == {"plain": 5, "pld": 5}
+    assert budgets == {5} and all(m.engine.prompt_budget is None for m in methods), "set for the run, then restored"
     both = min(order.count("plain"), order.count("pld"))
     pairs = [tuple(order[2 * i: 2 * i + 2]) for i in range(both)]
     assert pairs[0] == ("plain", "pld") and pairs[1] == ("pld", "plain"), "the first to step rotates"

@@ -97,24 +97,40 @@ class EngineMethod(BenchMethod):
         return _records(self.name, prompts, results, time.perf_counter() - t0, before, self.engine.times)
 
 
+#: prompt tokens a lockstep step reads at most (``sot bench --prompt-budget``): on 2 AVX2 cores
+#: 64 tokens take about a decode step of a batch of 16, so no step holds seconds of one engine's
+#: work that the other engine's steps cannot share
+LOCKSTEP_PROMPT_BUDGET = 64
+
+
 def run_lockstep(methods: list[EngineMethod], prompts: list[list[int]], params: GenerationParams,
-                 batch_size: int, on_done: Callable[[str, int], None] | None = None) -> dict[str, list[RunRecord]]:
+                 batch_size: int, on_done: Callable[[str, int], None] | None = None,
+                 prompt_budget: int | None = LOCKSTEP_PROMPT_BUDGET) -> dict[str, list[RunRecord]]:
     """Every method decodes all of ``prompts`` as a continuous batch of ``batch_size``, the
     engines taking turns a step at a time; the method that goes first rotates every round.
 
     A batch of 16 takes one call per method, tens of seconds, and a shared machine's speed
     drifts by more than the difference being measured between such calls. Taking turns by
-    step puts both methods in the same seconds of the machine. Each method is timed on its
-    own steps only: a record gets the share of its method's step time proportional to its
-    new tokens (as :meth:`EngineMethod.run_batch` shares one call's time). ``rss_growth`` is
-    what the method's own steps added to the process's RSS; ``peak_rss`` is the process's
-    peak over the whole run, all methods together. ``on_done(method, n)``: ``n`` more of the
-    method's sequences finished."""
+    step puts both methods in the same seconds of the machine. That needs short steps: read
+    whole, a batch's prompts are one step of seconds (16 ShareGPT prompts: 3.4-5.1 s on 2
+    AVX2 cores, as long as the 64 decode steps after them), and two identical engines then
+    differed by up to 15%. So each step reads at most ``prompt_budget`` prompt tokens
+    (``None``: whole prompts), the rest on later steps while the admitted sequences decode,
+    as ``sot serve`` reads prompts; the two identical engines then agreed within 2.5%.
+
+    Each method is timed on its own steps only: a record gets the share of its method's step
+    time proportional to its new tokens (as :meth:`EngineMethod.run_batch` shares one call's
+    time). ``rss_growth`` is what the method's own steps added to the process's RSS;
+    ``peak_rss`` is the process's peak over the whole run, all methods together.
+    ``on_done(method, n)``: ``n`` more of the method's sequences finished."""
     names = [m.name for m in methods]
     clock = dict.fromkeys(names, 0.0)
     grown = dict.fromkeys(names, 0)
     before = {m.name: copy.copy(m.engine.times) for m in methods}
     with contextlib.ExitStack() as stack:
+        for m in methods:
+            stack.callback(setattr, m.engine, "prompt_budget", m.engine.prompt_budget)
+            m.engine.prompt_budget = prompt_budget
         results = {m.name: stack.enter_context(m.engine.offline_batch(prompts, params, batch_size)) for m in methods}
         with PeakRSS() as mem:
             turn = 0

@@ -291,7 +291,8 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
         f"model `{cfg['model']}`, engine {_engine_dtype(cfg)} on {cfg.get('device', 'cpu')}, HF {cfg['hf_dtype']}, "
         f"{counted}, "
         f"max {cfg['max_new_tokens']} new tokens, temperature {cfg['temperature']}, batch size {cfg['batch_size']}, "
-        f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",
+        + _prompt_reads(cfg)
+        + f"policy {getattr(cfg['policy']['kind'], 'value', cfg['policy']['kind'])}",
         "",
         _machine_line(result.get("machine")),
         "",
@@ -349,6 +350,16 @@ def _alone_lines(methods: dict) -> list[str]:
             more = f" and {len(where) - 5} more" if len(where) > 5 else ""
             lines.append(f"- {m} differs from plain decoding on {len(where)} prompt(s): {shown}{more}")
     return lines
+
+
+def _prompt_reads(cfg: dict) -> str:
+    """How a batch run read its prompts (``"prompts read 64 tokens a step, "``), or nothing
+    where the methods did not take turns in batches (or the run predates the setting)."""
+    batched = cfg["batch_size"] > 1 or (cfg.get("sweep") or [None])[0] == "batch-size"
+    if not batched or "prompt_budget" not in cfg:
+        return ""
+    budget = cfg["prompt_budget"]
+    return f"prompts read {budget} tokens a step, " if budget else "prompts read whole, "
 
 
 def _machine_line(m: dict | None) -> str:

@@ -31,7 +31,8 @@ from tqdm import tqdm
 from sot.bench.conversations import MULTITURN_SETS, load_conversations, per_turn, render, run_conversations
 from sot.bench.memory import PeakRSS, current_rss
 from sot.bench.methods import (
-    METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord, forget_answers, run_lockstep,
+    LOCKSTEP_PROMPT_BUDGET, METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord, forget_answers,
+    run_lockstep,
 )
 from sot.bench.prompts import BUILTIN, load_prompt_set
 from sot.bench.report import aggregate, sweep_plot, write_report
@@ -91,6 +92,9 @@ class BenchConfig:
     sweep: tuple[str, tuple[int | str, ...]] | None = None
     multiturn: bool = False  # run each record's turns as a conversation (built-in multi-turn sets always do)
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB  # each engine method's own prefix cache, as `sot generate` has
+    #: prompt tokens a batch step reads at most, while the methods take turns (0: whole prompts;
+    #: :func:`~sot.bench.methods.run_lockstep`)
+    prompt_budget: int = LOCKSTEP_PROMPT_BUDGET
     out: str = "bench-out"
     notes: list[str] = field(default_factory=list)
     #: each engine method's mode, by label, filled when the methods load (``--dtype auto`` can
@@ -382,11 +386,13 @@ def _run_one(method: BenchMethod, ids: list[int], params: GenerationParams, inde
 
 
 def _run_lockstep(methods: list[BenchMethod], prompts: list[list[int]], params: GenerationParams, ids_of: list[str],
-                  width: int, bar: tqdm | None = None) -> list[RunRecord]:
+                  width: int, prompt_budget: int, bar: tqdm | None = None) -> list[RunRecord]:
     """Every engine method over all ``prompts`` as a continuous batch of ``width``, taking
-    turns a step at a time (:func:`~sot.bench.methods.run_lockstep`); records in method order."""
+    turns a step at a time, each step reading at most ``prompt_budget`` prompt tokens (0:
+    whole prompts; :func:`~sot.bench.methods.run_lockstep`); records in method order."""
     engines = [m for m in methods if isinstance(m, EngineMethod)]
-    got = run_lockstep(engines, prompts, params, width, (lambda name, n: bar.update(n)) if bar is not None else None)
+    got = run_lockstep(engines, prompts, params, width, (lambda name, n: bar.update(n)) if bar is not None else None,
+                       prompt_budget or None)
     runs = []
     for m in engines:
         for j, rec in enumerate(got[m.name]):
@@ -484,7 +490,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             if multiturn:
                 run_conversations(methods, tokenizer, records, params, chat, _run_one, bar, runs, cfg.notes)
             elif batch > 1:  # engine methods only: every prompt in one continuous batch each, a step at a time
-                runs = _run_lockstep(methods, prompts, params, ids_of, batch, bar)
+                runs = _run_lockstep(methods, prompts, params, ids_of, batch, cfg.prompt_budget, bar)
             else:  # methods alternate on every prompt
                 for i, ids in enumerate(prompts):
                     for m in methods:
@@ -667,7 +673,8 @@ def _batch_sweep(cfg: BenchConfig, spec: str, plain: EngineMethod, target: Targe
     rows = []
     answers: dict[int, tuple[list[list[int]], list[list[int]]]] = {}  # size -> (plain's, the method's)
     for v in tqdm(values, desc="sweep batch-size", unit="size"):
-        got = _run_lockstep([plain, method], prompts, params, [str(i) for i in range(len(prompts))], v)
+        got = _run_lockstep([plain, method], prompts, params, [str(i) for i in range(len(prompts))], v,
+                            cfg.prompt_budget)
         base, runs = [r for r in got if r.method == "plain"], [r for r in got if r.method == spec]
         answers[v] = ([r.token_ids for r in sorted(base, key=lambda r: r.prompt_index)],
                       [r.token_ids for r in sorted(runs, key=lambda r: r.prompt_index)])

@@ -53,6 +53,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="engine methods decode this many prompts together, as a continuous batch over all "
                             "the prompts; the methods' engines take turns a step at a time, each timed on its own steps "
                             "(hf and llamacpp stay at 1)")
+    bench.add_argument("--prompt-budget", type=non_negative_int, default=BenchConfig.prompt_budget,
+                       help="with --batch-size above 1 or --sweep batch-size: prompt tokens a step reads at most, "
+                            "as sot serve reads prompts, so that the engines' turns stay short (0: whole prompts "
+                            "in one step; default %(default)s)")
     bench.add_argument("--full-vocab", action="store_true",
                        help="state: propose from the whole vocabulary, not the predictor's draft vocabulary")
     bench.add_argument("--no-lookup", dest="lookup", action="store_false",
@@ -111,6 +115,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sweep=sweep,
         multiturn=args.multiturn,
         prefix_cache_mb=args.prefix_cache_mb,
+        prompt_budget=args.prompt_budget,
         out=args.out,
     )
     check_bench(cfg)  # before --dtype auto times anything or a model loads
