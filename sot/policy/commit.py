@@ -95,7 +95,6 @@ class CommitPolicy:
         #: verify passes measured in this engine's batches, per batch size: ``(rows, seconds)``
         #: of passes of the roots only and of passes with drafts (:meth:`batch_doubling`)
         self._batch_passes: dict[int, tuple[deque, deque]] = {}
-        self._measured: dict[int, tuple[int, float, float] | None] = {}  # _measured_batch's, until a pass is added
         #: closed batches planned for their end: the batch size these counts are for, steps in a
         #: row whose planning took nothing speculative, steps still to plan without asking the
         #: drafter for free drafts, and the last such pause (0: none yet); see :meth:`asks_offers`
@@ -256,7 +255,6 @@ class CommitPolicy:
             if plan.batch_rows > 1 and outcome.rows >= plan.batch_rows:
                 roots, drafted = self._batch_passes.setdefault(plan.batch_rows, (deque(maxlen=8), deque(maxlen=8)))
                 (roots if outcome.rows == plan.batch_rows else drafted).append((outcome.rows, outcome.verify_seconds))
-                self._measured.clear()
         if self.flat:
             self._observe_gains(outcome.paths)
         share = outcome.draft_seconds / max(1, len(plan.drafting))
@@ -397,12 +395,6 @@ class CommitPolicy:
         fit: a pass slowed by the machine moves neither much). ``None`` while no size near has
         four passes of at least two row counts. Passes of the roots only are not needed: a
         batch that has a draft on every step still varies its rows."""
-        if batch not in self._measured:
-            self._measured[batch] = self._fit_batch(batch)
-        return self._measured[batch]
-
-    def _fit_batch(self, batch: int) -> tuple[int, float, float] | None:
-        """:meth:`_measured_batch`, computed."""
         for size in sorted(range(max(2, batch - 2), batch + 3), key=lambda n: (abs(n - batch), -n)):
             roots, drafted = self._batch_passes.get(size, ((), ()))
             passes = [*roots, *drafted]
