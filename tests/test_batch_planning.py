@@ -195,40 +195,6 @@ def test_flat_selection_ranks_the_nodes_of_all_trees_together() -> None:
     assert dear.choose_batch({0: sure}, 4)[0].size == 1, "no node is worth a row this dear"
 
 
-def test_drafted_rows_cost_what_this_engines_batches_measured() -> None:
-    """The cost curve is timed on one sequence. In a batch, once the engine has timed two
-    passes of about that many sequences with their roots only and two with drafted rows, a
-    drafted row costs what those passes measured: rows the curve calls nearly free but the
-    batch does not are no longer verified or drafted for. One sequence, and batch sizes
-    more than two away from any measured, keep the curve."""
-    from sot.policy.state import StepOutcome
-
-    policy = _policy([0.010, 0.0105, 0.011, 0.012], tau=3.0)  # rows nearly free on the curve
-    policy.seqs[0].calibration = 1.0
-    fair = tree_from_parents([1, 2, 3, 4], [-1, 0, 1, 2], draft_probs=[1.0, 0.6, 0.36, 0.2])
-    assert policy.batch_pass(4, 8) == policy.cost.verify(8), "nothing measured yet: the curve"
-    assert policy.choose_batch({0: fair}, 4)[0].size == 4
-    assert policy.worth_drafting([0, 1, 2, 3], 4) == [0, 1, 2, 3]
-    plan = StepPlan((), (0, 1, 2, 3), {}, TreeBudget(8, 4), 4)
-    for rows, seconds in ((4, 0.0105), (7, 0.0225), (4, 0.0105), (7, 0.0225)):  # 4 ms a drafted row
-        policy.observe_step(plan, StepOutcome(trees={}, paths={b: [0] for b in range(4)}, draft_seconds=0.0,
-                                              draft_passes=0, verify_seconds=seconds, rows=rows))
-    assert policy.batch_row_cost(4) == pytest.approx(0.004)
-    assert policy.batch_pass(4, 8) == pytest.approx(policy.cost.verify(4) + 4 * 0.004)
-    assert policy.batch_pass(6, 9) == pytest.approx(policy.cost.verify(6) + 3 * 0.004), "a size within two"
-    assert policy.batch_pass(7, 9) == policy.cost.verify(9) and policy.batch_pass(1, 4) == policy.cost.verify(4)
-    assert policy.choose_batch({0: fair}, 4)[0].size == 1, "a row at 60% does not pay 4 ms"
-    assert policy.worth_drafting([0, 1, 2, 3], 4) == []
-    # a batch that verifies drafted rows on every step: its passes' varying rows are enough,
-    # and one pass the machine slowed moves nothing
-    busy = _policy([0.010, 0.0105, 0.011, 0.012], tau=3.0)
-    for rows, seconds in ((6, 0.0185), (8, 0.0265), (10, 0.0345), (12, 0.0425), (9, 0.09)):
-        busy.observe_step(plan, StepOutcome(trees={}, paths={b: [0] for b in range(4)}, draft_seconds=0.0,
-                                            draft_passes=0, verify_seconds=seconds, rows=rows))
-    assert busy.batch_row_cost(4) == pytest.approx(0.004)
-    assert busy.batch_doubling(4) == pytest.approx(1 + 4 * 0.004 / 0.0105)
-
-
 def test_an_idle_sequence_runs_no_predictor_pass() -> None:
     """While no sequence drafts (warm-up here), the predictor is never asked for a tree, and
     runs at most to read each prompt (one pass per request), however many steps."""

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import statistics
 from collections import Counter, deque
@@ -269,27 +268,10 @@ class CommitPolicy:
     # ------------------------------------------------------------ the decisions behind them
     def pass_cost(self, rows: list[int]) -> float:
         """Modelled seconds of a verify pass whose sequences verify ``rows[b]`` rows each:
-        their sum when packed flat, else every sequence padded to the largest
-        (:meth:`batch_pass`)."""
-        return self.batch_pass(len(rows), sum(rows) if self.flat else len(rows) * max(rows))
-
-    def batch_pass(self, batch: int, rows: int) -> float:
-        """Modelled seconds of a verify pass of ``batch`` sequences computing ``rows`` rows
-        (at least ``batch``: the roots, then the drafted rows). The cost curve prices the
-        roots; each row beyond them costs what this engine's own passes of about ``batch``
-        sequences measured (:meth:`batch_row_cost`), or the curve's next rows until it has.
-
-        The curve is timed on one sequence. With AMX tiles, 16 more rows of one sequence cost
-        about a fifth of its 16-row pass, but a drafted row in a batch also pays its
-        sequence's tree attention and tiles: batches of 8 and 16 that verified 55% and 47%
-        more rows than their roots took 1.34x and 1.42x as long, and drafts priced on the
-        curve made them slower than plain decoding."""
-        if rows <= batch:
-            return self.cost.verify(rows)
-        per_row = self.batch_row_cost(batch)
-        if per_row is None:
-            return self.cost.verify(rows)
-        return self.cost.verify(batch) + per_row * (rows - batch)
+        their sum when packed flat, else every sequence padded to the largest."""
+        if self.flat:
+            return self.cost.verify(sum(rows))
+        return self.cost.verify(len(rows) * max(rows))
 
     def worth_drafting(self, drafting: list[int], batch_rows: int) -> list[int]:
         """Batch-level planning: the sequences of ``drafting`` whose drafts are expected to
@@ -369,42 +351,19 @@ class CommitPolicy:
 
     def batch_doubling(self, batch: int) -> float:
         """What doubling a pass's rows costs, as measured in this engine's passes of ``batch``
-        sequences (or of the nearest size within two, :meth:`_measured_batch`): a pass of the
-        ``n`` roots, ``t``, and a drafted row beyond them, ``r``, give ``1 + n * r / t``; 0
-        while not measured. The one-sequence curve can call
+        sequences (or of the nearest size within two that has both kinds): the median pass of
+        the ``n`` roots only, ``t``, and the median cost of a drafted row beyond them, ``r``,
+        give ``1 + n * r / t``; 0 while either kind is missing. The one-sequence curve can call
         rows nearly free where a batch's are not (with AMX tiles a 32-row pass of one sequence
         costs about 1.2x its 16-row pass, while steps of 14 sequences with drafts took 1.9x
         the steps of their roots)."""
-        measured = self._measured_batch(batch)
-        if measured is None:
-            return 0.0
-        size, t, per_row = measured
-        return 1.0 + size * per_row / t if t > 0 else 0.0
-
-    def batch_row_cost(self, batch: int) -> float | None:
-        """Seconds a drafted row adds to a verify pass of ``batch`` sequences, as this
-        engine measured it (:meth:`batch_doubling`'s passes); ``None`` while not measured."""
-        measured = self._measured_batch(batch)
-        return None if measured is None else measured[2]
-
-    def _measured_batch(self, batch: int) -> tuple[int, float, float] | None:
-        """``(size, t, r)`` from this engine's recent passes of ``batch`` sequences, or of the
-        nearest size within two that has enough: a line through their ``(rows, seconds)``, ``r``
-        (at least 0) the median slope over pairs of passes of different row counts and ``t``
-        the median of each pass's seconds less ``r`` per row beyond the roots (Theil and Sen's
-        fit: a pass slowed by the machine moves neither much). ``None`` while no size near has
-        four passes of at least two row counts. Passes of the roots only are not needed: a
-        batch that has a draft on every step still varies its rows."""
         for size in sorted(range(max(2, batch - 2), batch + 3), key=lambda n: (abs(n - batch), -n)):
             roots, drafted = self._batch_passes.get(size, ((), ()))
-            passes = [*roots, *drafted]
-            if len(passes) < 4 or len({rows for rows, _ in passes}) < 2:
-                continue
-            slopes = [(s2 - s1) / (r2 - r1) for (r1, s1), (r2, s2) in itertools.combinations(passes, 2) if r1 != r2]
-            per_row = max(statistics.median(slopes), 0.0)
-            t = statistics.median(sec - per_row * (rows - size) for rows, sec in passes)
-            return size, t, per_row
-        return None
+            if len(roots) >= 2 and len(drafted) >= 2:
+                t = statistics.median(sec for _, sec in roots)
+                per_row = statistics.median((sec - t) / (rows - size) for rows, sec in drafted)
+                return 1.0 + size * max(per_row, 0.0) / t if t > 0 else 0.0
+        return 0.0
 
     def critical_path(self, left: dict[int, int], drafting: list[int], free: dict[int, DraftTree]) -> set[int]:
         """Batch planning for a closed batch: the keys of ``drafting`` (model drafts) and of
@@ -438,7 +397,7 @@ class CommitPolicy:
         # best estimate first, a node kept while its share of a step's tokens beats its row's
         # share of the step's cost
         n = len(left)
-        row = (self.batch_pass(n, n + 8) - self.batch_pass(n, n)) / 8 if self.flat else self.batch_pass(n, 2 * n) / n
+        row = (self.cost.verify(n + 8) - self.cost.verify(n)) / 8 if self.flat else self.cost.verify(2 * n) / n
         for b, tree in free.items():
             probs = tree.draft_probs or [1.0] + [0.0] * (tree.size - 1)
             tau, kept = 1.0, 0
@@ -604,7 +563,7 @@ class CommitPolicy:
         is expected to commit ``expected[k]`` tokens. ``heuristic`` and ``learned`` take the
         most expected tokens per second (the first of equals); ``rl`` asks its network which
         of the candidates within :data:`~sot.policy.rl.CANDIDATE_WINDOW` of that best to take."""
-        costs = [self.batch_pass(batch_rows, r) for r in rows]
+        costs = [self.cost.verify(r) for r in rows]
         rates = [e / c for e, c in zip(expected, costs)]
         best = max(range(len(rows)), key=lambda k: (rates[k], -k))
         if self.config.kind is PolicyKind.RL and self.rl is not None:
