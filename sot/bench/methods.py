@@ -97,9 +97,9 @@ class EngineMethod(BenchMethod):
         return _records(self.name, prompts, results, time.perf_counter() - t0, before, self.engine.times)
 
 
-#: prompt tokens a lockstep step reads at most (``sot bench --prompt-budget``): on 2 AVX2 cores
-#: 64 tokens take about a decode step of a batch of 16, so no step holds seconds of one engine's
-#: work that the other engine's steps cannot share
+#: prompt tokens a lockstep step reads at most (``sot bench --prompt-budget``): two identical
+#: plain engines at batch 16 on 2 AVX2 cores agreed within 2.5% with 64 (1-5% with 256, up to
+#: 15% with whole prompts, one step of seconds the other engine's steps cannot share)
 LOCKSTEP_PROMPT_BUDGET = 64
 
 
