@@ -219,23 +219,31 @@ class KVCache:
         num_layers, _, kv_heads, _, head_dim = self.values.shape
         out = KVCache(num_layers, batch_size, kv_heads, head_dim, capacity, self.values.device, self.values.dtype,
                       self.tiled_keys)
-        old_b, old_s = self.batch_size, self.capacity
-        out.values[:, :old_b, :, :old_s] = self.values
+        old_b = self.batch_size
+        # only the slots a sequence holds carry over (the rest of the new cache stays zero, as
+        # masked slots must stay finite): a copy of what is used, not of the whole capacity
+        used = min(round_up(max(self.lengths, default=0), KEY_TILE), self.capacity)
+        out.values[:, :old_b, :, :used] = self.values[:, :, :, :used]
         if self.tiled_keys:
-            out.keys[:, :old_b, :, :old_s // KEY_TILE] = self.keys
+            out.keys[:, :old_b, :, :used // KEY_TILE] = self.keys[:, :, :, :used // KEY_TILE]
         else:
-            out.keys[:, :old_b, :, :old_s] = self.keys
+            out.keys[:, :old_b, :, :used] = self.keys[:, :, :, :used]
         out.lengths[:old_b] = self.lengths[:old_b]
         return out
 
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
-    def grown_to(self, batch_size: int, capacity: int) -> "KVCache":
+    def grown_to(self, batch_size: int, capacity: int, most: int | None = None) -> "KVCache":
         """This cache if it holds ``batch_size`` sequences of ``capacity`` slots, else a
-        larger copy; capacity grows by at least half, so a long-running server reallocates
-        rarely."""
+        larger copy. Capacity grows by at least half, and the sequences at least double, up to
+        ``most`` (the most the caller will ever hold; ``None``: no limit), so that a batch
+        filling a sequence at a time, or a long-running server, copies its cache a few times,
+        not once a sequence (every copy reads all of it)."""
         if self.batch_size >= batch_size and self.capacity >= capacity:
             return self
         grown = self.capacity if self.capacity >= capacity else max(capacity, self.capacity * 3 // 2)
-        return self.resized(max(batch_size, self.batch_size), grown)
+        seqs = self.batch_size
+        if seqs < batch_size:
+            seqs = max(batch_size, 2 * seqs if most is None else min(2 * seqs, most))
+        return self.resized(seqs, grown)

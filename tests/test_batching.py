@@ -75,3 +75,28 @@ def test_bad_batch_size_is_refused() -> None:
     target = TargetModel(clone(tiny_model("llama", seed=4), torch.float32))
     with pytest.raises(ConfigError, match="batch_size"):
         Engine(target, NoDrafter()).generate(random_prompts((5,)), GenerationParams(max_new_tokens=2), batch_size=0)
+
+
+def test_a_batch_admitted_a_sequence_at_a_time_makes_its_cache_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts read a piece a step join the batch one at a time. The cache is made at once for
+    every queued request the batch limit lets in (not grown, with a copy of all of it, at each
+    admission), and never for more; the answers stay those of each prompt alone."""
+    from sot.cache import KVCache
+
+    model = tiny_model("llama", seed=5)
+    target = TargetModel(model)
+    prompts = random_prompts((20, 9, 31, 14, 25, 11), seed=4)
+    params = GenerationParams(max_new_tokens=10)
+    alone = [Engine(target, NoDrafter()).generate([p], params)[0].token_ids for p in prompts]
+    made: list[tuple[int, int]] = []
+    resized = KVCache.resized
+    monkeypatch.setattr(KVCache, "resized", lambda self, b, c: made.append((self.batch_size, b)) or resized(self, b, c))
+    engine = Engine(target, NoDrafter(), prompt_budget=12)
+    res = engine.generate(prompts, params, batch_size=4)
+    assert [r.token_ids for r in res] == alone
+    assert engine._cache.batch_size == 4, "made for the batch limit, no more"
+    assert [m for m in made if m[0] != m[1]] == [], f"made once for 4 sequences, never grown in sequences: {made}"
+    made.clear()
+    more = engine.generate(prompts, params)  # no limit: one copy, doubled (requests may keep coming)
+    assert [r.token_ids for r in more] == alone and engine._cache.batch_size == 8
+    assert [m for m in made if m[0] != m[1]] == [(4, 8)], made

@@ -429,3 +429,34 @@ def test_kernel_sources_are_staged_once_so_a_build_outlives_new_file_times(tmp_p
     for name in SOURCES:
         assert copies[name].stat().st_mtime == 1_000_000_000
     assert not [p for p in (tmp_path / "src").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["slots", "tiled"])
+def test_a_grown_cache_keeps_every_held_row_and_grows_geometrically(tiled: bool) -> None:
+    """A cache asked for one sequence more at a time doubles its sequences up to ``most``
+    (then grows to what is asked), and capacity by half. A copy keeps each sequence's rows up
+    to its length bit for bit, and copies no slot past the longest sequence's (rounded to a
+    key tile): those stay zero, as masked slots must stay finite."""
+    gen = torch.Generator().manual_seed(1)
+    cache = KVCache(num_layers=2, batch_size=1, num_kv_heads=2, head_dim=16, capacity=64, tiled_keys=tiled)
+    sizes = [cache.batch_size]
+    for b in range(2, 15):
+        cache = cache.grown_to(b, 64, most=12)
+        sizes.append(cache.batch_size)
+    assert sizes == [1, 2, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 13, 14]
+    assert cache.grown_to(3, 64) is cache, "a cache that holds the request is kept"
+    assert cache.grown_to(14, 65).capacity == 128, "capacity grows by at least half (rounded to 64 slots)"
+    k, v = torch.randn(14, 2, 40, 16, generator=gen), torch.randn(14, 2, 40, 16, generator=gen)
+    for layer in range(2):
+        cache.write(layer, torch.arange(40).repeat(14, 1), k, v)
+    cache.lengths = [17 + b for b in range(14)]  # rows past each length are a dead tree's scratch
+    grown = cache.grown_to(20, 200)
+    assert grown.batch_size == 28 and grown.capacity == 256 and grown.lengths[:14] == cache.lengths
+    for b in range(14):
+        n = cache.lengths[b]
+        assert all(torch.equal(x, y) for x, y in zip(grown.read_span(b, 0, n), cache.read_span(b, 0, n))), b
+    held = torch.zeros(256, dtype=torch.bool)
+    held[: 32] = True  # up to the longest sequence (30 slots), rounded to a key tile
+    keys = grown.keys if not tiled else grown.keys.transpose(-1, -2).flatten(3, 4)  # -> [L, B, H, S, D]
+    assert not keys[:, :, :, ~held].any() and not grown.values[:, :, :, ~held].any()
+    assert not keys[:, 14:].any() and not grown.values[:, 14:].any()
