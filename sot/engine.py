@@ -328,8 +328,9 @@ class Engine:
         admitted, self._waiting = self._waiting[:count], self._waiting[count:]
         if not admitted:
             return []
-        # room for each prompt and its first steps; the cache grows as answers do (_decode_step)
-        need = max(s.length + min(s.params.max_new_tokens, self.GROW_STEP) for s in self._running + admitted)
+        # room for each prompt and its first steps, the queued ones' too (each growth copies the
+        # whole cache); the cache grows as answers do (_decode_step)
+        need = max(self._reach(s) for s in self._running + admitted + self._waiting)
         self._ensure_cache(len(self._running) + len(admitted), need + self._headroom())
         since = time.perf_counter()  # the clocks of a step's admissions start together
         # (an offline call wants throughput, not even steps: its prompts reach the drafter on
@@ -489,6 +490,11 @@ class Engine:
 
         self.prefix_cache.insert(tokens, seq.tenant, read, seq.params.cache_salt)
 
+    def _reach(self, seq: LiveRequest) -> int:
+        """The length ``seq`` may reach within the next :attr:`GROW_STEP` tokens (its prompt
+        and ``max_new_tokens`` at most)."""
+        return min(seq.length + self.GROW_STEP, len(seq.prompt) + seq.params.max_new_tokens)
+
     def _headroom(self) -> int:
         """Slots past a sequence's length that one step may write: its tree (scratch rows,
         rounded up) and the accepted path."""
@@ -499,7 +505,7 @@ class Engine:
         seqs = self._running
         longest = max(s.length for s in seqs)
         if longest + self._headroom() > self._cache.capacity:  # answers grew: room for GROW_STEP more
-            self._ensure_cache(len(seqs), longest + self.GROW_STEP + self._headroom())
+            self._ensure_cache(len(seqs), max(self._reach(s) for s in seqs) + self._headroom())
         t0 = time.perf_counter()
         passes = self.drafter.passes
         self.drafter.record_states = self.record_steps
