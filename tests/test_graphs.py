@@ -107,14 +107,14 @@ def run(target: TargetModel, drafter, prompts, batch: int):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
 def test_replayed_passes_equal_eager_ones(gpu_layout, arch: str) -> None:
-    """Speculative decoding through graphs (few kept, so some are dropped and captured again)
+    """Speculative decoding through graphs (two kept, fewer than the shapes, so some are dropped)
     gives plain eager decoding's tokens and logits rows, in a batch and alone."""
     model = tiny_model(arch, seed=3)
     prompts = random_prompts((9, 40, 70), seed=4)
     eager = target_of(model, None)
     plain = [run(eager, NoDrafter(), [p], 1)[0] for p in prompts]
     tokens = [r.token_ids for r in plain]
-    graphs = RecordedGraphs(max_graphs=3)
+    graphs = RecordedGraphs(max_graphs=2)
     graphed = target_of(model, graphs)
     for batch in (3, 1):
         drafter = RandomTreeDrafter(tokens, [len(p) for p in prompts], hit=0.7, seed=batch)
@@ -122,8 +122,8 @@ def test_replayed_passes_equal_eager_ones(gpu_layout, arch: str) -> None:
         assert [r.token_ids for r in spec] == tokens
         for a, b in zip(plain, spec):
             assert torch.equal(torch.stack(a.logit_trace)[:NEW], torch.stack(b.logit_trace)[:NEW])
-    assert graphs.replays > graphs.captures > 3, (graphs.replays, graphs.captures)
-    assert len(graphs.graphs) <= 3
+    assert graphs.replays > graphs.captures > 2, (graphs.replays, graphs.captures)
+    assert len(graphs.graphs) <= 2
     assert [r.token_ids for r in run(graphed, NoDrafter(), prompts, 3)] == tokens
 
 
