@@ -2,7 +2,8 @@
 # The measurements behind the speed criteria of the hardware and batch work, in one go, on the
 # machine at hand (about 45 minutes on 2 cores, llama.cpp's build included):
 #   1. `plain`, `state` and llama.cpp on ShareGPT and HumanEval (8 prompts, 256 tokens);
-#   2. both exact dtypes forced, side by side, for `plain` and `state` (what `auto` must match);
+#   2. both exact dtypes forced, side by side, for `plain` and `state` (what `auto` must match;
+#      without native bf16, AVX2 only, bfloat16 decodes about 10x slower and this takes hours);
 #   3. state against plain at batch 1, 2, 4, 8 and 16 (scripts/bench_batches.sh).
 # Every run writes its report under OUT (default docs/bench/acceptance-<cpu>-<date>), with the
 # machine's description in OUT/machine.txt. llama-cpp-python is built for this CPU first if it
