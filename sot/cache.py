@@ -213,7 +213,8 @@ class KVCache:
 
     def resized(self, batch_size: int, capacity: int) -> "KVCache":
         """A cache of ``batch_size`` sequences and ``capacity`` slots (each at least this
-        one's) holding this one's sequences and lengths."""
+        one's) holding this one's sequences and lengths: the slots below the longest length
+        (rounded up to a key tile) are copied, every slot after them is zero."""
         if batch_size < self.batch_size or capacity < self.capacity:
             raise ValueError("a resized cache must not be smaller than the original")
         num_layers, _, kv_heads, _, head_dim = self.values.shape
