@@ -102,3 +102,20 @@ def test_a_batch_admitted_a_sequence_at_a_time_makes_its_cache_once(monkeypatch:
     more = engine.generate(prompts, params)
     assert [r.token_ids for r in more] == alone and engine._cache.batch_size == 8
     assert [m for m in made if m[0] != m[1]] == [(4, 8)], made
+
+
+def test_a_sequence_reaches_no_further_than_its_answer_allows() -> None:
+    """The cache's length is planned from where each sequence can get within the next
+    ``GROW_STEP`` tokens: never past its prompt plus ``max_new_tokens``, however many of them
+    it has already committed (so a running sequence is not counted as if its whole answer
+    were still to come)."""
+    from types import SimpleNamespace
+
+    engine = Engine(TargetModel(tiny_model("llama", seed=5)), NoDrafter())
+
+    def seq(prompt: int, done: int, max_new: int) -> SimpleNamespace:
+        return SimpleNamespace(prompt=[0] * prompt, length=prompt + done, params=SimpleNamespace(max_new_tokens=max_new))
+
+    assert engine._reach(seq(50, 8, 10)) == 60, "two tokens left, not ten"
+    assert engine._reach(seq(50, 0, 10)) == 60
+    assert engine._reach(seq(50, 8, 5000)) == 58 + Engine.GROW_STEP, "a long answer grows a step at a time"
