@@ -181,6 +181,8 @@ def test_an_interrupted_run_keeps_its_steps(tiny_run, tmp_path, monkeypatch) -> 
     with pytest.raises(KeyboardInterrupt):
         fit(cfg)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # (fit puts the handler back)
+    from tqdm import tqdm
+    assert not [bar for bar in tqdm._instances if bar.desc == "train"]  # (its progress bar is closed)
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 2
     monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", clip)
     fit(cfg)

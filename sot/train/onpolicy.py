@@ -318,9 +318,9 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
                    "command resumes it", file=sys.stderr)
         raise
     finally:
+        bar.close()  # (a stopped run's bar ends its line too)
         if main:
             signal.signal(signal.SIGTERM, previous)
-    bar.close()
     save()
     return current
 

@@ -548,7 +548,8 @@ def _fit(cfg: TrainConfig) -> Path:
             save(step, done_seconds)
             tqdm.write(f"interrupted: {out} saved at step {step}; the same command resumes it", file=sys.stderr)
         raise
-    bar.close()
+    finally:  # (a stopped run's bar ends its line too, rather than being redrawn at exit)
+        bar.close()
     if rank == 0:
         summary = {"steps": step, "tokens": seen_tokens, "seconds": elapsed_before + time.perf_counter() - t0,
                    "world_size": world, "final": history[-1] if history else {}, "eval": evals[-1] if evals else {}}
