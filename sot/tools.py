@@ -304,8 +304,9 @@ class ReadAnswer:
 
 def read_calls(text: str, tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True) -> ReadAnswer:
     """The calls in an answer and the text around them. Text that does not parse as calls of
-    the listed tools stays text (a ``required`` answer cut short by ``max_tokens``, a block
-    naming an unknown function)."""
+    the listed tools stays text (a block naming an unknown function). An answer cut short by
+    ``max_tokens`` keeps the calls it wrote whole and drops the one it was writing; one cut
+    before its first call ends stays text."""
     names = {t.name for t in tools}
     as_text = ReadAnswer((text,), ())
     if choice.mode == "none" or not tools:
@@ -315,8 +316,8 @@ def read_calls(text: str, tools: Sequence[Tool], choice: ToolChoice, parallel: b
     if choice.mode == "required":
         try:
             items = json.loads(text)
-        except json.JSONDecodeError:
-            return as_text
+        except json.JSONDecodeError:  # (held to the grammar, so cut short: the calls it completed)
+            items = _complete_items(text)
         calls = [_to_call(item, names) for item in items] if isinstance(items, list) else [None]
         if not calls or any(c is None for c in calls):
             return as_text
@@ -348,6 +349,9 @@ def read_calls(text: str, tools: Sequence[Tool], choice: ToolChoice, parallel: b
             call = _to_call(json.loads(body), names)
         except json.JSONDecodeError:
             call = None
+        if call is None and end < 0 and calls:  # (one more call, cut by the length limit: dropped)
+            pieces.append(text[at:start])
+            break
         if call is None:
             return as_text
         pieces.append(text[at:start])
@@ -356,6 +360,24 @@ def read_calls(text: str, tools: Sequence[Tool], choice: ToolChoice, parallel: b
             break
         at = end + len(CALL_CLOSE)
     return ReadAnswer(tuple(p for p in pieces if p), tuple(calls[: None if parallel else 1]))
+
+
+def _complete_items(text: str) -> list:
+    """The items of a JSON list cut short (``[{...}, {...}, {"na``) that were written whole,
+    in order; none when ``text`` does not open a list."""
+    decoder, items = json.JSONDecoder(), []
+    at = len(text) - len(text.lstrip())
+    if text[at: at + 1] != "[":
+        return items
+    at += 1
+    while True:
+        while at < len(text) and (text[at].isspace() or (items and text[at] == ",")):
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 def _to_call(item: Any, names: set[str]) -> ToolCall | None:

@@ -86,6 +86,9 @@ def test_calls_are_read_from_tagged_blocks_and_whole_json() -> None:
     call = f'{CALL_OPEN}{{"name": "get_time", "arguments": {{"zone": "X"}}}}{CALL_CLOSE}'
     read = read_calls(call + "\n<tool_ca", TOOLS, auto)
     assert [c.name for c in read.calls] == ["get_time"] and read.content is None
+    # and so is one more call cut short inside its block
+    read = read_calls(f'Sure.{call}\n{CALL_OPEN}{{"name": "get_weather", "argu', TOOLS, auto)
+    assert [c.name for c in read.calls] == ["get_time"] and read.content == "Sure.\n"
 
 
 def test_required_and_named_answers() -> None:
@@ -94,8 +97,12 @@ def test_required_and_named_answers() -> None:
                          {"name": "get_weather", "arguments": {"city": "Rome"}}])
     read = read_calls(answer, TOOLS, required)
     assert [c.name for c in read.calls] == ["get_time", "get_weather"] and read.content is None
-    cut = answer[:30]  # cut short by max_tokens: returned as text
+    cut = answer[:30]  # cut short by max_tokens before a call ends: returned as text
     assert read_calls(cut, TOOLS, required).calls == () and read_calls(cut, TOOLS, required).content == cut
+    for end in (answer.index("get_weather") - 10, answer.index("Rome") + 3):  # cut in the second call
+        read = read_calls(answer[:end], TOOLS, required)  # the first call, and no JSON left as content
+        assert [(c.name, json.loads(c.arguments)) for c in read.calls] == [("get_time", {"zone": "UTC"})]
+        assert read.content is None
     named = read_calls('{"city": "Rome"}', TOOLS, ToolChoice("named", "get_weather"))
     assert [(c.name, c.arguments) for c in named.calls] == [("get_weather", '{"city": "Rome"}')]
 
