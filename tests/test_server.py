@@ -674,12 +674,28 @@ def test_model_card_version_cors_and_request_log(tiny_server) -> None:
     assert "access-control-allow-origin" not in other.headers
     rid = httpx.post(f"{tiny_server.url}/v1/chat/completions", headers=AUTH, timeout=60,
                      json=_chat("hi", max_tokens=3, ignore_eos=True)).json()["id"]
-    deadline = time.monotonic() + 10
-    while rid not in tiny_server.log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    line = next(x for x in tiny_server.log.read_text().splitlines() if rid in x)
+    line = _log_line(tiny_server, rid)
     assert re.search(r"1 choice\(s\), prompt \d+ tokens \(\d+ cached\), 3 generated, tau [\d.]+, [\d.]+ s, finish "
                      r"length", line), line
+    # a Responses answer's line goes under its own id
+    rid = httpx.post(f"{tiny_server.url}/v1/responses", headers=AUTH, timeout=60,
+                     json={"model": TINY, "input": "hi", "max_output_tokens": 3}).json()["id"]
+    assert rid.startswith("resp_") and "finish length" in _log_line(tiny_server, rid)
+    # so does a stream its client left: its choices end as aborted
+    body = _chat("hi", max_tokens=480, ignore_eos=True, temperature=1.0, stream=True)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{tiny_server.url}/v1/chat/completions", json=body, headers=AUTH) as r:
+            lines = r.iter_lines()
+            rid = json.loads(next(x for x in lines if x.startswith("data: {"))[6:])["id"]
+    assert "finish abort" in _log_line(tiny_server, rid)
+
+
+def _log_line(server, rid: str) -> str:
+    """The server log's line for request ``rid`` (waited for: it is written as the request ends)."""
+    deadline = time.monotonic() + 10
+    while rid not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return next(x for x in server.log.read_text().splitlines() if rid in x)
 
 
 def test_api_key_is_required(tiny_server) -> None:

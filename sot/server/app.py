@@ -73,8 +73,6 @@ class ServerState:
         self.created = int(time.time())
         #: response id -> each answer's (prompt, result), of the last ``config.trace`` finished requests
         self.traces: collections.OrderedDict[str, list[tuple[list[int], SequenceResult]]] = collections.OrderedDict()
-        #: a Responses answer's id -> the id of the chat completion it ran as (its trace's)
-        self.trace_names: collections.OrderedDict[str, str] = collections.OrderedDict()
         #: finished /v1/responses answers kept for previous_response_id (None: none kept)
         self.responses = ResponseStore(config.responses_kept) if config.responses_kept > 0 else None
 
@@ -87,14 +85,6 @@ class ServerState:
         self.traces[rid] = kept
         while len(self.traces) > self.config.trace:
             self.traces.popitem(last=False)
-
-    def name_trace(self, name: str, rid: str | None) -> None:
-        """Let ``/trace/{name}`` show the trace of request ``rid`` (a Responses answer's id)."""
-        if self.config.trace <= 0 or rid is None:
-            return
-        self.trace_names[name] = rid
-        while len(self.trace_names) > self.config.trace:
-            self.trace_names.popitem(last=False)
 
     @property
     def ready(self) -> bool:
@@ -239,7 +229,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         if config.trace <= 0:
             raise APIError(404, "tracing is off; start the server with --trace")
         _check_ready(state)
-        kept = state.traces.get(state.trace_names.get(rid, rid))
+        kept = state.traces.get(rid)
         if kept is None:
             raise APIError(404, f"no trace of request {rid!r} "
                                 f"(only the last {config.trace} finished requests are kept)")
@@ -274,25 +264,23 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
                 raise APIError(400, "previous_response_id: this server keeps no responses (--responses-kept 0); "
                                     "send the whole conversation as input", param="previous_response_id")
             history = store.history(asked.previous_response_id)
+        builder = ResponseBuilder(asked)
         try:
             body = ChatCompletionRequest.model_validate(
                 {**asked.chat_body(history), "stream": asked.stream,
                  "stream_options": {"include_usage": True} if asked.stream else None})
-            answer = await _chat_completion(request, state, body)
+            answer = await _chat_completion(request, state, body, rid=builder.id)
         except APIError as exc:  # name the Responses fields, not the chat ones they became
             raise responses_error(exc) from None
-        builder = ResponseBuilder(asked)
         builder.stored = store is not None and asked.store is not False
         keep = (lambda done: store.put(done, asked, history)) if builder.stored else None
         if not asked.stream:
             chat = json.loads(answer.body)
             done = builder.whole(chat)
-            state.name_trace(builder.id, chat.get("id"))
             if keep is not None and builder.stored:  # (not a failed one)
                 keep(done)
             return JSONResponse(done)
         def finished(done: dict) -> None:
-            state.name_trace(builder.id, builder.chat_id)
             if keep is not None and builder.stored:
                 keep(done)
 
@@ -442,12 +430,14 @@ def _check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
         raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
 
 
-async def _chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
-    """Answer a chat completion request (whole or streamed)."""
+async def _chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest,
+                           rid: str | None = None):
+    """Answer a chat completion request (whole or streamed), under the id ``rid`` (by default
+    a new ``chatcmpl-`` one)."""
     use = body.tool_setup()
     offered = use.offered()
     prompt = await _off_loop(lambda: _chat_prompt(state, body, offered))
-    return await _generate(request, state, body, [prompt], chat=True, tools=use)
+    return await _generate(request, state, body, [prompt], chat=True, tools=use, rid=rid)
 
 
 def _response_store(state: ServerState) -> ResponseStore:
@@ -668,10 +658,11 @@ def _empty_logprobs(chat: bool) -> dict:
 
 async def _generate(request: Request, state: ServerState, body: _GenerationRequest, prompts: list[list[int]],
                     chat: bool, texts: list[str] | None = None,
-                    tools: ToolUse | None = None):
+                    tools: ToolUse | None = None, rid: str | None = None):
     """Answer a request: ``n`` choices for each of ``prompts``, decoded side by side as
     requests of the engine (choice ``i * n + k`` is sample ``k`` of prompt ``i``); ``tools``:
-    a chat's tools and tool choice, whose calls are read from each answer."""
+    a chat's tools and tool choice, whose calls are read from each answer; ``rid``: the id
+    its log line and trace go under (a Responses answer's own; by default a new one)."""
     if body.n < 1:
         raise APIError(400, f"n must be at least 1, got {body.n}", param="n")
     if len(prompts) * body.n > MAX_CHOICES:
@@ -711,7 +702,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
             state.worker.abort(c.ticket)
         state.in_flight -= len(asked)
         raise
-    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    rid = rid or ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     started = time.monotonic()
     if body.stream:
         options = body.stream_options
@@ -843,6 +834,7 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
     traced: list[SequenceResult | None] = [None] * len(choices)  # (as decoded, for the trace)
     reasons: list[str | None] = [None] * len(choices)
     started = time.monotonic()
+    logged = False
     try:
         if chat:
             for c in choices:
@@ -893,6 +885,7 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
         else:
             state.keep_trace(rid, [(c.prompt, traced[c.index]) for c in choices])
             _log_request(state, rid, choices, results, reasons, started)
+            logged = True
             if include_usage:
                 yield sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                            "usage": _usage(choices, results)})
@@ -904,3 +897,5 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
         for c in choices:
             if not c.done:
                 state.worker.abort(c.ticket)
+        if not logged:  # (the client went away, or a choice failed: its line says how each ended)
+            _log_request(state, rid, choices, results, [r or "abort" for r in reasons], started)

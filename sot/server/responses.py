@@ -239,7 +239,6 @@ class ResponseBuilder:
         self._calls: dict[int, dict] = {}  # chat tool-call index -> function_call item being streamed
         self.finish: str | None = None  # the chat finish reason, once streamed
         self.figures: dict | None = None  # SoT's figures, once streamed
-        self.chat_id: str | None = None  # the id of the chat completion this response runs as
         #: whether the finished response is kept (a store exists and the request allows it)
         self.stored = False
         #: the finished response, once :meth:`whole` or :meth:`closing` built it
@@ -301,7 +300,6 @@ class ResponseBuilder:
     def on_chunk(self, chunk: dict) -> list[dict]:
         """The events of one chat stream chunk (content and tool-call deltas)."""
         events: list[dict] = []
-        self.chat_id = self.chat_id or chunk.get("id")
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
