@@ -690,6 +690,21 @@ def test_model_card_version_cors_and_request_log(tiny_server) -> None:
     assert "finish abort" in _log_line(tiny_server, rid)
 
 
+def test_a_request_without_a_model_is_for_the_served_one(tiny_server) -> None:
+    """``model`` may be left out (as vLLM allows): the answer names the served model."""
+    url = tiny_server.url
+    chat = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    text = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60, json={"prompt": "abc", "max_tokens": 3})
+    response = httpx.post(f"{url}/v1/responses", headers=AUTH, timeout=60, json={"input": "hi", "max_output_tokens": 3})
+    for r in (chat, text, response):
+        assert r.status_code == 200 and r.json()["model"] == TINY, r.text
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"prompt": "abc", "max_tokens": 3, "stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert chunks and all(c["model"] == TINY for c in chunks)
+
+
 def _log_line(server, rid: str) -> str:
     """The server log's line for request ``rid`` (waited for: it is written as the request ends)."""
     deadline = time.monotonic() + 10

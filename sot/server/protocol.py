@@ -84,7 +84,7 @@ class _GenerationRequest(NullMeansDefault):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # (the served model when left out, as vLLM takes it)
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)

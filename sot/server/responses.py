@@ -76,7 +76,7 @@ class ResponsesRequest(NullMeansDefault):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # (the served model when left out)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
