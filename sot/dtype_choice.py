@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from tqdm import tqdm
 
 from sot.machine import machine_key
 from sot.models.loading import DTYPES, INT8, MODE_DTYPES, cache_root, keep_json, native_bf16, resolve_model_path
@@ -271,53 +272,81 @@ def room_beside(target: TargetModel, ratio: float = 1.0) -> bool:
     return 2 * ratio * _bytes(target) < _available_bytes()
 
 
-def measure_modes(model: str, names: tuple[str, ...], drafter: str, predictor: str | None) -> list[ModeTiming]:
+def measure_modes(model: str, names: tuple[str, ...], drafter: str, predictor: str | None,
+                  bar=None) -> list[ModeTiming]:
     """Time ``model`` in each mode of ``names``: verify passes by rows and, with a drafter, a
-    probe decode.
+    probe decode. ``bar`` (a progress bar, or None) counts the steps :func:`_steps` names.
 
     The modes are loaded together where memory allows it (twice the first mode's bytes free),
     and their verify passes are timed in turns, round after round (each round times every size
     of each mode; each size keeps its fastest pass): a busy moment on a shared machine then
     slows one round of every mode instead of one mode's whole measurement. A mode that does
     not fit beside the first is timed after it, alone."""
-    first = _load(model, names[0], drafter, predictor)
+    def load(name: str) -> _Loaded:
+        loaded = _load(model, name, drafter, predictor)
+        _advance(bar, f"{name} loaded")
+        return loaded
+
+    first = load(names[0])
     together, rest = [first], list(names[1:])
     while rest and room_beside(first.target):
-        together.append(_load(model, rest.pop(0), drafter, predictor))
-    timings = _time_in_turns(together, [])
+        together.append(load(rest.pop(0)))
+    timings = _time_in_turns(together, [], bar)
     del first, together
     for name in rest:
-        timings += _time_in_turns([_load(model, name, drafter, predictor)], timings)
+        timings += _time_in_turns([load(name)], timings, bar)
     return timings
 
 
-def _time_in_turns(group: list[_Loaded], earlier: list[ModeTiming]) -> list[ModeTiming]:
+def _steps(names: tuple[str, ...], speculative: bool) -> int:
+    """The steps of measuring ``names`` for a progress bar: per mode its load, its rounds of
+    passes and, with a drafter, its probe decode (a mode stopped early skips the rest)."""
+    return len(names) * (1 + PROBE_REPEATS + int(speculative))
+
+
+def _advance(bar, what: str, steps: int = 1) -> None:
+    if bar is not None:
+        bar.set_postfix_str(what, refresh=False)
+        bar.update(steps)
+
+
+def _time_in_turns(group: list[_Loaded], earlier: list[ModeTiming], bar=None) -> list[ModeTiming]:
     """The timings of the modes of ``group`` (see :func:`measure_modes`), after ``earlier``
     ones. After the first round, a mode whose passes take twice another's at every size cannot
     be faster: it is timed no further and skips the probe decode (minutes where bfloat16 is
     emulated); its drafter pass is then taken as the faster mode's, scaled by the ratio of their
     one-row passes."""
-    from sot.policy.cost import CostModel, _time_passes
+    from sot.policy.cost import CostModel, PassTimer
 
     sizes = list(PROBE_ROWS)
     context = max(1, min(PROBE_CONTEXT, _positions(group[0].target.model) - 2 * max(PROBE_ROWS)))
     best = {m.dtype: {r: float("inf") for r in sizes} for m in group}
-    live = list(group)
+    timers: dict[str, PassTimer] = {}  # (each mode reads its context once, at its first round)
+    live, stopped = list(group), []
     for round_ in range(PROBE_REPEATS):
         for m in live:
-            timed = _time_passes(m.target, context, sizes, 1, None)
+            if m.dtype not in timers:
+                timers[m.dtype] = PassTimer(m.target, context, sizes)
+            timed = timers[m.dtype].time(1)
             best[m.dtype] = {r: min(best[m.dtype][r], timed[r]) for r in sizes}
+            _advance(bar, f"{m.dtype} passes, round {round_ + 1}")
         if round_ == 0:
             ms = {t.dtype: [t.verify_ms[r] / 1000 for r in sizes] for t in earlier}
             ms.update({m.dtype: [best[m.dtype][r] for r in sizes] for m in group})
-            live = [m for m in live if not any(all(2 * a <= b for a, b in zip(other, ms[m.dtype]))
-                                               for name, other in ms.items() if name != m.dtype)]
+            stopped = [m for m in live if any(all(2 * a <= b for a, b in zip(other, ms[m.dtype]))
+                                              for name, other in ms.items() if name != m.dtype)]
+            live = [m for m in live if m not in stopped]
+            for m in stopped:  # (its later rounds and its probe decode are skipped)
+                _advance(bar, f"{m.dtype} stopped: twice as slow", PROBE_REPEATS - 1 + int(m.speculative))
+    timers.clear()
     out: list[ModeTiming] = []
     for m in group:
         curve = CostModel(sizes, [best[m.dtype][r] for r in sizes])
         timing = ModeTiming(m.dtype, {r: curve.verify(r) * 1000 for r in PROBE_ROWS})
         if m.speculative:
             _probe(m, timing, earlier + out)
+            if m not in stopped:
+                _advance(bar, f"{m.dtype} drafter timed")
         out.append(timing)
     return out
 
@@ -378,7 +407,10 @@ def choose_dtype(model: str, drafter: str = "auto", predictor: str | None = None
     if progress:
         print(f"timing {' and '.join(CANDIDATES)} on this machine for --dtype auto (once; kept in {path.parent})",
               file=sys.stderr, flush=True)
-    modes = measure_modes(model, CANDIDATES, drafter, predictor)
+    # (a bar with its ETA in a terminal, where the first load waits on this; none elsewhere)
+    with tqdm(total=_steps(CANDIDATES, drafter != "none"), desc="--dtype auto", unit="step",
+              disable=None if progress else True, leave=False, dynamic_ncols=True) as bar:
+        modes = measure_modes(model, CANDIDATES, drafter, predictor, bar)
     _expected(modes, speculative=drafter != "none")
     best = max(modes, key=lambda m: m.tokens_per_s)
     choice = DtypeChoice(best.dtype, "measured", drafter, modes, path)

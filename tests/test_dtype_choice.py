@@ -116,22 +116,41 @@ def test_the_modes_take_turns_and_a_mode_twice_as_slow_stops_early(model_dir: Pa
     from sot.policy import cost
 
     calls: list[str] = []
+    prefills: list[str] = []
     slow = {"float32": 1.0, "bfloat16": 0.9}  # (a mode slower everywhere than an earlier one is not decoded)
 
-    def fake(target, context, sizes, repeats, bar):
-        name = str(target.dtype).removeprefix("torch.")
-        calls.append(name)
-        return {r: slow[name] * (0.010 + 0.001 * r) for r in sizes}
+    class FakeTimer:
+        def __init__(self, target, context, sizes):
+            self.name, self.sizes = str(target.dtype).removeprefix("torch."), sizes
+            prefills.append(self.name)
 
-    monkeypatch.setattr(cost, "_time_passes", fake)
-    modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None)
+        def time(self, repeats, bar=None):
+            calls.append(self.name)
+            return {r: slow[self.name] * (0.010 + 0.001 * r) for r in self.sizes}
+
+    class Bar:  # (counts the steps a progress bar is advanced by)
+        n = 0
+
+        def update(self, steps=1):
+            self.n += steps
+
+        def set_postfix_str(self, *a, **k):
+            pass
+
+    monkeypatch.setattr(cost, "PassTimer", FakeTimer)
+    bar = Bar()
+    modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None, bar)
     assert calls == list(dc.CANDIDATES) * dc.PROBE_REPEATS, "one round of each mode in turn"
+    assert prefills == list(dc.CANDIDATES), "each mode reads its context once"
     assert all(m.probe_tokens > 0 for m in modes)
+    assert bar.n == dc._steps(dc.CANDIDATES, True), "the bar ends full"
     calls.clear()
     slow["bfloat16"] = 2.5
-    modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None)
+    bar = Bar()
+    modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None, bar)
     assert calls == ["float32", "bfloat16"] + ["float32"] * (dc.PROBE_REPEATS - 1)
     assert modes[1].probe_tokens == 0 and "not decoded" in modes[1].note
+    assert bar.n == dc._steps(dc.CANDIDATES, True), "a mode stopped early skips its steps"
     calls.clear()
     loaded: list[str] = []
     real_load = dc._load

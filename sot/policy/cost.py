@@ -107,43 +107,59 @@ def _time_passes(target: torch.nn.Module, context: int, sizes: list[int], repeat
     """Fastest verify pass of each tree size after a ``context``-token prefill (see
     :meth:`CostModel.measure`): ``{rows: seconds}``; ``bar`` (a progress bar, or None) counts
     the passes."""
-    from sot.attention import build_tree_layout
-    from sot.tree import ancestor_table, tree_from_parents
+    return PassTimer(target, context, sizes).time(repeats, bar)
 
-    unit = target.row_multiple
-    last = (getattr(target, "max_positions", None) or 1 << 40) - 1
-    cache = target.new_cache(1, context + max(sizes) + unit + 16)
-    gen = torch.Generator().manual_seed(0)
-    vocab = target.model.get_input_embeddings().weight.shape[0]
-    prompt = torch.randint(0, vocab, (context,), generator=gen)
-    target.prefill(cache, 0, prompt)
-    cache.set_length(0, context)
-    passes = []
-    for n in sizes:
-        tokens = prompt.repeat(-(-n // context))[-n:]  # (a context shorter than the tree repeats)
-        tree = tree_from_parents(tokens.tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
-        rows = round_up(n, unit)
-        ids = torch.full((1, rows), int(tree.tokens[0]))
-        ids[0, :n] = torch.tensor(tree.tokens)
-        pos = torch.full((1, rows), context)
-        pos[0, :n] = (torch.tensor(tree.depths) + context).clamp(max=last)
-        layout = build_tree_layout(cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows, cache)
-        passes.append((ids, pos, layout))
-    # Sizes take turns, round after round (the first round warms up), and each keeps its
-    # fastest pass: a busy moment then slows one round of every size instead of bending
-    # the curve, and the minimum is the most repeatable timing of a pass.
-    timings = {n: math.inf for n in sizes}
-    for round_ in range(repeats + 1):
-        for n, (ids, pos, layout) in zip(sizes, passes):
-            target.synchronize()
-            t0 = time.perf_counter()
-            target.verify(cache, ids, pos, layout).logits  # (every row's: see the docstring)
-            target.synchronize()
-            if round_ > 0:
-                timings[n] = min(timings[n], time.perf_counter() - t0)
-            if bar is not None:
-                bar.update()
-    return timings
+
+class PassTimer:
+    """Verify passes of trees of ``sizes`` rows (binary trees) after a ``context``-token
+    prefill, made once and timed as often as asked: a caller timing in rounds (the modes of
+    ``--dtype auto`` taking turns) reads the context once, not once a round."""
+
+    def __init__(self, target: torch.nn.Module, context: int, sizes: list[int]) -> None:
+        from sot.attention import build_tree_layout
+        from sot.tree import ancestor_table, tree_from_parents
+
+        self.target, self.sizes = target, list(sizes)
+        unit = target.row_multiple
+        last = (getattr(target, "max_positions", None) or 1 << 40) - 1
+        self.cache = target.new_cache(1, context + max(sizes) + unit + 16)
+        gen = torch.Generator().manual_seed(0)
+        vocab = target.model.get_input_embeddings().weight.shape[0]
+        prompt = torch.randint(0, vocab, (context,), generator=gen)
+        target.prefill(self.cache, 0, prompt)
+        self.cache.set_length(0, context)
+        self.passes = []
+        for n in sizes:
+            tokens = prompt.repeat(-(-n // context))[-n:]  # (a context shorter than the tree repeats)
+            tree = tree_from_parents(tokens.tolist(), [-1] + [(i - 1) // 2 for i in range(1, n)])
+            rows = round_up(n, unit)
+            ids = torch.full((1, rows), int(tree.tokens[0]))
+            ids[0, :n] = torch.tensor(tree.tokens)
+            pos = torch.full((1, rows), context)
+            pos[0, :n] = (torch.tensor(tree.depths) + context).clamp(max=last)
+            layout = build_tree_layout(self.cache.lengths, [ancestor_table(tree, tree.max_depth + 1)], rows,
+                                       self.cache)
+            self.passes.append((ids, pos, layout))
+
+    def time(self, repeats: int, bar=None) -> dict[int, float]:
+        """``{rows: seconds}``: a warm-up round, then ``repeats`` rounds of every size, each
+        size keeping its fastest pass; ``bar`` (a progress bar, or None) counts the passes."""
+        # Sizes take turns, round after round, and each keeps its fastest pass: a busy moment
+        # then slows one round of every size instead of bending the curve, and the minimum is
+        # the most repeatable timing of a pass.
+        target = self.target
+        timings = {n: math.inf for n in self.sizes}
+        for round_ in range(repeats + 1):
+            for n, (ids, pos, layout) in zip(self.sizes, self.passes):
+                target.synchronize()
+                t0 = time.perf_counter()
+                target.verify(self.cache, ids, pos, layout).logits  # (every row's: see CostModel.measure)
+                target.synchronize()
+                if round_ > 0:
+                    timings[n] = min(timings[n], time.perf_counter() - t0)
+                if bar is not None:
+                    bar.update()
+        return timings
 
 
 #: bump when the measurement changes, so curves kept by older versions are measured again
