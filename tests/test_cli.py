@@ -453,6 +453,19 @@ def test_unknown_prompt_set_is_refused_before_any_model_loads(tmp_path: Path, ca
     assert "agent-loop" in err and "sharegpt-heldout" in err and "model path" not in err
 
 
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(monkeypatch, capsys) -> None:
+    """``sot generate ... | head``: the closed pipe ends the command with 141 (128 + SIGPIPE, as
+    a pipeline's tools end) and no error line."""
+    import sot.cli as cli
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setitem(cli.HANDLERS, "generate", closed)
+    assert main(["generate", "hello"]) == 141
+    assert capsys.readouterr().err == ""
+
+
 def test_bad_flag_value_is_a_clean_error() -> None:
     res = run_cli("generate", "hi", "--temperature", "-1")
     assert res.returncode == 2 and "temperature" not in res.stdout

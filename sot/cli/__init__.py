@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 from typing import Any, Sequence
@@ -62,6 +63,16 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     print(f"sot: warning: {text}{where}", file=file or sys.stderr)
 
 
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null, so the interpreter's last flush of what a closed
+    pipe did not take raises nothing more."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # (not a file descriptor, as under a test's capture: nothing to flush)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sot`` console script."""
     warnings.showwarning = _show_warning
@@ -74,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SoTError as exc:
         print(f"sot: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a pipeline's tools do
+        _quiet_stdout()
+        return 128 + signal.SIGPIPE
     except OSError as exc:  # a file the user named cannot be read or written
         if os.environ.get("SOT_DEBUG"):
             raise

@@ -115,7 +115,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = [sot.encode(item, args.chat) for item in items]
     params = sot.params(stop=args.stop, logprobs=args.logprobs, structured=structured, prediction=prediction,
                         **sampling_kwargs(args))
-    stream_one = len(ids) == 1 and not args.json and sys.stdout.isatty() and not args.trace
+    # one answer streams, to a terminal or a pipe alike (what a stopped run had written stays written)
+    stream_one = len(ids) == 1 and not args.json and not args.trace
     if stream_one:
         for event in sot.stream(items, chat=args.chat, stop=args.stop, structured=structured, prediction=prediction,
                                 **sampling_kwargs(args)):
