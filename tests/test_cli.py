@@ -466,6 +466,23 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(monkeypatch, cap
     assert capsys.readouterr().err == ""
 
 
+def test_more_threads_than_cpus_is_warned_of() -> None:
+    import argparse
+    import warnings
+
+    from sot.cli.common import apply_threads, usable_cpus
+
+    before = torch.get_num_threads()
+    try:
+        with pytest.warns(UserWarning, match=f"--threads {usable_cpus() + 1} is more than the {usable_cpus()} CPU"):
+            apply_threads(argparse.Namespace(threads=usable_cpus() + 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            apply_threads(argparse.Namespace(threads=usable_cpus()))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_flag_value_is_a_clean_error() -> None:
     res = run_cli("generate", "hi", "--temperature", "-1")
     assert res.returncode == 2 and "temperature" not in res.stdout

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -94,7 +95,19 @@ def apply_threads(args: argparse.Namespace) -> None:
     if getattr(args, "threads", None) is not None:
         import torch
 
+        cores = usable_cpus()
+        if args.threads > cores:
+            warnings.warn(f"--threads {args.threads} is more than the {cores} CPU(s) this process may use: threads "
+                          "that share a core wait for each other at every pass, so decoding slows down")
         torch.set_num_threads(args.threads)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
@@ -116,7 +129,7 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True) -> None:
                    help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="engine dtype (default auto: the faster of float32 and bfloat16 here, timed once per machine, "
-                        "model and drafter and kept under ~/.cache/sot); int8: products in 8-bit integers over a "
+                        "model, drafter and --threads and kept under ~/.cache/sot); int8: products in 8-bit integers over a "
                         "GGUF model's blocks (other weights rounded to 8-bit blocks), as llama.cpp computes them "
                         "(faster on CPUs; answers differ slightly from float32's, and speculation stays exact)")
     add_kv_cache_arg(p)
