@@ -606,13 +606,14 @@ def test_api_argument_errors(model_dir: Path) -> None:
 
 def test_chat_session(model_dir: Path, tmp_path: Path) -> None:
     """Each line is a turn; a turn that cannot run (past the context) is reported and dropped
-    and the session goes on; /reset and /help are commands, not messages; the answers alone go
+    and the session goes on; /reset and /help are commands, not messages, and an empty line
+    is skipped; the answers alone go
     to stdout; the earlier-answers store is written at the end."""
     store = tmp_path / "answers.store"
     res = subprocess.run(
         [sys.executable, "-m", "sot.cli", "chat", "--model", str(model_dir), "--max-new-tokens", "8",
          "--ignore-eos", "--suffix-store", str(store)],
-        input="hello\n" + "x" * 200 + "\n/help\nagain\n/reset\nhello\n/reste\n/reset\n" + "y" * 138
+        input="hello\n" + "x" * 200 + "\n/help\n\nagain\n/reset\nhello\n/reste\n/reset\n" + "y" * 138
               + "\n/exit\nnever sent\n",
         capture_output=True, text=True, timeout=300,
     )
@@ -632,7 +633,7 @@ def test_chat_lines_commands_and_messages() -> None:
     from sot.cli.generate import chat_line
 
     assert [chat_line(x)[0] for x in ("", "  ", "/exit", "/QUIT", "/help", " /reset ")] == \
-        ["exit", "exit", "exit", "exit", "help", "reset"]
+        ["skip", "skip", "exit", "exit", "help", "reset"]
     assert chat_line("/reste") == ("unknown", "/reste")
     assert chat_line("//reste") == ("message", "/reste")
     assert chat_line("/usr/bin holds what?") == ("message", "/usr/bin holds what?")

@@ -353,7 +353,7 @@ def _speed_line(tokens: int, seconds: float, tau: float, steps: int) -> str:
 
 CHAT_HELP = """commands:
   /reset   start a new conversation (the system message stays)
-  /exit    end the session (also /quit, an empty line or Ctrl-D)
+  /exit    end the session (also /quit or Ctrl-D; an empty line is skipped)
   /help    this list
 A line that is one other /word is taken for a mistyped command, not sent (begin it with // to
 send it, as /word). Ctrl-C while the model answers stops the answer; the part written stays in
@@ -361,11 +361,14 @@ the conversation."""
 
 
 def chat_line(line: str) -> tuple[str, str]:
-    """What a line typed in ``sot chat`` asks: ``("exit" | "help" | "reset", "")``, ``("unknown",
-    "/word")`` for a line that is one other /word (a mistyped command, not sent), or
-    ``("message", text)``; a line beginning with // is sent without its first /."""
+    """What a line typed in ``sot chat`` asks: ``("exit" | "help" | "reset" | "skip", "")``
+    (skip: an empty line, as blank lines of piped input are), ``("unknown", "/word")`` for a
+    line that is one other /word (a mistyped command, not sent), or ``("message", text)``; a
+    line beginning with // is sent without its first /."""
     command = line.strip().lower()
-    if command in ("", "/exit", "/quit"):
+    if not command:
+        return "skip", ""
+    if command in ("/exit", "/quit"):
         return "exit", ""
     if command in ("/help", "/reset"):
         return command[1:], ""
@@ -432,6 +435,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             kind, user = chat_line(user)
             if kind == "exit":
                 break
+            if kind == "skip":
+                continue
             if kind == "help":
                 print(CHAT_HELP, file=sys.stderr)
                 continue
