@@ -1,6 +1,7 @@
 """The CLI and the Python API on a tiny model folder, and the errors a user can hit."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -481,6 +482,20 @@ def test_more_threads_than_cpus_is_warned_of() -> None:
             apply_threads(argparse.Namespace(threads=usable_cpus()))
     finally:
         torch.set_num_threads(before)
+
+
+def test_help_states_each_default_and_no_command_shows_the_commands(capsys) -> None:
+    import re as re_
+
+    subs = {a.dest: a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)}["command"]
+    text = re_.sub(r"\s+", " ", subs.choices["generate"].format_help())
+    assert "--max-new-tokens MAX_NEW_TOKENS tokens each answer generates at most (default: 128)" in text
+    assert "--warmup WARMUP tokens decoded plainly at the start of a sequence (default: 0)" in text
+    assert "--stop STOP stop string (repeatable) --prediction" in text, "an empty default is not stated"
+    assert "0 = greedy (default) --top-p" in text, "a text that says its default is left as it is"
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: sot") and "generate" in err and "bench-serve" in err
 
 
 def test_bad_flag_value_is_a_clean_error() -> None:

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(prog="sot", description="SoT: lossless speculative decoding with state prediction")
     parser.add_argument("--version", action="version", version=f"sot {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND",
+                                title="commands")
     add_generate_parsers(sub)
     add_serve_parser(sub)
     add_bench_serve_parser(sub)
@@ -77,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sot`` console script."""
     warnings.showwarning = _show_warning
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else list(argv)):  # (no command: what there is to run)
+        parser.print_help(sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     if extra:  # (named by the subcommand that refused them, whose --help lists what it takes)
         _subparser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -3,6 +3,7 @@ defaults come from the config dataclasses), the one-line-error parser, and model
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import tempfile
@@ -220,10 +221,12 @@ def policy_from_args(args: argparse.Namespace) -> PolicyConfig:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=positive_int, default=GenerationParams.max_new_tokens)
+    p.add_argument("--max-new-tokens", type=positive_int, default=GenerationParams.max_new_tokens,
+                   help="tokens each answer generates at most")
     p.add_argument("--temperature", type=non_negative_float, default=SamplingParams.temperature,
                    help="0 = greedy (default)")
-    p.add_argument("--top-p", type=probability, default=SamplingParams.top_p)
+    p.add_argument("--top-p", type=probability, default=SamplingParams.top_p,
+                   help="nucleus sampling: sample from the likeliest tokens whose probabilities add up to this (1: off)")
     p.add_argument("--top-k", type=non_negative_int, default=SamplingParams.top_k, help="sampling top-k (0: off)")
     p.add_argument("--min-p", type=unit_interval, default=SamplingParams.min_p,
                    help="drop tokens less likely than this fraction of the most likely one (0: off)")
@@ -253,8 +256,36 @@ def add_chat_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat", dest="chat", action="store_false", help="feed prompts as raw text")
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that states each option's default where its text does not already say it (an option
+    without a text gets the default alone)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and self._default_text(action):
+            action = copy.copy(action)
+            action.help = self._default_text(action)
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        extra = self._default_text(action)
+        return f"{text} {extra}" if extra and "default" not in text.lower() else text
+
+    @staticmethod
+    def _default_text(action: argparse.Action) -> str:
+        value = action.default
+        empty = value is None or value is False or value is argparse.SUPPRESS or (
+            isinstance(value, (str, list, tuple)) and not value)
+        return "(default: %(default)s)" if action.option_strings and action.nargs != 0 and not empty else ""
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage dump) and exit status 2."""
+    """argparse with one-line errors (no usage dump), exit status 2 and each option's default
+    in its help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")

@@ -37,7 +37,8 @@ def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train a state predictor (gen-data, code-prompts, prepare, fit, "
                                           "onpolicy) or a commit policy (policy)")
-    tsub = train.add_subparsers(dest="train_command", required=True, parser_class=type(train))
+    tsub = train.add_subparsers(dest="train_command", required=True, parser_class=type(train), metavar="STAGE",
+                                 title="stages")
 
     gen = tsub.add_parser("gen-data", help="regenerate ShareGPT answers with the target (self-distillation)")
     gen.add_argument("--model", default="default")
