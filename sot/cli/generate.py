@@ -72,7 +72,8 @@ def add_generate_parsers(sub: argparse._SubParsersAction) -> None:
 
     sc = sub.add_parser("score", help="log probabilities and perplexity of texts under the model")
     sc.add_argument("text", nargs="?", help="the text to score ('-': read it from standard input)")
-    sc.add_argument("--prompts", help="JSONL file: {'prompt'} (or {'messages'} with --chat) per line")
+    sc.add_argument("--prompts", help="JSONL file: {'prompt'} or {'messages'} per line (messages: in the chat "
+                                          "template with --chat, else their texts a line each)")
     sc.add_argument("--batch-size", type=positive_int, default=1, help="texts read together")
     sc.add_argument("--json", action="store_true", help="print one JSON object per text, with every token's figures")
     sc.add_argument("--top-logprobs", type=top_logprobs, default=0, metavar="K",
@@ -274,7 +275,8 @@ def cmd_score(args: argparse.Namespace) -> int:
             print(json.dumps(record), flush=True)
         else:
             ppl = f"{sc.perplexity:.4f}" if sc.scored_tokens else "- (one token: nothing scored)"
-            print(f"[{i}] {len(sc.token_ids)} tokens, log-likelihood {sc.total_logprob:.4f}, perplexity {ppl}")
+            print(f"[{i}] {len(sc.token_ids)} tokens ({sc.scored_tokens} scored: all but the first), log-likelihood "
+                  f"{sc.total_logprob:.4f}, perplexity {ppl}")
     scored = sum(sc.scored_tokens for sc in scores)
     if len(scores) > 1 and scored:
         total = sum(sc.total_logprob for sc in scores)
