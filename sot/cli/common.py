@@ -337,6 +337,10 @@ def load_sot(args: argparse.Namespace, batch: int = 1) -> SoT:
 
     check_load_args(args)
     apply_threads(args)
+    if not sys.stderr.isatty():  # (a log, not a terminal: the weights' loading bars would be lines of noise)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     # (the int8 mode runs on the CPU: with a GPU visible, auto still means the CPU for it)
     device = resolve_device("cpu" if args.dtype == "int8" and args.device == "auto" else args.device)
     choice = resolve(args.dtype, args.model, args.drafter, args.predictor, device=str(device), batch=batch)

@@ -185,8 +185,10 @@ def _model_id(url: str, headers: dict) -> str:
 
     try:
         resp = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
-    except httpx.HTTPError as exc:
+    except httpx.ConnectError as exc:
         raise ConfigError(f"cannot reach {url}: {exc} (is the server running?)") from None
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # (not a URL of a server: no more to say)
+        raise ConfigError(f"cannot reach {url}: {exc}") from None
     if resp.status_code != 200:
         raise ConfigError(f"{url}/v1/models answered {resp.status_code}: {resp.text[:200]}")
     return resp.json()["data"][0]["id"]

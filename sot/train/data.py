@@ -254,6 +254,8 @@ class StateDataset:
         metas = []
         for f in folders:
             meta_path = f / "meta.json"
+            if not f.is_dir():
+                raise ConfigError(f"{f}: no such folder ('sot train prepare' makes a state cache)")
             if not meta_path.is_file():
                 raise ConfigError(f"{f} holds no complete state cache (meta.json missing)")
             metas.append(_read_meta(meta_path))
