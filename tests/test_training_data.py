@@ -39,8 +39,11 @@ def test_state_caches_combine(tiny_run, tmp_path) -> None:
                       progress=False)
     with pytest.raises(ConfigError, match="differ in hidden size or layers"):
         StateDataset([data / "train", tmp_path / "other"])
-    with pytest.raises(ConfigError, match="no complete state cache"):
+    with pytest.raises(ConfigError, match="missing: no such folder"):
         StateDataset([data / "train", tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no complete state cache"):
+        StateDataset([data / "train", tmp_path / "empty"])
     # a damaged cache names the file that is wrong
     meta = tmp_path / "other" / "meta.json"
     good = meta.read_text()
