@@ -53,6 +53,10 @@ PROBE_ROWS = (1, 2, 4, 8, 16)
 PROBE_CONTEXT = 256
 #: rounds of timed passes (each size keeps its fastest)
 PROBE_REPEATS = 4
+#: context of the first look at a mode timed after another: a pass costs no more after a
+#: shorter context, so a mode already twice as slow there is stopped before it reads
+#: :data:`PROBE_CONTEXT` tokens (seconds where bfloat16 is emulated)
+SCREEN_CONTEXT = 16
 #: tokens of the probe decode that times the drafter (the first mode's; later modes decode
 #: :data:`PROBE_TOKENS_AGAIN`, enough to time the drafter, since the acceptance is pooled)
 PROBE_TOKENS = 48
@@ -315,16 +319,30 @@ def _time_in_turns(group: list[_Loaded], earlier: list[ModeTiming], bar=None) ->
     ones. After the first round, a mode whose passes take twice another's at every size cannot
     be faster: it is timed no further and skips the probe decode (minutes where bfloat16 is
     emulated); its drafter pass is then taken as the faster mode's, scaled by the ratio of their
-    one-row passes."""
+    one-row passes. A mode timed after another is first timed after :data:`SCREEN_CONTEXT`
+    tokens, and stopped there if that already takes twice as long."""
     from sot.policy.cost import CostModel, PassTimer
 
     sizes = list(PROBE_ROWS)
     context = max(1, min(PROBE_CONTEXT, _positions(group[0].target.model) - 2 * max(PROBE_ROWS)))
     best = {m.dtype: {r: float("inf") for r in sizes} for m in group}
     timers: dict[str, PassTimer] = {}  # (each mode reads its context once, at its first round)
-    live, stopped = list(group), []
+    live, stopped, screened = list(group), [], set()
+
+    def twice_as_slow(mine: dict[int, float], others: list[list[float]]) -> bool:
+        return any(all(2 * a <= mine[r] for a, r in zip(other, sizes)) for other in others)
+
     for round_ in range(PROBE_REPEATS):
         for m in live:
+            known = [[t.verify_ms[r] / 1000 for r in sizes] for t in earlier]
+            known += [[best[o.dtype][r] for r in sizes] for o in group if o.dtype in timers]
+            if round_ == 0 and known and context > SCREEN_CONTEXT:
+                first_look = PassTimer(m.target, SCREEN_CONTEXT, sizes).time(1)
+                if twice_as_slow(first_look, known):
+                    best[m.dtype] = first_look
+                    screened.add(m.dtype)
+                    _advance(bar, f"{m.dtype} passes, round 1")
+                    continue
             if m.dtype not in timers:
                 timers[m.dtype] = PassTimer(m.target, context, sizes)
             timed = timers[m.dtype].time(1)
@@ -347,6 +365,8 @@ def _time_in_turns(group: list[_Loaded], earlier: list[ModeTiming], bar=None) ->
             _probe(m, timing, earlier + out)
             if m not in stopped:
                 _advance(bar, f"{m.dtype} drafter timed")
+        if m.dtype in screened:
+            timing.note = "; ".join(filter(None, [timing.note, f"passes timed after {SCREEN_CONTEXT} tokens only"]))
         out.append(timing)
     return out
 

@@ -111,8 +111,9 @@ def test_auto_measures_both_modes_once_and_reads_the_choice_back(model_dir: Path
 def test_the_modes_take_turns_and_a_mode_twice_as_slow_stops_early(model_dir: Path, monkeypatch) -> None:
     """The verify passes of the modes are timed in turns, round after round (a busy moment
     slows a round of each, not one mode's whole measurement); a mode twice as slow as another
-    at every size after the first round is timed no further and not decoded; a mode that does
-    not fit in memory beside the first is loaded after it, alone."""
+    at every size after the first round is timed no further and not decoded, and one already
+    twice as slow after a short context never reads the long one; a mode that does not fit in
+    memory beside the first is loaded after it, alone."""
     from sot.policy import cost
 
     calls: list[str] = []
@@ -122,7 +123,7 @@ def test_the_modes_take_turns_and_a_mode_twice_as_slow_stops_early(model_dir: Pa
     class FakeTimer:
         def __init__(self, target, context, sizes):
             self.name, self.sizes = str(target.dtype).removeprefix("torch."), sizes
-            prefills.append(self.name)
+            prefills.append((self.name, context))
 
         def time(self, repeats, bar=None):
             calls.append(self.name)
@@ -140,16 +141,23 @@ def test_the_modes_take_turns_and_a_mode_twice_as_slow_stops_early(model_dir: Pa
     monkeypatch.setattr(cost, "PassTimer", FakeTimer)
     bar = Bar()
     modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None, bar)
-    assert calls == list(dc.CANDIDATES) * dc.PROBE_REPEATS, "one round of each mode in turn"
-    assert prefills == list(dc.CANDIDATES), "each mode reads its context once"
+    # (the second mode first looks at a short context, then, not twice as slow there, the long one)
+    assert calls == ["float32", "bfloat16", "bfloat16"] + list(dc.CANDIDATES) * (dc.PROBE_REPEATS - 1), \
+        "a round of each mode in turn"
+    context = prefills[0][1]
+    assert context > dc.SCREEN_CONTEXT
+    assert prefills == [("float32", context), ("bfloat16", dc.SCREEN_CONTEXT), ("bfloat16", context)], \
+        "each mode reads its context once"
     assert all(m.probe_tokens > 0 for m in modes)
     assert bar.n == dc._steps(dc.CANDIDATES, True), "the bar ends full"
     calls.clear()
+    prefills.clear()
     slow["bfloat16"] = 2.5
     bar = Bar()
     modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None, bar)
     assert calls == ["float32", "bfloat16"] + ["float32"] * (dc.PROBE_REPEATS - 1)
-    assert modes[1].probe_tokens == 0 and "not decoded" in modes[1].note
+    assert prefills == [("float32", context), ("bfloat16", dc.SCREEN_CONTEXT)], "stopped before the long context"
+    assert modes[1].probe_tokens == 0 and "not decoded" in modes[1].note and "after 16 tokens only" in modes[1].note
     assert bar.n == dc._steps(dc.CANDIDATES, True), "a mode stopped early skips its steps"
     calls.clear()
     loaded: list[str] = []
@@ -159,7 +167,7 @@ def test_the_modes_take_turns_and_a_mode_twice_as_slow_stops_early(model_dir: Pa
     slow["bfloat16"] = 0.9
     modes = dc.measure_modes(str(model_dir), dc.CANDIDATES, "pld", None)
     assert loaded == list(dc.CANDIDATES) and [m.dtype for m in modes] == list(dc.CANDIDATES)
-    assert calls == ["float32"] * dc.PROBE_REPEATS + ["bfloat16"] * dc.PROBE_REPEATS, "one after the other"
+    assert calls == ["float32"] * dc.PROBE_REPEATS + ["bfloat16"] * (1 + dc.PROBE_REPEATS), "one after the other"
 
 
 def test_a_forced_mode_or_the_rule_skips_the_measurement(model_dir: Path, cache: Path, monkeypatch) -> None:
