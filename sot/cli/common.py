@@ -166,7 +166,8 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
                    help="nodes a sequence verifies per step at most, root included, whatever drafted them "
                         f"(default {TreeBudget.max_nodes})")
     p.add_argument("--max-depth", type=non_negative_int, default=TreeBudget.max_depth,
-                   help=f"how far a draft tree may look ahead (default {TreeBudget.max_depth})")
+                   help=f"how far a draft tree may look ahead (default {TreeBudget.max_depth}; 0: no drafts, "
+                        "plain decoding through the same engine)")
     p.add_argument("--predictor-nodes", type=positive_int, default=TreeBudget.predictor_nodes,
                    help="nodes of the state predictor's own tree at most; prompt lookup and suffix trees, which "
                         f"cost no model pass, may add more up to --max-nodes (default {TreeBudget.predictor_nodes})")
