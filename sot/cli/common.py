@@ -129,8 +129,9 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a model folder or a .gguf file")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="engine dtype (default auto: the faster of float32 and bfloat16 here, timed once per machine, "
-                        "model, drafter and --threads and kept under ~/.cache/sot); int8: products in 8-bit integers over a "
+                   help="engine dtype (default auto: the faster of float32 and bfloat16 here, timed once per "
+                        "machine, model, drafter and --threads and kept under ~/.cache/sot); int8: products in 8-bit "
+                        "integers over a "
                         "GGUF model's blocks (other weights rounded to 8-bit blocks), as llama.cpp computes them "
                         "(faster on CPUs; answers differ slightly from float32's, and speculation stays exact)")
     add_kv_cache_arg(p)
@@ -227,7 +228,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=SamplingParams.temperature,
                    help="0 = greedy (default)")
     p.add_argument("--top-p", type=probability, default=SamplingParams.top_p,
-                   help="nucleus sampling: sample from the likeliest tokens whose probabilities add up to this (1: off)")
+                   help="nucleus sampling: sample from the likeliest tokens whose probabilities add up to this "
+                        "(1: off)")
     p.add_argument("--top-k", type=non_negative_int, default=SamplingParams.top_k, help="sampling top-k (0: off)")
     p.add_argument("--min-p", type=unit_interval, default=SamplingParams.min_p,
                    help="drop tokens less likely than this fraction of the most likely one (0: off)")

@@ -709,7 +709,8 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         running = include_usage and bool(options.continuous_usage_stats)
-        events = _stream(state, choices, rid, body.model or state.model_name, chat, include_usage, body.return_token_ids, running)
+        model = body.model or state.model_name
+        events = _stream(state, choices, rid, model, chat, include_usage, body.return_token_ids, running)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         finals = await asyncio.gather(*(_collect(request, state, c) for c in choices))
@@ -746,7 +747,8 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         results = [dataclasses.replace(r, token_ids=[]) if r is not None else None for r in results]
     response = {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-        "model": body.model or state.model_name, "choices": out, "usage": _usage(choices, results), "sot": _figures(results),
+        "model": body.model or state.model_name, "choices": out, "usage": _usage(choices, results),
+        "sot": _figures(results),
     }
     if body.return_token_ids:
         response["prompt_token_ids"] = choices[0].prompt if len(prompts) == 1 else [p for p in prompts]
