@@ -67,6 +67,9 @@ def test_generate_json_logprobs(model_dir: Path, capsys) -> None:
     entries = record["logprobs"]
     assert [e["token"] for e in entries] == record["token_ids"] and all(len(e["top"]) == 2 for e in entries)
     assert all(e["logprob"] <= 0 and isinstance(e["text"], str) for e in entries)
+    # the alternatives' texts beside their ids (greedy: the first alternative is the token itself)
+    argmax = [e for e in entries if e["top"][0][0] == e["token"]]
+    assert argmax and all(len(e["top_text"]) == 2 and e["top_text"][0] == e["text"] for e in argmax)
     assert main(["generate", "hello there", "--model", str(model_dir), "--logprobs", "2"]) == 2
     assert "--logprobs needs --json" in capsys.readouterr().err
 
@@ -101,6 +104,7 @@ def test_score_gives_the_models_log_probabilities(model_dir: Path, tmp_path: Pat
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["token_ids"] == scores[0].token_ids and record["logprobs"][0] is None
     assert [e["logprob"] for e in record["logprobs"][1:]] == [e.logprob for e in scores[0].logprobs[1:]]
+    assert all(len(e["top_text"]) == 1 and isinstance(e["top_text"][0], str) for e in record["logprobs"][1:])
     assert main(["score", "--model", str(model_dir)]) == 2
     assert "give either a TEXT or --prompts" in capsys.readouterr().err
     assert main(["score", texts[0], "--model", str(model_dir), "--top-logprobs", "1"]) == 2

@@ -167,7 +167,7 @@ def _print_answer(args: argparse.Namespace, sot: SoT, use: ToolUse | None, i: in
         record.pop("depth_accepts")
         record["index"] = i
         for entry in record.get("logprobs", []):  # (the token's text beside its id)
-            entry["text"] = sot.tokenizer.decode([entry["token"]])
+            _with_texts(entry, entry["token"], sot.tokenizer)
         if use is not None:
             record["tool_calls"] = [c.to_openai() for c in use.read(r.text).calls]
         print(json.dumps(record), flush=True)
@@ -177,6 +177,14 @@ def _print_answer(args: argparse.Namespace, sot: SoT, use: ToolUse | None, i: in
         print(r.text, flush=True)
         _print_calls(use, r.text)
         print(_speed_line(r.new_tokens, r.seconds, r.mean_accept_len, r.steps), file=sys.stderr)
+
+
+def _with_texts(entry: dict, token: int, tokenizer) -> None:
+    """A ``--json`` log-probability entry with the texts of its token (``text``) and of its
+    alternatives (``top_text``, in ``top``'s order)."""
+    entry["text"] = tokenizer.decode([token])
+    if entry.get("top"):
+        entry["top_text"] = [tokenizer.decode([alt]) for alt, _ in entry["top"]]
 
 
 def _tool_use(args: argparse.Namespace):
@@ -271,7 +279,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             record = {"index": i, **sc.to_dict()}
             for entry, token in zip(record["logprobs"], sc.token_ids):
                 if entry is not None:
-                    entry["text"] = sot.tokenizer.decode([token])
+                    _with_texts(entry, token, sot.tokenizer)
             print(json.dumps(record), flush=True)
         else:
             ppl = f"{sc.perplexity:.4f}" if sc.scored_tokens else "- (one token: nothing scored)"
