@@ -665,6 +665,8 @@ def test_model_card_version_cors_and_request_log(tiny_server) -> None:
     assert card.status_code == 200 and card.json()["id"] == TINY and card.json()["max_model_len"] == 512
     assert httpx.get(f"{tiny_server.url}/v1/models/gpt-9", headers=AUTH, timeout=30).status_code == 404
     assert httpx.get(f"{tiny_server.url}/version", timeout=30).json() == {"version": __version__}
+    probe = httpx.head(f"{tiny_server.url}/health", timeout=30)  # (a load balancer's probe)
+    assert probe.status_code == 200 and probe.content == b""
     preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
     ok = httpx.options(f"{tiny_server.url}/v1/chat/completions", timeout=30,
                        headers={"Origin": "http://app.example", **preflight})

@@ -187,7 +187,7 @@ def create_app(load: Callable[[], Any], config: ServerConfig,
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
     # ------------------------------------------------------------ plain routes
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: a probe that reads the status alone)
     async def health() -> JSONResponse:
         if state.load_error:
             return JSONResponse({"status": "error", "detail": state.load_error}, status_code=503)
