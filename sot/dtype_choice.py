@@ -328,17 +328,16 @@ def _time_in_turns(group: list[_Loaded], earlier: list[ModeTiming], bar=None) ->
     best = {m.dtype: {r: float("inf") for r in sizes} for m in group}
     timers: dict[str, PassTimer] = {}  # (each mode reads its context once, at its first round)
     live, stopped, screened = list(group), [], set()
+    measured = {t.dtype: [t.verify_ms[r] / 1000 for r in sizes] for t in earlier}  # (seconds by size)
 
-    def twice_as_slow(mine: dict[int, float], others: list[list[float]]) -> bool:
-        return any(all(2 * a <= mine[r] for a, r in zip(other, sizes)) for other in others)
+    def twice_as_slow(name: str, mine: list[float]) -> bool:  # than another mode, at every size
+        return any(all(2 * a <= b for a, b in zip(other, mine)) for o, other in measured.items() if o != name)
 
     for round_ in range(PROBE_REPEATS):
         for m in live:
-            known = [[t.verify_ms[r] / 1000 for r in sizes] for t in earlier]
-            known += [[best[o.dtype][r] for r in sizes] for o in group if o.dtype in timers]
-            if round_ == 0 and known and context > SCREEN_CONTEXT:
+            if round_ == 0 and measured and context > SCREEN_CONTEXT:
                 first_look = PassTimer(m.target, SCREEN_CONTEXT, sizes).time(1)
-                if twice_as_slow(first_look, known):
+                if twice_as_slow(m.dtype, [first_look[r] for r in sizes]):
                     best[m.dtype] = first_look
                     screened.add(m.dtype)
                     _advance(bar, f"{m.dtype} passes, round 1")
@@ -347,12 +346,12 @@ def _time_in_turns(group: list[_Loaded], earlier: list[ModeTiming], bar=None) ->
                 timers[m.dtype] = PassTimer(m.target, context, sizes)
             timed = timers[m.dtype].time(1)
             best[m.dtype] = {r: min(best[m.dtype][r], timed[r]) for r in sizes}
+            if round_ == 0:
+                measured[m.dtype] = [best[m.dtype][r] for r in sizes]
             _advance(bar, f"{m.dtype} passes, round {round_ + 1}")
         if round_ == 0:
-            ms = {t.dtype: [t.verify_ms[r] / 1000 for r in sizes] for t in earlier}
-            ms.update({m.dtype: [best[m.dtype][r] for r in sizes] for m in group})
-            stopped = [m for m in live if any(all(2 * a <= b for a, b in zip(other, ms[m.dtype]))
-                                              for name, other in ms.items() if name != m.dtype)]
+            measured.update({m.dtype: [best[m.dtype][r] for r in sizes] for m in group})
+            stopped = [m for m in live if twice_as_slow(m.dtype, measured[m.dtype])]
             live = [m for m in live if m not in stopped]
             for m in stopped:  # (its later rounds and its probe decode are skipped)
                 _advance(bar, f"{m.dtype} stopped: twice as slow", PROBE_REPEATS - 1 + int(m.speculative))

@@ -131,9 +131,9 @@ def add_model_args(p: argparse.ArgumentParser, drafting: bool = True) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="engine dtype (default auto: the faster of float32 and bfloat16 here, timed once per "
                         "machine, model, drafter and --threads and kept under ~/.cache/sot); int8: products in 8-bit "
-                        "integers over a "
-                        "GGUF model's blocks (other weights rounded to 8-bit blocks), as llama.cpp computes them "
-                        "(faster on CPUs; answers differ slightly from float32's, and speculation stays exact)")
+                        "integers over a GGUF model's blocks (other weights rounded to 8-bit blocks), as llama.cpp "
+                        "computes them (faster on CPUs; answers differ slightly from float32's, and speculation stays "
+                        "exact)")
     add_kv_cache_arg(p)
     add_device_arg(p)
     add_threads_arg(p)

@@ -705,11 +705,11 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         raise
     rid = rid or ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     started = time.monotonic()
+    model = body.model or state.model_name  # (the served one where the request names none)
     if body.stream:
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         running = include_usage and bool(options.continuous_usage_stats)
-        model = body.model or state.model_name
         events = _stream(state, choices, rid, model, chat, include_usage, body.return_token_ids, running)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
@@ -747,8 +747,7 @@ async def _generate(request: Request, state: ServerState, body: _GenerationReque
         results = [dataclasses.replace(r, token_ids=[]) if r is not None else None for r in results]
     response = {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-        "model": body.model or state.model_name, "choices": out, "usage": _usage(choices, results),
-        "sot": _figures(results),
+        "model": model, "choices": out, "usage": _usage(choices, results), "sot": _figures(results),
     }
     if body.return_token_ids:
         response["prompt_token_ids"] = choices[0].prompt if len(prompts) == 1 else [p for p in prompts]
@@ -852,6 +851,7 @@ async def _stream(state: ServerState, choices: list[_Choice], rid: str, model: s
         while left:
             c, update = await merged.get()
             if update.error:
+                reasons[c.index] = "error"  # (for the log line)
                 yield sse(APIError(update.status, update.error).body())
                 break
             if c.echo and c.logprobs is not None and update.prompt_logprobs is not None:
