@@ -56,7 +56,7 @@ class IncrementalText:
         window = self._decode(self.ids[self._context : self._read]) if self._context < self._read else ""
         longer = self._decode(self.ids[self._context :])
         end = len(self.ids)
-        if longer.endswith(_INCOMPLETE) and end - self._read <= MAX_UNSETTLED:
+        if longer.endswith(_INCOMPLETE):
             # settle up to the last complete character: it began at most 3 tokens back
             for cut in range(end - 1, max(self._read, end - 4), -1):
                 part = self._decode(self.ids[self._context : cut])
@@ -64,8 +64,9 @@ class IncrementalText:
                     self._settle(window, part, cut)
                     window = part
                     break
-            self._tail = longer[len(window):] if longer.startswith(window) else _INCOMPLETE
-            return
+            if end - self._read <= MAX_UNSETTLED:  # else bytes that never complete: settle them
+                self._tail = longer[len(window):] if longer.startswith(window) else _INCOMPLETE
+                return
         self._settle(window, longer, end)
         self._tail = ""
 
