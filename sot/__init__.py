@@ -13,7 +13,7 @@ _EXPORTS = {
     "Completion": "sot.api", "Score": "sot.api", "SoT": "sot.api", "StreamEvent": "sot.api",
     "DrafterKind": "sot.drafters", "TreeBudget": "sot.drafters",
     "Engine": "sot.engine", "GenerationParams": "sot.engine",
-    "SoTError": "sot.errors",
+    "SoTError": "sot.errors", "TextAssembler": "sot.detokenize",
     "SamplingMode": "sot.sampling", "SamplingParams": "sot.sampling",
 }
 

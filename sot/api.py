@@ -33,7 +33,7 @@ from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig, PolicyKind
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from sot.prompts import PromptItem, check_utf8, encode, has_chat_template, use_chat_template, with_tools
-from sot.requests import SequenceResult, check_number, check_params
+from sot.requests import SequenceResult, check_number, check_params, check_prompts
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.structured import Grammars, StructuredOutput
 from sot.tools import ToolUse
@@ -247,6 +247,9 @@ class SoT:
             raise ConfigError(f"policy must be a PolicyConfig or a policy name, got {type(policy).__name__}")
         if suffix_store is not None and drafter not in ("auto", DrafterKind.SUFFIX.value):
             raise ConfigError("suffix_store needs a drafter that drafts from earlier answers (auto or suffix)")
+        if suffix_store is not None and Path(suffix_store).is_dir():
+            raise ConfigError(f"suffix_store {suffix_store} is a folder: name a file (read if it exists, written by "
+                              "save_suffix_store)")
         if predictor is not None and drafter not in ("auto", DrafterKind.STATE.value):
             raise ConfigError(f"predictor is read by the auto and state drafters only, not by {drafter}")
         dev = resolve_device("cpu" if dtype == "int8" and device == "auto" else device)  # (int8 runs on the CPU)
@@ -412,6 +415,9 @@ class SoT:
                             presence_penalty=presence_penalty, logit_bias=tuple(sorted(bias)))
         if isinstance(prediction, str):
             prediction = self.tokenizer.encode(check_utf8(prediction, "prediction"), add_special_tokens=False)
+        elif prediction is not None and not isinstance(prediction, (list, tuple)):
+            raise ConfigError(f"prediction must be the expected answer's text or a list of its token ids, "
+                              f"got {type(prediction).__name__}")
         params = GenerationParams(max_new_tokens=max_new_tokens, sampling=sp, stop=tuple(stop),
                                   eos_token_ids=() if ignore_eos else self.eos_ids(), logprobs=logprobs,
                                   min_tokens=min_tokens, structured=structured,
@@ -447,14 +453,10 @@ class SoT:
         if not prompts:
             return []
         results: list[SequenceResult] = []
-        self.engine.record_steps = trace
-        try:
-            for event in self.engine.stream(prompts, params, results, batch_size):
-                if event.finished and on_done is not None:
-                    i = event.sequence
-                    on_done(i, self._completion(prompts[i], event.result or results[i], params))
-        finally:
-            self.engine.record_steps = False
+        for event in self.engine.stream(prompts, params, results, batch_size, record_steps=trace):
+            if event.finished and on_done is not None:
+                i = event.sequence
+                on_done(i, self._completion(prompts[i], event.result or results[i], params))
         return [self._completion(p, r, params) for p, r in zip(prompts, results)]
 
     def _completion(self, prompt: list[int], res: SequenceResult, params: GenerationParams) -> Completion:
@@ -588,10 +590,19 @@ class SoT:
         """Yield text as it is committed, for prompts generated together (at most
         ``batch_size`` at a time, as a continuous batch; default: all at once). Settings as
         :meth:`params`; with ``logprobs``, each prompt's token log probabilities are in its
-        :class:`~sot.engine.SequenceResult` in ``last_stream`` once the stream has ended."""
+        :class:`~sot.engine.SequenceResult` in ``last_stream`` once the stream has ended.
+
+        The arguments are checked at the call, before the first event is asked for."""
         self._check_engine_free()
         params = self.params(**kwargs)
         ids = [self.encode(p, chat) for p in _as_list(prompts)]
+        if ids:
+            check_prompts(ids, params, self.target.max_positions, batch_size, self.target.vocab_size)
+        return self._stream_ids(ids, params, batch_size)
+
+    def _stream_ids(self, ids: list[list[int]], params: GenerationParams,
+                    batch_size: int | None) -> Iterator[StreamEvent]:
+        """:meth:`stream`'s events for checked token-id prompts."""
         if not ids:  # (as generate and score: nothing asked, nothing given)
             return
         # an incomplete character, and text that may begin a stop string, wait for the next

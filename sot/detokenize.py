@@ -112,7 +112,7 @@ class TextAssembler:
     check stop strings only from then on; ``marks`` end the text from the first token (the
     opening of a tool call)."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], include_stop: bool = False,
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), include_stop: bool = False,
                  skip_special: bool = True, min_tokens: int = 0, marks: tuple[str, ...] = ()) -> None:
         self.stop = stop + marks
         self.include_stop = include_stop  # the text ends after the stop string, not before it

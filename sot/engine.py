@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import threading
 import time
 from typing import Callable, Iterator, Protocol
 
@@ -171,6 +172,9 @@ class Engine:
         self._ids = itertools.count()
         self._waiting: list[LiveRequest] = []
         self._offline = False  # inside an offline call (offline_batch): its requests are all there is
+        # one offline call at a time: a call from another thread waits for the running one to end
+        self._call_lock = threading.Lock()
+        self._call_thread: int | None = None  # the thread whose offline call holds the engine
         self._running: list[LiveRequest] = []  # running[b] holds cache slot b
         self._cache: KVCache | None = None
         self._policy: CommitPolicy | None = None
@@ -683,12 +687,12 @@ class Engine:
 
     def stream(
         self, prompts: list[list[int]], params: GenerationParams, results: list[SequenceResult] | None = None,
-        batch_size: int | None = None,
+        batch_size: int | None = None, record_steps: bool | None = None,
     ) -> Iterator[TokenEvent]:
         """Like :meth:`generate`, yielding tokens as they are committed; ``results``, when
         given, receives the per-sequence results (complete once the stream is exhausted).
-        Prompt ``i`` is the request of index ``i``."""
-        with self.offline_batch(prompts, params, batch_size) as out:
+        Prompt ``i`` is the request of index ``i``; ``record_steps``: as :meth:`offline_batch`."""
+        with self.offline_batch(prompts, params, batch_size, record_steps) as out:
             if results is not None:
                 results.extend(out)
             while self.has_unfinished():
@@ -696,26 +700,40 @@ class Engine:
 
     @contextlib.contextmanager
     def offline_batch(self, prompts: list[list[int]], params: GenerationParams,
-                      batch_size: int | None = None) -> Iterator[list[SequenceResult]]:
+                      batch_size: int | None = None, record_steps: bool | None = None
+                      ) -> Iterator[list[SequenceResult]]:
         """Queue ``prompts`` as one offline call (prompt ``i`` is the request of index ``i``,
         at most ``batch_size`` decoding together) and yield their results, which fill in as
         the caller runs :meth:`step` until :meth:`has_unfinished` is false. On leaving, the
         engine's batch limit is restored and anything left unfinished is aborted. The loop of
-        :meth:`stream`; ``sot bench`` uses it to advance several engines a step at a time."""
+        :meth:`stream`; ``sot bench`` uses it to advance several engines a step at a time.
+
+        One call holds the engine at a time: a call from another thread waits until this one
+        ends (a stream: until it is read to its end or closed); a second call from the same
+        thread, while its first is open, is refused. ``record_steps`` sets
+        :attr:`record_steps` for this call only (``None``: as it is)."""
         check_prompts(prompts, params, self.target.max_positions, batch_size, self.target.vocab_size)
-        if self.has_unfinished():
-            raise ConfigError("the engine has unfinished requests (from add_request, or a stream not read to its "
-                              "end: close it); step them to the end first")
-        saved = self.max_batch
-        self.max_batch = batch_size
-        self.drafter.reset(min(len(prompts), batch_size or len(prompts)))
-        self.policy.trace = Trace()  # a recording run logs this call's decisions
-        self._offline = True
-        try:
-            ids = [self.add_request(p, params, index=i) for i, p in enumerate(prompts)]
-            yield [self.result(r) for r in ids]
-        finally:
-            self.max_batch = saved
-            self._offline = False
-            for r in list(self._waiting) + list(self._running):  # a call left early
-                self.abort(r.id)
+        busy = ConfigError("the engine has unfinished requests (from add_request, or a stream not read to its "
+                           "end: close it); step them to the end first")
+        if self._call_thread == threading.get_ident():
+            raise busy
+        with self._call_lock:
+            if self.has_unfinished():
+                raise busy
+            self._call_thread = threading.get_ident()
+            saved, saved_record = self.max_batch, self.record_steps
+            self.max_batch = batch_size
+            if record_steps is not None:
+                self.record_steps = record_steps
+            self.drafter.reset(min(len(prompts), batch_size or len(prompts)))
+            self.policy.trace = Trace()  # a recording run logs this call's decisions
+            self._offline = True
+            try:
+                ids = [self.add_request(p, params, index=i) for i, p in enumerate(prompts)]
+                yield [self.result(r) for r in ids]
+            finally:
+                self.max_batch, self.record_steps = saved, saved_record
+                self._offline = False
+                for r in list(self._waiting) + list(self._running):  # a call left early
+                    self.abort(r.id)
+                self._call_thread = None

@@ -1,6 +1,7 @@
 """Files written whole or not at all."""
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -14,6 +15,8 @@ def replace_file(path: str | Path, write: Callable[[Path], None], mode: int | No
     previous file. ``mode``: the file's permissions
     (``None``: its owner's alone, for files that hold users' data)."""
     path = Path(os.path.realpath(path))  # (through a symbolic link: the file it names is replaced, the link kept)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "a folder, not a file: name a file in it", str(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)

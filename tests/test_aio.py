@@ -160,3 +160,47 @@ def test_a_command_that_fails_in_the_engine_thread_fails_its_requests_not_the_th
     outcome, served = asyncio.run(run())
     assert isinstance(outcome, SoTError) and "planted" in str(outcome), outcome
     assert served == 3
+
+
+def test_threads_sharing_one_sot_take_turns(model_dir: Path) -> None:
+    """Calls from several threads on one SoT run one after another, each answer the one it
+    gets alone (the engine is never stepped by two threads); a second call from a thread whose
+    stream is open is refused; a stream's arguments are checked when it is asked for."""
+    import sys
+    import threading
+
+    sot = SoT.load(str(model_dir), drafter="pld", dtype="float32")
+    want = [sot.generate(p, chat=False, max_new_tokens=12, ignore_eos=True)[0].token_ids for p in PROMPTS]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(3):
+                got[i] = sot.generate(PROMPTS[i], chat=False, max_new_tokens=12, ignore_eos=True)[0].token_ids
+                assert got[i] == want[i]
+        except BaseException as e:  # (reported below, with the thread's own message)
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, to meet any race
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    under_way = sot.stream(PROMPTS[0], chat=False, max_new_tokens=12, ignore_eos=True)
+    next(under_way)
+    with pytest.raises(ConfigError, match="unfinished requests"):
+        sot.generate(PROMPTS[1], chat=False, max_new_tokens=3)
+    under_way.close()
+    assert sot.generate(PROMPTS[1], chat=False, max_new_tokens=12, ignore_eos=True)[0].token_ids == want[1]
+    with pytest.raises(ConfigError, match="temperature"):
+        sot.stream(PROMPTS[0], chat=False, temperature=-1)  # (not only once it is read)
+    with pytest.raises(ConfigError, match="prediction must be the expected answer's text or a list"):
+        sot.generate(PROMPTS[0], chat=False, prediction=5)

@@ -263,6 +263,9 @@ def test_files_the_cli_cannot_read_or_write_are_clean_errors(model_dir: Path, tm
     with pytest.raises(OSError) as failed:  # (a write that fails anyway names the file asked for)
         replace_file("/proc/sot-store.bin", lambda part: part.write_text("x"))
     assert failed.value.filename == "/proc/sot-store.bin" and ".part" not in str(failed.value), str(failed.value)
+    with pytest.raises(IsADirectoryError, match="a folder, not a file"):  # (no temporary file beside the folder)
+        replace_file(tmp_path, lambda part: part.write_text("x"))
+    assert not list(tmp_path.parent.glob(f".{tmp_path.name}.*"))
     assert main(["trace", "abc", "--model", "/no/such/model", "--out", str(tmp_path / "no" / "x.html")]) == 2
     assert "does not exist" in capsys.readouterr().err
     saved = tmp_path / "saved.jsonl"

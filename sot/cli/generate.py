@@ -468,8 +468,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print("bot> ", end="", file=label, flush=True)
             kwargs = sampling_kwargs(args)
             full = _fit_context(sot, messages, kwargs)
-            events = sot.stream([{"messages": list(messages)}], chat=True, **kwargs)
+            events = None
             try:
+                events = sot.stream([{"messages": list(messages)}], chat=True, **kwargs)
                 for event in events:
                     print(event.text, end="", flush=True)
                     reply.append(event.text)
@@ -484,7 +485,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 messages.pop()  # the turn is dropped; the conversation stays as it was
                 continue
             finally:
-                events.close()  # an answer stopped early is aborted between steps
+                if events is not None:
+                    events.close()  # an answer stopped early is aborted between steps
                 signal.signal(signal.SIGINT, previous)
             dt = time.perf_counter() - t0
             print()

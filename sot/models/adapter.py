@@ -432,6 +432,11 @@ def longrope_limit(config: object) -> int | None:
 class TargetModel:
     """A causal LM wrapped for tree verification (the generic path).
 
+    The wrapper takes the model over: its attention is switched to SoT's (which runs only
+    inside the engine's passes) and its linear layers and norms to row-stable ones, so the
+    model itself no longer runs outside SoT (its ``forward`` and ``generate`` raise). Load
+    a second copy for use elsewhere.
+
     Args:
         model: a transformers causal LM, already in its final dtype and device.
         state_layers: indices into ``hidden_states`` (0 = embeddings) to return with each
