@@ -110,7 +110,7 @@ class Score:
     @property
     def total_logprob(self) -> float:
         """The log-likelihood of the text after its first token (natural log)."""
-        return sum(e.logprob for e in self.logprobs if e is not None)
+        return float(sum(e.logprob for e in self.logprobs if e is not None))
 
     @property
     def perplexity(self) -> float:
@@ -528,6 +528,11 @@ class SoT:
         """Generate for each prompt (a string or a JSONL-style record, or a list of them: one
         completion each); ``trace`` keeps each completion's step records
         (:attr:`Completion.step_records`).
+
+        ``chat``: apply the chat template (``None``, default: when the tokenizer has one).
+        ``batch_size``: sequences decoding together (default 1: one prompt after another;
+        larger, a continuous batch where a finished sequence's place goes to the next prompt).
+        Each answer is the same at any batch size.
 
         ``tools`` (OpenAI's function list) are offered in the chat template, and the calls
         read from each answer are in :attr:`Completion.tool_calls`; ``tool_choice`` is

@@ -60,6 +60,10 @@ def test_mismatched_target_is_refused(tiny_run, tmp_path) -> None:
     run_folder = tiny_run["predictor"].parent  # (a training run's folder, not its predictor file)
     with pytest.raises(DrafterCompatibilityError, match="training run's folder; give its predictor file"):
         load_predictor(run_folder, other)
+    from sot.drafters import make_drafter
+
+    with pytest.raises(DrafterCompatibilityError, match="no state predictor fits this model: the one shipped"):
+        make_drafter("state", other)  # (no file named: the shipped one's model is said, not its path)
     gpt2 = tiny_model("gpt2")
     with pytest.raises(DrafterCompatibilityError, match="architecture"):
         check_compatible(read_predictor_config(tiny_run["predictor"]), gpt2)

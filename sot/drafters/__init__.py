@@ -86,6 +86,18 @@ def make_drafter(
     # bf16 halves the weight traffic of the small draft matmuls (they are memory-bound on
     # CPU); float32 targets keep a float32 predictor
     dtype = torch.bfloat16 if model.get_input_embeddings().weight.dtype == torch.bfloat16 else torch.float32
+    if predictor is None:  # (the user named no file: say what the shipped one is for)
+        from sot.drafters.state import check_compatible, read_predictor_config
+        from sot.errors import DrafterCompatibilityError
+        from sot.models.loading import DEFAULT_MODEL_NAME
+
+        try:
+            check_compatible(read_predictor_config(path), model, path)
+        except DrafterCompatibilityError:
+            raise DrafterCompatibilityError(
+                "no state predictor fits this model: the one shipped is for the default model "
+                f"({DEFAULT_MODEL_NAME}); give one trained for it (--predictor, predictor=), train one with "
+                "'sot train', or draft from earlier text alone (drafter suffix)") from None
     pred = load_predictor(path, model, dtype=dtype)
     if full_vocab:
         pred.use_full_vocabulary(model.get_output_embeddings().weight)
