@@ -12,7 +12,7 @@ from pathlib import Path
 
 def rows(out: Path, sets: list[str]) -> list[str]:
     lines = ["| set | batch | modes (plain / state) | plain tok/s | state tok/s | state vs plain | tau | "
-             "rows per sequence | sequence steps drafting | draft time | identical to alone |",
+             "rows per sequence | sequence steps the predictor drafted | draft time | identical to alone |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in sets:
         found = sorted(out.glob(f"{name}-b*/results.json"), key=lambda p: int(p.parent.name.rsplit("-b", 1)[1]))

@@ -265,7 +265,7 @@ def test_policy_sweep_runs_each_policy_as_a_method(setup) -> None:
     rows = res["sweep"]["rows"]
     assert [r["value"] for r in rows] == ["heuristic", "static"]
     assert all(r["identical_to_plain"] == "3/3" and r["tokens_per_s_vs_plain"] > 0 for r in rows)
-    assert "sequence steps without a drafted tree" in (root / "sweep-policy" / "report.md").read_text()
+    assert "sequence steps with the predictor idle" in (root / "sweep-policy" / "report.md").read_text()
 
 
 def test_code_edit_set_asks_to_refactor_humaneval_solutions() -> None:
@@ -493,6 +493,39 @@ def test_bench_inputs_are_checked_before_models_load_and_results_survive(setup, 
     assert res["partial"] is True and "interrupted" in res["notes"][0]
     assert sorted((r["method"], r["prompt_index"]) for r in res["records"]) == [("plain", 0), ("suffix", 0)]
     assert not (out / "pld.jsonl").exists() and (out / "suffix.jsonl").is_file()  # the earlier run's are gone
+    monkeypatch.setattr(runner, "_run_one", real)
+    # stopped in a batch, the sequences every method finished are kept; stopped before any
+    # result is written (the warm-up, here), the earlier results stay as they were
+    from sot.engine import Engine
+
+    step, steps = Engine.step, []
+
+    def stopping(engine, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == limit:
+            raise KeyboardInterrupt
+        return step(engine, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "step", stopping)
+    alone, marks = runner._alone_outputs, []
+    monkeypatch.setattr(runner, "_alone_outputs", lambda *a: marks.append(len(steps)) or alone(*a))
+    batch = dict(methods=("plain", "pld"), max_new_tokens=8, batch_size=2)
+    limit = 0  # (never: a whole run, to count its steps)
+    whole = run_bench(_config(model, prompts, out, **batch))
+    decoded = marks[0]  # steps until every method's batch was done (then each prompt is decoded alone)
+    for limit in (2, decoded, decoded + 2):
+        steps.clear()
+        with pytest.raises(KeyboardInterrupt):
+            run_bench(_config(model, prompts, out, **batch))
+        part = json.loads((out / "results.json").read_text())
+        kept = {m: sorted(r["prompt_index"] for r in part["records"] if r["method"] == m) for m in batch["methods"]}
+        if limit == 2:  # (in the warm-up)
+            assert part["records"] == json.loads(json.dumps(whole["records"]))
+        elif limit == decoded:  # (the batches' last step: the last answer is not in)
+            assert part["partial"] is True and kept["plain"] == kept["pld"] and 0 < len(kept["plain"]) < 3, kept
+        else:  # (the answers are all in; they were not compared with each prompt alone)
+            assert part["partial"] is True and kept["plain"] == kept["pld"] == [0, 1, 2], kept
+            assert "not compared" in part["notes"][-1] and "identical_to_alone" not in part["methods"]["pld"]
 
 
 def test_arms_table_reports_decoding_alone_against_the_first_arm() -> None:

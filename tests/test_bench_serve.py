@@ -16,22 +16,32 @@ from sot.cli import main
 from sot.server.bench import _percentiles
 
 
+#: by stand-in mode, the last message of every chat request it was sent, in order
+SEEN: dict[str, list[str]] = {}
+
+
 def _stand_in(mode: str) -> FastAPI:
     """A server that streams five one-token chunks; ``mode`` ``usage`` ends with a usage chunk,
     ``no-usage`` leaves it out, ``slow`` sends a chunk every 0.4 s, ``key`` wants 'Bearer k2',
-    ``abort`` ends the answer with finish_reason abort (as a server shutting down does)."""
+    ``abort`` ends the answer with finish_reason abort (as a server shutting down does),
+    ``html`` answers its model list with a web page."""
     app = FastAPI()
 
     @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
+    async def models(request: Request):
         if mode == "key" and request.headers.get("authorization") != "Bearer k2":
             return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
+        if mode == "html":
+            from fastapi.responses import HTMLResponse
+
+            return HTMLResponse("<html>not an API</html>")
         return JSONResponse({"data": [{"id": "stand-in"}]})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         if mode == "key" and request.headers.get("authorization") != "Bearer k2":
             return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
+        SEEN.setdefault(mode, []).append((await request.json())["messages"][-1]["content"])
 
         async def events():
             import asyncio
@@ -55,7 +65,7 @@ def _stand_in(mode: str) -> FastAPI:
 def stand_ins():
     """{mode: base URL} of one running stand-in per mode, on 127.0.0.1."""
     servers, urls = [], {}
-    for mode in ("usage", "no-usage", "slow", "key", "abort"):
+    for mode in ("usage", "no-usage", "slow", "key", "abort", "html"):
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(_stand_in(mode), host="127.0.0.1", port=port, log_level="error"))
         threading.Thread(target=server.run, daemon=True).start()
@@ -134,3 +144,22 @@ def test_an_out_folder_that_cannot_be_made_fails_first(stand_ins, tmp_path, caps
     blocker.write_text("")
     assert main(_bench("--url", stand_ins["slow"], "--out", str(blocker / "run"))) == 2
     assert "cannot make the folder" in capsys.readouterr().err
+
+
+def test_each_level_and_round_sends_prompts_of_its_own_after_one_warm_up(stand_ins, capsys) -> None:
+    """A server that keeps earlier answers would answer a repeated prompt from memory: every
+    level and round gets prompts no other run had (while the set lasts), the same on every
+    server, after one untimed request per server."""
+    SEEN.clear()
+    urls = ["--url", stand_ins["usage"], "--url", stand_ins["no-usage"]]
+    main(_bench(*urls, "--concurrency", "1,2", "--rounds", "2"))
+    capsys.readouterr()
+    sent = SEEN["usage"]
+    assert len(sent) == 1 + 2 * 2 * 2 and sent[0] == "Say hello."
+    assert len(set(sent[1:])) == 8 and sorted(sent) == sorted(SEEN["no-usage"])
+    main(_bench("--url", stand_ins["usage"], "--num-prompts", "100", "--concurrency", "1,2"))
+    assert "prompts repeat" in capsys.readouterr().err
+    assert main(_bench("--url", stand_ins["usage"], "--concurrency", "2,2")) == 2
+    assert "names a level twice" in capsys.readouterr().err
+    assert main(_bench("--url", stand_ins["html"])) == 2
+    assert "did not answer with a list of models" in capsys.readouterr().err

@@ -428,11 +428,15 @@ def test_bench_runs_llamacpp_alone_on_the_files_tokenizer(tmp_path: Path, monkey
     path = tmp_path / "tiny.gguf"
     write_gguf(tiny_model("gemma2", seed=3, tie_word_embeddings=True, query_pre_attn_scalar=16), path)
     seen: list[list[int]] = []
+    fits: list[int] = []
 
     class StandIn(BenchMethod):
         def __init__(self, gguf_path: str, threads: int) -> None:
             assert gguf_path == str(path) and threads == torch.get_num_threads()
             self.name = "llamacpp"
+
+        def fit(self, positions: int) -> None:  # (llama.cpp's context is made for the longest prompt)
+            fits.append(positions)
 
         def run(self, prompt, params) -> RunRecord:
             seen.append(list(prompt))
@@ -448,6 +452,7 @@ def test_bench_runs_llamacpp_alone_on_the_files_tokenizer(tmp_path: Path, monkey
     assert res["methods"]["llamacpp"]["new_tokens"] == 4
     tokenizer = load_model(str(path)).tokenizer
     assert seen[1:] == [encode(tokenizer, t, chat=False) for t in texts]  # (after the warm-up run)
+    assert fits == [max(map(len, seen[1:])) + 2]
 
 
 def test_the_k_quant_reader_refuses_what_is_not_a_whole_gguf_file(tmp_path: Path) -> None:

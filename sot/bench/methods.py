@@ -13,6 +13,7 @@ import torch
 from sot.drafters import Drafter, TreeBudget
 from sot.bench.memory import PeakRSS, current_rss
 from sot.engine import Engine, GenerationParams, PhaseTimes, SequenceResult
+from sot.errors import ConfigError
 from sot.prefix_cache import PrefixCache
 from sot.models.adapter import TargetModel
 from sot.policy import PolicyConfig
@@ -103,6 +104,16 @@ class EngineMethod(BenchMethod):
 LOCKSTEP_PROMPT_BUDGET = 64
 
 
+class LockstepStopped(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_lockstep`: ``finished`` holds, by method, the records of the
+    sequences that method had finished (each timed with its share of the steps so far)."""
+
+    def __init__(self, finished: dict[str, list[RunRecord]]) -> None:
+        super().__init__()
+        self.finished = finished
+        self.runs: list[RunRecord] = []  # (the caller's, once indexed)
+
+
 def run_lockstep(methods: list[EngineMethod], prompts: list[list[int]], params: GenerationParams,
                  batch_size: int, on_done: Callable[[str, int], None] | None = None,
                  prompt_budget: int | None = LOCKSTEP_PROMPT_BUDGET) -> dict[str, list[RunRecord]]:
@@ -122,7 +133,9 @@ def run_lockstep(methods: list[EngineMethod], prompts: list[list[int]], params: 
     time proportional to its new tokens (as :meth:`EngineMethod.run_batch` shares one call's
     time). ``rss_growth`` is what the method's own steps added to the process's RSS;
     ``peak_rss`` is the process's peak over the whole run, all methods together.
-    ``on_done(method, n)``: ``n`` more of the method's sequences finished."""
+    ``on_done(method, n)``: ``n`` more of the method's sequences finished. Records are in
+    prompt order, with ``prompt_index`` set; Ctrl-C raises :class:`LockstepStopped` with
+    those of the sequences already finished."""
     names = [m.name for m in methods]
     clock = dict.fromkeys(names, 0.0)
     grown = dict.fromkeys(names, 0)
@@ -132,8 +145,20 @@ def run_lockstep(methods: list[EngineMethod], prompts: list[list[int]], params: 
             stack.callback(setattr, m.engine, "prompt_budget", m.engine.prompt_budget)
             m.engine.prompt_budget = prompt_budget
         results = {m.name: stack.enter_context(m.engine.offline_batch(prompts, params, batch_size)) for m in methods}
-        with PeakRSS() as mem:
-            turn = 0
+        mem = stack.enter_context(PeakRSS())
+
+        def records(finished_only: bool) -> dict[str, list[RunRecord]]:
+            out = {}
+            for m in methods:  # (the step time is shared by every sequence's tokens so far)
+                recs = _records(m.name, prompts, results[m.name], clock[m.name], before[m.name], m.engine.times)
+                for j, r in enumerate(recs):
+                    r.prompt_index, r.peak_rss, r.rss_growth = j, mem.peak, grown[m.name]
+                out[m.name] = [r for r in recs if not finished_only or r.prompt_index in done[m.name]]
+            return out
+
+        done: dict[str, set[int]] = {name: set() for name in names}  # finished sequences, by method
+        turn = 0
+        try:
             while any(m.engine.has_unfinished() for m in methods):
                 for m in methods[turn % len(methods):] + methods[: turn % len(methods)]:
                     if not m.engine.has_unfinished():
@@ -141,21 +166,18 @@ def run_lockstep(methods: list[EngineMethod], prompts: list[list[int]], params: 
                     left = m.engine.num_waiting + m.engine.num_running
                     rss = current_rss()
                     t0 = time.perf_counter()
-                    m.engine.step()
+                    events = m.engine.step()
                     clock[m.name] += time.perf_counter() - t0
+                    done[m.name].update(e.sequence for e in events if e.finished)
                     grown[m.name] += max(0, current_rss() - rss)
                     if on_done is not None:
                         finished = left - m.engine.num_waiting - m.engine.num_running
                         if finished:
                             on_done(m.name, finished)
                 turn += 1
-    out = {}
-    for m in methods:
-        recs = _records(m.name, prompts, results[m.name], clock[m.name], before[m.name], m.engine.times)
-        for r in recs:
-            r.peak_rss, r.rss_growth = mem.peak, grown[m.name]
-        out[m.name] = recs
-    return out
+        except KeyboardInterrupt:
+            raise LockstepStopped(records(finished_only=True)) from None
+        return records(finished_only=False)
 
 
 def _records(name: str, prompts: list[list[int]], results: list[SequenceResult], wall: float, before: PhaseTimes,
@@ -240,11 +262,28 @@ class HFMethod(BenchMethod):
 class LlamaCppMethod(BenchMethod):
     """llama.cpp through ``llama-cpp-python`` on the same GGUF file (optional)."""
 
+    #: llama.cpp's context at first (its KV cache is made whole: the default model's 8,192
+    #: positions would add about 90 MB); :meth:`fit` widens it for longer prompts
+    CONTEXT = 4096
+
     def __init__(self, gguf_path: str, threads: int = 2) -> None:
         from llama_cpp import Llama  # type: ignore[import-not-found]
 
         self.name = "llamacpp"
-        self.llm = Llama(model_path=gguf_path, n_threads=threads, n_ctx=4096, verbose=False)
+        self._open = lambda n_ctx: Llama(model_path=gguf_path, n_threads=threads, n_ctx=n_ctx, verbose=False)
+        self.llm = self._open(self.CONTEXT)
+
+    def fit(self, positions: int) -> None:
+        """Make room for ``positions`` (a prompt and its answer), up to the model's own context;
+        a :class:`ConfigError` beyond it."""
+        if positions <= self.llm.n_ctx():
+            return
+        arch = self.llm.metadata.get("general.architecture", "llama")
+        limit = int(self.llm.metadata.get(f"{arch}.context_length", positions))
+        if positions > limit:
+            raise ConfigError(f"llamacpp: a prompt and its answer take {positions} positions, more than the model's "
+                              f"context of {limit}")
+        self.llm = self._open(min(limit, -(-positions // 256) * 256))
 
     def run(self, prompt: list[int], params: GenerationParams) -> RunRecord:
         sp = params.sampling

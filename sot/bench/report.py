@@ -94,7 +94,9 @@ def aggregate(records: list[RunRecord], methods: list[str], model_rss: int, exac
             "identical_to_plain": None,
             "divergences": [],
             # commit-policy telemetry (engine methods): verified tree size per step, steps the
-            # policy decoded plainly (warm-up or fallback), and fallbacks per prompt
+            # policy kept the drafter's model idle (warm-up, fallback, or a drafter with no
+            # model: prompt lookup, suffix trees; their free drafts may still be verified),
+            # and fallbacks per prompt
             "mean_tree_size": (sum(sum(r.tree_sizes) for r in recs.values()) / steps) if steps else None,
             "plain_step_share": (sum(r.plain_steps for r in recs.values()) / steps) if steps else None,
             "fallbacks_per_prompt": (sum(r.fallbacks for r in recs.values()) / len(recs)) if steps else None,
@@ -255,6 +257,8 @@ def sweep_plot(name: str, rows: list[dict], out: Path) -> str | None:
     if relative:
         ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax1.set_xlabel(name)
+    if all(isinstance(x, (int, float)) for x in xs):
+        ax1.set_xticks(xs)  # (the values swept, not fractions between them)
     ax1.set_ylabel("tokens/s vs plain" if relative else "tokens/s", color="#4a7fb5")
     ax2 = ax1.twinx()
     ax2.plot(xs, [r["mean_accept_len"] for r in rows], marker="s", color="#c0504d")
@@ -320,13 +324,13 @@ def write_report(result: dict, runs: list[RunRecord], names: list[str], records:
             lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {r['plain_vs_first']:.2f}x | "
                       f"{r['spec_vs_first']:.2f}x |" for r in sw["rows"]]
         if sw["name"] == "batch-size":
-            lines += ["", "| batch | plain tok/s | drafting share of sequence steps | draft time share "
+            lines += ["", "| batch | plain tok/s | sequence steps the predictor drafted | draft time share "
                           "| identical to alone (plain / method) |", "|---|---|---|---|---|"]
             lines += [f"| {r['value']} | {r['plain_tokens_per_s']:.1f} | {100 * r['drafting_share']:.0f}% | "
                       f"{100 * r['draft_time_share']:.0f}% | {r.get('plain_identical_to_alone', '-')} / "
                       f"{r.get('identical_to_alone', '-')} |" for r in sw["rows"]]
         if sw["name"] == "policy":
-            lines += ["", "| policy | sequence steps without a drafted tree |", "|---|---|"]
+            lines += ["", "| policy | sequence steps with the predictor idle |", "|---|---|"]
             lines += [f"| {r['value']} | {100 * (r.get('plain_step_share') or 0):.0f}% |" for r in sw["rows"]]
         if (out / "sweep.png").is_file():
             lines += ["", "![sweep.png](sweep.png)"]

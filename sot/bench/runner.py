@@ -31,8 +31,8 @@ from tqdm import tqdm
 from sot.bench.conversations import MULTITURN_SETS, load_conversations, per_turn, render, run_conversations
 from sot.bench.memory import PeakRSS, current_rss
 from sot.bench.methods import (
-    LOCKSTEP_PROMPT_BUDGET, METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, RunRecord, forget_answers,
-    run_lockstep,
+    LOCKSTEP_PROMPT_BUDGET, METHODS, BenchMethod, EngineMethod, HFMethod, LlamaCppMethod, LockstepStopped, RunRecord,
+    forget_answers, run_lockstep,
 )
 from sot.bench.prompts import BUILTIN, load_prompt_set
 from sot.bench.report import aggregate, sweep_plot, write_report
@@ -244,11 +244,14 @@ def check_bench(cfg: BenchConfig) -> list[dict] | None:
         if Path(cfg.prompts).name in ours:
             raise ConfigError(f"--out {cfg.out} would overwrite the prompts file {cfg.prompts}; "
                               "give another folder")
-    if multiturn:
-        return load_conversations(cfg.prompts, cfg.limit)
-    if prompts_file:
+    conversations = load_conversations(cfg.prompts, cfg.limit) if multiturn else None
+    if prompts_file and not multiturn:
         load_prompt_set(cfg.prompts, cfg.limit)  # (read again with the chat setting once the tokenizer is known)
-    return None
+    try:  # (made once the rest holds: a folder that cannot be is found before the model loads)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {cfg.out}: cannot make the folder ({exc.strerror or exc})") from None
+    return conversations
 
 
 def _clear_previous(out: Path) -> None:
@@ -391,13 +394,22 @@ def _run_lockstep(methods: list[BenchMethod], prompts: list[list[int]], params: 
     turns a step at a time, each step reading at most ``prompt_budget`` prompt tokens (0:
     whole prompts; :func:`~sot.bench.methods.run_lockstep`); records in method order."""
     engines = [m for m in methods if isinstance(m, EngineMethod)]
-    got = run_lockstep(engines, prompts, params, width, (lambda name, n: bar.update(n)) if bar is not None else None,
-                       prompt_budget or None)
-    runs = []
-    for m in engines:
-        for j, rec in enumerate(got[m.name]):
-            rec.prompt_index, rec.prompt_id = j, ids_of[j]
-        runs += got[m.name]
+
+    def indexed(got: dict[str, list[RunRecord]]) -> list[RunRecord]:
+        runs = []
+        for m in engines:
+            for rec in got[m.name]:
+                rec.prompt_id = ids_of[rec.prompt_index]
+            runs += got[m.name]
+        return runs
+
+    try:
+        got = run_lockstep(engines, prompts, params, width,
+                           (lambda name, n: bar.update(n)) if bar is not None else None, prompt_budget or None)
+    except LockstepStopped as stop:
+        stop.runs = indexed(stop.finished)
+        raise
+    runs = indexed(got)
     if bar is not None:
         rates = {m.name: sum(r.new_tokens for r in got[m.name]) / max(1e-9, sum(r.wall_time for r in got[m.name]))
                  for m in engines}
@@ -464,7 +476,6 @@ def run_bench(cfg: BenchConfig) -> dict:
         raise ConfigError("no method could run" + "".join(f"; {note}" for note in cfg.notes))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    _clear_previous(out)
     chat = has_chat_template(tokenizer) if cfg.chat is None else cfg.chat
     records = conversations if multiturn else load_prompt_set(cfg.prompts, cfg.limit, chat=chat)
     prompts = [encode(tokenizer, render(r, [], chat) if multiturn else r, chat) for r in records]
@@ -475,6 +486,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         eos_token_ids=eos,
     )
     _check_lengths(prompts, records, params, methods, target, multiturn)
+    for m in methods:
+        if isinstance(m, LlamaCppMethod) and prompts:
+            m.fit(max(map(len, prompts)) + params.max_new_tokens)
     warm = dataclasses.replace(params, max_new_tokens=min(cfg.warmup_tokens, cfg.max_new_tokens))
     for m in methods:
         m.run(prompts[0], warm)
@@ -498,8 +512,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                         runs.append(rec)
                         bar.set_postfix_str(f"{m.name} {rec.tokens_per_s:.1f} tok/s")
                         bar.update()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             interrupted = True
+            runs = getattr(stop, "runs", runs)  # (a batch's sequences finished before the stop)
     names = [m.name for m in methods]
     if interrupted:
         runs = _complete_prompts(runs, names)
@@ -513,7 +528,13 @@ def run_bench(cfg: BenchConfig) -> dict:
     # decoding in its own mode)
     other_mode = {m.name for m in methods if isinstance(m, EngineMethod) and m.engine.target is not target
                   and per_method_auto(cfg)}
-    references = {} if interrupted or multiturn else _references(methods, exact, prompts, params, other_mode, batch)
+    references = {}
+    if not (interrupted or multiturn):
+        try:
+            references = _references(methods, exact, prompts, params, other_mode, batch)
+        except KeyboardInterrupt:  # (every method finished: the results stand, without that check)
+            interrupted = True
+            cfg.notes.append("interrupted while each prompt was decoded alone: outputs not compared with it")
     aggregates = aggregate(runs, names, model_rss, exact,
                            {m: dict(enumerate(r)) for m, r in references.items() if m in other_mode})
     if batch > 1:  # a batch's prompts share its steps' time: the ratio is the batch's, with no range
@@ -533,17 +554,24 @@ def run_bench(cfg: BenchConfig) -> dict:
     }
     if multiturn:
         result["turns"] = per_turn(runs, names)
+    _clear_previous(out)  # (only now: a run stopped before this point leaves the earlier results)
     if interrupted:
         result["partial"] = True
         write_report(result, runs, names, records, out)
         print(f"partial results in {out}/", file=sys.stderr)
         raise KeyboardInterrupt
-    if cfg.sweep and cfg.sweep[0] == "policy":
-        result["sweep"] = policy_sweep(cfg, aggregates, out)
-    elif cfg.sweep and cfg.sweep[0] == "dtype":
-        result["sweep"] = dtype_sweep(cfg, aggregates, out)
-    elif cfg.sweep:
-        result["sweep"] = run_sweep(cfg, target, prompts, params, out)
+    if cfg.sweep:
+        write_report(result, runs, names, records, out)  # (kept if the sweep is stopped)
+        try:
+            if cfg.sweep[0] == "policy":
+                result["sweep"] = policy_sweep(cfg, aggregates, out)
+            elif cfg.sweep[0] == "dtype":
+                result["sweep"] = dtype_sweep(cfg, aggregates, out)
+            else:
+                result["sweep"] = run_sweep(cfg, target, prompts, params, out)
+        except KeyboardInterrupt:
+            print(f"sweep stopped; the methods' results are in {out}/", file=sys.stderr)
+            raise
     write_report(result, runs, names, records, out)
     return result
 

@@ -12,12 +12,15 @@ are exact, each consistent with itself. ``SOT_NO_KERNELS=1`` forces the fallback
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import sys
 import warnings
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 
 #: the kernel sources, compiled into one module
@@ -88,6 +91,35 @@ def kernels_key() -> dict:
             "env": {k: os.environ.get(k) for k in SWITCHES}}
 
 
+@contextlib.contextmanager
+def _builder_lock(build: Path) -> Iterator[None]:
+    """Hold ``build`` for this process while it builds or loads the kernels there.
+
+    PyTorch's builder marks a build in progress with a file (``lock``) that a killed build
+    leaves behind, and every later load then waits for it for ever. This lock is the operating
+    system's, released when its holder ends however it ends: a process that holds it knows no
+    other SoT process is building there, so a ``lock`` file it finds is stale and goes."""
+    try:
+        import fcntl
+    except ImportError:  # (no POSIX locks: PyTorch's own file alone)
+        yield
+        return
+    with open(build / "builder.lock", "w") as guard:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"sot: waiting for another process building SoT's CPU kernels in {build}", file=sys.stderr)
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                warnings.warn(f"removed {stale}, left by a kernel build that was stopped", stacklevel=3)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 @lru_cache(maxsize=1)
 def cpu_kernels() -> ModuleType | None:
     """The compiled CPU kernels (``tree_attention_exact``, ``linear_f32``,
@@ -102,14 +134,15 @@ def cpu_kernels() -> ModuleType | None:
         flags, key = _build()
         build = Path(os.environ.get("SOT_CACHE", Path.home() / ".cache" / "sot")) / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
-        return load(
-            name="sot_cpu_kernels",
-            sources=[str(path) for path in _stage(build)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        with _builder_lock(build):
+            return load(
+                name="sot_cpu_kernels",
+                sources=[str(path) for path in _stage(build)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build problem means: use the fallback
         warnings.warn(f"SoT's CPU kernel could not be built ({exc}); using the PyTorch path", stacklevel=2)
         return None

@@ -191,24 +191,49 @@ def _model_id(url: str, headers: dict) -> str:
         raise ConfigError(f"cannot reach {url}: {exc}") from None
     if resp.status_code != 200:
         raise ConfigError(f"{url}/v1/models answered {resp.status_code}: {resp.text[:200]}")
-    return resp.json()["data"][0]["id"]
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ConfigError(f"{url}/v1/models did not answer with a list of models (OpenAI's form); "
+                          "name the model with --model") from None
 
 
-def _bodies(args: argparse.Namespace, model: str) -> list[dict]:
+def _prompt_slices(args: argparse.Namespace, runs: int) -> list[list[dict]]:
+    """The prompt records of each of ``runs`` level-and-round runs, ``--num-prompts`` each,
+    taken in turn from the set: no run repeats another's prompts while the set lasts, since a
+    server that keeps earlier answers (SoT's suffix store) would draft a repeated prompt's
+    answer from its own memory. A set too small is used again from its start, with a note."""
     from sot.bench.prompts import load_prompt_set
-    from sot.prompts import to_messages
 
-    records = load_prompt_set(args.prompts, limit=args.num_prompts)
+    want = args.num_prompts * runs
+    records = load_prompt_set(args.prompts, limit=want)
     if not records:
         raise ConfigError(f"prompt set {args.prompts!r} is empty")
+    if len(records) < want:
+        print(f"bench-serve: {args.prompts} has {len(records)} prompts for {want} requests ({runs} levels and "
+              "rounds); prompts repeat, and a server that keeps earlier answers answers repeats faster",
+              file=sys.stderr)
+    return [[records[(k * args.num_prompts + i) % len(records)] for i in range(args.num_prompts)]
+            for k in range(runs)]
+
+
+def _bodies(args: argparse.Namespace, model: str, records: list[dict], max_tokens: int | None = None) -> list[dict]:
+    """One streamed chat request per prompt record."""
+    from sot.prompts import to_messages
+
     bodies = []
-    for i in range(args.num_prompts):
-        body = {"model": model, "messages": to_messages(records[i % len(records)]), "max_tokens": args.max_tokens,
+    for record in records:
+        body = {"model": model, "messages": to_messages(record), "max_tokens": max_tokens or args.max_tokens,
                 "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
         if args.ignore_eos:
             body["ignore_eos"] = True
         bodies.append(body)
     return bodies
+
+
+#: the untimed request each server answers before the runs (its first request pays for
+#: start-up work: kernels, caches, the first pass)
+WARMUP = {"prompt": "Say hello.", "max_tokens": 8}
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -224,6 +249,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
     if any(c is not None and c < 1 for c in levels):
         raise ConfigError("concurrency levels must be >= 1")
+    if len(set(levels)) < len(levels):
+        raise ConfigError(f"--concurrency names a level twice ({args.concurrency}); --rounds repeats every level")
     keys = args.api_key or [None]
     if len(keys) not in (1, len(urls)):
         raise ConfigError("give one --api-key for every server, or one --api-key per --url")
@@ -234,12 +261,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"--out {args.out}: cannot make the folder ({exc.strerror})") from None
+    slices = _prompt_slices(args, len(levels) * args.rounds)  # (one per level and round; every server the same)
     models = {u: args.model or _model_id(u, headers[u]) for u in urls}
+    for url in urls:
+        warm = _bodies(args, models[url], [{"prompt": WARMUP["prompt"]}], WARMUP["max_tokens"])
+        asyncio.run(run_level(url, warm, headers[url], 1, None, args.timeout))  # (its figures are not kept)
     results: dict[tuple[str, str], LevelResult] = {}
     runs = [(lvl, r, u, lab) for lvl in levels for r in range(args.rounds) for u, lab in zip(urls, labels)]
-    for level, _, url, label in tqdm(runs, desc="bench-serve", unit="run"):
+    for level, r, url, label in tqdm(runs, desc="bench-serve", unit="run"):
         name = f"rate {args.request_rate}/s" if level is None else f"concurrency {level}"
-        wall, records = asyncio.run(run_level(url, _bodies(args, models[url]), headers[url], level,
+        prompts = slices[levels.index(level) * args.rounds + r]
+        wall, records = asyncio.run(run_level(url, _bodies(args, models[url], prompts), headers[url], level,
                                               args.request_rate, args.timeout))
         res = results.setdefault((label, name), LevelResult(label, name))
         res.wall_seconds += wall
