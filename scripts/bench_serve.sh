@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Serve the default model twice, plain (--drafter none) and speculative (state), and load both
-# with sot bench-serve in alternating rounds on the same prompts. Add a llama.cpp server on the
+# with sot bench-serve in alternating rounds (each level and round on prompts of its own, the
+# same for both servers). Add a llama.cpp server on the
 # same GGUF with LLAMACPP=1 (needs: pip install 'llama-cpp-python[server]').
 # Usage: scripts/bench_serve.sh OUT_DIR [extra bench-serve flags]
 set -euo pipefail
