@@ -492,3 +492,15 @@ def test_train_an_eagle3_head_export_it_and_draft_with_the_export(tiny_run, tmp_
     assert load_predictor(again, loaded.model).config.arch == "eagle3"
     with pytest.raises(ConfigError, match="architecture eagle3; continue it with --arch eagle3"):
         fit(replace(cfg, out=str(tmp_path / "wrong"), init_from=str(out), steps=3))
+
+
+def test_default_input_layers_are_three_distinct_inner_layers_from_four_layers_on() -> None:
+    """The layers an EAGLE-3 head reads by default are what export accepts: three distinct,
+    ascending, past the embeddings and before the last layer's output (2, L/2, L-3 where those
+    are three: the 30-layer default model's 2, 15, 27)."""
+    from sot.drafters.state.config import default_state_layers
+
+    assert default_state_layers(30) == (2, 15, 27)
+    for n in range(4, 64):
+        low, mid, high = default_state_layers(n)
+        assert 1 <= low < mid < high < n, (n, (low, mid, high))

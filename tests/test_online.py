@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,9 +161,51 @@ def test_onpolicy_stage_records_trains_bounds_its_buffer_and_resumes(tiny_run, t
     with pytest.raises(ConfigError, match="holds a run made with seed 0 .now 1."):
         train_onpolicy(dataclasses.replace(cfg, seed=1))
     for bad, match in ((dict(code_share=1.5), "code-share"), (dict(max_seconds=-5.0), "max-seconds"),
-                       (dict(temperatures=(float("nan"),)), "temperatures")):
+                       (dict(temperatures=(float("nan"),)), "temperatures"),
+                       (dict(temperatures=(0.0, -1.0)), r"must each be >= 0, got \[0.0, -1.0\]")):
         with pytest.raises(ConfigError, match=match):
             train_onpolicy(OnPolicyConfig(out=str(tmp_path / "x"), **bad))
+    # a folder holding a model, or another stage's run, is refused and left as it was
+    import shutil
+
+    for folder, kind in ((tiny_run["model_dir"], "a model folder"), (Path(tiny_run["cfg"].out), "a fit run")):
+        copy = tmp_path / f"copy-{folder.name}"
+        shutil.copytree(folder, copy)
+        before = (copy / "config.json").read_bytes()
+        with pytest.raises(ConfigError, match="not an onpolicy run's"):
+            train_onpolicy(dataclasses.replace(cfg, out=str(copy)))
+        assert (copy / "config.json").read_bytes() == before, kind
+
+
+def test_onpolicy_stopped_while_decoding_resumes_to_the_unbroken_runs_weights(tiny_run, tmp_path,
+                                                                             monkeypatch) -> None:
+    """A decode phase stopped midway is decoded again on resuming, from the random states it
+    began with: the run ends with the weights of one never stopped."""
+    from sot.train import onpolicy
+    from sot.train.onpolicy import OnPolicyConfig, train_onpolicy
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": c["id"], "prompt": c["conversations"][0]["value"]}) + "\n"
+                               for c in conversations(6)))
+    cfg = OnPolicyConfig(model=str(tiny_run["model_dir"]), init_from=str(tiny_run["predictor"]),
+                         out=str(tmp_path / "whole"), iterations=2, prompts_per_iteration=3, prompts_file=str(prompts),
+                         batch_size=1, max_new_tokens=16, steps_per_iteration=2, tokens_per_step=64,
+                         temperatures=(0.0, 1.0))
+    whole = train_onpolicy(cfg)
+    decode, calls = onpolicy._decode, []
+
+    def stopped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # the second prompt of the second iteration
+            raise KeyboardInterrupt
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(onpolicy, "_decode", stopped)
+    broken = dataclasses.replace(cfg, out=str(tmp_path / "broken"))
+    with pytest.raises(KeyboardInterrupt):
+        train_onpolicy(broken)
+    monkeypatch.setattr(onpolicy, "_decode", decode)
+    assert train_onpolicy(broken).read_bytes() == whole.read_bytes()
 
 
 def test_onpolicy_skips_a_prompt_too_long_for_the_context(tiny_run, tmp_path, capsys) -> None:

@@ -47,6 +47,13 @@ def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path) -> None:
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     assert state["step"] == cfg.steps + 4
     assert [h["step"] for h in state["history"]] == list(range(1, cfg.steps + 5))
+    # a finished run asked again with other settings trains nothing, and its config.json
+    # still says how it was trained
+    before = (run / "config.json").read_text()
+    fit(dataclasses.replace(more, unroll=more.unroll + 1, warmup=1))
+    assert (run / "config.json").read_text() == before
+    with pytest.raises(ConfigError, match="is a file; give the run's folder"):
+        fit(dataclasses.replace(more, out=str(run / "config.json")))
 
 
 def test_init_from_a_predictor_file(tiny_run, tmp_path) -> None:
@@ -54,6 +61,8 @@ def test_init_from_a_predictor_file(tiny_run, tmp_path) -> None:
     import dataclasses
 
     cfg = dataclasses.replace(tiny_run["cfg"], out=str(tmp_path / "more"), steps=2, init_from=str(tiny_run["predictor"]))
+    with pytest.raises(ConfigError, match="keeps its file's draft vocabulary"):  # (not silently ignored)
+        fit(dataclasses.replace(cfg, draft_vocab=7))
     fit(cfg)
     state = torch.load(tmp_path / "more" / "checkpoint.pt", weights_only=False)
     trained = torch.load(Path(tiny_run["cfg"].out) / "checkpoint.pt", weights_only=False)

@@ -94,7 +94,8 @@ def test_gen_data_answers_with_the_target_and_resumes(tiny_run, tmp_path) -> Non
                             conversations=convs) == 4
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["t0", "t1", "t3", "t4"]
     full = tmp_path / "full.jsonl"
-    assert generate_answers(model, full, limit=2, max_new_tokens=500, batch_size=2, conversations=convs) == 0
+    with pytest.raises(ConfigError, match="no prompt fits .*nothing to answer"):  # (not an empty file, quietly)
+        generate_answers(model, full, limit=2, max_new_tokens=500, batch_size=2, conversations=convs)
     with pytest.raises(ConfigError, match="leaves no room for a prompt"):
         generate_answers(model, full, limit=2, max_new_tokens=512, conversations=convs)
 
@@ -111,6 +112,8 @@ def test_gen_data_match_keeps_only_matching_prompts(tiny_run, tmp_path) -> None:
                          match=r"\b(RED|blue)\b")
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert n == 4 and ids == ["t0", "t2", "t4", "t6"]
+    with pytest.raises(ConfigError, match="no first turn matches --match 'zzqq'"):
+        generate_answers(model, tmp_path / "none.jsonl", limit=10, max_new_tokens=4, conversations=convs, match="zzqq")
     with pytest.raises(ConfigError, match="not a valid regular expression"):
         generate_answers("no/such/model", out, limit=10, conversations=convs, match="(unclosed")
 

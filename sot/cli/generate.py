@@ -283,8 +283,9 @@ def cmd_score(args: argparse.Namespace) -> int:
             print(json.dumps(record), flush=True)
         else:
             ppl = f"{sc.perplexity:.4f}" if sc.scored_tokens else "- (one token: nothing scored)"
-            print(f"[{i}] {len(sc.token_ids)} tokens ({sc.scored_tokens} scored: all but the first), log-likelihood "
-                  f"{sc.total_logprob:.4f}, perplexity {ppl}")
+            n = len(sc.token_ids)
+            print(f"[{i}] {n} token{'s' if n != 1 else ''} ({sc.scored_tokens} scored: all but the first), "
+                  f"log-likelihood {sc.total_logprob:.4f}, perplexity {ppl}")
     scored = sum(sc.scored_tokens for sc in scores)
     if len(scores) > 1 and scored:
         total = sum(sc.total_logprob for sc in scores)

@@ -99,7 +99,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--steps", type=positive_int, default=TrainConfig.steps,
                      help="optimizer steps the schedule spans (default %(default)s)")
     fit.add_argument("--tokens-per-step", type=positive_int, default=TrainConfig.tokens_per_step,
-                     help="answer tokens a step trains on (default %(default)s)")
+                     help="tokens a step trains on, of whole cached sequences: prompts and answers "
+                          "(default %(default)s)")
     fit.add_argument("--lr", type=positive_float, default=TrainConfig.lr,
                      help="peak learning rate of the warmup-cosine schedule (default %(default)s)")
     fit.add_argument("--warmup", type=positive_int, default=TrainConfig.warmup, help="learning-rate warm-up steps")
@@ -130,7 +131,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                      help="the seed of the data order, the noise and a new predictor's weights (default "
                           "%(default)s)")
     fit.add_argument("--max-seconds", type=non_negative_float, default=TrainConfig.max_seconds,
-                     help="stop (with a checkpoint) after this long")
+                     help="stop (with a checkpoint) after this many seconds of training (0: no limit)")
     fit.add_argument("--stop-after", type=int, default=TrainConfig.stop_after, metavar="STEP",
                      help="stop (with a checkpoint) after this step; the learning-rate schedule is still "
                           "planned over --steps (0: run all --steps)")
@@ -140,25 +141,32 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
 
     op = tsub.add_parser("onpolicy", help="train the state predictor on its own drafts: decode, record what the "
                          "verify passes computed, train where the drafts went wrong; repeat")
-    op.add_argument("--model", default=OnPolicyConfig.model)
+    op.add_argument("--model", default=OnPolicyConfig.model, help="target model that decodes the prompts")
     op.add_argument("--init-from", default=OnPolicyConfig.init_from,
                     help="predictor file to start from (default: the one shipped for the default model)")
     op.add_argument("--out", required=True, help="run folder: buffer/ shards, checkpoint, predictor, report.json")
     op.add_argument("--iterations", type=positive_int, default=OnPolicyConfig.iterations,
                     help="rounds of decode, record, train")
-    op.add_argument("--prompts-per-iteration", type=positive_int, default=OnPolicyConfig.prompts_per_iteration)
+    op.add_argument("--prompts-per-iteration", type=positive_int, default=OnPolicyConfig.prompts_per_iteration,
+                    help="prompts decoded and recorded in each round")
     op.add_argument("--code-share", type=float, default=OnPolicyConfig.code_share,
                     help="share of coding requests among the prompts (the rest: ShareGPT training prompts)")
     op.add_argument("--prompts", default=OnPolicyConfig.prompts_file, metavar="FILE",
                     help="JSONL of prompts to decode instead ('id' and 'prompt', or ShareGPT 'conversations')")
-    op.add_argument("--batch-size", type=positive_int, default=OnPolicyConfig.batch_size)
-    op.add_argument("--max-new-tokens", type=positive_int, default=OnPolicyConfig.max_new_tokens)
+    op.add_argument("--batch-size", type=positive_int, default=OnPolicyConfig.batch_size,
+                    help="prompts decoded together")
+    op.add_argument("--max-new-tokens", type=positive_int, default=OnPolicyConfig.max_new_tokens,
+                    help="answer tokens per prompt at most")
     op.add_argument("--temperatures", default=",".join(f"{t:g}" for t in OnPolicyConfig.temperatures),
                     help="comma list; decode batches take them in turn (0: greedy)")
-    op.add_argument("--steps-per-iteration", type=int, default=OnPolicyConfig.steps_per_iteration)
-    op.add_argument("--tokens-per-step", type=positive_int, default=OnPolicyConfig.tokens_per_step)
-    op.add_argument("--lr", type=positive_float, default=OnPolicyConfig.lr)
-    op.add_argument("--unroll", type=positive_int, default=OnlineLossConfig.unroll)
+    op.add_argument("--steps-per-iteration", type=int, default=OnPolicyConfig.steps_per_iteration,
+                    help="training steps on the buffer after each round's decoding (0: record only)")
+    op.add_argument("--tokens-per-step", type=positive_int, default=OnPolicyConfig.tokens_per_step,
+                    help="tokens of recorded sequences a training step reads")
+    op.add_argument("--lr", type=positive_float, default=OnPolicyConfig.lr,
+                    help="peak learning rate of the warmup-cosine schedule over all the steps")
+    op.add_argument("--unroll", type=positive_int, default=OnlineLossConfig.unroll,
+                    help="steps the predictor is rolled forward on its own states in the loss")
     op.add_argument("--uniform", type=float, default=OnlineLossConfig.uniform,
                     help="weight of every answer row beside the rows the recorded chains visited (fit: 1 and no "
                          "chains)")
@@ -167,9 +175,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     op.add_argument("--buffer-gb", type=positive_float, default=OnPolicyConfig.buffer_gb,
                     help="recorded data kept; the oldest shards go beyond it")
     op.add_argument("--max-seconds", type=non_negative_float, default=OnPolicyConfig.max_seconds,
-                    help="stop (with a checkpoint) after this much decoding and training time")
-    op.add_argument("--dtype", choices=FLOAT_DTYPE_CHOICES, default=OnPolicyConfig.dtype)
-    op.add_argument("--seed", type=int, default=OnPolicyConfig.seed)
+                    help="stop (with a checkpoint) after this many seconds of decoding and training (0: no "
+                         "limit)")
+    op.add_argument("--dtype", choices=FLOAT_DTYPE_CHOICES, default=OnPolicyConfig.dtype,
+                    help="the decoding target's dtype (the predictor trains in float32)")
+    op.add_argument("--seed", type=int, default=OnPolicyConfig.seed,
+                    help="seeds the batches drawn, the loss's noise and the sampled answers")
 
     pol = tsub.add_parser("policy", help="train a commit policy from logged decoding traces: the acceptance "
                           "model of --policy learned, or the network of --policy rl (--kind rl)")
@@ -225,7 +236,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from sot.models.support import text_config
     from sot.train.data import build_state_cache, evaluation_conversations, training_conversations
 
+    from sot.errors import ConfigError
+
     device = resolve_device(args.device)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a file; give the state cache's folder")
     convs = training_conversations(args.data)
     held_out = evaluation_conversations(args.eval_data, args.eval_conversations, convs)  # checked before loading
     for found, source, what in ((convs, args.data, "training"), (held_out, args.eval_data, "held-out")):

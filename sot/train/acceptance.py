@@ -253,10 +253,10 @@ TRACE_KEYS = ("model", "predictor", "prompts", "code_prompts", "max_new_tokens",
 def load_or_collect(cfg: PolicyTrainConfig) -> dict:
     """The traces of ``cfg.out/traces.pt`` when present, else new ones (saved there)."""
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     trace_file = out / "traces.pt"
     if cfg.predictor and not Path(cfg.predictor).exists():
         raise ConfigError(f"--predictor {cfg.predictor}: no such file or folder")
+    out.mkdir(parents=True, exist_ok=True)
     digest = _file_digest(cfg.predictor)
     if trace_file.is_file():
         try:  # (plain types and tensors: nothing else is unpickled)
@@ -269,7 +269,8 @@ def load_or_collect(cfg: PolicyTrainConfig) -> dict:
         saved = traces.get("config", {})
         asked = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
         differ = changed_settings(saved, asked, TRACE_KEYS)
-        if traces.get("predictor_digest", digest) != digest:
+        same_file = saved.get("predictor", cfg.predictor) == cfg.predictor  # (another name is said above)
+        if same_file and traces.get("predictor_digest", digest) != digest:
             differ.append(f"another predictor in {cfg.predictor} (the file has changed since)")
         if differ:
             raise ConfigError(f"{trace_file} was collected with {', '.join(differ)}; delete it to collect traces "

@@ -79,8 +79,10 @@ def _check(cfg: OnPolicyConfig) -> None:
         raise ConfigError("--iterations and --prompts-per-iteration must be >= 1, --steps-per-iteration >= 0")
     if not 0.0 <= cfg.code_share <= 1.0:
         raise ConfigError(f"--code-share is a fraction in [0, 1], got {cfg.code_share}")
-    if any(t < 0 for t in cfg.temperatures) or not cfg.temperatures:
-        raise ConfigError("--temperatures needs at least one temperature >= 0")
+    if not cfg.temperatures:
+        raise ConfigError("--temperatures needs at least one temperature")
+    if any(t < 0 for t in cfg.temperatures):
+        raise ConfigError(f"--temperatures must each be >= 0, got {list(cfg.temperatures)}")
     if cfg.buffer_gb <= 0:
         raise ConfigError(f"--buffer-gb must be > 0, got {cfg.buffer_gb}")
     if not (math.isfinite(cfg.max_seconds) and cfg.max_seconds >= 0):
@@ -259,12 +261,13 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
     if not start_file.is_file():
         raise ConfigError(f"predictor file {start_file} not found")
     ckpt = out / "checkpoint.pt"
+    _check_out(out)
     saved = _read_checkpoint(ckpt, cfg) if ckpt.is_file() else None
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     loaded = load_model(cfg.model, dtype=resolve_dtype(cfg.dtype))
     # the trained copy reads float32 embeddings; the decoding target keeps its own dtype
     pred = load_predictor(start_file, loaded.model, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)  # (written once the settings, the model and the start hold)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     for p in pred.parameters():
         p.requires_grad_(True)
     pred.head = pred.head.float()
@@ -291,12 +294,16 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
         tqdm.write(f"resuming {out} at iteration {state['iteration']}, step {state['step']}")
     buffer = ReplayBuffer(out / "buffer", int(cfg.buffer_gb * 2**30))
     current = out / "predictor.safetensors"
+    # the random states when the decode phase under way began: a phase stopped midway is
+    # decoded again from its start on resuming, so that is the state to resume from
+    phase_rng: dict[str, tuple] = {}
 
     def save() -> None:
         save_predictor(pred, current)
         tmp = out / "checkpoint.pt.tmp"
+        draws, noise = phase_rng.get("start") or (rng.getstate(), torch.get_rng_state())
         torch.save({"model": pred.state_dict(), "optimizer": opt.state_dict(), "state": state,
-                    "config": asdict(cfg), "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp)
+                    "config": asdict(cfg), "rng": draws, "torch_rng": noise}, tmp)
         tmp.replace(ckpt)
         (out / "report.json").write_text(json.dumps(_report(state, buffer), indent=2))
 
@@ -311,7 +318,8 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, terminate_as_interrupt) if main else None
     try:
-        _run(cfg, state, pred, opt, lr_at, buffer, prompts, rng, device, bar, save, loaded, target, current, out)
+        _run(cfg, state, pred, opt, lr_at, buffer, prompts, rng, device, bar, save, loaded, target, current, out,
+             phase_rng)
     except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM): keep the training steps done since the last save
         save()
         tqdm.write(f"interrupted: {out} saved at iteration {state['iteration']}, step {state['step']}; the same "
@@ -325,6 +333,23 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
     return current
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an ``--out`` folder holding a ``config.json`` that is not an on-policy run's (a
+    model's would be written over)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give the run's folder")
+    config = out / "config.json"
+    if not config.is_file():
+        return
+    try:
+        saved = json.loads(config.read_text())
+    except (OSError, ValueError):
+        saved = None
+    if not isinstance(saved, dict) or not {"iterations", "prompts_per_iteration", "out"} <= set(saved):
+        raise ConfigError(f"{out} holds a config.json that is not an onpolicy run's (a model folder, or another "
+                          "stage's run?); give --out a new folder or an earlier onpolicy run's")
+
+
 def _read_checkpoint(ckpt: Path, cfg: OnPolicyConfig) -> dict:
     """The checkpoint of an earlier run in the same folder, refused when it was made for another
     model, start or seed (its weights would be kept under the new settings' name)."""
@@ -333,6 +358,9 @@ def _read_checkpoint(ckpt: Path, cfg: OnPolicyConfig) -> dict:
     except Exception as exc:  # noqa: BLE001 - a damaged file
         raise ConfigError(f"{ckpt} cannot be read ({type(exc).__name__}); remove it to start over") from None
     earlier = saved.get("config") or {}
+    if "state" not in saved or "iterations" not in earlier:
+        raise ConfigError(f"{ckpt.parent} holds a run of another stage (fit?); give onpolicy's --out a new folder "
+                          "(--init-from takes that run's predictor file)")
     now = asdict(cfg)
     changed = [k for k in _SAME_ON_RESUME if k in earlier and earlier[k] != now[k]]
     if changed:
@@ -343,9 +371,10 @@ def _read_checkpoint(ckpt: Path, cfg: OnPolicyConfig) -> dict:
 
 
 def _run(cfg: OnPolicyConfig, state: dict, pred, opt, lr_at, buffer, prompts, rng: random.Random, device,
-         bar, save, loaded, target, current: Path, out: Path) -> None:
+         bar, save, loaded, target, current: Path, out: Path, phase_rng: dict[str, tuple]) -> None:
     """The iterations from ``state`` on: decode a batch of prompts with the current predictor,
-    then train on the buffer."""
+    then train on the buffer. ``phase_rng["start"]`` holds the random states while a decode
+    phase is under way (what ``save`` keeps then)."""
     from tqdm import tqdm
 
     from sot.drafters.state import save_predictor
@@ -353,6 +382,7 @@ def _run(cfg: OnPolicyConfig, state: dict, pred, opt, lr_at, buffer, prompts, rn
     while state["iteration"] < cfg.iterations:
         it = state["iteration"]
         if not state["decoded"]:
+            phase_rng["start"] = (rng.getstate(), torch.get_rng_state())
             buffer.drop(f"{it:03d}-")  # what an interrupted decode phase left
             mine = prompts[it * cfg.prompts_per_iteration : (it + 1) * cfg.prompts_per_iteration]
             t0 = time.perf_counter()
@@ -370,6 +400,7 @@ def _run(cfg: OnPolicyConfig, state: dict, pred, opt, lr_at, buffer, prompts, rn
             seconds = time.perf_counter() - t0
             state["decode_seconds"] += seconds
             state["decoded"] = True
+            phase_rng.clear()
             state["phases"].append({"iteration": it, "decode_seconds": round(seconds, 2),
                                     "mean_accepted": _mean_accepted(recorded)})
             tqdm.write(f"iteration {it}: decoded {len(mine)} prompts in {seconds:.0f}s, mean accepted length "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -111,6 +112,13 @@ def generate_answers(model: str, out: str | Path, limit: int, max_new_tokens: in
         if context and len(rendered) + max_new_tokens > context:  # (a cut prompt would not match its record)
             continue
         todo.append((cid, text))
+    if not todo and not done:
+        what = f"no first turn matches --match {match!r}" if pattern is not None else "no prompt fits"
+        raise ConfigError(f"{what} (with --max-prompt-tokens {max_prompt_tokens} and --max-new-tokens "
+                          f"{max_new_tokens} in this model's context): nothing to answer")
+    if len(todo) + len(done) < limit:
+        print(f"gen-data: the source ran out at {len(todo) + len(done)} of --limit {limit} conversations",
+              file=sys.stderr)
     params = sot.params(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh, tqdm(total=len(todo), desc="gen-data", unit="conv") as bar:

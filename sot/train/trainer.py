@@ -307,6 +307,8 @@ class Diverged(ConfigError):
 def _check_out(out: Path) -> None:
     """Refuse an ``--out`` folder that holds something other than a run of ``fit`` (a model's
     ``config.json`` would be written over)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give the run's folder")
     config = out / "config.json"
     if not config.is_file():
         return
@@ -376,6 +378,11 @@ def _fit(cfg: TrainConfig) -> Path:
         recounted = (draft_vocabulary(train, vocab_size, cfg.draft_vocab),) if cfg.recount_vocab else None
         pred, added = grow_predictor(cfg.init_from, target, train.layers, cfg.decoder_layers, recounted, cfg.seed,
                                      cfg.init)
+        kept = int(pred.draft_vocab.numel())
+        if recounted is None and cfg.draft_vocab != TrainConfig.draft_vocab and kept != min(cfg.draft_vocab or
+                                                                                           vocab_size, vocab_size):
+            raise ConfigError(f"--init-from keeps its file's draft vocabulary ({kept} tokens): drop --draft-vocab "
+                              f"{cfg.draft_vocab}, or add --recount-vocab to count a new one of that size")
         if pred.config.arch != cfg.arch:
             raise ConfigError(f"{cfg.init_from} is a predictor of architecture {pred.config.arch}; continue it with "
                               f"--arch {pred.config.arch}, or drop --init-from to start a new {cfg.arch} one")
@@ -419,8 +426,15 @@ def _fit(cfg: TrainConfig) -> Path:
         if world == 1 and "drawn" in state:  # the data stream and the noise go on where they were
             drawn, seen_sequences, rng = state["drawn"], state["sequences"], state["rng"]
         if rank == 0:
-            print(f"resuming {out} at step {start}")
-    if rank == 0:
+            print(f"resuming {out} at step {start}", file=sys.stderr)
+            earlier = state.get("config", {})
+            differ = changed_settings(earlier, asdict(cfg), [k for k in asdict(cfg) if k not in ("steps", "out")])
+            if differ and start < cfg.steps:
+                print(f"the steps after {start} train with settings changed since: {', '.join(differ)}",
+                      file=sys.stderr)
+    # config.json says how the run trains: written when it starts, and when a resumed run has
+    # steps left to train under the settings given now
+    if rank == 0 and start < cfg.steps:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     # one shuffled stream from --seed, taken up where a resumed run left it (with several ranks,

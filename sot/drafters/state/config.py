@@ -33,7 +33,13 @@ def _rope_theta(config: Any) -> float:
 
 def default_state_layers(num_layers: int) -> tuple[int, int, int]:
     """The EAGLE-3 choice of a low, a middle and a high layer: 2, L/2 and L-3 (indices into
-    ``hidden_states``, where 0 is the embeddings), clamped for very shallow models."""
+    ``hidden_states``, where 0 is the embeddings). Where those are not three distinct layers
+    (fewer than 7), 1, L/2 and L-1, which are from 4 layers on; below that, clamped."""
+    chosen = (2, num_layers // 2, num_layers - 3)
+    if 1 <= chosen[0] < chosen[1] < chosen[2] < num_layers:
+        return chosen
+    if num_layers >= 4:
+        return (1, num_layers // 2, num_layers - 1)
     low = min(2, num_layers)
     return (low, max(low, num_layers // 2), max(low, num_layers - 3))
 
