@@ -917,6 +917,14 @@ def test_generate_prints_each_answer_as_it_finishes_and_keeps_them_on_ctrl_c(mod
     kept = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(kept) == 2 and len({r["index"] for r in kept}) == 2
     assert all((r["text"], r["token_ids"]) == (whole[r["index"]]["text"], whole[r["index"]]["token_ids"]) for r in kept)
+    # a trace asked for keeps the finished answers too, under their places in the run
+    from sot.trace import read_trace
+
+    trace = tmp_path / "stopped.jsonl"
+    assert main(["generate", "--prompts", str(tmp_path / "p.jsonl"), *base, "--trace", str(trace)]) == 130
+    kept = {r["index"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    _, traced = read_trace(trace)
+    assert len(traced) == 2 and {t.index: t.token_ids for t in traced} == {i: r["token_ids"] for i, r in kept.items()}
 
 
 def test_serve_refuses_an_empty_api_key_and_bad_loading_options(monkeypatch, capsys) -> None:

@@ -135,9 +135,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     done: dict[int, Completion] = {}  # finished answers not yet printed (an earlier prompt still decodes)
     printed = 0
 
+    complete: dict[int, Completion] = {}  # every finished answer (for the trace of a stopped run)
+
     def finished(i: int, r: Completion) -> None:  # print answers in prompt order, each as soon as it can be
         nonlocal printed
-        done[i] = r
+        done[i] = complete[i] = r
         while printed in done:
             _print_answer(args, sot, use, printed, done.pop(printed), len(ids))
             printed += 1
@@ -147,6 +149,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # the answers that finished are not lost: those still held back go out now
         for i in sorted(done):
             _print_answer(args, sot, use, i, done[i], len(ids))
+        if args.trace and complete:  # (and the trace of those answers, under their own indices)
+            order = sorted(complete)
+            _write_trace(args, sot, [ids[i] for i in order], [complete[i] for i in order], indices=order)
         raise
     if args.trace:  # (after the answers: a trace that cannot be written loses none of them)
         _write_trace(args, sot, ids, results)
@@ -304,14 +309,21 @@ def _adapt_line(sot) -> None:
           f"{st['update_seconds']:.2f}s, {share:.1%} of decoding time; drift {st['drift']:.4f}]", file=sys.stderr)
 
 
-def _write_trace(args: argparse.Namespace, sot, ids: list[list[int]], results) -> list:
+def _write_trace(args: argparse.Namespace, sot, ids: list[list[int]], results,
+                 indices: list[int] | None = None) -> list:
+    """The traces of ``results``, written to the file asked for; ``indices``: the prompts'
+    places in the run, where the results are only some of its answers (a stopped run's)."""
     from sot.trace import write_trace
 
     traced = sot.traced(ids, results)
+    if indices is not None:
+        for item, i in zip(traced, indices):
+            item.index = i
     path = args.trace if args.command == "generate" else args.save
     if path:
         write_trace(path, sot.trace_run(), traced)
-        print(f"trace written to {path}", file=sys.stderr)
+        what = f" (the {len(traced)} finished answers)" if indices is not None else ""
+        print(f"trace written to {path}{what}", file=sys.stderr)
     return traced
 
 
