@@ -28,11 +28,13 @@ from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
 from sot.detokenize import TextAssembler, decoder, first_stop, token_label, token_pieces
 from sot.dtype_choice import resolve as resolve_dtype_choice
-from sot.models.loading import DEFAULT_DEVICE, load_model, resolve_device
+from sot.models.loading import DEFAULT_DEVICE, KV_CACHE_DTYPES, load_model, resolve_device
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig, PolicyKind
 from sot.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
-from sot.prompts import PromptItem, check_utf8, encode, has_chat_template, use_chat_template, with_tools
+from sot.prompts import (
+    PromptItem, check_utf8, encode, has_chat_template, read_chat_template, use_chat_template, with_tools,
+)
 from sot.requests import SequenceResult, check_number, check_params, check_prompts
 from sot.sampling import MAX_TOP_LOGPROBS, SamplingMode, SamplingParams, TokenLogprob
 from sot.structured import Grammars, StructuredOutput
@@ -252,6 +254,10 @@ class SoT:
                               "save_suffix_store)")
         if predictor is not None and drafter not in ("auto", DrafterKind.STATE.value):
             raise ConfigError(f"predictor is read by the auto and state drafters only, not by {drafter}")
+        # (these two before the model loads, not after)
+        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}")
+        template = read_chat_template(chat_template) if chat_template is not None else None
         dev = resolve_device("cpu" if dtype == "int8" and device == "auto" else device)  # (int8 runs on the CPU)
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
         loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)
@@ -266,8 +272,8 @@ class SoT:
         draft = make_drafter(kind, loaded.model, predictor, top_k=top_k, suffix=stores)
         target = TargetModel(loaded.model, state_layers=draft.state_layers, kv_cache_dtype=kv_cache_dtype)
         tok = loaded.tokenizer
-        if chat_template is not None:
-            use_chat_template(tok, chat_template)
+        if template is not None:
+            use_chat_template(tok, template)
 
         prefix = PrefixCache(prefix_cache_mb << 20, per_tenant=suffix_per_tenant) if prefix_cache_mb else None
         budget = TreeBudget(max_nodes=max_nodes, max_depth=max_depth, predictor_nodes=predictor_nodes,

@@ -204,3 +204,19 @@ def test_threads_sharing_one_sot_take_turns(model_dir: Path) -> None:
         sot.stream(PROMPTS[0], chat=False, temperature=-1)  # (not only once it is read)
     with pytest.raises(ConfigError, match="prediction must be the expected answer's text or a list"):
         sot.generate(PROMPTS[0], chat=False, prediction=5)
+
+
+def test_loading_options_that_cannot_work_fail_before_the_model_loads(monkeypatch) -> None:
+    """A KV cache dtype that does not exist and a chat template that is not one are named
+    before any weights are read."""
+    import sot.api
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(sot.api, "load_model", no_load)
+    monkeypatch.setattr(sot.api, "resolve_dtype_choice", no_load)
+    with pytest.raises(ConfigError, match="unknown KV cache dtype 'int4'"):
+        SoT.load("/no/such/model", kv_cache_dtype="int4")
+    with pytest.raises(ConfigError, match="no such file, and not a Jinja template"):
+        SoT.load("/no/such/model", chat_template="no-such-template")
