@@ -28,6 +28,7 @@ from sot.models.adapter import TargetModel
 from sot.dtype_choice import DtypeChoice
 from sot.detokenize import TextAssembler, decoder, first_stop, token_label, token_pieces
 from sot.dtype_choice import resolve as resolve_dtype_choice
+from sot.machine import set_threads
 from sot.models.loading import DEFAULT_DEVICE, KV_CACHE_DTYPES, load_model, resolve_device
 from sot.online.adapt import AdaptConfig, Adapter
 from sot.policy import PolicyConfig, PolicyKind
@@ -184,6 +185,7 @@ class SoT:
         lora: str | None = None,
         device: str = DEFAULT_DEVICE,
         kv_cache_dtype: str = "auto",
+        threads: int | None = None,
     ) -> "SoT":
         """Load a target and build the engine.
 
@@ -228,6 +230,9 @@ class SoT:
                 ``int8``) the last two halve the bytes attention reads, faster at long contexts,
                 and round the keys and values the cache holds, so answers may differ slightly
                 from float32's (speculation stays exact). SoT's CPU attention only.
+            threads: CPU threads of the model's passes (``torch.set_num_threads``, for the
+                whole process; ``None``, default: as they are, PyTorch's one per core). Set
+                before ``dtype="auto"`` times the modes, whose choice is kept per thread count.
         """
         if not isinstance(model, (str, os.PathLike)):
             raise ConfigError(f"model must be 'default', a model folder or a .gguf file path, got {model!r}")
@@ -258,6 +263,9 @@ class SoT:
         if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}")
         template = read_chat_template(chat_template) if chat_template is not None else None
+        if threads is not None:
+            check_number("threads", threads, integer=True, low=1)
+            set_threads(threads)
         dev = resolve_device("cpu" if dtype == "int8" and device == "auto" else device)  # (int8 runs on the CPU)
         choice = resolve_dtype_choice(dtype, model, drafter, predictor, device=str(dev))
         loaded = load_model(model, dtype=choice.torch_dtype, device=dev, lora=lora, int8=choice.int8)

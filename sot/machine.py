@@ -45,3 +45,24 @@ def machine_key() -> dict:
 
     info = {k: v for k, v in machine_info().items() if k != "gpu"}  # (keys time CPU work)
     return {**info, "flags": _cpuinfo()[1], "sot": __version__}
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def set_threads(threads: int, flag: str = "threads") -> None:
+    """Run this process's passes on ``threads`` CPU threads (``torch.set_num_threads``: the
+    whole process), with a warning where that is more than the CPUs it may use: threads that
+    share a core wait for each other at every pass. ``flag`` names the setting in the warning."""
+    import warnings
+
+    cores = usable_cpus()
+    if threads > cores:
+        warnings.warn(f"{flag} {threads} is more than the {cores} CPU(s) this process may use: threads that share "
+                      "a core wait for each other at every pass, so decoding slows down", stacklevel=3)
+    torch.set_num_threads(threads)

@@ -478,7 +478,8 @@ def test_more_threads_than_cpus_is_warned_of() -> None:
     import argparse
     import warnings
 
-    from sot.cli.common import apply_threads, usable_cpus
+    from sot.cli.common import apply_threads
+    from sot.machine import usable_cpus
 
     before = torch.get_num_threads()
     try:
@@ -487,6 +488,15 @@ def test_more_threads_than_cpus_is_warned_of() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             apply_threads(argparse.Namespace(threads=usable_cpus()))
+        from sot import SoT
+        from sot.errors import ConfigError, SoTError
+
+        with pytest.raises(ConfigError, match="threads"):  # (the library's own setting, checked the same way)
+            SoT.load("/no/such/model", threads=0)
+        with pytest.warns(UserWarning, match=f"threads {usable_cpus() + 1} is more than"), \
+                pytest.raises(SoTError, match="model path does not exist"):
+            SoT.load("/no/such/model", threads=usable_cpus() + 1)
+        assert torch.get_num_threads() == usable_cpus() + 1
     finally:
         torch.set_num_threads(before)
 

@@ -7,7 +7,6 @@ import copy
 import os
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -94,21 +93,9 @@ def apply_threads(args: argparse.Namespace) -> None:
     """``--threads``, set for every pass of this process (and the --dtype auto timings, which
     are kept per thread count)."""
     if getattr(args, "threads", None) is not None:
-        import torch
+        from sot.machine import set_threads
 
-        cores = usable_cpus()
-        if args.threads > cores:
-            warnings.warn(f"--threads {args.threads} is more than the {cores} CPU(s) this process may use: threads "
-                          "that share a core wait for each other at every pass, so decoding slows down")
-        torch.set_num_threads(args.threads)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the system tells it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        set_threads(args.threads, "--threads")
 
 
 def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
