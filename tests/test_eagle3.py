@@ -216,7 +216,10 @@ def test_the_exported_key_set_names_shapes_and_dtypes(tmp_path) -> None:
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
             cfg["target_hidden_size"], cfg["vocab_size"]) == (d, inter, nh, nkv, d, VOCAB)
     assert cfg["max_position_embeddings"] == model.config.max_position_embeddings
-    assert cfg["rms_norm_eps"] == pred.config.rms_eps and cfg["rope_theta"] == pred.config.rope_theta
+    assert cfg["rope_theta"] == pred.config.rope_theta
+    # (the eps as written, not float32's long expansion of it: the same float32 value)
+    assert cfg["rms_norm_eps"] == float(f"{pred.config.rms_eps:.7g}")
+    assert torch.tensor(cfg["rms_norm_eps"]) == torch.tensor(pred.config.rms_eps)
     # vLLM lists the layers whose input is taken, SGLang the layers whose output is, one less
     assert cfg["eagle_aux_hidden_state_layer_ids"] == list(SERVED)
     assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in SERVED],

@@ -10,7 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-from sot.cli.common import FLOAT_DTYPE_CHOICES, add_device_arg, non_negative_float, positive_float, positive_int
+from sot.cli.common import (
+    FLOAT_DTYPE_CHOICES, add_device_arg, non_negative_float, non_negative_int, positive_float, positive_int,
+)
 from sot.drafters.state.config import ARCHES, default_state_layers
 from sot.online.loss import OnlineLossConfig
 from sot.train.acceptance import PolicyTrainConfig
@@ -103,7 +105,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                           "(default %(default)s)")
     fit.add_argument("--lr", type=positive_float, default=TrainConfig.lr,
                      help="peak learning rate of the warmup-cosine schedule (default %(default)s)")
-    fit.add_argument("--warmup", type=positive_int, default=TrainConfig.warmup, help="learning-rate warm-up steps")
+    fit.add_argument("--warmup", type=non_negative_int, default=TrainConfig.warmup,
+                     help="learning-rate warm-up steps (0: none)")
     fit.add_argument("--unroll", type=positive_int, default=TrainConfig.unroll, help="training-time-test steps")
     fit.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab,
                      help="reduced draft vocabulary (0 = full)")

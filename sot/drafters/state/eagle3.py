@@ -126,7 +126,7 @@ def export_eagle3(pred: StatePredictor, out_dir: str | Path, model: torch.nn.Mod
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": c.rms_eps,
+        "rms_norm_eps": float(f"{c.rms_eps:.7g}"),  # (as the target wrote it: 1e-05, not float32's 9.9999997e-06)
         "rope_theta": c.rope_theta,
         "rope_scaling": None,
         "max_position_embeddings": int(getattr(tcfg, "max_position_embeddings", 0) or 2048),
