@@ -172,7 +172,7 @@ def test_onpolicy_stage_records_trains_bounds_its_buffer_and_resumes(tiny_run, t
         copy = tmp_path / f"copy-{folder.name}"
         shutil.copytree(folder, copy)
         before = (copy / "config.json").read_bytes()
-        with pytest.raises(ConfigError, match="not an onpolicy run's"):
+        with pytest.raises(ConfigError, match="that no onpolicy run wrote"):
             train_onpolicy(dataclasses.replace(cfg, out=str(copy)))
         assert (copy / "config.json").read_bytes() == before, kind
 

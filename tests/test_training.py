@@ -214,7 +214,7 @@ def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(tiny_run, tmp_path)
     with pytest.raises(Diverged, match="Lower --lr"):
         fit(cfg)
     assert not (tmp_path / "run" / "predictor.safetensors").exists()
-    with pytest.raises(ConfigError, match="not a training run's"):
+    with pytest.raises(ConfigError, match="that no fit run wrote"):
         fit(dataclasses.replace(tiny_run["cfg"], out=str(tiny_run["model_dir"])))
 
 

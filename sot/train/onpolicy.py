@@ -35,6 +35,7 @@ from sot.errors import ConfigError
 from sot.models.support import text_config
 from sot.online.loss import OnlineLossConfig, online_loss
 from sot.online.record import DEFAULT_TOP_K, NodeRecorder, OnPolicySequence
+from sot.train import check_run_folder
 from sot.train.trainer import Diverged, terminate_as_interrupt, warmup_cosine
 
 
@@ -261,7 +262,7 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
     if not start_file.is_file():
         raise ConfigError(f"predictor file {start_file} not found")
     ckpt = out / "checkpoint.pt"
-    _check_out(out)
+    check_run_folder(out, {"iterations", "prompts_per_iteration", "out"}, "onpolicy")
     saved = _read_checkpoint(ckpt, cfg) if ckpt.is_file() else None
     loaded = load_model(cfg.model, dtype=resolve_dtype(cfg.dtype))
     # the trained copy reads float32 embeddings; the decoding target keeps its own dtype
@@ -331,23 +332,6 @@ def train_onpolicy(cfg: OnPolicyConfig) -> Path:
             signal.signal(signal.SIGTERM, previous)
     save()
     return current
-
-
-def _check_out(out: Path) -> None:
-    """Refuse an ``--out`` folder holding a ``config.json`` that is not an on-policy run's (a
-    model's would be written over)."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give the run's folder")
-    config = out / "config.json"
-    if not config.is_file():
-        return
-    try:
-        saved = json.loads(config.read_text())
-    except (OSError, ValueError):
-        saved = None
-    if not isinstance(saved, dict) or not {"iterations", "prompts_per_iteration", "out"} <= set(saved):
-        raise ConfigError(f"{out} holds a config.json that is not an onpolicy run's (a model folder, or another "
-                          "stage's run?); give --out a new folder or an earlier onpolicy run's")
 
 
 def _read_checkpoint(ckpt: Path, cfg: OnPolicyConfig) -> dict:

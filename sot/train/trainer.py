@@ -38,7 +38,7 @@ from sot.drafters.state.config import ARCHES, EAGLE3, NATIVE
 from sot.errors import ConfigError
 from sot.fingerprint import embedding_hash
 from sot.models.support import text_config
-from sot.train import changed_settings
+from sot.train import changed_settings, check_run_folder
 from sot.train.data import StateDataset
 from sot.train.plots import write_plots
 
@@ -304,23 +304,6 @@ class Diverged(ConfigError):
     """The loss stopped being a finite number: the run's settings (the learning rate) do not fit."""
 
 
-def _check_out(out: Path) -> None:
-    """Refuse an ``--out`` folder that holds something other than a run of ``fit`` (a model's
-    ``config.json`` would be written over)."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give the run's folder")
-    config = out / "config.json"
-    if not config.is_file():
-        return
-    try:
-        saved = json.loads(config.read_text())
-    except (OSError, ValueError):
-        saved = None
-    if not isinstance(saved, dict) or not {"model", "data", "out"} <= set(saved):
-        raise ConfigError(f"{out} holds a config.json that is not a training run's (a model folder?); give "
-                          "--out a new folder or an earlier run's")
-
-
 def terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # (SIGTERM from a scheduler, timeout or docker stop: save, as Ctrl-C does)
 
@@ -345,7 +328,7 @@ def _fit(cfg: TrainConfig) -> Path:
 
     _check_config(cfg)
     out = Path(cfg.out)
-    _check_out(out)
+    check_run_folder(out, {"model", "data", "out"}, "fit")
     rank, world, device = _dist_setup()
     data_dirs = [Path(d) for d in cfg.data.split(",") if d]
     if not data_dirs:
