@@ -720,20 +720,22 @@ class Engine:
         with self._call_lock:
             if self.has_unfinished():
                 raise busy
-            self._call_thread = threading.get_ident()
             saved, saved_record = self.max_batch, self.record_steps
-            self.max_batch = batch_size
-            if record_steps is not None:
-                self.record_steps = record_steps
-            self.drafter.reset(min(len(prompts), batch_size or len(prompts)))
-            self.policy.trace = Trace()  # a recording run logs this call's decisions
-            self._offline = True
             try:
+                self._call_thread = threading.get_ident()
+                self.max_batch = batch_size
+                if record_steps is not None:
+                    self.record_steps = record_steps
+                self.drafter.reset(min(len(prompts), batch_size or len(prompts)))
+                self.policy.trace = Trace()  # a recording run logs this call's decisions
+                self._offline = True
                 ids = [self.add_request(p, params, index=i) for i, p in enumerate(prompts)]
                 yield [self.result(r) for r in ids]
             finally:
-                self.max_batch, self.record_steps = saved, saved_record
-                self._offline = False
-                for r in list(self._waiting) + list(self._running):  # a call left early
-                    self.abort(r.id)
-                self._call_thread = None
+                try:
+                    self.max_batch, self.record_steps = saved, saved_record
+                    self._offline = False
+                    for r in list(self._waiting) + list(self._running):  # a call left early
+                        self.abort(r.id)
+                finally:
+                    self._call_thread = None
