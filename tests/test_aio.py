@@ -204,6 +204,12 @@ def test_threads_sharing_one_sot_take_turns(model_dir: Path) -> None:
         sot.stream(PROMPTS[0], chat=False, temperature=-1)  # (not only once it is read)
     with pytest.raises(ConfigError, match="prediction must be the expected answer's text or a list"):
         sot.generate(PROMPTS[0], chat=False, prediction=5)
+    drafter = sot.engine.drafter  # a call that fails as it starts leaves the engine free for the next
+    drafter.reset = lambda n: (_ for _ in ()).throw(RuntimeError("broken drafter"))
+    with pytest.raises(RuntimeError, match="broken drafter"):
+        sot.generate(PROMPTS[1], chat=False, max_new_tokens=3)
+    del drafter.reset
+    assert sot.generate(PROMPTS[1], chat=False, max_new_tokens=12, ignore_eos=True)[0].token_ids == want[1]
 
 
 def test_loading_options_that_cannot_work_fail_before_the_model_loads(monkeypatch) -> None:
